@@ -1,0 +1,18 @@
+# The two commands of README.md: `make run` (the main job on the embedded default) and
+# `make test` (the whole test suite). Both create or reuse the project venv first.
+VENV ?= .venv
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup run test test-unit
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	$(VENV)/bin/fleetrl inference @ configs/default.toml
+
+# pytest exits 5 when it collected no test: that fails here like any other non-zero exit.
+test: setup
+	$(VENV)/bin/python -m pytest tests
+
+test-unit: setup
+	$(VENV)/bin/python -m pytest tests/unit

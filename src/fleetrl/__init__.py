@@ -1,0 +1,1 @@
+"""fleetrl: asynchronous RL against a fleet of inference workers."""

@@ -1,0 +1,197 @@
+"""`fleetrl <command> [@ config.toml ...] [--section.key value ...] [--dry-run] [--debug]`.
+
+Errors the user can act on print as one line and exit 1 (`--debug` shows the traceback);
+Ctrl-C exits 130. Every process a command started is stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import sys
+from pathlib import Path
+
+from fleetrl.config import Config, ConfigError, field_docs, load_config, to_toml
+from fleetrl.errors import FleetrlError
+
+COMMANDS = {
+    "rl": "Run an RL job: fleet, trainer ranks and orchestrator.",
+    "inference": "Start the inference fleet, sample a few completions, print them and shut down.",
+    "status": "Show each worker of a fleet: health, pause state, policy version.",
+    "verify": "Re-check a finished run directory's manifest and invariants.",
+    "bench": "Run the benchmarks (see benchmarks/).",
+}
+NOT_BUILT = {"rl", "verify", "bench"}
+DEFAULT_PROMPTS = ["Name three primary colors.", "What is 7 + 5?", "Write the word 'fleet' backwards."]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleetrl",
+        description="Asynchronous RL against a fleet of inference workers, with per-token policy versions.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        sub = commands.add_parser(
+            name, help=help_text, description=help_text, allow_abbrev=False,
+            usage=f"fleetrl {name} [@ CONFIG.toml ...] [--SECTION.KEY VALUE ...] [options]",
+        )
+        sub.add_argument("--dry-run", action="store_true", help="Print the resolved config and exit.")
+        sub.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
+        if name == "verify":
+            sub.add_argument("run_dir", nargs="?", type=Path, help="The run directory to check.")
+        if name == "inference":
+            sub.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
+                             help="A prompt to send (repeatable); default: three short questions.")
+        group = sub.add_argument_group("config (TOML files with `@ file.toml`, then these flags)")
+        for dotted, description, default in field_docs():
+            group.add_argument(f"--{dotted}", dest=f"cfg:{dotted}", metavar="VALUE",
+                               default=argparse.SUPPRESS, help=f"{description} [default: {default}]")
+    return parser
+
+
+def split_config_files(argv: list[str]) -> tuple[list[str], list[Path]]:
+    """Pull `@ file.toml` and `@file.toml` out of argv."""
+    rest, files = [], []
+    it = iter(argv)
+    for arg in it:
+        if arg == "@":
+            path = next(it, None)
+            if path is None:
+                raise ConfigError("`@` must be followed by a config file path")
+            files.append(Path(path))
+        elif arg.startswith("@") and len(arg) > 1:
+            files.append(Path(arg[1:]))
+        else:
+            rest.append(arg)
+    return rest, files
+
+
+def unknown_dotted_flags(unknown: list[str], parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
+    pairs = []
+    it = iter(unknown)
+    for arg in it:
+        if not (arg.startswith("--") and "." in arg.split("=", 1)[0]):
+            parser.error(f"unrecognized argument: {arg}")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            value = next(it, "")
+        pairs.append((key, value))
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        rest, files = split_config_files(argv)
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(rest)
+        overrides = [(k[4:], v) for k, v in vars(args).items() if k.startswith("cfg:")]
+        # A dotted flag that is no config field still goes to the config loader, whose error
+        # names the key; anything else is argparse's to reject.
+        overrides += unknown_dotted_flags(unknown, parser)
+        config = load_config(files, overrides)
+        if args.dry_run:
+            print(to_toml(config), end="")
+            return 0
+        return run_command(args, config)
+    except FleetrlError as e:
+        if debug:
+            raise
+        print(f"fleetrl: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fleetrl: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        from fleetrl.processes import stop_all
+
+        stop_all()
+
+
+def run_command(args: argparse.Namespace, config: Config) -> int:
+    if args.command in NOT_BUILT:
+        print(f"fleetrl {args.command}: not built yet (see the open issues); "
+              f"`fleetrl {args.command} --dry-run` shows the config it would use", file=sys.stderr)
+        return 2
+    if args.command == "inference":
+        return asyncio.run(run_inference(config, args.prompts or DEFAULT_PROMPTS))
+    if args.command == "status":
+        return asyncio.run(run_status(config))
+    raise AssertionError(args.command)
+
+
+def make_fleet(config: Config, token: str):
+    from fleetrl.inference.fleet import Fleet
+    from fleetrl.inference.vllm.provider import VllmProvider
+    from fleetrl.model import resolve_model
+
+    if config.inference.provider != "vllm":
+        raise FleetrlError(f"inference.provider = {config.inference.provider!r} is not built yet; use 'vllm'")
+    model_dir = resolve_model(config.model)
+    provider = VllmProvider(config.inference, model_dir, config.run.dir / "logs", token)
+    return Fleet(provider), model_dir
+
+
+async def run_inference(config: Config, prompts: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    from fleetrl.inference.types import GenerateRequest, SamplingParams
+
+    token = config.inference.admin_token or secrets.token_urlsafe(24)
+    fleet, model_dir = make_fleet(config, token)
+    try:
+        await fleet.start()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        sampling = SamplingParams(
+            temperature=config.orchestrator.temperature,
+            max_tokens=config.orchestrator.max_tokens,
+            stop_token_ids=(tokenizer.eos_token_id,),
+            seed=config.run.seed,
+        )
+        requests = [
+            GenerateRequest(
+                prompt_token_ids=tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+                ),
+                sampling=sampling,
+            )
+            for p in prompts
+        ]
+        results = await asyncio.gather(*(fleet.generate(r) for r in requests))
+        for prompt, (completion,) in zip(prompts, results):
+            spans = ", ".join(f"v{s.version}@{s.start}" for s in completion.spans)
+            text = tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip()
+            print(f"\n> {prompt}\n{text}\n  [{len(completion.token_ids)} tokens, worker {completion.worker_id}, "
+                  f"versions {spans}, finish {completion.finish_reason}]")
+    finally:
+        await fleet.close()
+    return 0
+
+
+async def run_status(config: Config) -> int:
+    if not config.inference.urls:
+        raise ConfigError("fleetrl status needs inference.urls (the workers to query) and inference.admin_token")
+    if not config.inference.admin_token:
+        raise ConfigError("fleetrl status needs inference.admin_token (printed in the run's logs)")
+    from fleetrl.inference.vllm.admin import VllmAdminClient
+
+    all_up = True
+    for url in config.inference.urls:
+        admin = VllmAdminClient(url, url, config.inference.admin_token, config.inference.admin_timeout_s, 0)
+        try:
+            if not await admin.health():
+                print(f"{url}  down")
+                all_up = False
+                continue
+            version, paused = await admin.version(), await admin.is_paused()
+            print(f"{url}  up  version={'v%d' % version if version is not None else 'unset'}  "
+                  f"{'paused' if paused else 'serving'}")
+        except FleetrlError as e:
+            print(f"{url}  error: {e}")
+            all_up = False
+        finally:
+            await admin.close()
+    return 0 if all_up else 1

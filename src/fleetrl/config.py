@@ -1,0 +1,209 @@
+"""Configuration: one pydantic model per section, loaded from TOML files and dotted CLI flags.
+
+A config is assembled from, in order of increasing precedence:
+  1. the defaults below,
+  2. TOML files named with `@ file.toml` (several are merged left to right),
+  3. dotted flags such as `--inference.workers 2`.
+
+Every section forbids unknown keys, and every error names the key and where it came from
+(a file or the command line), so a misspelt key never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fleetrl.errors import FleetrlError
+
+
+class ConfigError(FleetrlError):
+    """A configuration problem, phrased as one line naming the key and its source."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: Path | None = Field(
+        None,
+        description="Local Hugging Face model folder; unset = the embedded SmolLM2-135M-Instruct "
+        "(materialized once into the fleetrl cache).",
+    )
+    cache_dir: Path | None = Field(
+        None,
+        description="Where the embedded model is materialized; unset = $FLEETRL_CACHE, else "
+        "~/.cache/fleetrl.",
+    )
+
+
+class InferenceConfig(Section):
+    provider: Literal["vllm", "dynamo"] = Field(
+        "vllm", description="Inference provider: native vLLM servers or an NVIDIA Dynamo deployment."
+    )
+    workers: int = Field(1, ge=1, description="Number of inference workers fleetrl launches.")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Attach to servers started elsewhere (base URLs) instead of launching; "
+        "overrides `workers`.",
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description="Address launched servers bind to; loopback unless you mean to expose "
+        "the admin routes.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32",
+        description="Serving dtype; float32 on CPUs without native bf16 (about 5x faster there).",
+    )
+    max_model_len: int = Field(1024, ge=16, description="Longest prompt + completion, in tokens.")
+    kv_cache_gib: int = Field(
+        1, ge=1, description="KV-cache size per CPU worker, in GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="How long a launched worker may take to answer /health."
+    )
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="Timeout of one generation request on the data plane."
+    )
+    admin_timeout_s: float = Field(
+        60.0, gt=0, description="Timeout of one admin call (pause, resume, version, weights)."
+    )
+    admin_retries: int = Field(
+        2, ge=0, description="Retries of an admin call that failed to connect or timed out."
+    )
+    admin_token: str | None = Field(
+        None,
+        description="Bearer token the admin routes require; unset = a fresh random token per run.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra command-line arguments passed verbatim to every launched vLLM server.",
+    )
+
+
+class OrchestratorConfig(Section):
+    max_off_policy_steps: int = Field(
+        1,
+        ge=0,
+        description="k: the largest off-policy distance a trained sample may have; 0 = strictly "
+        "on-policy.",
+    )
+    max_tokens: int = Field(32, ge=1, description="Most completion tokens per sample.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+
+
+class TrainerConfig(Section):
+    world_size: int = Field(1, ge=1, description="Number of trainer ranks (torch.distributed).")
+
+
+class RunConfig(Section):
+    dir: Path = Field(Path("runs/latest"), description="Run directory: config, logs, metrics.")
+    max_steps: int = Field(10, ge=1, description="Trainer steps (= policy versions) to run.")
+    seed: int = Field(0, description="Seed for sampling and training.")
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+
+def field_docs() -> list[tuple[str, str, Any]]:
+    """(dotted name, description, default) of every leaf field, for --help and docs."""
+    rows = []
+    for section_name, section_field in Config.model_fields.items():
+        section_cls = section_field.annotation
+        for name, field in section_cls.model_fields.items():
+            default = field.default_factory() if field.default_factory else field.default
+            rows.append((f"{section_name}.{name}", field.description or "", default))
+    return rows
+
+
+def parse_override(text: str) -> Any:
+    """A CLI value as TOML (numbers, booleans, lists, quoted strings), else as a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(files: list[Path], overrides: list[tuple[str, str]]) -> Config:
+    """Merge TOML files and dotted overrides onto the defaults and validate the result."""
+    merged: dict[str, Any] = {}
+    source: dict[tuple[str, ...], str] = {}  # key path -> where it was set, for error messages
+
+    for file in files:
+        try:
+            data = tomllib.loads(Path(file).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {file}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{file}: invalid TOML: {e}") from None
+        _merge(merged, data, (), source, str(file))
+
+    for dotted, value in overrides:
+        path = tuple(dotted.split("."))
+        nested: Any = parse_override(value)
+        for part in reversed(path):
+            nested = {part: nested}
+        _merge(merged, nested, (), source, f"--{dotted}")
+
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(str(p) for p in err["loc"])
+        origin = _origin(loc, source)
+        key = ".".join(loc)
+        if err["type"] == "extra_forbidden":
+            raise ConfigError(f"unknown config key '{key}' (from {origin})") from None
+        raise ConfigError(f"config key '{key}': {err['msg']} (from {origin})") from None
+
+
+def _merge(into: dict, data: dict, prefix: tuple[str, ...], source: dict, origin: str) -> None:
+    for key, value in data.items():
+        path = prefix + (key,)
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value, path, source, origin)
+        else:
+            into[key] = value
+        source[path] = origin
+
+
+def _origin(loc: tuple[str, ...], source: dict) -> str:
+    # The longest prefix of the failing location that some file or flag set.
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in source:
+            return source[loc[:n]]
+    return "defaults"
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML, loadable again with `@ file`."""
+    lines: list[str] = []
+    for section_name in Config.model_fields:
+        section = getattr(config, section_name).model_dump(mode="json")
+        lines.append(f"[{section_name}]")
+        for key, value in section.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

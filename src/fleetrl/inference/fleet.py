@@ -1,0 +1,333 @@
+"""The fleet coordinator: which workers exist, which may take traffic, and the publish fence.
+
+Neither vLLM nor Dynamo offers a fleet-wide atomic weight update, so the coordinator owns it:
+
+    publish(v):  pause every live worker -> transfer -> every worker reports v and the
+                 sender's checksum -> resume them all.
+
+A worker that fails, times out or reports anything else is marked dead or stale and gets no
+traffic until it has been refitted; the fleet never resumes with mixed versions. Requests
+only go to READY workers, chosen here (least in-flight, or sticky per session), so a worker
+that appears in discovery serves nothing before it holds the fleet's current version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.provider import InferenceProvider, PauseMode
+from fleetrl.inference.types import (
+    GenerateRequest,
+    GenerateResponse,
+    VersionSpan,
+    WorkerInfo,
+    WorkerState,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from fleetrl.weights.transport import WeightTransport
+
+NamedTensors = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
+
+
+class PublishError(FleetrlError):
+    pass
+
+
+@dataclass
+class PublishReport:
+    version: int
+    seconds: float
+    checksum: str
+    ready: list[str]  # workers verified at `version` and resumed
+    failed: dict[str, str] = field(default_factory=dict)  # worker id -> why it is dead or stale
+
+
+@dataclass
+class _WeightSource:
+    """What the last publish sent, so a joining or stale worker can be refitted to it."""
+
+    transport: "WeightTransport"
+    named_tensors: NamedTensors
+    checksum: str
+
+
+class Fleet:
+    def __init__(self, provider: InferenceProvider, pause_mode: PauseMode = "keep",
+                 discovery_interval_s: float = 5.0, log=print) -> None:
+        self.provider = provider
+        self.pause_mode = pause_mode
+        self.discovery_interval_s = discovery_interval_s
+        self.log = log
+        self.version = 0
+        self.workers: dict[str, WorkerInfo] = {}
+        self._source: _WeightSource | None = None
+        self._inflight: dict[str, int] = {}
+        self._sticky: dict[str, str] = {}  # session id -> worker id
+        self._changed = asyncio.Condition()  # notified whenever routability may have changed
+        self._fence = asyncio.Lock()  # held by publish and by refits
+        self._discovery: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.provider.start()
+        await self.refresh()
+        if not self.ready_workers():
+            raise FleetrlError("no inference worker became ready: " + self._describe_failures())
+        self._discovery = asyncio.create_task(self._discovery_loop())
+
+    async def close(self) -> None:
+        if self._discovery:
+            self._discovery.cancel()
+            await asyncio.gather(self._discovery, return_exceptions=True)
+        await self.provider.close()
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.discovery_interval_s)
+            try:
+                await self.refresh()
+            except Exception as e:  # discovery trouble must not kill the run; it is reported
+                self.log(f"fleetrl: discovery failed: {e}")
+
+    # -- discovery and refit ---------------------------------------------------------------
+
+    def ready_workers(self) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.state == WorkerState.READY]
+
+    async def refresh(self) -> None:
+        """Mark vanished workers dead; bring new, stale or returning ones to the fleet's version."""
+        async with self._fence:
+            discovered = {w.id: w for w in await self.provider.discover()}
+            for worker in self.workers.values():
+                if worker.id not in discovered and worker.state != WorkerState.DEAD:
+                    self._mark(worker, WorkerState.DEAD, "gone from discovery")
+            for worker_id, found in discovered.items():
+                known = self.workers.get(worker_id)
+                if known is None or (known.state == WorkerState.DEAD and known.url != found.url):
+                    self.workers[worker_id] = known = found  # new, or restarted elsewhere
+                if known.state in (WorkerState.JOINING, WorkerState.STALE, WorkerState.DEAD):
+                    await self._refit(known)
+            await self._each(self.ready_workers(), self._check_health, {}, WorkerState.DEAD)
+        await self._notify()
+
+    async def _check_health(self, worker: WorkerInfo) -> None:
+        if not await self.provider.admin(worker).health():
+            raise FleetrlError("failed its health check")
+
+    async def _refit(self, worker: WorkerInfo) -> None:
+        """Give one worker the fleet's current version before it takes any request."""
+        admin = self.provider.admin(worker)
+        self._mark(worker, WorkerState.SYNCING)
+        try:
+            await admin.pause(self.pause_mode)
+            if self._source is None:
+                # Version 0 is the base model that every worker loaded at launch.
+                await admin.set_version(0)
+                reported = await admin.version()
+                if reported != 0:
+                    raise FleetrlError(f"reports version {reported} after being set to v0")
+            else:
+                checksum = await self._source.transport.transfer([admin], self._source.named_tensors, self.version)
+                await self._verify(worker, self.version, checksum)
+            await admin.resume()
+        except Exception as e:
+            self._mark(worker, WorkerState.STALE, f"refit to v{self.version} failed: {e}")
+            return
+        worker.version = self.version
+        self._mark(worker, WorkerState.READY)
+        self.log(f"fleetrl: worker {worker.id} ready at v{self.version}")
+
+    async def _verify(self, worker: WorkerInfo, version: int, checksum: str) -> None:
+        """The worker must report `version`, and every one of its ranks the sender's checksum."""
+        admin = self.provider.admin(worker)
+        reported = await admin.version()
+        if reported != version:
+            raise FleetrlError(f"reports version {reported}, expected v{version}")
+        sums = set(await admin.collective_rpc("fleetrl_weight_checksum"))
+        if sums != {checksum}:
+            raise FleetrlError(f"weight checksum {sorted(map(str, sums))} != sender's {checksum}")
+
+    # -- publish ---------------------------------------------------------------------------
+
+    async def publish(self, version: int, transport: "WeightTransport", named_tensors: NamedTensors) -> PublishReport:
+        """Fence: pause all -> transfer -> verify version + checksum on all -> resume all.
+
+        Workers that fail are excluded (dead or stale, with the reason in the report) and the
+        others complete the publish; if none completes, PublishError and nothing resumes.
+        """
+        if version <= self.version:
+            raise PublishError(f"publish v{version}: the fleet is already at v{self.version}")
+        started = time.monotonic()
+        failed: dict[str, str] = {}
+        async with self._fence:
+            targets = [w for w in self.workers.values() if w.state != WorkerState.DEAD]
+            for worker in targets:
+                self._mark(worker, WorkerState.PAUSED)
+            await self._notify()
+            admin = self.provider.admin
+            paused = await self._each(targets, lambda w: admin(w).pause(self.pause_mode), failed, WorkerState.DEAD)
+            for worker in paused:
+                self._mark(worker, WorkerState.UPDATING)
+            checksum, updated = await self._transfer(paused, transport, named_tensors, version, failed)
+            verified = await self._each(updated, lambda w: self._verify(w, version, checksum), failed,
+                                        WorkerState.STALE)
+            if not verified:
+                raise PublishError(f"publish v{version} completed on no worker: {self._format(failed)}")
+            # From here on only workers verified at `version` take traffic: stale ones stay paused.
+            self.version = version
+            self._source = _WeightSource(transport, named_tensors, checksum)
+            resumed = await self._each(verified, lambda w: admin(w).resume(), failed, WorkerState.DEAD)
+            for worker in resumed:
+                worker.version = version
+                self._mark(worker, WorkerState.READY)
+        await self._notify()
+        if failed:
+            self.log(f"fleetrl: publish v{version} excluded {self._format(failed)}")
+        return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed)
+
+    async def _transfer(self, workers: list[WorkerInfo], transport: "WeightTransport",
+                        named_tensors: NamedTensors, version: int,
+                        failed: dict[str, str]) -> tuple[str, list[WorkerInfo]]:
+        """Transfer to `workers`; if one named worker breaks it, drop that one and retry once."""
+        retried = False
+        while True:
+            if not workers:
+                raise PublishError(f"publish v{version}: no live worker to publish to: {self._format(failed)}")
+            try:
+                checksum = await transport.transfer([self.provider.admin(w) for w in workers], named_tensors, version)
+                return checksum, workers
+            except Exception as e:
+                culprit = getattr(e, "worker_id", None)
+                if not retried and culprit in {w.id for w in workers}:
+                    retried = True
+                    failed[culprit] = f"transfer of v{version} failed: {e}"
+                    self._mark(self.workers[culprit], WorkerState.DEAD, failed[culprit])
+                    workers = [w for w in workers if w.id != culprit]
+                    continue
+                for worker in workers:
+                    failed[worker.id] = f"transfer of v{version} failed: {e}"
+                    self._mark(worker, WorkerState.STALE, failed[worker.id])
+                raise PublishError(f"publish v{version} failed: {self._format(failed)}") from e
+
+    # -- data plane ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> list[GenerateResponse]:
+        """Sample `request.n` completions on a ready worker, with exact version spans.
+
+        A completion cut short by an abort-mode publish is continued (prompt + partial output)
+        on a ready worker once the publish is over, and its spans are joined.
+        """
+        responses = await self._generate_once(request, [])
+        return [await self._continue_aborted(request, r) for r in responses]
+
+    async def _generate_once(self, request: GenerateRequest, suffix: list[int]) -> list[GenerateResponse]:
+        for attempt in range(3):
+            worker = await self._acquire(request.session_id)
+            fleet_version = self.version
+            try:
+                responses = await self.provider.generate(worker, request, suffix)
+            except FleetrlError as e:
+                if await self.provider.admin(worker).health() or attempt == 2:
+                    raise
+                self._mark(worker, WorkerState.DEAD, f"died serving {request.request_id}: {e}")
+                await self._notify()
+                continue
+            finally:
+                self._inflight[worker.id] -= 1
+            for response in responses:
+                self._check_versions(worker, response, fleet_version)
+            return responses
+        raise AssertionError("unreachable")
+
+    def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, dispatched_at: int) -> None:
+        """Second line of defence: the engine's spans must lie within what the fleet published."""
+        versions = {span.version for span in response.spans}
+        if versions and (min(versions) < dispatched_at or max(versions) > self.version):
+            self._mark(worker, WorkerState.STALE, f"served v{sorted(versions)} while the fleet was at "
+                                                  f"v{dispatched_at}..v{self.version}")
+            raise FleetrlError(f"request {response.request_id}: worker {worker.id} produced tokens at "
+                               f"versions {sorted(versions)}, outside the fleet's v{dispatched_at}..v{self.version}")
+
+    async def _continue_aborted(self, request: GenerateRequest, response: GenerateResponse) -> GenerateResponse:
+        while response.finish_reason == "abort" and len(response.token_ids) < request.sampling.max_tokens:
+            continuation = GenerateRequest(
+                prompt_token_ids=request.prompt_token_ids, sampling=request.sampling, n=1,
+                session_id=request.session_id, request_id=f"{request.request_id}-{len(response.token_ids)}",
+            )
+            (rest,) = await self._generate_once(continuation, response.token_ids)
+            response = join_completions(response, rest)
+        return response
+
+    async def _acquire(self, session_id: str | None) -> WorkerInfo:
+        async with self._changed:
+            while not (ready := self.ready_workers()):
+                if all(w.state == WorkerState.DEAD for w in self.workers.values()):
+                    raise FleetrlError("no live inference worker: " + self._describe_failures())
+                await self._changed.wait()
+            worker = self.workers.get(self._sticky.get(session_id, ""))
+            if worker is None or worker.state != WorkerState.READY:
+                worker = min(ready, key=lambda w: self._inflight.get(w.id, 0))
+                if session_id is not None:
+                    self._sticky[session_id] = worker.id
+            self._inflight[worker.id] = self._inflight.get(worker.id, 0) + 1
+            return worker
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _each(self, workers: list[WorkerInfo], op: Callable[[WorkerInfo], Awaitable[object]],
+                    failed: dict[str, str], state_on_error: WorkerState) -> list[WorkerInfo]:
+        """Run `op` on every worker concurrently; the ones that raise are marked and left out."""
+        results = await asyncio.gather(*(op(w) for w in workers), return_exceptions=True)
+        ok = []
+        for worker, result in zip(workers, results):
+            if isinstance(result, Exception):
+                failed[worker.id] = str(result)
+                self._mark(worker, state_on_error, str(result))
+            else:
+                ok.append(worker)
+        return ok
+
+    def _mark(self, worker: WorkerInfo, state: WorkerState, error: str | None = None) -> None:
+        if state in (WorkerState.DEAD, WorkerState.STALE) and worker.state != state:
+            self.log(f"fleetrl: worker {worker.id} is {state.value}: {error}")
+        worker.state = state
+        worker.error = error
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _describe_failures(self) -> str:
+        return self._format({w.id: f"{w.state.value}: {w.error}" for w in self.workers.values()}) or "none discovered"
+
+    @staticmethod
+    def _format(failed: dict[str, str]) -> str:
+        return "; ".join(f"{worker_id} ({why})" for worker_id, why in failed.items())
+
+
+def join_completions(head: GenerateResponse, tail: GenerateResponse) -> GenerateResponse:
+    """The completion `head` continued by `tail`: tokens, logprobs and shifted spans appended."""
+    offset = len(head.token_ids)
+    spans = list(head.spans) if head.token_ids else []
+    for span in tail.spans:
+        if not spans or spans[-1].version != span.version:
+            spans.append(VersionSpan(span.version, span.start + offset))
+    joined = GenerateResponse(
+        request_id=head.request_id,
+        token_ids=head.token_ids + tail.token_ids,
+        logprobs=head.logprobs + tail.logprobs,
+        finish_reason=tail.finish_reason,
+        worker_id=tail.worker_id if tail.worker_id == head.worker_id else f"{head.worker_id}+{tail.worker_id}",
+        spans=spans,
+    )
+    joined.check()
+    return joined

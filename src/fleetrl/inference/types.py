@@ -1,0 +1,105 @@
+"""Provider-neutral types of the inference layer: what the orchestrator sends and gets back,
+and what the fleet coordinator knows about each worker."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+
+from fleetrl.errors import FleetrlError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True  # the sampled token's logprob, per completion token
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    n: int = 1  # samples of this prompt (a GRPO group)
+    session_id: str | None = None  # requests with one session id go to one worker while it lives
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise FleetrlError(f"request {self.request_id}: prompt_token_ids is empty")
+        if self.n < 1:
+            raise FleetrlError(f"request {self.request_id}: n must be >= 1, got {self.n}")
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Tokens from `start` up to the next span's start were produced by policy `version`."""
+
+    version: int
+    start: int
+
+
+@dataclass
+class GenerateResponse:
+    """One completion (one sample of a request)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    worker_id: str
+    spans: list[VersionSpan]
+
+    @property
+    def min_version(self) -> int:
+        return min(span.version for span in self.spans)
+
+    def check(self) -> None:
+        """Spans must start at 0, increase strictly and lie inside the completion."""
+        starts = [s.start for s in self.spans]
+        if not self.spans or starts[0] != 0 or starts != sorted(set(starts)):
+            raise FleetrlError(f"request {self.request_id}: malformed version spans {self.spans}")
+        if self.token_ids and starts[-1] >= len(self.token_ids):
+            raise FleetrlError(f"request {self.request_id}: span starts past the completion {self.spans}")
+
+
+class WorkerRole(str, enum.Enum):
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class WorkerState(str, enum.Enum):
+    JOINING = "joining"
+    SYNCING = "syncing"
+    READY = "ready"
+    PAUSED = "paused"
+    UPDATING = "updating"
+    STALE = "stale"  # up, but not at the fleet's version: no traffic until refitted
+    DEAD = "dead"
+
+
+@dataclass
+class WorkerInfo:
+    id: str  # stable across re-discovery
+    url: str  # data and admin base URL (native vLLM serves both on one port)
+    role: WorkerRole = WorkerRole.AGGREGATED
+    world_size: int = 1
+    state: WorkerState = WorkerState.JOINING
+    version: int | None = None
+    error: str | None = None  # why the worker is stale or dead
+
+
+def version_name(version: int) -> str:
+    return f"v{version}"
+
+
+def parse_version(name: str) -> int | None:
+    """`v3` -> 3; anything else (vLLM's initial "default", a foreign label) -> None."""
+    if name.startswith("v") and name[1:].isdigit():
+        return int(name[1:])
+    return None

@@ -1,0 +1,93 @@
+"""Control plane of one native vLLM worker: pause, resume, versions, weight transfer.
+
+Every call goes straight to the worker (never through a router), carries the run's admin
+token, has a timeout, and is retried a bounded number of times where that is safe: idempotent
+calls on any transport error, the others only when the connection was never made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+import httpx
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.types import parse_version, version_name
+
+PauseMode = Literal["keep", "abort", "wait"]
+
+
+class WorkerCallError(FleetrlError):
+    def __init__(self, worker_id: str, what: str, detail: str) -> None:
+        super().__init__(f"worker {worker_id}: {what} failed: {detail}")
+        self.worker_id = worker_id
+
+
+class VllmAdminClient:
+    def __init__(self, worker_id: str, url: str, token: str, timeout_s: float, retries: int) -> None:
+        self.worker_id = worker_id
+        self.url = url
+        self.retries = retries
+        self._http = httpx.AsyncClient(
+            base_url=url, timeout=timeout_s, headers={"Authorization": f"Bearer {token}"}
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def call(self, method: str, path: str, *, idempotent: bool, timeout_s: float | None = None,
+                   **kwargs: Any) -> Any:
+        what = f"{method} {path}"
+        for attempt in range(self.retries + 1):
+            try:
+                extra = {"timeout": timeout_s} if timeout_s is not None else {}
+                response = await self._http.request(method, path, **kwargs, **extra)
+            except httpx.ConnectError as e:
+                error = f"cannot connect to {self.url} ({e})"
+            except httpx.TransportError as e:
+                if not idempotent:
+                    raise WorkerCallError(self.worker_id, what, f"{type(e).__name__}: {e}") from None
+                error = f"{type(e).__name__} talking to {self.url}"
+            else:
+                if response.status_code == 401:
+                    raise WorkerCallError(self.worker_id, what, "the admin token was refused")
+                if response.status_code >= 400:
+                    raise WorkerCallError(self.worker_id, what, f"HTTP {response.status_code}: {response.text[:300]}")
+                return response.json() if response.content else None
+            if attempt < self.retries:
+                await asyncio.sleep(0.5 * 2**attempt)
+        raise WorkerCallError(self.worker_id, what, error)
+
+    async def health(self) -> bool:
+        try:
+            response = await self._http.get("/health", timeout=5.0)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def pause(self, mode: PauseMode) -> None:
+        # clear_cache: a prefix cache filled by old weights must not serve the new version.
+        await self.call("POST", "/pause", idempotent=True, params={"mode": mode, "clear_cache": "true"})
+
+    async def resume(self) -> None:
+        await self.call("POST", "/resume", idempotent=True)
+
+    async def is_paused(self) -> bool:
+        return bool((await self.call("GET", "/is_paused", idempotent=True))["is_paused"])
+
+    async def version(self) -> int | None:
+        """The policy version the engine reports; None when it was never given a fleetrl version."""
+        info = await self.call("GET", "/weight_info", idempotent=True)
+        return parse_version(str(info["weight_version"]))
+
+    async def set_version(self, version: int) -> None:
+        await self.call("POST", "/update_weight_version", idempotent=True,
+                        json={"new_version": version_name(version)})
+
+    async def collective_rpc(self, method: str, args: list | None = None,
+                             timeout_s: float | None = None) -> list:
+        """Call a method of fleetrl's worker extension on every rank of this worker."""
+        body = {"method": method, "args": args or []}
+        result = await self.call("POST", "/collective_rpc", idempotent=False, json=body, timeout_s=timeout_s)
+        return result["results"]

@@ -1,0 +1,91 @@
+"""Data plane of native vLLM workers: token ids in, token ids + logprobs + version spans out.
+
+Uses vLLM's `/inference/v1/generate` (enabled by `--enable-scale-out`), whose choices carry
+`weight_versions`: the engine's own record of which weight version produced which tokens.
+fleetrl checks that record, it never reconstructs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan, parse_version
+from fleetrl.inference.vllm.launcher import SERVED_MODEL_NAME
+
+
+class VllmDataClient:
+    def __init__(self, token: str, timeout_s: float, max_connections: int = 256) -> None:
+        self._http = httpx.AsyncClient(
+            timeout=timeout_s,
+            headers={"Authorization": f"Bearer {token}"},
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def generate(self, worker_id: str, url: str, request: GenerateRequest,
+                       prompt_suffix: list[int] = ()) -> list[GenerateResponse]:
+        """One request to one worker; `prompt_suffix` continues an aborted completion."""
+        s = request.sampling
+        sampling: dict[str, Any] = {
+            "n": request.n,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "max_tokens": s.max_tokens - len(prompt_suffix),
+            "stop_token_ids": list(s.stop_token_ids),
+            "logprobs": 0 if s.logprobs else None,
+            # Token ids are the contract; detokenized text would only cost time.
+            "detokenize": False,
+        }
+        if s.seed is not None:
+            sampling["seed"] = s.seed
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "token_ids": list(request.prompt_token_ids) + list(prompt_suffix),
+            "sampling_params": sampling,
+            "request_id": request.request_id,
+        }
+        try:
+            response = await self._http.post(f"{url}/inference/v1/generate", json=body)
+        except httpx.TransportError as e:
+            raise FleetrlError(f"worker {worker_id}: generate {request.request_id} failed: "
+                               f"{type(e).__name__} talking to {url}") from None
+        if response.status_code != 200:
+            raise FleetrlError(f"worker {worker_id}: generate {request.request_id} failed: "
+                               f"HTTP {response.status_code}: {response.text[:300]}")
+        return [self._parse_choice(worker_id, request, choice) for choice in response.json()["choices"]]
+
+    @staticmethod
+    def _parse_choice(worker_id: str, request: GenerateRequest, choice: dict) -> GenerateResponse:
+        token_ids = list(choice["token_ids"])
+        content = (choice.get("logprobs") or {}).get("content") or []
+        spans = []
+        for item in choice.get("weight_versions") or []:
+            version = parse_version(str(item["version"]))
+            if version is None:
+                raise FleetrlError(f"worker {worker_id}: request {request.request_id} produced tokens "
+                                   f"under weight version {item['version']!r}, not a fleetrl policy version")
+            spans.append(VersionSpan(version=version, start=int(item["start"])))
+        result = GenerateResponse(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            logprobs=[float(c["logprob"]) for c in content],
+            finish_reason=choice.get("finish_reason") or "abort",
+            worker_id=worker_id,
+            spans=_merge_adjacent(spans),
+        )
+        if token_ids:
+            result.check()
+        return result
+
+
+def _merge_adjacent(spans: list[VersionSpan]) -> list[VersionSpan]:
+    merged: list[VersionSpan] = []
+    for span in spans:
+        if not merged or merged[-1].version != span.version:
+            merged.append(span)
+    return merged

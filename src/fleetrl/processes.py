@@ -1,0 +1,130 @@
+"""Child processes that never outlive fleetrl.
+
+Every server or rank fleetrl starts goes through `start_process`: it runs in its own process
+group (so its own children — vLLM's engine core, say — are stopped with it), it is told by the
+kernel to die if fleetrl dies (PR_SET_PDEATHSIG, for a SIGKILLed parent), and it is recorded so
+that `stop_all` (run at exit, on SIGTERM and on Ctrl-C) ends whatever is still running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+_live: list["ManagedProcess"] = []
+_lock = threading.Lock()
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL whatever is left after `grace_s`."""
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and self._group_alive():
+                time.sleep(0.1)
+            if not self._group_alive():
+                break
+        with _lock:
+            if self in _live:
+                _live.remove(self)
+
+    def _group_alive(self) -> bool:
+        self.popen.poll()  # reap the leader if it exited, or it lingers as a zombie member
+        try:
+            os.killpg(self.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def _die_with_parent() -> None:
+    os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                  cwd: Path | None = None) -> ManagedProcess:
+    _install_handlers()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    try:
+        popen = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        log.close()
+    proc = ManagedProcess(name=name, popen=popen, log_path=log_path)
+    with _lock:
+        _live.append(proc)
+    return proc
+
+
+def stop_all() -> None:
+    with _lock:
+        procs = list(_live)
+    # Signal everyone first so they shut down in parallel, then wait for each.
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        proc.stop()
+
+
+_handlers_installed = False
+
+
+def _install_handlers() -> None:
+    global _handlers_installed
+    if _handlers_installed or threading.current_thread() is not threading.main_thread():
+        return
+    _handlers_installed = True
+    atexit.register(stop_all)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        stop_all()
+        if callable(previous):
+            previous(signum, frame)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)

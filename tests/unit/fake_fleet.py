@@ -1,0 +1,154 @@
+"""An in-process provider and transport for fast, hermetic tests of the fleet coordinator.
+
+The fake engine generates token by token, stamping each token with the version its weights
+had at that step (token id = 1000 * version + position), so a test can read off exactly where
+the weights changed. Pausing in `keep` mode holds generation; in `abort` mode it ends the
+request with its partial output, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan, WorkerInfo
+
+
+@dataclass
+class FakeEngine:
+    id: str
+    version: int | None = None  # None: never given a fleetrl version
+    checksum: str = ""
+    paused: bool = False
+    pause_mode: str = "keep"
+    alive: bool = True
+    fail: set[str] = field(default_factory=set)  # admin operations that raise
+    unpaused: asyncio.Event = field(default_factory=asyncio.Event)
+    served: int = 0
+
+    def __post_init__(self) -> None:
+        self.unpaused.set()
+
+
+class FakeAdmin:
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.worker_id = engine.id
+
+    def _check(self, op: str) -> None:
+        if not self.engine.alive:
+            raise FleetrlError(f"worker {self.worker_id}: {op} failed: cannot connect")
+        if op in self.engine.fail:
+            raise FleetrlError(f"worker {self.worker_id}: {op} failed: injected")
+
+    async def health(self) -> bool:
+        return self.engine.alive
+
+    async def pause(self, mode: str) -> None:
+        self._check("pause")
+        self.engine.paused, self.engine.pause_mode = True, mode
+        self.engine.unpaused.clear()
+
+    async def resume(self) -> None:
+        self._check("resume")
+        self.engine.paused = False
+        self.engine.unpaused.set()
+
+    async def version(self) -> int | None:
+        self._check("version")
+        return self.engine.version
+
+    async def set_version(self, version: int) -> None:
+        self._check("set_version")
+        self.engine.version = version
+
+    async def collective_rpc(self, method: str, args=None, timeout_s=None) -> list:
+        self._check(method)
+        assert method == "fleetrl_weight_checksum"
+        return [self.engine.checksum]
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeProvider:
+    name = "fake"
+
+    def __init__(self, *ids: str, step_s: float = 0.002) -> None:
+        self.engines = {i: FakeEngine(i) for i in ids}
+        self.step_s = step_s
+        self._admins: dict[str, FakeAdmin] = {}
+
+    def add(self, worker_id: str) -> FakeEngine:
+        self.engines[worker_id] = FakeEngine(worker_id)
+        return self.engines[worker_id]
+
+    async def start(self) -> None:
+        pass
+
+    async def discover(self) -> list[WorkerInfo]:
+        return [WorkerInfo(id=e.id, url=f"fake://{e.id}") for e in self.engines.values() if e.alive]
+
+    def admin(self, worker: WorkerInfo) -> FakeAdmin:
+        engine = self.engines[worker.id]
+        if worker.id not in self._admins or self._admins[worker.id].engine is not engine:
+            self._admins[worker.id] = FakeAdmin(engine)
+        return self._admins[worker.id]
+
+    async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix=()) -> list[GenerateResponse]:
+        engine = self.engines[worker.id]
+        engine.served += 1
+        return list(await asyncio.gather(*(self._sample(engine, request, len(prompt_suffix)) for _ in range(request.n))))
+
+    async def _sample(self, engine: FakeEngine, request: GenerateRequest, already: int) -> GenerateResponse:
+        tokens: list[int] = []
+        spans: list[VersionSpan] = []
+        finish = "length"
+        for i in range(request.sampling.max_tokens - already):
+            while engine.paused:
+                if engine.pause_mode == "abort":
+                    finish = "abort"
+                    break
+                await engine.unpaused.wait()
+            if finish == "abort":
+                break
+            if not engine.alive:
+                raise FleetrlError(f"worker {engine.id}: generate {request.request_id} failed: connection lost")
+            if not spans or spans[-1].version != engine.version:
+                spans.append(VersionSpan(engine.version, i))
+            tokens.append(1000 * engine.version + already + i)
+            await asyncio.sleep(self.step_s)
+        return GenerateResponse(request.request_id, tokens, [-0.5] * len(tokens), finish, engine.id, spans)
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeTransport:
+    name = "fake"
+
+    def __init__(self, provider: FakeProvider) -> None:
+        self.provider = provider
+        self.fail_worker: str | None = None  # this worker breaks the transfer
+        self.corrupt_worker: str | None = None  # this worker ends with a wrong checksum
+        self.transfers: list[tuple[list[str], int]] = []
+
+    async def transfer(self, workers, named_tensors, version: int) -> str:
+        ids = [w.worker_id for w in workers]
+        self.transfers.append((ids, version))
+        list(named_tensors())  # the transport consumes the weights
+        for worker_id in ids:
+            if worker_id == self.fail_worker:
+                error = FleetrlError(f"worker {worker_id}: update_weights failed: injected")
+                error.worker_id = worker_id
+                raise error
+        checksum = f"sum-v{version}"
+        for worker_id in ids:
+            engine = self.provider.engines[worker_id]
+            engine.version = version
+            engine.checksum = "garbage" if worker_id == self.corrupt_worker else checksum
+        return checksum
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,76 @@
+import subprocess
+import sys
+
+import pytest
+
+from fleetrl.cli import main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "fleetrl", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_prints_resolved_config(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[inference]\nworkers = 2\n")
+    assert main(["rl", "@", str(cfg), "--run.max_steps", "4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "workers = 2" in out and "max_steps = 4" in out
+
+
+def test_at_file_without_space(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[trainer]\nworld_size = 2\n")
+    assert main(["inference", f"@{cfg}", "--dry-run"]) == 0
+    assert "world_size = 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["rl", "--inference.wokers", "2"], "unknown config key 'inference.wokers' (from --inference.wokers)"),
+        (["rl", "--inference.workers=many"], "config key 'inference.workers'"),
+        (["rl", "@", "/nonexistent.toml"], "config file not found: /nonexistent.toml"),
+        (["inference", "--model.path", "/nonexistent-model"], "model.path: /nonexistent-model does not exist"),
+        (["status"], "fleetrl status needs inference.urls"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(args, message, capsys):
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"fleetrl: error: {message}" or (err.startswith("fleetrl: error: ") and message in err)
+    assert "\n" not in err and "Traceback" not in err
+
+
+def test_debug_shows_the_traceback():
+    result = run_cli("rl", "--inference.workers", "x", "--debug")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_model_path_without_config_json(tmp_path, capsys):
+    assert main(["inference", "--model.path", str(tmp_path)]) == 1
+    assert "is not a Hugging Face model folder" in capsys.readouterr().err
+
+
+def test_unreachable_server_is_reported_per_url(capsys):
+    assert main(["status", "--inference.urls", '["http://127.0.0.1:9"]', "--inference.admin_token", "t"]) == 1
+    assert "http://127.0.0.1:9  down" in capsys.readouterr().out
+
+
+def test_attach_to_unreachable_url_fails_clearly(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["inference", "--model.path", str(tmp_path), "--inference.urls", '["http://127.0.0.1:9"]']) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "fleetrl: error: inference.urls: cannot reach http://127.0.0.1:9 (no answer on /health)"
+
+
+@pytest.mark.parametrize("command", ["rl", "inference", "status", "verify", "bench"])
+def test_help_works_for_every_command(command):
+    result = run_cli(command, "--help")
+    assert result.returncode == 0
+    assert "--inference.workers" in result.stdout and "--orchestrator.max_off_policy_steps" in result.stdout
+
+
+def test_unbuilt_command_says_so():
+    result = run_cli("verify", "runs/x")
+    assert result.returncode == 2 and "not built yet" in result.stderr

@@ -1,0 +1,85 @@
+import pytest
+
+from fleetrl.config import Config, ConfigError, field_docs, load_config, to_toml
+
+
+def test_defaults_validate_and_keep_public_names():
+    config = load_config([], [])
+    # Scripts outside the project rely on these names.
+    assert config.run.dir and config.run.max_steps >= 1
+    assert config.inference.provider == "vllm"
+    assert config.inference.workers == 1
+    assert config.orchestrator.max_off_policy_steps >= 0
+    assert config.trainer.world_size == 1
+
+
+def test_files_merge_left_to_right_and_flags_win(tmp_path):
+    a = tmp_path / "a.toml"
+    a.write_text('[inference]\nworkers = 2\nhost = "127.0.0.2"\n[run]\nmax_steps = 3\n')
+    b = tmp_path / "b.toml"
+    b.write_text("[inference]\nworkers = 3\n")
+    config = load_config([a, b], [("run.max_steps", "7"), ("inference.urls", '["http://x:1"]')])
+    assert config.inference.workers == 3
+    assert config.inference.host == "127.0.0.2"
+    assert config.run.max_steps == 7
+    assert config.inference.urls == ["http://x:1"]
+
+
+def test_bare_string_override():
+    assert load_config([], [("inference.host", "0.0.0.0")]).inference.host == "0.0.0.0"
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    f = tmp_path / "typo.toml"
+    f.write_text("[inference]\nwokers = 2\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'inference.wokers' \(from .*typo.toml\)"):
+        load_config([f], [])
+
+
+def test_unknown_section(tmp_path):
+    f = tmp_path / "typo.toml"
+    f.write_text("[inferenc]\nworkers = 2\n")
+    with pytest.raises(ConfigError, match="unknown config key 'inferenc'"):
+        load_config([f], [])
+
+
+def test_wrong_type_names_key_and_flag():
+    with pytest.raises(ConfigError, match=r"'inference.workers'.*\(from --inference.workers\)"):
+        load_config([], [("inference.workers", "two")])
+
+
+def test_out_of_range_value():
+    with pytest.raises(ConfigError, match="orchestrator.max_off_policy_steps"):
+        load_config([], [("orchestrator.max_off_policy_steps", "-1")])
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[inference\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config([bad], [])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([tmp_path / "missing.toml"], [])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config([], [("inference.workers", "2"), ("inference.extra_args", '["--seed", "1"]')])
+    out = tmp_path / "resolved.toml"
+    out.write_text(to_toml(config))
+    assert load_config([out], []) == config
+
+
+def test_every_field_is_documented():
+    docs = field_docs()
+    assert len(docs) > 10
+    for name, description, _ in docs:
+        assert description, f"{name} has no description"
+    assert {n.split(".")[0] for n, _, _ in docs} == set(Config.model_fields)
+
+
+def test_docs_list_every_field():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    missing = [name for name, _, _ in field_docs() if f"`{name}`" not in text]
+    assert not missing, f"docs/config.md lacks {missing}"

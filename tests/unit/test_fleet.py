@@ -1,0 +1,167 @@
+"""The fleet coordinator against an in-process fake provider: states, routing, the fence."""
+
+import asyncio
+
+import pytest
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.fleet import Fleet, PublishError, join_completions
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, VersionSpan, WorkerState
+
+from .fake_fleet import FakeProvider, FakeTransport
+
+
+def weights():
+    return iter([("w", None)])
+
+
+def request(max_tokens=20, **kw):
+    return GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=max_tokens), **kw)
+
+
+async def started(*ids, pause_mode="keep", step_s=0.002):
+    provider = FakeProvider(*ids, step_s=step_s)
+    fleet = Fleet(provider, pause_mode=pause_mode, discovery_interval_s=3600, log=lambda *_: None)
+    await fleet.start()
+    return fleet, provider, FakeTransport(provider)
+
+
+def versions_of(tokens):
+    return [t // 1000 for t in tokens]
+
+
+def boundaries(tokens):
+    """(version, first index) wherever the version encoded in the tokens changes."""
+    vs = versions_of(tokens)
+    return [(v, i) for i, v in enumerate(vs) if i == 0 or vs[i - 1] != v]
+
+
+async def test_start_brings_every_worker_to_v0():
+    fleet, provider, _ = await started("a", "b")
+    assert {w.id: (w.state, w.version) for w in fleet.workers.values()} == {
+        "a": (WorkerState.READY, 0), "b": (WorkerState.READY, 0)}
+    assert all(e.version == 0 and not e.paused for e in provider.engines.values())
+    (out,) = await fleet.generate(request(max_tokens=4))
+    assert out.spans == [VersionSpan(0, 0)] and len(out.token_ids) == 4
+    await fleet.close()
+
+
+async def test_publish_reaches_every_worker_and_resumes():
+    fleet, provider, transport = await started("a", "b")
+    report = await fleet.publish(1, transport, weights)
+    assert sorted(report.ready) == ["a", "b"] and not report.failed
+    assert report.checksum == "sum-v1" and fleet.version == 1
+    assert all(e.version == 1 and not e.paused for e in provider.engines.values())
+    assert all(w.state == WorkerState.READY and w.version == 1 for w in fleet.workers.values())
+    with pytest.raises(PublishError, match="already at v1"):
+        await fleet.publish(1, transport, weights)
+    await fleet.close()
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_request_in_flight_gets_exact_spans(mode):
+    fleet, provider, transport = await started("a", pause_mode=mode)
+    task = asyncio.create_task(fleet.generate(request(max_tokens=60)))
+    await asyncio.sleep(0.03)  # some tokens at v0
+    await fleet.publish(1, transport, weights)
+    (out,) = await task
+    assert len(out.token_ids) == 60
+    expected = [VersionSpan(v, i) for v, i in boundaries(out.token_ids)]
+    assert out.spans == expected and [s.version for s in out.spans] == [0, 1]
+    assert out.min_version == 0
+    await fleet.close()
+
+
+async def test_worker_that_fails_to_pause_is_dead_and_the_rest_complete():
+    fleet, provider, transport = await started("a", "b")
+    provider.engines["b"].fail.add("pause")
+    report = await fleet.publish(1, transport, weights)
+    assert report.ready == ["a"] and "b" in report.failed and "injected" in report.failed["b"]
+    assert fleet.workers["b"].state == WorkerState.DEAD
+    outs = await asyncio.gather(*(fleet.generate(request(max_tokens=3)) for _ in range(6)))
+    assert {o.worker_id for (o,) in outs} == {"a"}
+    await fleet.close()
+
+
+async def test_worker_that_breaks_the_transfer_is_dropped_and_the_rest_retried():
+    fleet, provider, transport = await started("a", "b")
+    transport.fail_worker = "a"
+    report = await fleet.publish(1, transport, weights)
+    assert report.ready == ["b"] and "update_weights failed" in report.failed["a"]
+    assert transport.transfers == [(["a", "b"], 1), (["b"], 1)]
+    assert fleet.workers["a"].state == WorkerState.DEAD
+    await fleet.close()
+
+
+async def test_wrong_checksum_leaves_worker_stale_and_paused():
+    fleet, provider, transport = await started("a", "b")
+    transport.corrupt_worker = "b"
+    report = await fleet.publish(1, transport, weights)
+    assert report.ready == ["a"] and "checksum" in report.failed["b"]
+    assert fleet.workers["b"].state == WorkerState.STALE
+    assert provider.engines["b"].paused  # never resumed with a version the fleet cannot vouch for
+    outs = await asyncio.gather(*(fleet.generate(request(max_tokens=3)) for _ in range(4)))
+    assert {o.worker_id for (o,) in outs} == {"a"} and all(o.spans == [VersionSpan(1, 0)] for (o,) in outs)
+    # The next discovery round refits the stale worker to the fleet's version.
+    transport.corrupt_worker = None
+    await fleet.refresh()
+    assert fleet.workers["b"].state == WorkerState.READY and provider.engines["b"].checksum == "sum-v1"
+    await fleet.close()
+
+
+async def test_publish_that_completes_nowhere_raises_and_resumes_nothing():
+    fleet, provider, transport = await started("a")
+    transport.corrupt_worker = "a"
+    with pytest.raises(PublishError, match="completed on no worker"):
+        await fleet.publish(1, transport, weights)
+    assert fleet.version == 0 and provider.engines["a"].paused
+    await fleet.close()
+
+
+async def test_joining_worker_is_refitted_before_it_serves():
+    fleet, provider, transport = await started("a")
+    await fleet.publish(1, transport, weights)
+    late = provider.add("late")
+    assert late.version is None
+    await fleet.refresh()
+    assert late.version == 1 and late.checksum == "sum-v1" and not late.paused
+    assert transport.transfers[-1] == (["late"], 1)
+    assert fleet.workers["late"].state == WorkerState.READY
+    await fleet.close()
+
+
+async def test_vanished_worker_is_dead_and_no_worker_at_all_is_an_error():
+    fleet, provider, _ = await started("a")
+    provider.engines["a"].alive = False
+    await fleet.refresh()
+    assert fleet.workers["a"].state == WorkerState.DEAD
+    with pytest.raises(FleetrlError, match="no live inference worker"):
+        await fleet.generate(request())
+    await fleet.close()
+
+
+async def test_requests_spread_by_load_and_stick_by_session():
+    fleet, provider, _ = await started("a", "b")
+    outs = await asyncio.gather(*(fleet.generate(request(max_tokens=5)) for _ in range(8)))
+    assert provider.engines["a"].served == provider.engines["b"].served == 4
+    sticky = [await fleet.generate(request(max_tokens=2, session_id="s1")) for _ in range(4)]
+    assert len({o.worker_id for (o,) in sticky}) == 1
+    await fleet.close()
+
+
+async def test_response_at_a_version_the_fleet_never_published_is_rejected():
+    fleet, provider, _ = await started("a", "b")
+    provider.engines["a"].version = 7  # a worker that changed weights behind the fleet's back
+    with pytest.raises(FleetrlError, match="outside the fleet's"):
+        await asyncio.gather(*(fleet.generate(request(max_tokens=2)) for _ in range(2)))
+    assert fleet.workers["a"].state == WorkerState.STALE
+    await fleet.close()
+
+
+def test_join_completions_shifts_spans():
+    head = GenerateResponse("r", [1, 2, 3], [0.0] * 3, "abort", "a", [VersionSpan(0, 0), VersionSpan(1, 2)])
+    tail = GenerateResponse("r", [4, 5], [0.0] * 2, "length", "b", [VersionSpan(1, 0), VersionSpan(2, 1)])
+    joined = join_completions(head, tail)
+    assert joined.token_ids == [1, 2, 3, 4, 5]
+    assert joined.spans == [VersionSpan(0, 0), VersionSpan(1, 2), VersionSpan(2, 4)]
+    assert joined.finish_reason == "length" and joined.worker_id == "a+b"
