@@ -132,7 +132,9 @@ def make_fleet(config: Config, token: str):
         raise FleetrlError(f"inference.provider = {config.inference.provider!r} is not built yet; use 'vllm'")
     model_dir = resolve_model(config.model)
     provider = VllmProvider(config.inference, model_dir, config.run.dir / "logs", token)
-    return Fleet(provider), model_dir
+    fleet = Fleet(provider, pause_mode=config.inference.pause_mode,
+                  discovery_interval_s=config.inference.discovery_interval_s)
+    return fleet, model_dir
 
 
 async def run_inference(config: Config, prompts: list[str]) -> int:

@@ -80,6 +80,32 @@ class InferenceConfig(Section):
         None,
         description="Bearer token the admin routes require; unset = a fresh random token per run.",
     )
+    pause_mode: Literal["keep", "abort", "wait"] = Field(
+        "keep",
+        description="How a publish pauses workers: keep (in-flight requests continue on the new "
+        "weights), abort (they are cut and continued), wait (drained first).",
+    )
+    discovery_interval_s: float = Field(
+        5.0, gt=0, description="How often the fleet re-discovers workers and checks their health."
+    )
+    weight_transport: Literal["broadcast", "filesystem"] = Field(
+        "broadcast",
+        description="How weights reach workers: torch.distributed broadcast (gloo/NCCL) or "
+        "safetensors shards on shared storage.",
+    )
+    weight_bucket_mb: int = Field(
+        128, ge=1, description="Broadcast bucket size, or filesystem shard size, in MiB."
+    )
+    weights_dir: Path | None = Field(
+        None,
+        description="Filesystem transport's storage, readable by every worker; unset = RUN_DIR/weights.",
+    )
+    sender_host: str = Field(
+        "127.0.0.1", description="Address at which workers reach the trainer's broadcast group."
+    )
+    transfer_timeout_s: float = Field(
+        600.0, gt=0, description="Limit for each weight-transfer step on a worker (join, bucket, load)."
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         description="Extra command-line arguments passed verbatim to every launched vLLM server.",
@@ -93,8 +119,18 @@ class OrchestratorConfig(Section):
         description="k: the largest off-policy distance a trained sample may have; 0 = strictly "
         "on-policy.",
     )
+    env: str = Field(
+        "reverse_text",
+        description="Environment: a built-in task (reverse_text, arithmetic) or verifiers:<env id>.",
+    )
+    batch_prompts: int = Field(8, ge=1, description="Prompts per batch (one group of samples each).")
+    group_size: int = Field(4, ge=1, description="Samples per prompt; GRPO normalizes rewards within a group.")
+    normalize_advantages_std: bool = Field(
+        True, description="Divide group-centered rewards by the group's std (GRPO); false = Dr. GRPO."
+    )
     max_tokens: int = Field(32, ge=1, description="Most completion tokens per sample.")
-    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
 
 
 class TrainerConfig(Section):

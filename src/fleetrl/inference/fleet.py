@@ -218,6 +218,11 @@ class Fleet:
                     self._mark(worker, WorkerState.STALE, failed[worker.id])
                 raise PublishError(f"publish v{version} failed: {self._format(failed)}") from e
 
+    async def wait_for_version(self, version: int) -> None:
+        """Return once the fleet serves `version` or newer (admission control waits here)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.version >= version)
+
     # -- data plane ------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> list[GenerateResponse]:

@@ -30,6 +30,9 @@ class WorkerAdmin(Protocol):
 
     async def set_version(self, version: int) -> None: ...
 
+    async def collective_rpc(self, method: str, args: list | None = None) -> list:
+        """Call an engine-side fleetrl method on every rank (e.g. fleetrl_weight_checksum)."""
+
     async def close(self) -> None: ...
 
 
@@ -45,6 +48,9 @@ class InferenceProvider(Protocol):
     async def generate(self, worker: WorkerInfo, request: GenerateRequest,
                        prompt_suffix: list[int] = ()) -> list[GenerateResponse]:
         """Send one request to `worker` (pinned, even where a router could choose)."""
+
+    async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int]) -> list[float]:
+        """Score a token sequence on `worker`: log p(token_i | tokens_<i) for i >= 1."""
 
     def admin(self, worker: WorkerInfo) -> WorkerAdmin: ...
 

@@ -17,6 +17,7 @@ class SamplingParams:
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # keep sampling past the end-of-sequence token (benchmarks, tests)
     logprobs: bool = True  # the sampled token's logprob, per completion token
 
 

@@ -86,8 +86,11 @@ class VllmAdminClient:
                         json={"new_version": version_name(version)})
 
     async def collective_rpc(self, method: str, args: list | None = None,
-                             timeout_s: float | None = None) -> list:
-        """Call a method of fleetrl's worker extension on every rank of this worker."""
+                             timeout_s: float | None = None, idempotent: bool = True) -> list:
+        """Call a method of fleetrl's worker extension on every rank of this worker.
+
+        fleetrl's engine methods only read state, so retrying is safe unless told otherwise.
+        """
         body = {"method": method, "args": args or []}
-        result = await self.call("POST", "/collective_rpc", idempotent=False, json=body, timeout_s=timeout_s)
+        result = await self.call("POST", "/collective_rpc", idempotent=idempotent, json=body, timeout_s=timeout_s)
         return result["results"]

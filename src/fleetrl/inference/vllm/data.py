@@ -38,6 +38,7 @@ class VllmDataClient:
             "max_tokens": s.max_tokens - len(prompt_suffix),
             "stop_token_ids": list(s.stop_token_ids),
             "logprobs": 0 if s.logprobs else None,
+            "ignore_eos": s.ignore_eos,
             # Token ids are the contract; detokenized text would only cost time.
             "detokenize": False,
         }
@@ -58,6 +59,22 @@ class VllmDataClient:
             raise FleetrlError(f"worker {worker_id}: generate {request.request_id} failed: "
                                f"HTTP {response.status_code}: {response.text[:300]}")
         return [self._parse_choice(worker_id, request, choice) for choice in response.json()["choices"]]
+
+    async def prompt_logprobs(self, worker_id: str, url: str, token_ids: list[int]) -> list[float]:
+        """log p(token_i | tokens_<i) for i >= 1, scored by the worker's current weights."""
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "token_ids": list(token_ids),
+            "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False},
+        }
+        try:
+            response = await self._http.post(f"{url}/inference/v1/generate", json=body)
+        except httpx.TransportError as e:
+            raise FleetrlError(f"worker {worker_id}: scoring failed: {type(e).__name__} talking to {url}") from None
+        if response.status_code != 200:
+            raise FleetrlError(f"worker {worker_id}: scoring failed: HTTP {response.status_code}: {response.text[:300]}")
+        scored = response.json()["prompt_logprobs"]
+        return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(token_ids[1:], scored[1:])]
 
     @staticmethod
     def _parse_choice(worker_id: str, request: GenerateRequest, choice: dict) -> GenerateResponse:

@@ -69,8 +69,8 @@ def server_env(config: InferenceConfig, token: str) -> dict[str, str]:
     }
 
 
-def launch_vllm_servers(model_dir: Path, config: InferenceConfig, count: int, log_dir: Path,
-                        token: str, log=print) -> list[LaunchedServer]:
+async def launch_vllm_servers(model_dir: Path, config: InferenceConfig, count: int, log_dir: Path,
+                              token: str, log=print) -> list[LaunchedServer]:
     servers = []
     for i in range(count):
         port = free_port(config.host)
@@ -81,7 +81,7 @@ def launch_vllm_servers(model_dir: Path, config: InferenceConfig, count: int, lo
         )
         servers.append(LaunchedServer(name=name, url=f"http://{config.host}:{port}", process=process))
     log(f"fleetrl: starting {count} vLLM worker(s) on {model_dir.name} (logs in {log_dir})")
-    asyncio.run(wait_healthy(servers, config.startup_timeout_s, log))
+    await wait_healthy(servers, config.startup_timeout_s, log)
     return servers
 
 

@@ -40,9 +40,8 @@ class VllmProvider:
             if down:
                 raise FleetrlError(f"inference.urls: cannot reach {', '.join(down)} (no answer on /health)")
             return
-        self.launched = await asyncio.to_thread(
-            launch_vllm_servers, self.model_dir, self.config, self.config.workers,
-            self.log_dir, self.token, self.log,
+        self.launched = await launch_vllm_servers(
+            self.model_dir, self.config, self.config.workers, self.log_dir, self.token, self.log
         )
 
     async def discover(self) -> list[WorkerInfo]:
@@ -54,6 +53,9 @@ class VllmProvider:
     async def generate(self, worker: WorkerInfo, request: GenerateRequest,
                        prompt_suffix: list[int] = ()) -> list[GenerateResponse]:
         return await self._data.generate(worker.id, worker.url, request, prompt_suffix)
+
+    async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int]) -> list[float]:
+        return await self._data.prompt_logprobs(worker.id, worker.url, token_ids)
 
     def admin(self, worker: WorkerInfo) -> VllmAdminClient:
         if worker.id not in self._admins:

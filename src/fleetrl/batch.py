@@ -1,0 +1,67 @@
+"""A training batch: what the orchestrator hands to the trainer for one step.
+
+Batch `n` is consumed by trainer step `n`, which produces policy version `n`. Each sample
+carries the version spans of its completion, so the trainer (and `fleetrl verify`) can
+recompute every sample's off-policy distance, `(n - 1) - min(span versions)`, from the data
+itself instead of trusting the orchestrator's bookkeeping.
+
+Batches are files in the run directory, written atomically (a temporary name, then rename),
+so a reader never sees half a batch and a multi-node trainer only needs shared storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fleetrl.inference.types import VersionSpan
+
+
+def off_policy_distance(step: int, spans: list[VersionSpan]) -> int:
+    """How many versions behind the policy being trained (`step - 1`) a sample's oldest token is."""
+    return (step - 1) - min(span.version for span in spans)
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    inference_logprobs: list[float]  # one per completion token, from the worker that sampled it
+    spans: list[VersionSpan]
+    reward: float
+    advantage: float
+    group: int  # samples of one prompt share a group (GRPO normalizes advantages within it)
+
+    def __post_init__(self) -> None:
+        if len(self.inference_logprobs) != len(self.completion_ids):
+            raise ValueError(f"sample of group {self.group}: {len(self.inference_logprobs)} logprobs "
+                             f"for {len(self.completion_ids)} completion tokens")
+
+
+@dataclass
+class Batch:
+    step: int
+    samples: list[Sample]
+    dropped: int = 0  # samples discarded for exceeding max_off_policy_steps
+    meta: dict = field(default_factory=dict)
+
+    def distances(self) -> list[int]:
+        return [off_policy_distance(self.step, s.spans) for s in self.samples]
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Batch:
+        data = json.loads(Path(path).read_text())
+        samples = [Sample(**{**s, "spans": [VersionSpan(**sp) for sp in s["spans"]]}) for s in data["samples"]]
+        return cls(step=data["step"], samples=samples, dropped=data["dropped"], meta=data["meta"])
+
+
+def batch_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "batches" / f"step_{step:06d}.json"

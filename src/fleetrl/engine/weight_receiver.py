@@ -1,0 +1,219 @@
+"""vLLM weight-transfer backend `fleetrl`: receives a policy version inside each worker rank.
+
+vLLM drives it through its weight-transfer protocol (HTTP routes -> engine core ->
+collective_rpc on every rank):
+
+    /init_weight_transfer_engine {"init_info": {"transport": "broadcast"|"filesystem", ...}}
+    /start_weight_update                     open vLLM's layerwise reload
+    /update_weights {"update_info": {...}}   stream tensors into model.load_weights
+    /finish_weight_update                    close the reload; keep the checksum
+
+Two transports share the lifecycle:
+- broadcast: the rank joins the trainer's broadcast group (gloo on CPU, NCCL on CUDA) and
+  receives one bucket per /update_weights call; update_info carries the bucket's names,
+  dtypes and shapes.
+- filesystem: update_info names a manifest.json of a published version; it is verified in
+  full (READY marker, every shard's sha256, names/dtypes/shapes) before a tensor is loaded.
+
+Loading goes through vLLM's layerwise reload: each layer is rebuilt and re-processed (CPU
+prepacking, quantization) once all its tensors arrived, so only a bucket plus the layers
+in flight are held, never a second copy of the model. A plain `model.load_weights` fails
+on CPU fp32 (prepacked linear weights) after applying half the tensors. The reload does
+not re-process a layer that only shares its weight with a reloaded one (a tied LM head):
+on CPU that head would keep computing logits from a stale prepacked copy of the old
+embedding, so such layers are re-processed at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from fleetrl.weights import group as broadcast_group
+from fleetrl.weights.buckets import TensorMeta, layout, unpack
+from fleetrl.weights.checksum import WeightsHasher
+from fleetrl.weights.manifest import iter_tensors, read_manifest
+
+BACKEND = "fleetrl"
+TRANSPORTS = ("broadcast", "filesystem")
+
+
+@dataclass
+class FleetrlInitInfo(WeightTransferInitInfo):
+    transport: str
+    # broadcast only: the sender's rendezvous and this worker's place in the group
+    master_address: str = ""
+    master_port: int = 0
+    group_name: str = ""
+    backend: str = "gloo"  # the sender's choice: "nccl" when its tensors are on CUDA
+    rank_offset: int = 0
+    world_size: int = 0
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"init_info.transport: {self.transport!r} is not one of {TRANSPORTS}")
+        if self.transport == "broadcast" and not (self.master_address and self.master_port
+                                                  and self.group_name and self.world_size > 1):
+            raise ValueError("init_info: the broadcast transport needs master_address, master_port, "
+                             "group_name and world_size > 1")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"init_info.backend: {self.backend!r} is not gloo or nccl")
+
+
+@dataclass
+class BucketInfo(WeightTransferUpdateInfo):
+    """One broadcast bucket: the tensors packed in it, in order."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+    def metas(self) -> list[TensorMeta]:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"update_info: {len(self.names)} names, {len(self.dtypes)} dtypes and "
+                             f"{len(self.shapes)} shapes")
+        return [TensorMeta(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+
+
+@dataclass
+class ManifestInfo(WeightTransferUpdateInfo):
+    """A whole version on shared storage."""
+
+    manifest: str
+
+
+class FleetrlWeightReceiver(WeightTransferEngine[FleetrlInitInfo, BucketInfo | ManifestInfo]):
+    init_info_cls = FleetrlInitInfo
+    update_info_cls = BucketInfo  # the filesystem transport swaps in ManifestInfo, see parse_update_info
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.transport: str | None = None
+        self.group: broadcast_group.BroadcastGroup | None = None
+        self.checksum: str | None = None  # of the last completed update
+        self._hasher: WeightsHasher | None = None  # set while an update is open
+
+    # -- protocol ---------------------------------------------------------------------------
+
+    def init_transfer_engine(self, init_info: FleetrlInitInfo) -> None:
+        """(Re)joins: a new init replaces the previous group (the worker set changed)."""
+        self.shutdown()
+        if init_info.transport == "broadcast":
+            self.group = self._join(init_info)
+        self.transport = init_info.transport
+
+    def start_weight_update(self) -> None:
+        if self.transport is None:
+            raise RuntimeError("fleetrl weight receiver: start_weight_update before init_weight_transfer_engine")
+        initialize_layerwise_reload(self.model)
+        self._hasher = WeightsHasher()
+        self.checksum = None  # the weights are in flux until finish_weight_update
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> BucketInfo | ManifestInfo:
+        cls = ManifestInfo if self.transport == "filesystem" else BucketInfo
+        try:
+            return cls(**update_dict)
+        except TypeError as e:
+            raise ValueError(f"update_info for the fleetrl {self.transport} transport: {e}") from None
+
+    def receive_weights(self, update_info: BucketInfo | ManifestInfo) -> None:
+        if self._hasher is None:
+            raise RuntimeError("fleetrl weight receiver: update_weights outside start/finish_weight_update")
+        try:
+            if isinstance(update_info, ManifestInfo):
+                self._receive_manifest(Path(update_info.manifest))
+            else:
+                self._receive_bucket(update_info.metas())
+        except BaseException:
+            self._abort()
+            raise
+
+    def finish_weight_update(self) -> None:
+        if self._hasher is None:
+            raise RuntimeError("fleetrl weight receiver: finish_weight_update without an open update")
+        self._close_reload()
+        self.checksum = self._hasher.hexdigest()
+        self._hasher = None
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.transport = None
+
+    # -- transports -------------------------------------------------------------------------
+
+    def _join(self, info: FleetrlInitInfo) -> broadcast_group.BroadcastGroup:
+        parallel = self.parallel_config
+        rank = info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
+        store = broadcast_group.connect_store(info.master_address, info.master_port, info.world_size,
+                                              info.timeout_s)
+        return broadcast_group.join(store, info.group_name, rank, info.world_size, info.backend,
+                                    info.timeout_s)
+
+    def _receive_bucket(self, metas: list[TensorMeta]) -> None:
+        if self.group is None:
+            raise RuntimeError("fleetrl weight receiver: a bucket arrived but no broadcast group is joined")
+        _, total = layout(metas)
+        # A fresh buffer per bucket, never a reused one: the layerwise reload keeps the
+        # loaded views until their layer is complete, which may be in the next bucket.
+        buffer = torch.empty(total, dtype=torch.uint8,
+                             device=broadcast_group.buffer_device(self.group.backend_name))
+        self.group.broadcast(buffer)
+        # One device-to-host copy per bucket (none on the CPU) rather than one per tensor.
+        for name, tensor in unpack(buffer.cpu(), metas):
+            self._hasher.update(name, tensor)
+        self.model.load_weights(unpack(buffer, metas))
+
+    def _receive_manifest(self, manifest_path: Path) -> None:
+        manifest = read_manifest(manifest_path)  # verifies everything before anything loads
+        for name, tensor in iter_tensors(manifest):
+            # Loaded from the CPU: the weight loaders copy into the model's device.
+            self._hasher.update(name, tensor)
+            self.model.load_weights([(name, tensor)])
+
+    def _abort(self) -> None:
+        """Close the reload after a failed update so the model is whole again: layers that
+        received nothing get their previous weights back; the rest hold a mix, which is why
+        the checksum is cleared (the worker holds no known version until a full update).
+        A broken broadcast group is dropped too; the sender re-forms it."""
+        self._hasher = None
+        self.checksum = None
+        self._close_reload()
+        if self.transport == "broadcast":
+            self.shutdown()
+
+    def _close_reload(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+        for layer in _tied_followers(self.model):
+            quant_method = getattr(layer, "quant_method", None)
+            if quant_method is not None:
+                quant_method.process_weights_after_loading(layer)
+
+
+def _tied_followers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Layers whose `weight` is the very Parameter of a layer met earlier (tied weights)."""
+    owners: set[int] = set()
+    followers = []
+    for layer in model.modules():
+        weight = dict(layer.named_parameters(recurse=False)).get("weight")
+        if weight is None:
+            continue
+        if id(weight) in owners:
+            followers.append(layer)
+        owners.add(id(weight))
+    return followers

@@ -1,0 +1,43 @@
+"""fleetrl's mixin for vLLM worker classes (`--worker-extension-cls
+fleetrl.engine.worker_extension.FleetrlWorkerExtension`).
+
+vLLM imports this module in every worker process before it builds the worker's
+weight-transfer engine, so importing it is what registers the `fleetrl` backend
+(`--weight-transfer-config '{"backend": "fleetrl"}'`). The methods below are reachable
+through `/collective_rpc`; each returns one result per rank. Every name starts with
+`fleetrl_`: vLLM refuses an extension whose attribute names clash with the worker's.
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from fleetrl.engine.weight_receiver import BACKEND, FleetrlWeightReceiver
+
+
+def _register_backend() -> None:
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, FleetrlWeightReceiver)
+    except ValueError:
+        # Already registered: this module was imported a second time in this process.
+        pass
+
+
+_register_backend()
+
+
+class FleetrlWorkerExtension:
+    def _fleetrl_receiver(self) -> FleetrlWeightReceiver | None:
+        engine = getattr(self, "weight_transfer_engine", None)
+        return engine if isinstance(engine, FleetrlWeightReceiver) else None
+
+    def fleetrl_weight_checksum(self) -> str | None:
+        """fleetrl checksum of the weights this rank last received in full; None if none."""
+        receiver = self._fleetrl_receiver()
+        return receiver.checksum if receiver else None
+
+    def fleetrl_broadcast_group(self) -> str:
+        """Name of the broadcast group this rank has joined; "" if none. The sender re-forms
+        the group when any rank of any worker is not in its current one (a restarted worker)."""
+        receiver = self._fleetrl_receiver()
+        return receiver.group.name if receiver and receiver.group else ""

@@ -1,0 +1,49 @@
+"""Weight-agreement probe: do the workers really hold the weights the trainer holds?
+
+After a publish, a fixed probe batch is scored on every worker (prompt logprobs, which do not
+depend on sampling) and by transformers from the trainer's own weights; the per-worker
+mean/max absolute difference exposes a worker whose weights never synced, which a version
+label alone would not. fp32 serving agrees with transformers fp32 to about 1e-4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from fleetrl.inference.fleet import Fleet
+
+PROBE_TEXTS = [
+    "The capital of France is Paris. The capital of Italy is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Reinforcement learning trains a policy to maximize the expected reward of",
+]
+
+
+@dataclass
+class ProbeResult:
+    worker_id: str
+    mean_abs_diff: float
+    max_abs_diff: float
+
+
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[float]:
+    ids = torch.tensor([token_ids])
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+async def probe_fleet(fleet: Fleet, model: torch.nn.Module, probe: list[list[int]]) -> list[ProbeResult]:
+    """Score `probe` (token id sequences) on every ready worker and against `model`."""
+    reference = [await asyncio.to_thread(reference_logprobs, model, ids) for ids in probe]
+    results = []
+    for worker in fleet.ready_workers():
+        diffs: list[float] = []
+        for ids, ref in zip(probe, reference):
+            served = await fleet.provider.prompt_logprobs(worker, ids)
+            diffs += [abs(a - b) for a, b in zip(served, ref)]
+        results.append(ProbeResult(worker.id, sum(diffs) / len(diffs), max(diffs)))
+    return results

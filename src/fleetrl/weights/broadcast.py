@@ -1,0 +1,152 @@
+"""Broadcast transport, sender side: the trainer is rank 0 of a group with every rank of
+every worker, and sends the weights bucket by bucket (gloo over TCP when its tensors are on
+the CPU, NCCL when they are on CUDA).
+
+Per bucket the sender posts the bucket's metadata to every worker (/update_weights blocks
+in the worker until the bytes arrive) while it broadcasts the bytes from a thread. The group
+lives across publishes and is re-formed when the worker set changes, when any worker rank is
+not in it (a worker restarted) or after a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from fleetrl.weights import group as broadcast_group
+from fleetrl.weights import rpc
+from fleetrl.weights.buckets import iter_buckets, pack
+from fleetrl.weights.checksum import WeightsHasher
+
+if TYPE_CHECKING:
+    from fleetrl.inference.vllm.admin import VllmAdminClient
+    from fleetrl.weights.transport import NamedTensors
+
+JOIN_POLL_S = 0.05
+
+
+class BroadcastTransport:
+    name = "broadcast"
+
+    def __init__(self, host: str, bucket_bytes: int, timeout_s: float) -> None:
+        self.host = host  # the address workers reach the trainer at
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self._group: broadcast_group.BroadcastGroup | None = None
+
+    async def transfer(self, workers: Sequence[VllmAdminClient], named_tensors: NamedTensors,
+                       version: int) -> str:
+        tensors = iter(named_tensors())
+        first = next(tensors, None)
+        if first is None:
+            raise rpc.WeightTransferError("broadcast transport: no tensors to send")
+        backend = broadcast_group.backend_for(first[1].device)
+        try:
+            await self._ensure_group(workers, backend)
+        except BaseException:
+            self._drop_group()
+            raise
+        try:
+            await rpc.start_update(workers, self.timeout_s)
+            checksum = await self._send(workers, itertools.chain([first], tensors))
+            await rpc.finish_update(workers, version, self.timeout_s)
+        except BaseException:
+            self._drop_group()
+            await rpc.abandon_update(workers, version)
+            raise
+        return checksum
+
+    async def close(self) -> None:
+        self._drop_group()
+
+    # -- group ------------------------------------------------------------------------------
+
+    async def _ensure_group(self, workers: Sequence[VllmAdminClient], backend: broadcast_group.Backend) -> None:
+        joined = await rpc.on_all(workers, lambda w: w.collective_rpc("fleetrl_broadcast_group"))
+        ranks = [len(names) for names in joined]
+        current = self._group
+        if (current is not None and current.backend_name == backend
+                and current.world_size == 1 + sum(ranks)
+                and all(name == current.name for names in joined for name in names)):
+            return
+        self._drop_group()
+        self._group = await self._form_group(workers, ranks, backend)
+
+    async def _form_group(self, workers: Sequence[VllmAdminClient], ranks: list[int],
+                          backend: broadcast_group.Backend) -> broadcast_group.BroadcastGroup:
+        world_size = 1 + sum(ranks)
+        name = uuid.uuid4().hex[:12]
+        store = broadcast_group.open_store(self.host, world_size, self.timeout_s)
+        init_info = {"transport": "broadcast", "master_address": self.host, "master_port": store.port,
+                     "group_name": name, "backend": backend, "world_size": world_size,
+                     "timeout_s": self.timeout_s}
+        # Each call returns only once the whole group has formed, the sender included.
+        inits = [
+            asyncio.ensure_future(worker.call(
+                "POST", "/init_weight_transfer_engine", idempotent=False, timeout_s=self.timeout_s,
+                json={"init_info": {**init_info, "rank_offset": offset}}))
+            for worker, offset in zip(workers, itertools.accumulate([1, *ranks[:-1]]))
+        ]
+        try:
+            await self._wait_for_ranks(store, name, world_size - 1, inits)
+            group = await asyncio.to_thread(
+                broadcast_group.join, store, name, 0, world_size, backend, self.timeout_s)
+        except BaseException:
+            # Dropping the (only reference to the) store shuts its server down: worker ranks
+            # still waiting to join fail at once instead of waiting out the timeout.
+            del store
+            await asyncio.gather(*inits, return_exceptions=True)
+            raise
+        await asyncio.gather(*inits)
+        return group
+
+    async def _wait_for_ranks(self, store, name: str, expected: int, inits: list[asyncio.Future]) -> None:
+        """Waits until `expected` worker ranks are joining; the sender's own join blocks a
+        thread that cannot be called off, so it starts only then. Fails at once if an init
+        call fails (a worker that will never join)."""
+        deadline = time.monotonic() + self.timeout_s
+        while (count := broadcast_group.arrived(store, name)) < expected:
+            for init in inits:
+                if init.done() and init.exception() is not None:
+                    raise init.exception()
+            if time.monotonic() > deadline:
+                raise rpc.WeightTransferError(
+                    f"broadcast group: {count} of {expected} worker ranks joined within {self.timeout_s:.0f} s")
+            await asyncio.sleep(JOIN_POLL_S)
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    # -- send -------------------------------------------------------------------------------
+
+    async def _send(self, workers: Sequence[VllmAdminClient],
+                    tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+        assert self._group is not None
+        group = self._group
+        device = broadcast_group.buffer_device(group.backend_name)
+        hasher = WeightsHasher()
+        for bucket in iter_buckets(tensors, self.bucket_bytes):
+            buffer, metas = await asyncio.to_thread(pack, bucket, device)
+            update_info = {"names": [m.name for m in metas], "dtypes": [m.dtype for m in metas],
+                           "shapes": [list(m.shape) for m in metas]}
+            await rpc.run_together(
+                *(rpc.update(w, update_info, self.timeout_s) for w in workers),
+                asyncio.to_thread(group.broadcast, buffer),
+                # Hashing overlaps the broadcast (hashlib releases the GIL).
+                asyncio.to_thread(_hash_all, hasher, bucket),
+                on_failure=group.close,
+            )
+        return hasher.hexdigest()
+
+
+def _hash_all(hasher: WeightsHasher, named: list[tuple[str, torch.Tensor]]) -> None:
+    for name, tensor in named:
+        hasher.update(name, tensor)

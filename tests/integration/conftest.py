@@ -1,0 +1,66 @@
+"""Shared pieces of the integration tests: the real embedded model, real vLLM CPU servers."""
+
+import secrets
+
+import pytest
+import pytest_asyncio
+import torch
+
+from fleetrl.config import InferenceConfig, ModelConfig
+from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.vllm.provider import VllmProvider
+from fleetrl.model import resolve_model
+from fleetrl.processes import stop_all
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/integration" in str(item.path):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The embedded model, converted for real (once per cache)."""
+    return resolve_model(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def base_weights(model_dir):
+    """The policy's weights as the trainer holds them: fp32, HF parameter names."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def native_fleet(request, model_dir, tmp_path_factory):
+    """A fleet of real vLLM CPU servers for one test module (`workers` from the module, default 1).
+
+    Always stopped at the end of the module, pass or fail.
+    """
+    workers = getattr(request.module, "WORKERS", 1)
+    config = InferenceConfig(workers=workers, max_model_len=512, admin_timeout_s=120, startup_timeout_s=900)
+    log_dir = tmp_path_factory.mktemp("fleet-logs")
+    provider = VllmProvider(config, model_dir, log_dir, secrets.token_urlsafe(16))
+    fleet = Fleet(provider, discovery_interval_s=3600)
+    try:
+        await fleet.start()
+        yield fleet
+    finally:
+        await fleet.close()
+        stop_all()

@@ -1,0 +1,56 @@
+"""The README's main job, `fleetrl inference`, as a user runs it: a real vLLM CPU server."""
+
+import signal
+import subprocess
+import sys
+import time
+
+
+def process_table() -> list[tuple[int, int, int]]:
+    """(pid, ppid, process group) of every process."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,pgid"], capture_output=True, text=True).stdout
+    return [tuple(map(int, line.split())) for line in out.splitlines()[1:]]
+
+
+def child_groups(pid: int) -> set[int]:
+    """The process groups fleetrl started: each server runs in its own, with its engine."""
+    return {pgid for _, ppid, pgid in process_table() if ppid == pid and pgid != pid}
+
+
+def alive_in(groups: set[int]) -> list[int]:
+    return [pid for pid, _, pgid in process_table() if pgid in groups]
+
+
+def fleetrl(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "fleetrl", "inference", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_inference_samples_prints_and_leaves_no_process(tmp_path, model_dir):
+    proc = fleetrl("--prompt", "What is 2 + 2?", "--orchestrator.max_tokens", "12", "--run.dir", str(tmp_path))
+    groups: set[int] = set()
+    while proc.poll() is None:  # note the server's process group while it runs
+        groups |= child_groups(proc.pid)
+        time.sleep(0.5)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out
+    assert "> What is 2 + 2?" in out and "versions v0@0" in out and "worker vllm-0" in out
+    assert (tmp_path / "logs" / "vllm-0.log").exists()
+    assert groups and not alive_in(groups)
+
+
+def test_ctrl_c_during_startup_stops_the_servers(tmp_path, model_dir):
+    proc = fleetrl("--run.dir", str(tmp_path))
+    deadline = time.monotonic() + 300
+    while not (groups := child_groups(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert groups, "the server never started"
+    time.sleep(5)  # let it spawn its engine core
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "fleetrl: interrupted" in out
+    deadline = time.monotonic() + 30
+    while alive_in(groups) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive_in(groups)

@@ -1,0 +1,190 @@
+"""The native fleet end to end: two real vLLM CPU servers, real weight transfers between real
+processes, exact per-token versions, and a worker killed in the middle of a publish."""
+
+import asyncio
+import copy
+
+import httpx
+import pytest
+import torch
+
+from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.probe import PROBE_TEXTS, probe_fleet
+from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan, WorkerState
+from fleetrl.weights.transport import make_transport
+
+from .conftest import chat_ids
+
+WORKERS = 2
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def perturbed(model: torch.nn.Module, seed: int, scale: float = 0.05):
+    """Weights of policy version `seed`: the model's own plus deterministic noise, big enough
+    that greedy decoding differs from the base model at almost every position."""
+
+    def named_tensors():
+        for i, (name, param) in enumerate(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed * 1000 + i))
+            yield name, (param.detach() + scale * noise).contiguous()
+
+    return named_tensors
+
+
+def model_with(base: torch.nn.Module, named_tensors) -> torch.nn.Module:
+    model = copy.deepcopy(base)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in named_tensors():
+            params[name].copy_(tensor)
+    return model
+
+
+@pytest.fixture(scope="module")
+def probe(tokenizer):
+    return [tokenizer(text)["input_ids"] for text in PROBE_TEXTS]
+
+
+async def greedy(fleet: Fleet, prompt: list[int], max_tokens: int) -> list[int]:
+    (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
+    return out.token_ids
+
+
+async def test_generation_spreads_over_workers_with_v0_spans(native_fleet, tokenizer):
+    prompt = chat_ids(tokenizer, "Tell me a fact about the sea.")
+    requests = [GenerateRequest(prompt, SamplingParams(max_tokens=8, seed=i), n=2) for i in range(6)]
+    results = await asyncio.gather(*(native_fleet.generate(r) for r in requests))
+    outs = [o for group in results for o in group]
+    assert len(outs) == 12
+    assert {o.worker_id for o in outs} == {"vllm-0", "vllm-1"}
+    for out in outs:
+        assert out.spans == [VersionSpan(0, 0)]
+        assert len(out.logprobs) == len(out.token_ids) > 0
+        assert all(lp <= 0 for lp in out.logprobs)
+        assert out.finish_reason in ("stop", "length")
+
+
+async def test_admin_routes_refuse_requests_without_the_token(native_fleet):
+    url = native_fleet.workers["vllm-0"].url
+    async with httpx.AsyncClient(base_url=url) as client:
+        assert (await client.get("/health")).status_code == 200
+        for method, path in [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/collective_rpc"),
+                             ("GET", "/weight_info"), ("POST", "/inference/v1/generate")]:
+            assert (await client.request(method, path)).status_code == 401, path
+            wrong = {"Authorization": "Bearer wrong"}
+            assert (await client.request(method, path, headers=wrong)).status_code == 401, path
+    assert not await native_fleet.provider.admin(native_fleet.workers["vllm-0"]).is_paused()
+
+
+async def test_probe_agrees_with_transformers_at_v0(native_fleet, base_weights, probe):
+    results = await probe_fleet(native_fleet, base_weights, probe)
+    assert {r.worker_id for r in results} == {"vllm-0", "vllm-1"}
+    for r in results:
+        assert r.max_abs_diff < 2e-3, r
+
+
+@pytest.mark.parametrize("kind, versions", [("broadcast", (1, 2)), ("filesystem", (3, 4))])
+async def test_publish_two_versions(native_fleet, base_weights, probe, tmp_path_factory, kind, versions):
+    transport = make_transport(kind, host="127.0.0.1", bucket_bytes=32 << 20,
+                               storage_dir=tmp_path_factory.mktemp(f"weights-{kind}"))
+    try:
+        for version in versions:
+            weights = perturbed(base_weights, seed=version)
+            report = await native_fleet.publish(version, transport, weights)
+            assert sorted(report.ready) == ["vllm-0", "vllm-1"] and not report.failed, report
+            assert native_fleet.version == version
+            for worker in native_fleet.workers.values():
+                admin = native_fleet.provider.admin(worker)
+                assert worker.state == WorkerState.READY and worker.version == version
+                assert await admin.version() == version
+                assert await admin.collective_rpc("fleetrl_weight_checksum") == [report.checksum]
+            # The served weights are the published ones, not merely labelled so.
+            expected = model_with(base_weights, weights)
+            for r in await probe_fleet(native_fleet, expected, probe):
+                assert r.max_abs_diff < 2e-3, r
+            for r in await probe_fleet(native_fleet, base_weights, probe):
+                assert r.mean_abs_diff > 0.05, r
+    finally:
+        await transport.close()
+
+
+async def test_span_boundary_is_exactly_where_the_weights_changed(native_fleet, base_weights, tokenizer,
+                                                                  tmp_path_factory):
+    """Keep mode: a request in flight across a publish gets two spans, split at the exact token."""
+    old = native_fleet.version
+    prompt = chat_ids(tokenizer, "Write a long story about a lighthouse keeper.")
+    reference = await greedy(native_fleet, prompt, 400)  # all at `old`
+    transport = make_transport("broadcast", host="127.0.0.1", bucket_bytes=32 << 20,
+                               storage_dir=tmp_path_factory.mktemp("weights-span"))
+    try:
+        in_flight = asyncio.create_task(greedy_response(native_fleet, prompt, 400))
+        await asyncio.sleep(2.0)
+        await native_fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
+        out = await in_flight
+    finally:
+        await transport.close()
+    assert [s.version for s in out.spans] == [old, old + 1], out.spans
+    boundary = out.spans[1].start
+    assert 0 < boundary < 400
+    assert out.token_ids[:boundary] == reference[:boundary]
+    # From the boundary on, the tokens are the new policy's greedy continuation of the prefix.
+    continuation = await greedy(native_fleet, prompt + reference[:boundary], 400 - boundary)
+    assert out.token_ids[boundary:] == continuation
+    assert continuation[0] != reference[boundary]  # the weights really changed right there
+
+
+async def greedy_response(fleet, prompt, max_tokens):
+    (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
+    return out
+
+
+async def test_abort_mode_continues_and_joins_spans(native_fleet, base_weights, tokenizer, tmp_path_factory):
+    old = native_fleet.version
+    prompt = chat_ids(tokenizer, "List every prime number you know, one per line.")
+    transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=32 << 20,
+                               storage_dir=tmp_path_factory.mktemp("weights-abort"))
+    native_fleet.pause_mode = "abort"
+    try:
+        in_flight = asyncio.create_task(greedy_response(native_fleet, prompt, 300))
+        await asyncio.sleep(2.0)
+        await native_fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
+        out = await in_flight
+    finally:
+        native_fleet.pause_mode = "keep"
+        await transport.close()
+    assert len(out.token_ids) == 300
+    assert [s.version for s in out.spans] == [old, old + 1], out.spans
+    boundary = out.spans[1].start
+    continuation = await greedy(native_fleet, prompt + out.token_ids[:boundary], 300 - boundary)
+    assert out.token_ids[boundary:] == continuation
+
+
+async def test_worker_killed_mid_publish_leaves_survivor_serving_one_version(native_fleet, base_weights,
+                                                                             tokenizer, tmp_path_factory):
+    """Runs last: it kills vllm-1."""
+    old = native_fleet.version
+    transport = make_transport("broadcast", host="127.0.0.1", bucket_bytes=4 << 20,
+                               storage_dir=tmp_path_factory.mktemp("weights-kill"))
+    weights = perturbed(base_weights, seed=old + 1)
+
+    def killing_weights():
+        for i, item in enumerate(weights()):
+            if i == 20:  # mid-transfer
+                native_fleet.provider.stop_worker("vllm-1")
+            yield item
+
+    try:
+        report = await native_fleet.publish(old + 1, transport, killing_weights)
+    finally:
+        await transport.close()
+    assert report.ready == ["vllm-0"], report
+    assert "vllm-1" in report.failed and report.failed["vllm-1"], report
+    assert native_fleet.workers["vllm-1"].state in (WorkerState.DEAD, WorkerState.STALE)
+    assert native_fleet.workers["vllm-0"].state == WorkerState.READY
+    prompt = chat_ids(tokenizer, "Say hello.")
+    outs = await asyncio.gather(*(greedy_response(native_fleet, prompt, 8) for _ in range(4)))
+    assert {o.worker_id for o in outs} == {"vllm-0"}
+    assert all(o.spans == [VersionSpan(old + 1, 0)] for o in outs)
+    await native_fleet.refresh()
+    assert native_fleet.workers["vllm-1"].state == WorkerState.DEAD

@@ -1,0 +1,204 @@
+"""Weight transfer into a real vLLM CPU server, through each transport.
+
+One server for the module (`model_dir` and `tokenizer` come from conftest.py). A publish
+swaps two rows of the (tied) embedding: a model whose token ids A and B trade places must
+produce the original greedy completion with A and B traded, which checks that every layer,
+the tied LM head included, took the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fleetrl.config import InferenceConfig
+from fleetrl.inference.vllm.admin import VllmAdminClient
+from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers
+from fleetrl.processes import stop_all
+from fleetrl.weights import manifest
+from fleetrl.weights.transport import WeightTransport, make_transport
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 8
+EMBEDDINGS = "model.embed_tokens.weight"
+
+Weights = list[tuple[str, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    token = secrets.token_hex(16)
+    try:
+        (launched,) = asyncio.run(launch_vllm_servers(
+            model_dir, InferenceConfig(max_model_len=256), 1, tmp_path_factory.mktemp("logs"), token))
+    except BaseException:
+        stop_all()  # a server that never became healthy is still running
+        raise
+    try:
+        yield launched, token
+    finally:
+        launched.process.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[int]:
+    return tokenizer(PROMPT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def original(model_dir) -> Weights:
+    return list(load_file(str(model_dir / "model.safetensors")).items())
+
+
+@pytest.fixture(scope="module")
+def original_output(server, prompt_ids) -> list[int]:
+    return asyncio.run(with_client(server, lambda c: generate(c, prompt_ids)))
+
+
+@pytest.fixture(scope="module")
+def swap(original_output, prompt_ids) -> tuple[int, int]:
+    """A: the first generated token not in the prompt; B: a token in neither."""
+    a = next(t for t in original_output if t not in prompt_ids)
+    b = next(t for t in range(1000, 2000) if t not in prompt_ids and t not in original_output)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def modified(original, swap) -> Weights:
+    a, b = swap
+    weights = []
+    for name, tensor in original:
+        if name == EMBEDDINGS:
+            tensor = tensor.clone()
+            tensor[[a, b]] = tensor[[b, a]]
+        weights.append((name, tensor))
+    return weights
+
+
+@pytest.fixture(scope="module")
+def expected_output(original_output, swap, model_dir, modified, prompt_ids) -> list[int]:
+    a, b = swap
+    expected = [{a: b, b: a}.get(t, t) for t in original_output]
+    assert expected != original_output
+    assert hf_greedy(model_dir, modified, prompt_ids) == expected  # transformers fp32 agrees
+    return expected
+
+
+def hf_greedy(model_dir: Path, weights: Weights, prompt_ids: list[int]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(dict(weights), strict=False)  # lm_head.weight is tied, not stored
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+async def with_client(server: tuple[LaunchedServer, str], body):
+    launched, token = server
+    client = VllmAdminClient("worker-0", launched.url, token, timeout_s=120, retries=2)
+    try:
+        return await body(client)
+    finally:
+        await client.close()
+
+
+async def generate(client: VllmAdminClient, prompt_ids: list[int]) -> list[int]:
+    response = await client.call("POST", "/inference/v1/generate", idempotent=False, json={
+        "token_ids": prompt_ids,
+        "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0},
+    })
+    return response["choices"][0]["token_ids"]
+
+
+async def publish(client: VllmAdminClient, transport: WeightTransport, weights: Weights,
+                  version: int) -> None:
+    """pause -> transfer -> checks while paused -> resume."""
+    await client.pause("keep")
+    try:
+        started = time.monotonic()
+        checksum = await transport.transfer([client], lambda: iter(weights), version)
+        seconds = time.monotonic() - started
+        assert await client.version() == version
+        assert await client.collective_rpc("fleetrl_weight_checksum") == [checksum]
+    finally:
+        await client.resume()
+    print(f"{transport.name}: v{version} published in {seconds:.2f} s")
+
+
+def test_broadcast_publishes_and_restores(server, tmp_path, prompt_ids, original, modified,
+                                          original_output, expected_output):
+    async def scenario(client: VllmAdminClient) -> None:
+        transport = make_transport("broadcast", host="127.0.0.1", bucket_bytes=32 << 20, storage_dir=tmp_path)
+        try:
+            await publish(client, transport, modified, 101)
+            assert await generate(client, prompt_ids) == expected_output
+            group = (await client.collective_rpc("fleetrl_broadcast_group"))[0]
+            assert group
+
+            await publish(client, transport, original, 102)
+            assert await generate(client, prompt_ids) == original_output
+            # Same workers, all in the group: the group is reused.
+            assert (await client.collective_rpc("fleetrl_broadcast_group"))[0] == group
+
+            # A worker that left the group (as after a restart) makes the sender re-form it.
+            await client.call("POST", "/shutdown_weight_transfer_engine", idempotent=False)
+            await publish(client, transport, modified, 103)
+            assert (await client.collective_rpc("fleetrl_broadcast_group"))[0] not in ("", group)
+            assert await generate(client, prompt_ids) == expected_output
+            await publish(client, transport, original, 104)
+        finally:
+            await transport.close()
+
+    asyncio.run(with_client(server, scenario))
+
+
+def test_filesystem_publishes_and_restores(server, tmp_path, prompt_ids, original, modified,
+                                           original_output, expected_output):
+    async def scenario(client: VllmAdminClient) -> None:
+        transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=64 << 20, storage_dir=tmp_path)
+        await publish(client, transport, modified, 201)
+        assert await generate(client, prompt_ids) == expected_output
+        await publish(client, transport, original, 202)
+        assert await generate(client, prompt_ids) == original_output
+        await publish(client, transport, original, 203)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["v202", "v203"]  # the last two kept
+        await transport.close()
+
+    asyncio.run(with_client(server, scenario))
+
+
+def test_filesystem_refuses_an_unready_version(server, tmp_path, prompt_ids, original, modified,
+                                               original_output, monkeypatch):
+    """A version without its READY marker is refused before anything loads: the worker keeps
+    its weights, drops its checksum and carries a label that names no version."""
+    write_version = manifest.write_version
+
+    def write_without_ready(*args, **kwargs):
+        written = write_version(*args, **kwargs)
+        (written.folder / manifest.READY).unlink()
+        return written
+
+    monkeypatch.setattr("fleetrl.weights.filesystem.write_version", write_without_ready)
+
+    async def scenario(client: VllmAdminClient) -> None:
+        transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=64 << 20, storage_dir=tmp_path)
+        await client.pause("keep")
+        try:
+            with pytest.raises(Exception, match="v301/READY is missing"):
+                await transport.transfer([client], lambda: iter(modified), 301)
+            assert await client.version() is None
+            assert (await client.call("GET", "/weight_info", idempotent=True))["weight_version"] == "incomplete-v301"
+            assert await client.collective_rpc("fleetrl_weight_checksum") == [None]
+        finally:
+            await client.resume()
+        assert await generate(client, prompt_ids) == original_output
+
+    asyncio.run(with_client(server, scenario))

@@ -1,0 +1,337 @@
+"""Weight-transfer formats and the broadcast group, without vLLM: checksum, bucket layout,
+manifest writing/verification, and a real two-process gloo broadcast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from fleetrl.weights import WeightsHasher
+from fleetrl.weights import group as broadcast_group
+from fleetrl.weights.buckets import ALIGN, TensorMeta, iter_buckets, layout, pack, unpack
+from fleetrl.weights.manifest import (
+    MANIFEST,
+    READY,
+    ManifestError,
+    collect_garbage,
+    iter_tensors,
+    read_manifest,
+    version_dir,
+    write_version,
+)
+
+
+def sample_tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", torch.randn(7, 5, generator=g).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(5, generator=g)),
+        ("scale", torch.tensor(3.5, dtype=torch.float16)),  # 0-d, 2 bytes: forces padding
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(3, 5, generator=g)),
+        ("counts", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
+    ]
+
+
+def digest(named) -> str:
+    hasher = WeightsHasher()
+    for name, tensor in named:
+        hasher.update(name, tensor)
+    return hasher.hexdigest()
+
+
+# -- checksum ---------------------------------------------------------------------------------
+
+
+def test_checksum_is_deterministic_and_layout_independent():
+    named = sample_tensors()
+    # A transposed-then-contiguous copy has other strides but the same logical bytes.
+    strided = [(n, t.t().contiguous().t() if t.dim() == 2 else t.clone()) for n, t in named]
+    assert digest(named) == digest(named) == digest(strided)
+
+
+@pytest.mark.parametrize("change", ["name", "dtype", "shape", "value", "order"])
+def test_checksum_sees_every_difference(change):
+    named = sample_tensors()
+    other = list(named)
+    name, tensor = other[1]
+    if change == "name":
+        other[1] = (name + "x", tensor)
+    elif change == "dtype":
+        other[1] = (name, tensor.to(torch.float64).to(torch.float32).view(torch.int32))
+    elif change == "shape":
+        other[1] = (name, tensor.reshape(1, -1))
+    elif change == "value":
+        bumped = tensor.clone()
+        bumped[0] += 1
+        other[1] = (name, bumped)
+    else:
+        other[0], other[1] = other[1], other[0]
+    assert digest(other) != digest(named)
+
+
+# -- buckets ----------------------------------------------------------------------------------
+
+
+def test_bucket_round_trip_is_bit_exact():
+    named = sample_tensors()
+    buffer, metas = pack(named, torch.device("cpu"))
+    offsets, total = layout(metas)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == total
+    assert all(offset % ALIGN == 0 for offset in offsets)
+    unpacked = unpack(buffer, metas)
+    assert [n for n, _ in unpacked] == [n for n, _ in named]
+    for (_, sent), (_, got) in zip(named, unpacked):
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert torch.equal(got.view(-1).view(torch.uint8), sent.reshape(-1).view(torch.uint8))
+    assert digest(unpacked) == digest(named)
+
+
+def test_unpack_refuses_metadata_of_another_size():
+    buffer, metas = pack(sample_tensors(), torch.device("cpu"))
+    with pytest.raises(ValueError, match="metadata describes"):
+        unpack(buffer, metas[:-1])
+
+
+def test_buckets_respect_the_size_limit_in_order():
+    named = [(f"t{i}", torch.zeros(100, dtype=torch.uint8)) for i in range(10)]  # 112 B aligned
+    buckets = list(iter_buckets(named, bucket_bytes=300))
+    assert [len(b) for b in buckets] == [2, 2, 2, 2, 2]
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
+    big = [("small", torch.zeros(10)), ("big", torch.zeros(1000)), ("tail", torch.zeros(10))]
+    assert [[n for n, _ in b] for b in iter_buckets(big, bucket_bytes=100)] == [["small"], ["big"], ["tail"]]
+
+
+def test_tensor_meta_rejects_unknown_dtypes():
+    with pytest.raises(ValueError, match="unknown tensor dtype"):
+        TensorMeta("x", "float128", (1,)).nbytes
+
+
+# -- manifest ---------------------------------------------------------------------------------
+
+
+def written(tmp_path: Path, version: int = 3):
+    named = sample_tensors()
+    manifest = write_version(tmp_path, version, iter(named), shard_bytes=64)
+    return named, manifest, manifest.folder / MANIFEST
+
+
+def test_manifest_round_trip(tmp_path):
+    named, manifest, path = written(tmp_path)
+    assert manifest.folder == version_dir(tmp_path, 3)
+    assert len(manifest.shards) > 1  # 64-byte shards split the sample
+    assert (manifest.folder / READY).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v3"]  # no scratch left behind
+    verified = read_manifest(path)
+    assert verified.checksum == manifest.checksum == digest(named)
+    loaded = list(iter_tensors(verified))
+    assert [n for n, _ in loaded] == [n for n, _ in named]
+    assert digest(loaded) == digest(named)
+
+
+def test_manifest_without_ready_marker_is_refused(tmp_path):
+    _, manifest, path = written(tmp_path)
+    (manifest.folder / READY).unlink()
+    with pytest.raises(ManifestError, match="v3/READY is missing"):
+        read_manifest(path)
+
+
+def test_corrupt_shard_is_refused(tmp_path):
+    _, manifest, path = written(tmp_path)
+    shard = manifest.folder / manifest.shards[1].file
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, one flipped bit in the tensor bytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match=f"v3/{shard.name}: sha256 differs"):
+        read_manifest(path)
+
+
+def test_missing_shard_is_refused(tmp_path):
+    _, manifest, path = written(tmp_path)
+    (manifest.folder / manifest.shards[0].file).unlink()
+    with pytest.raises(ManifestError, match="shard is missing"):
+        read_manifest(path)
+
+
+def test_edited_manifest_is_refused(tmp_path):
+    _, _, path = written(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["shards"][0]["tensors"][0]["shape"] = [5, 7]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ManifestError, match="differs from the one recorded in"):
+        read_manifest(path)
+
+
+def test_manifest_disagreeing_with_shard_header_is_refused(tmp_path):
+    """A manifest rewritten consistently (READY updated too) still has to match the shards."""
+    import hashlib
+
+    _, manifest, path = written(tmp_path)
+    raw = json.loads(path.read_text())
+    raw["shards"][0]["tensors"][0]["dtype"] = "float16"
+    data = json.dumps(raw).encode()
+    path.write_bytes(data)
+    (manifest.folder / READY).write_text(hashlib.sha256(data).hexdigest())
+    with pytest.raises(ManifestError, match="manifest says float16"):
+        read_manifest(path)
+
+
+def test_garbage_collection_keeps_the_newest_versions(tmp_path):
+    for version in (1, 2, 3, 10):
+        write_version(tmp_path, version, iter(sample_tensors()), shard_bytes=1 << 20)
+    (tmp_path / ".v11.tmp").mkdir()  # a writer killed mid-write
+    collect_garbage(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v10", "v3"]
+
+
+def test_rewriting_a_version_replaces_it(tmp_path):
+    write_version(tmp_path, 4, iter(sample_tensors()), shard_bytes=1 << 20)
+    other = [("only", torch.ones(3))]
+    manifest = write_version(tmp_path, 4, iter(other), shard_bytes=1 << 20)
+    assert [n for n, _ in iter_tensors(read_manifest(manifest.folder / MANIFEST))] == ["only"]
+
+
+# -- broadcast group --------------------------------------------------------------------------
+
+
+def _receive(port: int, rank: int, world_size: int, bucket_metas: list[list[TensorMeta]], out) -> None:
+    store = broadcast_group.connect_store("127.0.0.1", port, world_size, timeout_s=60)
+    group = broadcast_group.join(store, "test", rank, world_size, "gloo", timeout_s=60)
+    hasher = WeightsHasher()
+    for metas in bucket_metas:
+        buffer = torch.empty(layout(metas)[1], dtype=torch.uint8)
+        group.broadcast(buffer)
+        for name, tensor in unpack(buffer, metas):
+            hasher.update(name, tensor)
+    group.close()
+    out.put((rank, hasher.hexdigest()))
+
+
+def test_gloo_broadcast_between_processes_is_bit_exact():
+    named = sample_tensors() * 3
+    named = [(f"{i}.{n}", t) for i, (n, t) in enumerate(named)]
+    buckets = list(iter_buckets(named, bucket_bytes=128))
+    assert len(buckets) > 2
+    packed = [pack(bucket, torch.device("cpu")) for bucket in buckets]
+    world_size = 3
+    store = broadcast_group.open_store("127.0.0.1", world_size, timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    receivers = [
+        ctx.Process(target=_receive, args=(store.port, rank, world_size, [m for _, m in packed], out))
+        for rank in range(1, world_size)
+    ]
+    for p in receivers:
+        p.start()
+    try:
+        group = broadcast_group.join(store, "test", 0, world_size, "gloo", timeout_s=60)
+        assert broadcast_group.arrived(store, "test") == world_size - 1
+        for buffer, _ in packed:
+            group.broadcast(buffer)
+        results = dict(out.get(timeout=60) for _ in receivers)
+        group.close()
+    finally:
+        for p in receivers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert results == {1: digest(named), 2: digest(named)}
+
+
+def test_backend_follows_the_tensors_device():
+    assert broadcast_group.backend_for(torch.device("cpu")) == "gloo"
+    assert broadcast_group.backend_for(torch.device("cuda", 0)) == "nccl"
+
+
+def _receive_nccl(port: int, out) -> None:
+    torch.cuda.set_device(1)
+    store = broadcast_group.connect_store("127.0.0.1", port, 2, timeout_s=60)
+    group = broadcast_group.join(store, "nccl", 1, 2, "nccl", timeout_s=60)
+    buffer = torch.empty(1000, dtype=torch.uint8, device=broadcast_group.buffer_device("nccl"))
+    group.broadcast(buffer)
+    out.put(buffer.cpu().tolist())
+    group.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="NCCL broadcast needs two CUDA devices")
+def test_nccl_broadcast_between_processes():
+    torch.cuda.set_device(0)
+    store = broadcast_group.open_store("127.0.0.1", 2, timeout_s=60)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    receiver = ctx.Process(target=_receive_nccl, args=(store.port, out))
+    receiver.start()
+    try:
+        sent = (torch.arange(1000) % 251).to(torch.uint8).cuda()
+        assert broadcast_group.backend_for(sent.device) == "nccl"
+        group = broadcast_group.join(store, "nccl", 0, 2, "nccl", timeout_s=60)
+        group.broadcast(sent)
+        assert out.get(timeout=60) == sent.cpu().tolist()
+        group.close()
+    finally:
+        receiver.join(timeout=30)
+        if receiver.is_alive():
+            receiver.kill()
+
+
+# -- sender plumbing and engine registration ---------------------------------------------------
+
+
+def test_run_together_breaks_the_collective_and_reports_the_earliest_step():
+    import asyncio
+
+    from fleetrl.weights.rpc import run_together
+
+    broken = asyncio.Event()
+
+    async def worker_call():
+        await asyncio.sleep(0.01)
+        raise RuntimeError("worker-1 rejected the bucket")
+
+    async def sender_broadcast():
+        await broken.wait()  # a blocked collective, until on_failure breaks it
+        raise RuntimeError("connection closed by peer")
+
+    with pytest.raises(RuntimeError, match="worker-1 rejected"):
+        asyncio.run(asyncio.wait_for(run_together(worker_call(), sender_broadcast(), on_failure=broken.set), 5))
+
+
+def test_the_sender_side_imports_neither_vllm_nor_engine_code():
+    import subprocess
+    import sys
+
+    code = ("import sys, fleetrl.weights.transport; "
+            "bad = [m for m in sys.modules if m == 'vllm' or m.startswith(('vllm.', 'fleetrl.engine'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_worker_extension_registers_the_backend_once():
+    pytest.importorskip("vllm")
+    import importlib
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    import fleetrl.engine.worker_extension as extension
+    from fleetrl.engine.weight_receiver import FleetrlWeightReceiver
+
+    importlib.reload(extension)  # a second import must not fail
+    assert WeightTransferEngineFactory._registry["fleetrl"]() is FleetrlWeightReceiver
+    assert all(name.startswith(("fleetrl_", "_fleetrl_")) for name in vars(extension.FleetrlWorkerExtension)
+               if not name.startswith("__"))
+
+
+def test_tied_layers_are_found_for_reprocessing():
+    pytest.importorskip("vllm")
+    from fleetrl.engine.weight_receiver import _tied_followers
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.body = torch.nn.Linear(4, 4)
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = model.embed.weight
+    assert _tied_followers(model) == [model.head]
