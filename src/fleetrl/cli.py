@@ -22,7 +22,7 @@ COMMANDS = {
     "verify": "Re-check a finished run directory's manifest and invariants.",
     "bench": "Run the benchmarks (see benchmarks/).",
 }
-NOT_BUILT = {"rl", "verify", "bench"}
+NOT_BUILT = {"bench"}
 DEFAULT_PROMPTS = ["Name three primary colors.", "What is 7 + 5?", "Write the word 'fleet' backwards."]
 
 
@@ -116,6 +116,17 @@ def run_command(args: argparse.Namespace, config: Config) -> int:
         print(f"fleetrl {args.command}: not built yet (see the open issues); "
               f"`fleetrl {args.command} --dry-run` shows the config it would use", file=sys.stderr)
         return 2
+    if args.command == "rl":
+        from fleetrl.rl import run_rl
+
+        return run_rl(config, make_fleet)
+    if args.command == "verify":
+        from fleetrl.rundir import verify_run
+
+        if args.run_dir is None:
+            raise FleetrlError("fleetrl verify needs a run directory: fleetrl verify RUN_DIR")
+        print(verify_run(args.run_dir))
+        return 0
     if args.command == "inference":
         return asyncio.run(run_inference(config, args.prompts or DEFAULT_PROMPTS))
     if args.command == "status":

@@ -135,6 +135,24 @@ class OrchestratorConfig(Section):
 
 class TrainerConfig(Section):
     world_size: int = Field(1, ge=1, description="Number of trainer ranks (torch.distributed).")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="The global gradient norm is clipped to this before each optimizer step."
+    )
+    micro_batch_tokens: int = Field(
+        4096, ge=1,
+        description="Rows x padded length of one forward/backward: bounds activation memory.",
+    )
+    clip_low: float = Field(
+        0.2, ge=0, le=1, description="PPO clip floor of the trainer/inference ratio, 1 - clip_low; 1 = off."
+    )
+    clip_high: float = Field(0.28, ge=0, description="PPO clip ceiling of the ratio, 1 + clip_high; inf = off.")
+    tis_cap: float = Field(
+        2.0, gt=0, description="Truncated importance sampling: the most weight a token's ratio may carry; inf = off."
+    )
+    checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = never).")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
 
 
 class RunConfig(Section):

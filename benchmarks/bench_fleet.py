@@ -1,0 +1,202 @@
+"""Native fleet benchmarks, measured side by side in one run and reported as ratios.
+
+    .venv/bin/python benchmarks/bench_fleet.py [--reps 3] [--workers 2]
+
+1. publish: one policy version to every worker by the broadcast transport, against a bare
+   torch.distributed broadcast of the same bytes, in the same buckets, to the same number of
+   receiver processes (the transport floor), and against the filesystem transport;
+2. data plane: completion tokens/s at 16 and 64 concurrent requests through fleetrl, against
+   a plain OpenAI client sending the same requests straight to the same vLLM servers;
+3. fence overhead: pause + version check + resume with no transfer, for 1 and for all workers.
+
+Results go to docs/benchmarks.md with the command line that produced them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import secrets
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fleetrl.config import InferenceConfig, ModelConfig
+from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.inference.vllm.launcher import SERVED_MODEL_NAME
+from fleetrl.inference.vllm.provider import VllmProvider
+from fleetrl.model import resolve_model
+from fleetrl.weights import group as bgroup
+from fleetrl.weights.transport import make_transport
+
+BUCKET_BYTES = 64 << 20
+
+
+def median_time(samples: list[float]) -> str:
+    return f"{statistics.median(samples):.3f} s (n={len(samples)}, min {min(samples):.3f})"
+
+
+# -- the transport floor: a bare broadcast of the same bytes to plain receiver processes ----
+
+def _floor_receiver(host: str, port: int, rank: int, world: int, sizes: list[int], reps: int) -> None:
+    store = bgroup.connect_store(host, port, world, 120)
+    for rep in range(reps):
+        g = bgroup.join(store, f"floor-{rep}", rank, world, "gloo", 120)
+        for size in sizes:
+            g.broadcast(torch.empty(size, dtype=torch.uint8))
+        g.close()
+
+
+def floor_broadcast(total_bytes: int, receivers: int, reps: int) -> list[float]:
+    sizes = [BUCKET_BYTES] * (total_bytes // BUCKET_BYTES) + ([total_bytes % BUCKET_BYTES] if total_bytes % BUCKET_BYTES else [])
+    world = receivers + 1
+    store = bgroup.open_store("127.0.0.1", world, 120)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_floor_receiver, args=("127.0.0.1", store.port, r, world, sizes, reps))
+             for r in range(1, world)]
+    for p in procs:
+        p.start()
+    buffers = [torch.randint(0, 255, (size,), dtype=torch.uint8) for size in sizes]
+    times = []
+    for rep in range(reps):
+        g = bgroup.join(store, f"floor-{rep}", 0, world, "gloo", 120)
+        started = time.perf_counter()
+        for buf in buffers:
+            g.broadcast(buf)
+        times.append(time.perf_counter() - started)
+        g.close()
+    for p in procs:
+        p.join(60)
+    return times
+
+
+# -- publish ---------------------------------------------------------------------------------
+
+async def bench_publish(fleet: Fleet, model: torch.nn.Module, reps: int, storage: Path) -> dict[str, list[float]]:
+    def weights():
+        return ((n, p.detach()) for n, p in model.named_parameters())
+
+    results: dict[str, list[float]] = {"broadcast": [], "filesystem": []}
+    transports = {kind: make_transport(kind, host="127.0.0.1", bucket_bytes=BUCKET_BYTES, storage_dir=storage / kind)
+                  for kind in results}
+    try:
+        for _ in range(reps):  # interleaved, so drift in machine load hits both alike
+            for kind, transport in transports.items():
+                report = await fleet.publish(fleet.version + 1, transport, weights)
+                assert not report.failed, report.failed
+                results[kind].append(report.seconds)
+    finally:
+        for transport in transports.values():
+            await transport.close()
+    return results
+
+
+# -- data plane ------------------------------------------------------------------------------
+
+async def tokens_per_s_fleet(fleet: Fleet, prompts: list[list[int]], concurrency: int, max_tokens: int) -> float:
+    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(prompt):
+        async with sem:
+            (out,) = await fleet.generate(GenerateRequest(prompt, sampling))
+            return len(out.token_ids)
+
+    started = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    return tokens / (time.perf_counter() - started)
+
+
+async def tokens_per_s_openai(urls: list[str], token: str, prompts: list[list[int]], concurrency: int,
+                              max_tokens: int) -> float:
+    from openai import AsyncOpenAI
+
+    clients = [AsyncOpenAI(base_url=f"{u}/v1", api_key=token, max_retries=0) for u in urls]
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i, prompt):
+        async with sem:
+            out = await clients[i % len(clients)].completions.create(
+                model=SERVED_MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=1.0,
+                logprobs=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+            return out.usage.completion_tokens
+
+    started = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    elapsed = time.perf_counter() - started
+    for c in clients:
+        await c.close()
+    return tokens / elapsed
+
+
+# -- fence -----------------------------------------------------------------------------------
+
+async def fence_once(fleet: Fleet, n: int) -> float:
+    admins = [fleet.provider.admin(w) for w in fleet.ready_workers()[:n]]
+    started = time.perf_counter()
+    await asyncio.gather(*(a.pause("keep") for a in admins))
+    versions = await asyncio.gather(*(a.version() for a in admins))
+    assert set(versions) == {fleet.version}
+    await asyncio.gather(*(a.resume() for a in admins))
+    return time.perf_counter() - started
+
+
+async def main(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model(ModelConfig())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    token = secrets.token_urlsafe(16)
+    with tempfile.TemporaryDirectory() as tmp:
+        provider = VllmProvider(InferenceConfig(workers=args.workers, max_model_len=512), model_dir, Path(tmp) / "logs", token)
+        fleet = Fleet(provider, discovery_interval_s=3600)
+        await fleet.start()
+        try:
+            print(f"\n# fleetrl native benchmarks: {args.workers} vLLM CPU workers, SmolLM2-135M fp32 "
+                  f"({total_bytes / 2**20:.0f} MiB of weights), {args.reps} reps\n")
+
+            fence = {n: [await fence_once(fleet, n) for _ in range(args.reps * 3)] for n in (1, args.workers)}
+            print(f"fence, 1 worker:  {median_time(fence[1])}")
+            print(f"fence, {args.workers} workers: {median_time(fence[args.workers])}")
+            print(f"  ratio {args.workers} workers / 1 worker: "
+                  f"{statistics.median(fence[args.workers]) / statistics.median(fence[1]):.2f}")
+
+            publish = await bench_publish(fleet, model, args.reps, Path(tmp))
+            floor = await asyncio.to_thread(floor_broadcast, total_bytes, args.workers, args.reps)
+            b, f, fl = (statistics.median(x) for x in (publish["broadcast"], publish["filesystem"], floor))
+            print(f"\npublish by broadcast:  {median_time(publish['broadcast'])}")
+            print(f"publish by filesystem: {median_time(publish['filesystem'])}")
+            print(f"bare gloo broadcast of the same bytes to {args.workers} receivers: {median_time(floor)}")
+            print(f"  ratio broadcast publish / bare broadcast: {b / fl:.2f}")
+            print(f"  ratio filesystem publish / broadcast publish: {f / b:.2f}")
+
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+            urls = [w.url for w in fleet.ready_workers()]
+            print()
+            for concurrency in (16, 64):
+                prompts = [prompt] * (concurrency * 2)
+                ours, theirs = [], []
+                for _ in range(args.reps):  # alternate the two clients
+                    ours.append(await tokens_per_s_fleet(fleet, prompts, concurrency, args.max_tokens))
+                    theirs.append(await tokens_per_s_openai(urls, token, prompts, concurrency, args.max_tokens))
+                o, t = statistics.median(ours), statistics.median(theirs)
+                print(f"data plane at {concurrency} concurrent: fleetrl {o:.0f} tok/s, plain OpenAI client {t:.0f} tok/s, "
+                      f"ratio fleetrl / plain {o / t:.2f}")
+        finally:
+            await fleet.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,95 @@
+"""What the orchestrator needs from an environment: prompts in, rewards out.
+
+An environment hands out an endless, seeded stream of tasks (chat messages plus whatever it
+needs to judge an answer) and scores one rollout at a time with a reward in [0, 1]. The
+orchestrator renders `task.messages` with the policy's chat template, samples a group of
+completions, and calls `score(env, rollout)` on each.
+
+A rollout carries its provenance (the version spans of its completion and the trainer step it
+is generated for), so an environment that keeps its own records (the `verifiers` adapter) can
+say which policy produced what. Built-in environments only read the task and the text.
+
+Environments are user code: `score` and `task_stream` turn anything they raise, and any reward
+that is not a finite number in [0, 1], into an `EnvError` naming the environment and the task,
+so one bad reward function stops the run with a clear line instead of a NaN in the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.types import VersionSpan
+
+
+class EnvError(FleetrlError):
+    """An environment failed or returned an unusable reward; the message names env and task."""
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str  # names the task in errors and records; the same seed yields the same ids
+    messages: list[dict[str, str]]  # chat messages ({"role", "content"}) the prompt is rendered from
+    answer: Any  # what `reward` judges against; its type is the environment's business
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One completion of a task, with the policy versions that produced it."""
+
+    task: Task
+    completion: str  # the decoded completion text, special tokens removed
+    spans: list[VersionSpan]  # as returned by the inference layer: the first starts at token 0
+    step: int  # the trainer step whose batch this rollout is generated for
+
+
+class Environment(Protocol):
+    name: str
+
+    def tasks(self, seed: int) -> Iterator[Task]:
+        """An endless stream of tasks; the same seed yields the same tasks in the same order."""
+        ...
+
+    def reward(self, rollout: Rollout) -> float:
+        """How good the completion is, in [0, 1]."""
+        ...
+
+
+def task_stream(env: Environment, seed: int) -> Iterator[Task]:
+    """`env.tasks(seed)`, with whatever the environment raises turned into an `EnvError`."""
+    index = 0  # of the task being generated, for the error message
+    try:
+        for task in env.tasks(seed):
+            yield task
+            index += 1
+    except EnvError:
+        raise
+    except Exception as e:
+        raise EnvError(f"env {env.name}: generating task {index} (seed {seed}) raised {one_line(e)}") from e
+
+
+def score(env: Environment, rollout: Rollout) -> float:
+    """`env.reward(rollout)`, checked to be a finite number in [0, 1]."""
+    where = f"env {env.name}: reward of task {rollout.task.id}"
+    try:
+        value = env.reward(rollout)
+    except EnvError:
+        raise
+    except Exception as e:
+        raise EnvError(f"{where} raised {one_line(e)}") from e
+    try:  # numpy scalars and bools are fine; None or a string is a bug in the env
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise EnvError(f"{where} is {value!r}, not a number") from None
+    if not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
+        raise EnvError(f"{where} is {reward!r}, outside [0, 1]")
+    return reward
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as `Type: first line of its message`; the full traceback stays chained."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

@@ -1,0 +1,1 @@
+"""Rollout scheduling, off-policy control, rewards and advantages, batch packing."""

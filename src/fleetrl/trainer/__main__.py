@@ -1,0 +1,36 @@
+"""Trainer ranks 1..N-1: `python -m fleetrl.trainer RUN_DIR MODEL_DIR`, started by `fleetrl rl`
+with torchrun-style environment variables. Rank 0 runs in the `fleetrl rl` process itself."""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fleetrl.batch import Batch, batch_path
+from fleetrl.config import load_config
+from fleetrl.trainer import distributed
+from fleetrl.trainer.loop import Hooks, train
+
+
+def main() -> None:
+    run_dir, model_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    config = load_config([run_dir / "config.toml"], [])
+    world = distributed.init()
+    torch.set_num_threads(max(1, torch.get_num_threads() // world.world_size))
+
+    def wait_batch(step: int) -> Batch:
+        # Rank 0 watches the orchestrator and ends this process if the run fails.
+        path = batch_path(run_dir, step)
+        while not path.exists():
+            time.sleep(0.1)
+        return Batch.load(path)
+
+    try:
+        train(config, run_dir, model_dir, world, Hooks(wait_batch=wait_batch), log=lambda *_: None)
+    finally:
+        distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The training loop every trainer rank runs: step n reads batch n and produces version n.
+
+Rank 0 also publishes: after each optimizer step all ranks gather the full weights (a
+collective on a sharded model) into a CPU snapshot on rank 0, which the fleet coordinator
+publishes as version n. The snapshot is kept until the next step so a worker that joins or
+must be refitted later gets exactly the published tensors, without asking the other ranks
+to take part in a collective at an arbitrary time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fleetrl.batch import Batch
+from fleetrl.config import Config
+from fleetrl.trainer import checkpoint
+from fleetrl.trainer.distributed import World
+from fleetrl.trainer.loss import LossConfig
+from fleetrl.trainer.model import load_policy, named_tensors
+from fleetrl.trainer.step import StepConfig, StepMetrics, build_optimizer, train_step
+
+Snapshot = dict[str, torch.Tensor]
+
+
+def step_config(config: Config) -> StepConfig:
+    t = config.trainer
+    return StepConfig(
+        lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        micro_batch_tokens=t.micro_batch_tokens, temperature=config.orchestrator.temperature,
+        loss=LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap),
+    )
+
+
+@dataclass
+class Hooks:
+    """What the loop needs from its surroundings; ranks > 0 get the no-op defaults."""
+
+    wait_batch: Callable[[int], Batch]
+    on_ready: Callable[[int], None] = lambda start: None  # after the refit: rollouts may begin
+    publish: Callable[[int, Snapshot], object] | None = None  # rank 0 only
+    on_step: Callable[[Batch, StepMetrics, object, float, float], None] = lambda *a: None
+
+
+def snapshot(model: torch.nn.Module, rank: int) -> Snapshot:
+    """The full weights on rank 0 (CPU copies); every rank must call this, in step."""
+    tensors = {}
+    for name, tensor in named_tensors(model):
+        if rank == 0:
+            tensors[name] = tensor.to("cpu", copy=True)
+    return tensors
+
+
+def train(config: Config, run_dir: Path, model_dir: Path, world: World, hooks: Hooks, log=print) -> None:
+    cfg = step_config(config)
+    model = load_policy(model_dir, world.device)
+    optimizer = build_optimizer(model, cfg)
+    ckpt_root = run_dir / "checkpoints"
+    start = checkpoint.load(ckpt_root, model, optimizer) or 0
+    if start:
+        log(f"fleetrl: resumed from checkpoint step {start}")
+        weights = snapshot(model, world.rank)
+        if hooks.publish:  # the fleet must serve the checkpoint's version before any rollout
+            hooks.publish(start, weights)
+    hooks.on_ready(start)
+    interval = config.trainer.checkpoint_interval
+    for step in range(start + 1, config.run.max_steps + 1):
+        batch = hooks.wait_batch(step)
+        started = time.time()
+        metrics = train_step(model, optimizer, batch, cfg)
+        finished = time.time()
+        weights = snapshot(model, world.rank)
+        report = hooks.publish(step, weights) if hooks.publish else None
+        if interval and (step % interval == 0 or step == config.run.max_steps):
+            checkpoint.save(ckpt_root, step, model, optimizer, keep=config.trainer.keep_checkpoints)
+        hooks.on_step(batch, metrics, report, started, finished)

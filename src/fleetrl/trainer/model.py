@@ -1,0 +1,92 @@
+"""The policy as the trainer holds it: a transformers causal LM, sharded with FSDP2 when the
+trainer has several ranks, and the iteration over its weights that a publish sends.
+
+Precision: the trainer keeps fp32 master weights, gradients and AdamW state everywhere. RL
+learning rates are tiny (1e-6 is common) and a bf16 weight cannot absorb an update that much
+smaller than itself, so bf16 *storage* would silently drop most updates. On CUDA the compute is
+bf16 (FSDP2's MixedPrecisionPolicy gathers bf16 copies of the parameters and reduces gradients
+in fp32; a single rank uses autocast), and the step turns logits into logprobs in fp32 because
+the importance ratio is a difference of two logprobs. On CPU everything is fp32: CPUs without
+native bf16 are several times slower in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def load_policy(path: Path, device: torch.device) -> nn.Module:
+    """The HF model in `path`, fp32 on `device`, in train mode; sharded when the default
+    process group has several ranks (every rank must call this)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.use_cache = False  # a training forward never reuses a KV cache
+    model.to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shard(model, device)
+    model.train()
+    return model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: no decoder layer list at base_model.layers to shard")
+    return layers
+
+
+def shard(model: nn.Module, device: torch.device) -> None:
+    """FSDP2 over every rank of the default group: one unit per decoder layer (so only one
+    layer's full weights exist at a time), and the root for the rest (embeddings, final norm,
+    head; tied embeddings stay together in the root)."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    # The loss is already normalized by the whole batch's token count (see loss.py), so the
+    # ranks' gradients must be summed, not averaged as FSDP does by default. A plain SUM
+    # reduction: gloo has no PREMUL_SUM, which FSDP would otherwise use for a custom factor.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def compute_precision(model: nn.Module, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for an unsharded model on CUDA; FSDP2 already casts a sharded one."""
+    if device.type == "cuda" and not is_sharded(model):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def named_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter once (tied weights under their first name), in registration order,
+    with HF names, as full tensors; cast to `dtype` if given (what the workers serve).
+
+    On a sharded model each step gathers one full tensor from every rank: all ranks must
+    iterate to the end, in step; only rank 0 has a use for the result.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensor = param.detach()
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            yield name, tensor if dtype is None else tensor.to(dtype)

@@ -1,0 +1,166 @@
+"""Built-in environments and the environment contract (hermetic: no model, no verifiers)."""
+
+import itertools
+import math
+import sys
+
+import pytest
+
+from fleetrl.envs import EnvError, Rollout, Task, get_environment, score, task_stream
+from fleetrl.envs.arithmetic import CORRECT_WEIGHT, FORMAT_WEIGHT
+from fleetrl.envs.reverse_text import levenshtein, similarity
+from fleetrl.inference.types import VersionSpan
+
+
+def rollout(task, completion):
+    return Rollout(task=task, completion=completion, spans=[VersionSpan(0, 0)], step=1)
+
+
+def take(env, seed, n=50):
+    return list(itertools.islice(task_stream(env, seed), n))
+
+
+@pytest.mark.parametrize("name", ["reverse_text", "arithmetic"])
+def test_task_streams_are_endless_and_reproducible_per_seed(name):
+    env = get_environment(name)
+    first = take(env, seed=7)
+    assert first == take(get_environment(name), seed=7)  # a fresh env, the same seed: the same tasks
+    assert first != take(env, seed=8)
+    assert len({t.id for t in first}) == len(first)
+    assert len(take(env, seed=7, n=5000)) == 5000
+    for task in first:
+        assert task.messages[-1]["role"] == "user" and task.messages[-1]["content"]
+
+
+def test_reverse_text_rewards_the_reversed_text():
+    env = get_environment("reverse_text")
+    for task in take(env, seed=0, n=20):
+        text = task.messages[-1]["content"].rsplit("Text: ", 1)[1]
+        assert 3 <= len(text) <= 5 and text.isalpha()
+        assert task.answer == text[::-1]
+        assert score(env, rollout(task, text[::-1])) == 1.0
+        # Formatting around the answer does not count against it.
+        assert score(env, rollout(task, f'  "{text[::-1].capitalize()}"\n')) == 1.0
+        assert score(env, rollout(task, "")) == 0.0
+        assert score(env, rollout(task, "Sure! Here is the reversed text you asked for: 12")) < 0.1
+
+
+def test_reverse_text_gives_partial_credit_for_near_misses():
+    task = Task(id="t", messages=[], answer="olleh")
+    env = get_environment("reverse_text")
+    assert score(env, rollout(task, "olleh")) == 1.0
+    assert score(env, rollout(task, "ollex")) == pytest.approx(0.8)
+    assert score(env, rollout(task, "hello")) == pytest.approx(0.2)  # echoing is not reversing
+    assert levenshtein("kitten", "sitting") == 3
+    assert similarity("", "") == 1.0
+
+
+def test_reverse_text_length_options():
+    env = get_environment("reverse_text", min_len=8, max_len=8)
+    assert all(len(t.answer) == 8 for t in take(env, seed=1))
+
+
+def test_arithmetic_tasks_and_answers():
+    env = get_environment("arithmetic", max_operand=9)
+    for task in take(env, seed=0, n=200):
+        question = task.messages[-1]["content"].removeprefix("What is ").split("?")[0]
+        a, op, b = question.split()
+        assert 0 <= int(a) <= 9 and 0 <= int(b) <= 9 and op in "+-*"
+        assert task.answer == eval(question)  # noqa: S307 - two small integers and an operator
+
+
+def test_arithmetic_reward_has_a_format_part_and_a_correctness_part():
+    env = get_environment("arithmetic")
+    task = Task(id="t", messages=[], answer=-6)
+    assert FORMAT_WEIGHT + CORRECT_WEIGHT == 1.0
+    assert score(env, rollout(task, "3 - 9 = -6. <answer>-6</answer>")) == 1.0
+    assert score(env, rollout(task, "<answer> -6 </answer>")) == 1.0
+    assert score(env, rollout(task, "<answer>6</answer>")) == FORMAT_WEIGHT  # checkable, wrong
+    assert score(env, rollout(task, "The answer is -6.")) == 0.0  # right, but not checkable
+    assert score(env, rollout(task, "<answer>minus six</answer>")) == 0.0
+    assert score(env, rollout(task, "<answer>-6</answer> or <answer>6</answer>")) == 0.0  # no hedging
+    assert score(env, rollout(task, "asdf qwer")) == 0.0
+
+
+def test_arithmetic_ops_option():
+    env = get_environment("arithmetic", ops="*")
+    assert all(" * " in t.messages[-1]["content"] for t in take(env, seed=3))
+
+
+class Stub:
+    """An environment whose reward function misbehaves in a chosen way."""
+
+    name = "stub"
+
+    def __init__(self, reward):
+        self._reward = reward
+
+    def tasks(self, seed):
+        for i in itertools.count():
+            if i == 2:
+                raise KeyError("row 2 is missing")
+            yield Task(id=f"{seed}-{i}", messages=[{"role": "user", "content": "hi"}], answer=None)
+
+    def reward(self, rollout):
+        return self._reward()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (math.nan, r"is nan, outside \[0, 1\]"),
+        (math.inf, r"is inf, outside \[0, 1\]"),
+        (-0.1, r"is -0.1, outside \[0, 1\]"),
+        (1.5, r"is 1.5, outside \[0, 1\]"),
+        (None, r"is None, not a number"),
+    ],
+)
+def test_unusable_rewards_become_env_errors_naming_env_and_task(value, message):
+    env = Stub(lambda: value)
+    task = next(env.tasks(0))
+    with pytest.raises(EnvError, match=rf"^env stub: reward of task 0-0 {message}$"):
+        score(env, rollout(task, "x"))
+
+
+def test_a_raising_reward_becomes_an_env_error():
+    def boom():
+        raise ZeroDivisionError("division by zero\nmore detail")
+
+    env = Stub(boom)
+    with pytest.raises(EnvError, match=r"^env stub: reward of task 0-0 raised ZeroDivisionError: division by zero$"):
+        score(env, rollout(next(env.tasks(0)), "x"))
+
+
+def test_rewards_at_the_bounds_and_numpy_like_numbers_are_fine():
+    env = Stub(lambda: True)
+    assert score(env, rollout(next(env.tasks(0)), "x")) == 1.0
+    assert score(Stub(lambda: 0), rollout(next(env.tasks(0)), "x")) == 0.0
+
+
+def test_a_raising_task_stream_becomes_an_env_error():
+    stream = task_stream(Stub(lambda: 0.5), seed=4)
+    assert [next(stream).id, next(stream).id] == ["4-0", "4-1"]
+    error = r"^env stub: generating task 2 \(seed 4\) raised KeyError: 'row 2 is missing'$"
+    with pytest.raises(EnvError, match=error):
+        next(stream)
+
+
+def test_unknown_environment_lists_the_known_ones():
+    with pytest.raises(EnvError, match=r"^unknown environment 'revers_text' \(known: reverse_text, arithmetic, "
+                                       r"verifiers:<taskset id>\)$"):
+        get_environment("revers_text")
+
+
+def test_bad_options_name_the_env_and_the_option():
+    with pytest.raises(EnvError, match=r"^env arithmetic: unknown option 'max_operands' \(accepted: max_operand, ops"):
+        get_environment("arithmetic", max_operands=5)
+    with pytest.raises(EnvError, match=r"^env arithmetic: ops must be a non-empty string of \+-\*, got '/'$"):
+        get_environment("arithmetic", ops="/")
+    with pytest.raises(EnvError, match=r"^env reverse_text: need 1 <= min_len <= max_len, got 5 and 2$"):
+        get_environment("reverse_text", min_len=5, max_len=2)
+
+
+def test_verifiers_envs_without_verifiers_installed_say_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # find_spec reports it missing
+    with pytest.raises(EnvError, match=r"^verifiers environments need the .verifiers. package: pip install"):
+        get_environment("verifiers:reverse-text")
