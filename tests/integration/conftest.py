@@ -1,6 +1,7 @@
 """Shared pieces of the integration tests: the real embedded model, real vLLM CPU servers."""
 
 import secrets
+import subprocess
 
 import pytest
 import pytest_asyncio
@@ -64,3 +65,18 @@ async def native_fleet(request, model_dir, tmp_path_factory):
     finally:
         await fleet.close()
         stop_all()
+
+
+def process_table() -> list[tuple[int, int, int]]:
+    """(pid, ppid, process group) of every process."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,pgid"], capture_output=True, text=True).stdout
+    return [tuple(map(int, line.split())) for line in out.splitlines()[1:]]
+
+
+def child_groups(pid: int) -> set[int]:
+    """The process groups fleetrl started: each server runs in its own, with its engine."""
+    return {pgid for _, ppid, pgid in process_table() if ppid == pid and pgid != pid}
+
+
+def alive_in(groups: set[int]) -> list[int]:
+    return [pid for pid, _, pgid in process_table() if pgid in groups]

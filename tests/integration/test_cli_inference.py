@@ -5,20 +5,7 @@ import subprocess
 import sys
 import time
 
-
-def process_table() -> list[tuple[int, int, int]]:
-    """(pid, ppid, process group) of every process."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,pgid"], capture_output=True, text=True).stdout
-    return [tuple(map(int, line.split())) for line in out.splitlines()[1:]]
-
-
-def child_groups(pid: int) -> set[int]:
-    """The process groups fleetrl started: each server runs in its own, with its engine."""
-    return {pgid for _, ppid, pgid in process_table() if ppid == pid and pgid != pid}
-
-
-def alive_in(groups: set[int]) -> list[int]:
-    return [pid for pid, _, pgid in process_table() if pgid in groups]
+from .conftest import alive_in, child_groups
 
 
 def fleetrl(*args, **kw):

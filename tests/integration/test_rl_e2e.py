@@ -1,0 +1,92 @@
+"""`fleetrl rl` end to end, as a user runs it: 2 vLLM CPU workers, 2 trainer ranks (FSDP2 over
+gloo), 5 orchestrator and 5 trainer steps, then `fleetrl verify` on what it left behind."""
+
+import json
+import subprocess
+import sys
+import time
+
+from .conftest import alive_in, child_groups
+
+STEPS = 5
+CONFIG = """
+[inference]
+workers = 2
+max_model_len = 512
+
+[orchestrator]
+env = "reverse_text"
+batch_prompts = 2
+group_size = 4
+max_tokens = 16
+
+[trainer]
+world_size = 2
+lr = 1e-5
+checkpoint_interval = 5
+
+[run]
+max_steps = 5
+"""
+
+
+def run_rl(tmp_path, k: int) -> tuple[subprocess.CompletedProcess, set[int]]:
+    config = tmp_path / "rl.toml"
+    config.write_text(CONFIG)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir", str(run_dir),
+                             "--orchestrator.max_off_policy_steps", str(k)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    groups: set[int] = set()
+    deadline = time.monotonic() + 1500
+    while proc.poll() is None and time.monotonic() < deadline:
+        groups |= child_groups(proc.pid)  # every server and trainer rank it starts
+        time.sleep(0.5)
+    if proc.poll() is None:
+        proc.kill()
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out[-5000:]
+    return run_dir, groups, out
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_common(run_dir, groups, out, k):
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert all(m["distance_max"] <= k for m in metrics), [m["distance_max"] for m in metrics]
+    # Every worker ends at the final version, holding exactly what the trainer sent.
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["version"] == STEPS
+    assert sorted(final["workers"]) == ["vllm-0", "vllm-1"]
+    for worker in final["workers"].values():
+        assert worker["version"] == STEPS
+        assert worker["checksums"] == [metrics[-1]["checksum"]]
+    assert len(final["tokens"]) == 16 and final["spans"] == [[STEPS, 0]]
+    assert (run_dir / "reward.png").stat().st_size > 0 and (run_dir / "off_policy.png").stat().st_size > 0
+    assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+    # No process is left: servers, engine cores and trainer ranks all ended with the run.
+    assert len(groups) >= 3 and not alive_in(groups)
+    verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stderr
+    assert f"max off-policy distance {max(m['distance_max'] for m in metrics)} <= k = {k}" in verify.stdout
+    return metrics
+
+
+def test_strictly_on_policy(tmp_path):
+    run_dir, groups, out = run_rl(tmp_path, k=0)
+    metrics = check_common(run_dir, groups, out, k=0)
+    assert all(m["distance_max"] == 0 for m in metrics)
+    # k = 0: sampling for batch n+1 starts only after step n has been published.
+    for prev, nxt in zip(metrics, metrics[1:]):
+        assert nxt["rollout_started"] >= prev["train_finished"]
+
+
+def test_one_step_off_policy_overlaps_rollouts_with_training(tmp_path):
+    run_dir, groups, out = run_rl(tmp_path, k=1)
+    metrics = check_common(run_dir, groups, out, k=1)
+    # k = 1: rollouts for step n+1 ran while step n trained (recorded timestamps).
+    overlaps = [nxt["rollout_started"] < prev["train_finished"] for prev, nxt in zip(metrics, metrics[1:])]
+    assert any(overlaps), [(m["rollout_started"], m["train_started"], m["train_finished"]) for m in metrics]
