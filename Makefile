@@ -8,7 +8,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	$(VENV)/bin/fleetrl inference @ configs/default.toml
+	$(VENV)/bin/fleetrl rl @ configs/default.toml
 
 # pytest exits 5 when it collected no test: that fails here like any other non-zero exit.
 test: setup

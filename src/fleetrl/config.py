@@ -123,6 +123,11 @@ class OrchestratorConfig(Section):
         "reverse_text",
         description="Environment: a built-in task (reverse_text, arithmetic) or verifiers:<env id>.",
     )
+    env_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword options of the environment (e.g. {max_len = 5} for reverse_text; "
+        "{config = {...}} for a verifiers taskset).",
+    )
     batch_prompts: int = Field(8, ge=1, description="Prompts per batch (one group of samples each).")
     group_size: int = Field(4, ge=1, description="Samples per prompt; GRPO normalizes rewards within a group.")
     normalize_advantages_std: bool = Field(
@@ -259,5 +264,7 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'

@@ -108,7 +108,12 @@ def run_rl(config: Config, make_fleet, log=print) -> int:
     check_config(config)
     run_dir = config.run.dir
     resume = prepare_run_dir(config)
-    env = get_environment(config.orchestrator.env)
+    options = dict(config.orchestrator.env_options)
+    if config.orchestrator.env.startswith("verifiers:"):
+        # verifiers users see each rollout's policy provenance in the episodes file.
+        options.setdefault("episodes_path", run_dir / "verifiers_episodes.jsonl")
+        options.setdefault("run_id", run_dir.name)
+    env = get_environment(config.orchestrator.env, **options)
     token = config.inference.admin_token or secrets.token_urlsafe(24)
     fleet, model_dir = make_fleet(config, token)
     from transformers import AutoTokenizer

@@ -63,7 +63,9 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    config = load_config([], [("inference.workers", "2"), ("inference.extra_args", '["--seed", "1"]')])
+    config = load_config([], [("inference.workers", "2"), ("inference.extra_args", '["--seed", "1"]'),
+                              ("orchestrator.env_options", '{max_len = 4, "odd key" = "x"}'),
+                              ("trainer.tis_cap", "inf")])
     out = tmp_path / "resolved.toml"
     out.write_text(to_toml(config))
     assert load_config([out], []) == config

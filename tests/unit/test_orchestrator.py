@@ -2,6 +2,8 @@
 
 import asyncio
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -42,11 +44,12 @@ class Env:
 
 
 async def make(k=0, env=None, step_s=0.001):
+    run_dir = Path(tempfile.mkdtemp(prefix="fleetrl-orch-"))
     provider = FakeProvider("a", "b", step_s=step_s)
     fleet = Fleet(provider, discovery_interval_s=3600, log=lambda *_: None)
     await fleet.start()
     config = OrchestratorConfig(max_off_policy_steps=k, batch_prompts=3, group_size=4, max_tokens=6)
-    orch = Orchestrator(fleet, env or Env(), Tokenizer(), config, run_dir=".", seed=0, log=lambda *_: None)
+    orch = Orchestrator(fleet, env or Env(), Tokenizer(), config, run_dir=run_dir, seed=0, log=lambda *_: None)
     return fleet, orch, FakeTransport(provider)
 
 

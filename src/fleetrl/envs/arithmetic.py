@@ -22,10 +22,16 @@ CORRECT_WEIGHT = 0.8
 
 OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
-PROMPT = (
-    "What is {a} {op} {b}? Think briefly if you need to, then give the final result as an "
-    "integer inside answer tags, like <answer>42</answer>."
-)
+PROMPT = "What is {a} {op} {b}? Give the final result as an integer inside answer tags: <answer>N</answer>."
+
+# Two worked examples open the conversation: without them SmolLM2-135M-Instruct almost never
+# uses the tags (base reward ~0, no signal); with them 84% of samples do and 30% are right.
+EXAMPLES = [
+    {"role": "user", "content": PROMPT.format(a=3, op="+", b=4)},
+    {"role": "assistant", "content": "3 + 4 = 7\n<answer>7</answer>"},
+    {"role": "user", "content": PROMPT.format(a=6, op="*", b=7)},
+    {"role": "assistant", "content": "6 * 7 = 42\n<answer>42</answer>"},
+]
 
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 _INTEGER = re.compile(r"[-+]?\d+")
@@ -50,7 +56,7 @@ class Arithmetic:
             op = rng.choice(self.ops)
             yield Task(
                 id=f"{seed}-{index}",
-                messages=[{"role": "user", "content": PROMPT.format(a=a, op=op, b=b)}],
+                messages=[*EXAMPLES, {"role": "user", "content": PROMPT.format(a=a, op=op, b=b)}],
                 answer=OPERATORS[op](a, b),
             )
             index += 1
