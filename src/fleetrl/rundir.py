@@ -16,7 +16,6 @@ and reports the first violation.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 from fleetrl.batch import Batch, off_policy_distance
 from fleetrl.config import load_config
 from fleetrl.errors import FleetrlError
+from fleetrl.files import sha256_file
 
 MANIFEST = "manifest.json"
 UNLISTED = ("logs", "weights")  # logs change after the fact; weights/ is the transport's scratch
@@ -31,14 +31,6 @@ UNLISTED = ("logs", "weights")  # logs change after the fact; weights/ is the tr
 
 class VerifyError(FleetrlError):
     pass
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def artifacts(run_dir: Path) -> list[Path]:

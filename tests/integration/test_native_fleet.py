@@ -109,21 +109,32 @@ async def test_publish_two_versions(native_fleet, base_weights, probe, tmp_path_
         await transport.close()
 
 
+async def greedy_response(fleet, prompt, max_tokens):
+    (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
+    return out
+
+
+async def publish_during_request(fleet, base_weights, storage, kind, prompt, max_tokens):
+    """Start a greedy request, publish the next version by `kind` while it runs, return it."""
+    version = fleet.version + 1
+    transport = make_transport(kind, host="127.0.0.1", bucket_bytes=32 << 20, storage_dir=storage)
+    try:
+        in_flight = asyncio.create_task(greedy_response(fleet, prompt, max_tokens))
+        await asyncio.sleep(2.0)
+        await fleet.publish(version, transport, perturbed(base_weights, seed=version))
+        return await in_flight
+    finally:
+        await transport.close()
+
+
 async def test_span_boundary_is_exactly_where_the_weights_changed(native_fleet, base_weights, tokenizer,
                                                                   tmp_path_factory):
     """Keep mode: a request in flight across a publish gets two spans, split at the exact token."""
     old = native_fleet.version
     prompt = chat_ids(tokenizer, "Write a long story about a lighthouse keeper.")
     reference = await greedy(native_fleet, prompt, 400)  # all at `old`
-    transport = make_transport("broadcast", host="127.0.0.1", bucket_bytes=32 << 20,
-                               storage_dir=tmp_path_factory.mktemp("weights-span"))
-    try:
-        in_flight = asyncio.create_task(greedy_response(native_fleet, prompt, 400))
-        await asyncio.sleep(2.0)
-        await native_fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
-        out = await in_flight
-    finally:
-        await transport.close()
+    out = await publish_during_request(native_fleet, base_weights, tmp_path_factory.mktemp("weights-span"),
+                                       "broadcast", prompt, 400)
     assert [s.version for s in out.spans] == [old, old + 1], out.spans
     boundary = out.spans[1].start
     assert 0 < boundary < 400
@@ -134,25 +145,16 @@ async def test_span_boundary_is_exactly_where_the_weights_changed(native_fleet, 
     assert continuation[0] != reference[boundary]  # the weights really changed right there
 
 
-async def greedy_response(fleet, prompt, max_tokens):
-    (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
-    return out
-
-
 async def test_abort_mode_continues_and_joins_spans(native_fleet, base_weights, tokenizer, tmp_path_factory):
+    """Abort mode: the cut request is continued after the publish and its spans joined."""
     old = native_fleet.version
     prompt = chat_ids(tokenizer, "List every prime number you know, one per line.")
-    transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=32 << 20,
-                               storage_dir=tmp_path_factory.mktemp("weights-abort"))
     native_fleet.pause_mode = "abort"
     try:
-        in_flight = asyncio.create_task(greedy_response(native_fleet, prompt, 300))
-        await asyncio.sleep(2.0)
-        await native_fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
-        out = await in_flight
+        out = await publish_during_request(native_fleet, base_weights, tmp_path_factory.mktemp("weights-abort"),
+                                           "filesystem", prompt, 300)
     finally:
         native_fleet.pause_mode = "keep"
-        await transport.close()
     assert len(out.token_ids) == 300
     assert [s.version for s in out.spans] == [old, old + 1], out.spans
     boundary = out.spans[1].start

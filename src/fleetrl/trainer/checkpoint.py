@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fleetrl.files import fsync_dir
 from fleetrl.trainer import distributed
 
 PREFIX = "step_"
@@ -69,7 +70,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
 
     if distributed.rank() == 0:
         _write_synced(tmp / COMPLETE, json.dumps({"step": step, "world_size": distributed.world_size()}))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # a step saved again (a resumed run): the new one replaces it
             stale = root / f".stale-{final.name}"
             os.rename(final, stale)
@@ -77,7 +78,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
             shutil.rmtree(stale)
         else:
             os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         _prune(root, keep)
     _barrier()
     return final
@@ -123,14 +124,6 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager

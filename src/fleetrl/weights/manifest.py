@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fleetrl.errors import FleetrlError
+from fleetrl.files import fsync_dir, sha256_file
 from fleetrl.weights.buckets import TensorMeta, iter_buckets
 from fleetrl.weights.checksum import WeightsHasher
 
@@ -62,14 +63,6 @@ def version_dir(storage_dir: Path, version: int) -> Path:
     return storage_dir / f"v{version}"
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _write_durably(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
@@ -82,14 +75,6 @@ def _write_durably(path: Path, data: bytes) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_version(storage_dir: Path, version: int, named: Iterable[tuple[str, torch.Tensor]],
@@ -111,7 +96,7 @@ def write_version(storage_dir: Path, version: int, named: Iterable[tuple[str, to
             save_file(dict(cpu), str(path))
             path.chmod(0o644)  # safetensors creates 0600; workers may run as another user
             _fsync_file(path)
-            shards.append(Shard(path.name, path.stat().st_size, file_sha256(path),
+            shards.append(Shard(path.name, path.stat().st_size, sha256_file(path),
                                 [TensorMeta.of(name, tensor) for name, tensor in cpu]))
         manifest = Manifest(target, version, hasher.hexdigest(), shards)
         manifest_bytes = json.dumps(_to_json(manifest), indent=1).encode()
@@ -122,7 +107,7 @@ def write_version(storage_dir: Path, version: int, named: Iterable[tuple[str, to
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     _write_durably(target / READY, hashlib.sha256(manifest_bytes).hexdigest().encode())
-    _fsync_dir(target)
+    fsync_dir(target)
     return manifest
 
 
@@ -193,7 +178,7 @@ def _verify_shard(path: Path, shard: Shard) -> None:
         raise ManifestError(f"{where}: shard is missing")
     if path.stat().st_size != shard.size:
         raise ManifestError(f"{where}: size {path.stat().st_size}, manifest says {shard.size}")
-    if file_sha256(path) != shard.sha256:
+    if sha256_file(path) != shard.sha256:
         raise ManifestError(f"{where}: sha256 differs from the manifest (corrupted shard)")
     with safe_open(str(path), framework="pt") as f:
         if set(f.keys()) != {t.name for t in shard.tensors}:
