@@ -3,14 +3,19 @@ processes, exact per-token versions, and a worker killed in the middle of a publ
 
 import asyncio
 import copy
+import json
+import subprocess
+import sys
 
 import httpx
 import pytest
 import torch
 
+from fleetrl.config import InferenceConfig
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.probe import PROBE_TEXTS, probe_fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan, WorkerState
+from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.weights.transport import make_transport
 
 from .conftest import chat_ids
@@ -63,6 +68,28 @@ async def test_generation_spreads_over_workers_with_v0_spans(native_fleet, token
         assert len(out.logprobs) == len(out.token_ids) > 0
         assert all(lp <= 0 for lp in out.logprobs)
         assert out.finish_reason in ("stop", "length")
+
+
+async def test_attach_mode_and_status_see_the_same_workers(native_fleet, tokenizer, model_dir, tmp_path):
+    """A second coordinator attached by URL (servers started elsewhere) serves at v0 too."""
+    urls = [w.url for w in native_fleet.workers.values()]
+    token = native_fleet.provider.token
+    config = InferenceConfig(urls=urls, admin_token=token)
+    attached = Fleet(VllmProvider(config, model_dir, tmp_path, token), discovery_interval_s=3600,
+                     log=lambda *_: None)
+    await attached.start()
+    try:
+        assert sorted(w.id for w in attached.ready_workers()) == sorted(urls)
+        (out,) = await attached.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
+        assert out.worker_id in urls and out.spans == [VersionSpan(0, 0)]
+    finally:
+        await attached.close()
+    assert not attached.provider.launched  # attaching starts nothing, and closing stops nothing
+    assert all(w.state == WorkerState.READY for w in native_fleet.workers.values())
+    status = subprocess.run([sys.executable, "-m", "fleetrl", "status", "--inference.urls", json.dumps(urls),
+                             "--inference.admin_token", token], capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.count("up  version=v0  serving") == 2
 
 
 async def test_admin_routes_refuse_requests_without_the_token(native_fleet):

@@ -28,7 +28,9 @@ def load_policy(path: Path, device: torch.device) -> nn.Module:
     """The HF model in `path`, fp32 on `device`, in train mode; sharded when the default
     process group has several ranks (every rank must call this)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # fleetrl prints its own progress, a line per step
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False  # a training forward never reuses a KV cache
     model.to(device)
