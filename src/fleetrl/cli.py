@@ -146,11 +146,14 @@ def make_fleet(config: Config, token: str):
     from fleetrl.inference.vllm.provider import VllmProvider
     from fleetrl.model import resolve_model
 
-    if config.inference.provider != "vllm":
-        raise FleetrlError(f"inference.provider = {config.inference.provider!r} is not built yet; use 'vllm'")
     model_dir = resolve_model(config.model)
-    provider = VllmProvider(config.inference, model_dir, config.run.dir / "logs", token)
-    fleet = Fleet(provider, pause_mode=config.inference.pause_mode,
+    if config.inference.provider == "dynamo":
+        from fleetrl.inference.dynamo.provider import DynamoProvider
+
+        provider = DynamoProvider(config.inference, model_dir, config.run.dir)
+    else:
+        provider = VllmProvider(config.inference, model_dir, config.run.dir / "logs", token)
+    fleet = Fleet(provider, pause_mode=config.inference.resolved_pause_mode(),
                   discovery_interval_s=config.inference.discovery_interval_s)
     return fleet, model_dir
 

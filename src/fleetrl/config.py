@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fleetrl.errors import FleetrlError
 
@@ -80,10 +80,11 @@ class InferenceConfig(Section):
         None,
         description="Bearer token the admin routes require; unset = a fresh random token per run.",
     )
-    pause_mode: Literal["keep", "abort", "wait"] = Field(
-        "keep",
+    pause_mode: Literal["keep", "abort", "wait"] | None = Field(
+        None,
         description="How a publish pauses workers: keep (in-flight requests continue on the new "
-        "weights), abort (they are cut and continued), wait (drained first).",
+        "weights), abort (they are cut and continued), wait (drained first); unset = keep for "
+        "vllm, wait for dynamo (its worker reports no per-token versions).",
     )
     discovery_interval_s: float = Field(
         5.0, gt=0, description="How often the fleet re-discovers workers and checks their health."
@@ -110,6 +111,17 @@ class InferenceConfig(Section):
         default_factory=list,
         description="Extra command-line arguments passed verbatim to every launched vLLM server.",
     )
+
+
+    @model_validator(mode="after")
+    def _pause_mode_fits_provider(self) -> "InferenceConfig":
+        if self.provider == "dynamo" and self.pause_mode not in (None, "wait"):
+            raise ValueError("pause_mode must be 'wait' with the dynamo provider (its worker reports no "
+                             "per-token versions, so a request must not straddle a publish)")
+        return self
+
+    def resolved_pause_mode(self) -> str:
+        return self.pause_mode or ("wait" if self.provider == "dynamo" else "keep")
 
 
 class OrchestratorConfig(Section):

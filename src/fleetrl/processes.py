@@ -75,7 +75,10 @@ def _die_with_parent() -> None:
 
 
 def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
-                  cwd: Path | None = None) -> ManagedProcess:
+                  cwd: Path | None = None, watches_parent: bool = False) -> ManagedProcess:
+    """Start `argv` in a new process group. Unless the program `watches_parent` itself (and
+    then takes its own group down when fleetrl dies, children included), the kernel kills it
+    when fleetrl dies."""
     _install_handlers()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
@@ -87,7 +90,7 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             cwd=cwd,
-            preexec_fn=_die_with_parent,
+            preexec_fn=os.setsid if watches_parent else _die_with_parent,
         )
     finally:
         log.close()

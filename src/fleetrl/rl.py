@@ -42,6 +42,9 @@ from fleetrl.weights.transport import make_transport
 
 
 def check_config(config: Config) -> None:
+    if config.inference.provider == "dynamo":
+        raise ConfigError("inference.provider = 'dynamo': publishing weights to Dynamo workers is not built "
+                          "yet, so `fleetrl rl` runs on 'vllm' only (`fleetrl inference` works on both)")
     o = config.orchestrator
     # vLLM reports logprobs of the untempered distribution; the importance ratio is only
     # right if the samples came from that same distribution.

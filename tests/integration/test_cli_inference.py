@@ -41,3 +41,23 @@ def test_ctrl_c_during_startup_stops_the_servers(tmp_path, model_dir):
     while alive_in(groups) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive_in(groups)
+
+
+def test_servers_die_with_a_killed_fleetrl(tmp_path, model_dir):
+    """SIGKILL leaves fleetrl no chance to clean up: its servers, engine cores included, must
+    notice on their own and end."""
+    proc = fleetrl("--run.dir", str(tmp_path))
+    groups: set[int] = set()
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        groups |= child_groups(proc.pid)
+        if groups and len(alive_in(groups)) >= 3:  # API server, engine core, its worker
+            break
+        time.sleep(0.5)
+    assert len(alive_in(groups)) >= 3, "the server never got its engine going"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while alive_in(groups) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive_in(groups)

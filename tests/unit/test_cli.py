@@ -33,6 +33,8 @@ def test_at_file_without_space(tmp_path, capsys):
         (["rl", "@", "/nonexistent.toml"], "config file not found: /nonexistent.toml"),
         (["inference", "--model.path", "/nonexistent-model"], "model.path: /nonexistent-model does not exist"),
         (["status"], "fleetrl status needs inference.urls"),
+        (["rl", "--inference.provider", "dynamo"], "publishing weights to Dynamo workers is not built yet"),
+        (["rl", "--orchestrator.temperature", "0.7"], "fleetrl rl samples at orchestrator.temperature = 1"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(args, message, capsys):

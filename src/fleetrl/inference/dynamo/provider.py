@@ -1,0 +1,94 @@
+"""The Dynamo provider: a frontend that routes, and workers that Dynamo discovers.
+
+fleetrl launches the deployment (launcher.py), learns the workers from the frontend's RL
+discovery (discovery.py), sends rollouts through the frontend pinned to the worker the
+coordinator chose (data.py), and drives each worker's admin routes directly (admin.py).
+
+Versions are sequence-level: Dynamo's vLLM worker reports none with its tokens, so each
+completion gets the one version the fence record proves produced it (`sequence_version`),
+and a completion it cannot attribute is sampled again rather than mis-versioned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from fleetrl.config import InferenceConfig
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo.admin import DynamoAdminClient
+from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, sequence_version, with_span
+from fleetrl.inference.dynamo.discovery import list_rl_workers
+from fleetrl.inference.dynamo.launcher import DynamoDeployment, launch_dynamo
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
+
+# A completion is attributable unless a whole pause-resume happened while it was in flight;
+# this many of those in a row means the fleet publishes faster than it samples.
+ATTEMPTS = 3
+
+
+class DynamoProvider:
+    name = "dynamo"
+
+    def __init__(self, config: InferenceConfig, model_dir: Path, run_dir: Path, log=print) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.run_dir = run_dir
+        self.log = log
+        self.deployment: DynamoDeployment | None = None
+        self._data: DynamoDataClient | None = None
+        self._discovery = httpx.AsyncClient(timeout=10.0)
+        self._admins: dict[str, DynamoAdminClient] = {}
+
+    async def start(self) -> None:
+        self.deployment = await launch_dynamo(self.model_dir, self.config, self.config.workers, self.run_dir, self.log)
+        self._data = DynamoDataClient(self.deployment.frontend_url, self.config.request_timeout_s)
+
+    async def discover(self) -> list[WorkerInfo]:
+        return await list_rl_workers(self._discovery, self._started().rl_url)
+
+    async def generate(self, worker: WorkerInfo, request: GenerateRequest,
+                       prompt_suffix: list[int] = ()) -> list[GenerateResponse]:
+        admin = self.admin(worker)
+        for _ in range(ATTEMPTS):
+            at_dispatch = admin.fence
+            if at_dispatch.paused or at_dispatch.version is None:
+                raise FleetrlError(f"worker {worker.id}: request {request.request_id} sent to a worker that is "
+                                   f"paused or was never given a version ({worker.url})")
+            responses = await gather_samples(self._started_data(), worker.id, request, list(prompt_suffix))
+            version = sequence_version(at_dispatch, admin.fence)
+            if version is not None:
+                return [with_span(r, version) for r in responses]
+            self.log(f"fleetrl: worker {worker.id}: request {request.request_id} straddled a publish; sampling it again")
+        raise FleetrlError(f"worker {worker.id}: request {request.request_id} straddled {ATTEMPTS} publishes in a row")
+
+    async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int]) -> list[float]:
+        return await self._started_data().prompt_logprobs(worker.id, token_ids)
+
+    def admin(self, worker: WorkerInfo) -> DynamoAdminClient:
+        known = self._admins.get(worker.id)
+        if known is None or known.url != worker.url:
+            self._admins[worker.id] = DynamoAdminClient(worker.id, worker.url, self.config.admin_timeout_s,
+                                                        self.config.admin_retries)
+        return self._admins[worker.id]
+
+    async def close(self) -> None:
+        for admin in self._admins.values():
+            await admin.close()
+        self._admins.clear()
+        if self._data:
+            await self._data.close()
+        await self._discovery.aclose()
+        if self.deployment:
+            self.deployment.stop()
+
+    def _started(self) -> DynamoDeployment:
+        if self.deployment is None:
+            raise FleetrlError("the Dynamo provider was used before start()")
+        return self.deployment
+
+    def _started_data(self) -> DynamoDataClient:
+        if self._data is None:
+            raise FleetrlError("the Dynamo provider was used before start()")
+        return self._data

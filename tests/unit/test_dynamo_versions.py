@@ -1,0 +1,45 @@
+"""Hermetic pieces of the Dynamo provider: sequence-level versions from the fence record,
+RL discovery entries, and the pause modes the upstream worker allows."""
+
+import pytest
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo.admin import DynamoAdminClient, FenceRecord
+from fleetrl.inference.dynamo.data import sequence_version
+from fleetrl.inference.dynamo.discovery import parse_worker
+from fleetrl.inference.types import WorkerRole
+
+READY_V3 = FenceRecord(pauses=2, resumes=2, paused=False, version=3)
+
+
+def test_no_pause_in_flight_gives_the_dispatch_version():
+    assert sequence_version(READY_V3, READY_V3) == 3
+
+
+def test_pause_without_resume_before_receipt_gives_the_dispatch_version():
+    # Paused and even set to v4, but not resumed: the engine produced nothing since the pause.
+    during = FenceRecord(pauses=3, resumes=2, paused=True, version=4)
+    assert sequence_version(READY_V3, during) == 3
+
+
+def test_a_resume_before_receipt_makes_the_version_unknown():
+    after = FenceRecord(pauses=3, resumes=3, paused=False, version=4)
+    assert sequence_version(READY_V3, after) is None
+
+
+def test_rl_worker_entry_becomes_a_worker():
+    entry = {"component": "prefill", "instance_id": 42, "system_url": "http://127.0.0.1:9/", "world_size": 2}
+    worker = parse_worker(entry, "http://x/v1/rl/workers")
+    assert (worker.id, worker.url, worker.role, worker.world_size) == ("42", "http://127.0.0.1:9", WorkerRole.PREFILL, 2)
+    assert parse_worker({**entry, "component": "backend"}, "").role == WorkerRole.AGGREGATED
+    with pytest.raises(FleetrlError, match="system URL"):
+        parse_worker({"instance_id": 1}, "http://x/v1/rl/workers")
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_only_wait_pauses_are_accepted(mode):
+    admin = DynamoAdminClient("7", "http://127.0.0.1:9", timeout_s=1, retries=0)
+    with pytest.raises(FleetrlError, match="worker 7: pause"):
+        await admin.pause(mode)
+    assert admin.fence == FenceRecord()  # nothing sent, nothing counted
+    await admin.close()
