@@ -165,3 +165,15 @@ def test_join_completions_shifts_spans():
     assert joined.token_ids == [1, 2, 3, 4, 5]
     assert joined.spans == [VersionSpan(0, 0), VersionSpan(1, 2), VersionSpan(2, 4)]
     assert joined.finish_reason == "length" and joined.worker_id == "a+b"
+
+
+async def test_request_on_a_worker_that_dies_is_retried_elsewhere():
+    fleet, provider, _ = await started("a", "b", step_s=0.01)
+    first = asyncio.create_task(fleet.generate(request(max_tokens=30, session_id="s")))
+    await asyncio.sleep(0.05)
+    victim = fleet._sticky["s"]
+    provider.engines[victim].alive = False
+    (out,) = await first
+    assert out.worker_id != victim and len(out.token_ids) == 30
+    assert fleet.workers[victim].state == WorkerState.DEAD
+    await fleet.close()

@@ -235,23 +235,26 @@ class Fleet:
         return [await self._continue_aborted(request, r) for r in responses]
 
     async def _generate_once(self, request: GenerateRequest, suffix: list[int]) -> list[GenerateResponse]:
-        for attempt in range(3):
+        """One request on one ready worker; if that worker died under it, once more elsewhere
+        (twice at most), so a single lost worker does not fail a rollout."""
+        retries_left = 2
+        while True:
             worker = await self._acquire(request.session_id)
             fleet_version = self.version
             try:
                 responses = await self.provider.generate(worker, request, suffix)
+                break
             except FleetrlError as e:
-                if await self.provider.admin(worker).health() or attempt == 2:
+                if retries_left == 0 or await self.provider.admin(worker).health():
                     raise
+                retries_left -= 1
                 self._mark(worker, WorkerState.DEAD, f"died serving {request.request_id}: {e}")
                 await self._notify()
-                continue
             finally:
                 self._inflight[worker.id] -= 1
-            for response in responses:
-                self._check_versions(worker, response, fleet_version)
-            return responses
-        raise AssertionError("unreachable")
+        for response in responses:
+            self._check_versions(worker, response, fleet_version)
+        return responses
 
     def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, dispatched_at: int) -> None:
         """Second line of defence: the engine's spans must lie within what the fleet published."""
