@@ -75,7 +75,9 @@ def process_table() -> list[tuple[int, int, int]]:
 
 def child_groups(pid: int) -> set[int]:
     """The process groups fleetrl started: each server runs in its own, with its engine."""
-    return {pgid for _, ppid, pgid in process_table() if ppid == pid and pgid != pid}
+    # fleetrl starts each in a new session: the child leads its own group. Other children
+    # (multiprocessing's resource tracker, say) share the caller's group and are not counted.
+    return {pgid for child, ppid, pgid in process_table() if ppid == pid and pgid == child}
 
 
 def alive_in(groups: set[int]) -> list[int]:
