@@ -2,6 +2,8 @@
 
 import secrets
 import subprocess
+import sys
+from contextlib import contextmanager
 
 import pytest
 import pytest_asyncio
@@ -82,3 +84,27 @@ def child_groups(pid: int) -> set[int]:
 
 def alive_in(groups: set[int]) -> list[int]:
     return [pid for pid, _, pgid in process_table() if pgid in groups]
+
+
+def _term_with_parent() -> None:
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@contextmanager
+def fleetrl_process(*args: str):
+    """`python -m fleetrl ARGS` as a user runs it. It gets SIGTERM (and so stops everything it
+    started) if the test ends early or pytest itself dies."""
+    proc = subprocess.Popen([sys.executable, "-m", "fleetrl", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_term_with_parent)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()

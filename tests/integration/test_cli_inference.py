@@ -1,25 +1,22 @@
 """The README's main job, `fleetrl inference`, as a user runs it: a real vLLM CPU server."""
 
 import signal
-import subprocess
-import sys
 import time
 
-from .conftest import alive_in, child_groups
+from .conftest import alive_in, child_groups, fleetrl_process
 
 
-def fleetrl(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "fleetrl", "inference", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
+def fleetrl(*args):
+    return fleetrl_process("inference", *args)
 
 
 def test_inference_samples_prints_and_leaves_no_process(tmp_path, model_dir):
-    proc = fleetrl("--prompt", "What is 2 + 2?", "--orchestrator.max_tokens", "12", "--run.dir", str(tmp_path))
-    groups: set[int] = set()
-    while proc.poll() is None:  # note the server's process group while it runs
-        groups |= child_groups(proc.pid)
-        time.sleep(0.5)
-    out = proc.stdout.read()
+    with fleetrl("--prompt", "What is 2 + 2?", "--orchestrator.max_tokens", "12", "--run.dir", str(tmp_path)) as proc:
+        groups: set[int] = set()
+        while proc.poll() is None:  # note the server's process group while it runs
+            groups |= child_groups(proc.pid)
+            time.sleep(0.5)
+        out = proc.stdout.read()
     assert proc.returncode == 0, out
     assert "> What is 2 + 2?" in out and "versions v0@0" in out and "worker vllm-0" in out
     assert (tmp_path / "logs" / "vllm-0.log").exists()
@@ -27,14 +24,14 @@ def test_inference_samples_prints_and_leaves_no_process(tmp_path, model_dir):
 
 
 def test_ctrl_c_during_startup_stops_the_servers(tmp_path, model_dir):
-    proc = fleetrl("--run.dir", str(tmp_path))
-    deadline = time.monotonic() + 300
-    while not (groups := child_groups(proc.pid)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert groups, "the server never started"
-    time.sleep(5)  # let it spawn its engine core
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    with fleetrl("--run.dir", str(tmp_path)) as proc:
+        deadline = time.monotonic() + 300
+        while not (groups := child_groups(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert groups, "the server never started"
+        time.sleep(5)  # let it spawn its engine core
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     assert "fleetrl: interrupted" in out
     deadline = time.monotonic() + 30
@@ -46,17 +43,17 @@ def test_ctrl_c_during_startup_stops_the_servers(tmp_path, model_dir):
 def test_servers_die_with_a_killed_fleetrl(tmp_path, model_dir):
     """SIGKILL leaves fleetrl no chance to clean up: its servers, engine cores included, must
     notice on their own and end."""
-    proc = fleetrl("--run.dir", str(tmp_path))
-    groups: set[int] = set()
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        groups |= child_groups(proc.pid)
-        if groups and len(alive_in(groups)) >= 3:  # API server, engine core, its worker
-            break
-        time.sleep(0.5)
-    assert len(alive_in(groups)) >= 3, "the server never got its engine going"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    with fleetrl("--run.dir", str(tmp_path)) as proc:
+        groups: set[int] = set()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            groups |= child_groups(proc.pid)
+            if groups and len(alive_in(groups)) >= 3:  # API server, engine core, its worker
+                break
+            time.sleep(0.5)
+        assert len(alive_in(groups)) >= 3, "the server never got its engine going"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
     deadline = time.monotonic() + 30
     while alive_in(groups) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -5,8 +5,9 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from .conftest import alive_in, child_groups
+from .conftest import alive_in, child_groups, fleetrl_process
 
 STEPS = 5
 CONFIG = """
@@ -30,21 +31,19 @@ max_steps = 5
 """
 
 
-def run_rl(tmp_path, k: int) -> tuple[subprocess.CompletedProcess, set[int]]:
+def run_rl(tmp_path, k: int) -> tuple[Path, set[int], str]:
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir", str(run_dir),
-                             "--orchestrator.max_off_policy_steps", str(k)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    groups: set[int] = set()
-    deadline = time.monotonic() + 1500
-    while proc.poll() is None and time.monotonic() < deadline:
-        groups |= child_groups(proc.pid)  # every server and trainer rank it starts
-        time.sleep(0.5)
-    if proc.poll() is None:
-        proc.kill()
-    out = proc.stdout.read()
+    with fleetrl_process("rl", "@", str(config), "--run.dir", str(run_dir),
+                         "--orchestrator.max_off_policy_steps", str(k)) as proc:
+        groups: set[int] = set()
+        deadline = time.monotonic() + 1500
+        while proc.poll() is None and time.monotonic() < deadline:
+            groups |= child_groups(proc.pid)  # every server and trainer rank it starts
+            time.sleep(0.5)
+        assert proc.poll() is not None, "the run did not finish in time"
+        out = proc.stdout.read()
     assert proc.returncode == 0, out[-5000:]
     return run_dir, groups, out
 

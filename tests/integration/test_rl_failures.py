@@ -11,7 +11,7 @@ import time
 
 from fleetrl.trainer import checkpoint
 
-from .conftest import alive_in, child_groups
+from .conftest import alive_in, child_groups, fleetrl_process
 
 CONFIG = """
 [inference]
@@ -38,8 +38,7 @@ max_steps = 4
 def start(tmp_path):
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG)
-    return subprocess.Popen([sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir", str(tmp_path / "run")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return fleetrl_process("rl", "@", str(config), "--run.dir", str(tmp_path / "run"))
 
 
 def rank1_pid(parent: int) -> int | None:
@@ -53,17 +52,17 @@ def rank1_pid(parent: int) -> int | None:
 
 def test_dead_rank_ends_the_run_cleanly_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(tmp_path)
-    groups: set[int] = set()
-    killed = False
-    deadline = time.monotonic() + 1200
-    while proc.poll() is None and time.monotonic() < deadline:
-        groups |= child_groups(proc.pid)
-        if not killed and checkpoint.latest(run_dir / "checkpoints"):
-            os.kill(rank1_pid(proc.pid), signal.SIGKILL)
-            killed = True
-        time.sleep(0.3)
-    out = proc.stdout.read()
+    with start(tmp_path) as proc:
+        groups: set[int] = set()
+        killed = False
+        deadline = time.monotonic() + 1200
+        while proc.poll() is None and time.monotonic() < deadline:
+            groups |= child_groups(proc.pid)
+            if not killed and checkpoint.latest(run_dir / "checkpoints"):
+                os.kill(rank1_pid(proc.pid), signal.SIGKILL)
+                killed = True
+            time.sleep(0.3)
+        out = proc.stdout.read()
     assert killed, out[-3000:]
     assert proc.returncode == 1, out[-3000:]
     error = [line for line in out.splitlines() if line.startswith("fleetrl: error:")]
@@ -73,8 +72,8 @@ def test_dead_rank_ends_the_run_cleanly_and_the_run_resumes(tmp_path):
     assert checkpoint.latest(run_dir / "checkpoints")[0] == 2
 
     # The same command resumes after step 2, refitting the fleet to v2 first.
-    proc = start(tmp_path)
-    out, _ = proc.communicate(timeout=1200)
+    with start(tmp_path) as proc:
+        out, _ = proc.communicate(timeout=1200)
     assert proc.returncode == 0, out[-3000:]
     assert "resuming after step 2" in out
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

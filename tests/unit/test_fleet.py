@@ -142,7 +142,7 @@ async def test_vanished_worker_is_dead_and_no_worker_at_all_is_an_error():
 
 async def test_requests_spread_by_load_and_stick_by_session():
     fleet, provider, _ = await started("a", "b")
-    outs = await asyncio.gather(*(fleet.generate(request(max_tokens=5)) for _ in range(8)))
+    await asyncio.gather(*(fleet.generate(request(max_tokens=5)) for _ in range(8)))
     assert provider.engines["a"].served == provider.engines["b"].served == 4
     sticky = [await fleet.generate(request(max_tokens=2, session_id="s1")) for _ in range(4)]
     assert len({o.worker_id for (o,) in sticky}) == 1
