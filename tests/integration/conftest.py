@@ -3,7 +3,7 @@
 import secrets
 import subprocess
 import sys
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 import pytest_asyncio
@@ -60,7 +60,13 @@ async def native_fleet(request, model_dir, tmp_path_factory):
     config = InferenceConfig(workers=workers, max_model_len=512, admin_timeout_s=120, startup_timeout_s=900)
     log_dir = tmp_path_factory.mktemp("fleet-logs")
     provider = VllmProvider(config, model_dir, log_dir, secrets.token_urlsafe(16))
-    fleet = Fleet(provider, discovery_interval_s=3600)
+    async with running(Fleet(provider, discovery_interval_s=3600)) as fleet:
+        yield fleet
+
+
+@asynccontextmanager
+async def running(fleet: Fleet):
+    """A started fleet, closed (and every process stopped) however the block ends."""
     try:
         await fleet.start()
         yield fleet

@@ -9,9 +9,8 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan, WorkerRole, WorkerState
-from fleetrl.processes import stop_all
 
-from .conftest import chat_ids
+from .conftest import chat_ids, running
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -22,13 +21,8 @@ async def dynamo_fleet(model_dir, tmp_path_factory):
     config = InferenceConfig(provider="dynamo", workers=1, max_model_len=512, admin_timeout_s=120,
                              startup_timeout_s=900)
     provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-run"))
-    fleet = Fleet(provider, pause_mode="wait", discovery_interval_s=3600)
-    try:
-        await fleet.start()
+    async with running(Fleet(provider, pause_mode="wait", discovery_interval_s=3600)) as fleet:
         yield fleet
-    finally:
-        await fleet.close()
-        stop_all()
 
 
 async def test_worker_is_discovered_ready_at_v0(dynamo_fleet):
