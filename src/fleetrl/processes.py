@@ -12,6 +12,7 @@ import atexit
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -72,6 +73,13 @@ def _die_with_parent() -> None:
     os.setsid()
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port(host: str) -> int:
+    """A port on `host` that is free now (a child process binds it moments later)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,

@@ -30,10 +30,9 @@ from fleetrl.envs import get_environment
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet, PublishReport
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerState
-from fleetrl.inference.vllm.launcher import free_port
 from fleetrl.orchestrator.rollouts import Orchestrator
 from fleetrl.plots import write_plots
-from fleetrl.processes import ManagedProcess, start_process
+from fleetrl.processes import ManagedProcess, free_port, start_process
 from fleetrl.rundir import read_metrics, write_manifest
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.loop import Hooks, Snapshot, train

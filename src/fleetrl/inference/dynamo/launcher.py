@@ -23,8 +23,7 @@ import httpx
 
 from fleetrl.config import InferenceConfig
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.vllm.launcher import free_port
-from fleetrl.processes import ManagedProcess, start_process
+from fleetrl.processes import ManagedProcess, free_port, start_process
 
 SERVED_MODEL_NAME = "policy"
 NAMESPACE = "fleetrl"

