@@ -109,7 +109,41 @@ class InferenceConfig(Section):
     )
     extra_args: list[str] = Field(
         default_factory=list,
-        description="Extra command-line arguments passed verbatim to every launched vLLM server.",
+        description="Extra command-line arguments passed verbatim to every launched vLLM server "
+        "(or Dynamo vLLM worker).",
+    )
+    dynamo_frontend_url: str | None = Field(
+        None,
+        description="Dynamo attach mode: base URL of a running frontend's OpenAI API; unset = "
+        "fleetrl launches a frontend and `workers` workers.",
+    )
+    dynamo_rl_url: str | None = Field(
+        None,
+        description="Dynamo attach mode: base URL of that frontend's RL discovery "
+        "(its DYN_RL_PORT; fleetrl reads GET /v1/rl/workers).",
+    )
+    dynamo_namespace: str = Field(
+        "fleetrl", description="Dynamo namespace of the launched frontend and workers (DYN_NAMESPACE)."
+    )
+    dynamo_component: str = Field(
+        "backend",
+        description="Component whose RL workers the launched frontend lists (DYN_RL_COMPONENT); "
+        "dynamo.vllm registers aggregated workers as `backend`.",
+    )
+    dynamo_discovery: Literal["file", "etcd", "kubernetes"] = Field(
+        "file",
+        description="Discovery backend of launched Dynamo processes (DYN_DISCOVERY_BACKEND): file "
+        "(a folder in the run dir; one machine), etcd, or kubernetes.",
+    )
+    dynamo_etcd_endpoints: list[str] = Field(
+        default_factory=list,
+        description="etcd endpoints for dynamo_discovery = etcd (ETCD_ENDPOINTS); unset = Dynamo's "
+        "default, http://localhost:2379.",
+    )
+    dynamo_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment for every launched Dynamo process (e.g. NATS_SERVER, "
+        "POD_NAMESPACE); overrides fleetrl's own settings.",
     )
 
 
@@ -118,6 +152,17 @@ class InferenceConfig(Section):
         if self.provider == "dynamo" and self.pause_mode not in (None, "wait"):
             raise ValueError("pause_mode must be 'wait' with the dynamo provider (its worker reports no "
                              "per-token versions, so a request must not straddle a publish)")
+        return self
+
+    @model_validator(mode="after")
+    def _dynamo_fields_fit(self) -> "InferenceConfig":
+        if (self.dynamo_frontend_url is None) != (self.dynamo_rl_url is None):
+            raise ValueError("dynamo_frontend_url and dynamo_rl_url: set both (attach to a running "
+                             "Dynamo deployment) or neither (launch one)")
+        if self.dynamo_frontend_url and self.provider != "dynamo":
+            raise ValueError("dynamo_frontend_url is set but provider is not 'dynamo'")
+        if self.dynamo_etcd_endpoints and self.dynamo_discovery != "etcd":
+            raise ValueError("dynamo_etcd_endpoints is set but dynamo_discovery is not 'etcd'")
         return self
 
     def resolved_pause_mode(self) -> str:

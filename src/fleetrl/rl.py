@@ -41,9 +41,6 @@ from fleetrl.weights.transport import make_transport
 
 
 def check_config(config: Config) -> None:
-    if config.inference.provider == "dynamo":
-        raise ConfigError("inference.provider = 'dynamo': publishing weights to Dynamo workers is not built "
-                          "yet, so `fleetrl rl` runs on 'vllm' only (`fleetrl inference` works on both)")
     o = config.orchestrator
     # vLLM reports logprobs of the untempered distribution; the importance ratio is only
     # right if the samples came from that same distribution.
@@ -224,15 +221,17 @@ def run_rl(config: Config, make_fleet, log=print) -> int:
 
 
 async def final_generation(fleet: Fleet, tokenizer) -> dict:
-    """A 16-token greedy sample from the final policy, and every worker's version + checksum."""
+    """A 16-token greedy sample from the final policy, and every worker's version; each
+    worker checks that all its ranks hold the weights of the trainer's last checksum."""
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write one sentence about the sea."}],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)
     (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)))
     workers = {}
     for worker in fleet.ready_workers():
         admin = fleet.provider.admin(worker)
-        workers[worker.id] = {"version": await admin.version(),
-                              "checksums": await admin.collective_rpc("fleetrl_weight_checksum")}
+        if fleet.checksum is not None:
+            await admin.verify_weights(fleet.checksum)
+        workers[worker.id] = {"version": await admin.version(), "checksum": fleet.checksum}
     return {"version": fleet.version, "tokens": out.token_ids, "text": tokenizer.decode(out.token_ids),
             "spans": [[s.version, s.start] for s in out.spans], "workers": workers}
 

@@ -1,5 +1,6 @@
 """Shared pieces of the integration tests: the real embedded model, real vLLM CPU servers."""
 
+import copy
 import secrets
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 
 from fleetrl.config import InferenceConfig, ModelConfig
 from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.probe import PROBE_TEXTS
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.processes import stop_all
@@ -43,6 +45,33 @@ def base_weights(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     return model
+
+
+def perturbed(model: torch.nn.Module, seed: int, scale: float = 0.05):
+    """Weights of policy version `seed`: the model's own plus deterministic noise, big enough
+    that greedy decoding differs from the base model at almost every position."""
+
+    def named_tensors():
+        for i, (name, param) in enumerate(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed * 1000 + i))
+            yield name, (param.detach() + scale * noise).contiguous()
+
+    return named_tensors
+
+
+def model_with(base: torch.nn.Module, named_tensors) -> torch.nn.Module:
+    model = copy.deepcopy(base)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in named_tensors():
+            params[name].copy_(tensor)
+    return model
+
+
+@pytest.fixture(scope="session")
+def probe(tokenizer):
+    """Token ids of the texts that probe_fleet scores on every worker."""
+    return [tokenizer(text)["input_ids"] for text in PROBE_TEXTS]
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:

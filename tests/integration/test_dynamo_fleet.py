@@ -1,5 +1,8 @@
-"""The Dynamo provider with real processes: a Dynamo frontend and one of Dynamo's own vLLM
-workers on the embedded model, driven by the fleet coordinator."""
+"""The Dynamo provider with real processes: a Dynamo frontend and two of Dynamo's own vLLM
+workers on the embedded model, driven by the fleet coordinator, with real weight transfers
+through the workers' RL admin routes."""
+
+import asyncio
 
 import pytest
 import pytest_asyncio
@@ -8,40 +11,44 @@ from fleetrl.config import InferenceConfig
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.probe import probe_fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan, WorkerRole, WorkerState
+from fleetrl.weights.transport import make_transport
 
-from .conftest import chat_ids, running
+from .conftest import chat_ids, model_with, perturbed, running
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def dynamo_fleet(model_dir, tmp_path_factory):
-    """Frontend + 1 worker for the whole module; always stopped, pass or fail."""
-    config = InferenceConfig(provider="dynamo", workers=1, max_model_len=512, admin_timeout_s=120,
+    """Frontend + 2 workers for the whole module; always stopped, pass or fail."""
+    config = InferenceConfig(provider="dynamo", workers=2, max_model_len=512, admin_timeout_s=120,
                              startup_timeout_s=900)
     provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-run"))
     async with running(Fleet(provider, pause_mode="wait", discovery_interval_s=3600)) as fleet:
         yield fleet
 
 
-async def test_worker_is_discovered_ready_at_v0(dynamo_fleet):
-    (worker,) = dynamo_fleet.workers.values()
-    assert worker.state == WorkerState.READY and worker.version == 0
-    assert worker.role == WorkerRole.AGGREGATED and worker.world_size == 1
-    assert worker.url.startswith("http://127.0.0.1:")
-    # Re-discovery keeps the worker's identity.
-    assert [w.id for w in await dynamo_fleet.provider.discover()] == [worker.id]
-    assert await dynamo_fleet.provider.admin(worker).version() == 0
+async def test_workers_are_discovered_ready_at_v0(dynamo_fleet):
+    workers = list(dynamo_fleet.workers.values())
+    assert len(workers) == 2
+    for worker in workers:
+        assert worker.state == WorkerState.READY and worker.version == 0
+        assert worker.role == WorkerRole.AGGREGATED and worker.world_size == 1
+        assert worker.url.startswith("http://127.0.0.1:")
+        assert await dynamo_fleet.provider.admin(worker).version() == 0
+    # Re-discovery keeps the workers' identities.
+    assert sorted(w.id for w in await dynamo_fleet.provider.discover()) == sorted(w.id for w in workers)
 
 
 async def test_generation_through_the_frontend_has_v0_spans(dynamo_fleet, tokenizer):
-    (worker,) = dynamo_fleet.workers.values()
     prompt = chat_ids(tokenizer, "Tell me a fact about the sea.")
-    outs = await dynamo_fleet.generate(GenerateRequest(prompt, SamplingParams(max_tokens=8, seed=1), n=2))
-    assert len(outs) == 2
+    requests = [GenerateRequest(prompt, SamplingParams(max_tokens=8, seed=i), n=2) for i in range(4)]
+    outs = [o for group in await asyncio.gather(*(dynamo_fleet.generate(r) for r in requests)) for o in group]
+    assert len(outs) == 8
+    assert {o.worker_id for o in outs} == set(dynamo_fleet.workers)
     for out in outs:
-        assert out.worker_id == worker.id
         assert out.spans == [VersionSpan(0, 0)]
         assert 0 < len(out.token_ids) == len(out.logprobs) <= 8
         assert all(lp <= 0 for lp in out.logprobs)
@@ -53,7 +60,7 @@ async def test_generation_through_the_frontend_has_v0_spans(dynamo_fleet, tokeni
 
 
 async def test_prompt_logprobs_score_the_greedy_continuation(dynamo_fleet, tokenizer):
-    (worker,) = dynamo_fleet.workers.values()
+    worker = next(iter(dynamo_fleet.workers.values()))
     prompt = chat_ids(tokenizer, "Name a colour.")
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     (out,) = await dynamo_fleet.generate(GenerateRequest(prompt, greedy))
@@ -63,7 +70,7 @@ async def test_prompt_logprobs_score_the_greedy_continuation(dynamo_fleet, token
 
 
 async def test_admin_plane_pauses_resumes_and_sets_versions(dynamo_fleet, tokenizer):
-    (worker,) = dynamo_fleet.workers.values()
+    worker = next(iter(dynamo_fleet.workers.values()))
     admin = dynamo_fleet.provider.admin(worker)
     assert await admin.health()
     with pytest.raises(FleetrlError, match="pause_mode"):
@@ -80,5 +87,42 @@ async def test_admin_plane_pauses_resumes_and_sets_versions(dynamo_fleet, tokeni
     assert await admin.version() == 0
     (out,) = await dynamo_fleet.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
     assert out.spans == [VersionSpan(0, 0)]
-    with pytest.raises(FleetrlError, match="per-rank results"):
-        await admin.collective_rpc("fleetrl_weight_checksum")
+    # At v0 the worker holds the weights it loaded, not any a sender checksummed.
+    with pytest.raises(FleetrlError, match="weight checksum None"):
+        await admin.verify_weights("0" * 64)
+
+
+async def test_probe_agrees_with_transformers_at_v0(dynamo_fleet, base_weights, probe):
+    results = await probe_fleet(dynamo_fleet, base_weights, probe)
+    assert {r.worker_id for r in results} == set(dynamo_fleet.workers)
+    for r in results:
+        assert r.max_abs_diff < 2e-3, r
+
+
+@pytest.mark.parametrize("kind, versions", [("broadcast", (1, 2)), ("filesystem", (3,))])
+async def test_publish_through_the_admin_routes(dynamo_fleet, base_weights, probe, tokenizer, tmp_path_factory,
+                                                kind, versions):
+    transport = make_transport(kind, host="127.0.0.1", bucket_bytes=32 << 20,
+                               storage_dir=tmp_path_factory.mktemp(f"weights-{kind}"))
+    try:
+        for version in versions:
+            weights = perturbed(base_weights, seed=version)
+            report = await dynamo_fleet.publish(version, transport, weights)
+            assert sorted(report.ready) == sorted(dynamo_fleet.workers) and not report.failed, report
+            for worker in dynamo_fleet.workers.values():
+                admin = dynamo_fleet.provider.admin(worker)
+                assert worker.state == WorkerState.READY and worker.version == version
+                assert await admin.version() == version
+                await admin.verify_weights(report.checksum)
+                with pytest.raises(FleetrlError, match="weight checksum"):
+                    await admin.verify_weights("0" * 64)
+            # The served weights are the published ones, not merely labelled so.
+            for r in await probe_fleet(dynamo_fleet, model_with(base_weights, weights), probe):
+                assert r.max_abs_diff < 2e-3, r
+            for r in await probe_fleet(dynamo_fleet, base_weights, probe):
+                assert r.mean_abs_diff > 0.05, r
+            (out,) = await dynamo_fleet.generate(GenerateRequest(chat_ids(tokenizer, "Hi"),
+                                                                 SamplingParams(max_tokens=4)))
+            assert out.spans == [VersionSpan(version, 0)]
+    finally:
+        await transport.close()

@@ -2,53 +2,25 @@
 processes, exact per-token versions, and a worker killed in the middle of a publish."""
 
 import asyncio
-import copy
 import json
 import subprocess
 import sys
 
 import httpx
 import pytest
-import torch
 
 from fleetrl.config import InferenceConfig
 from fleetrl.inference.fleet import Fleet
-from fleetrl.inference.probe import PROBE_TEXTS, probe_fleet
+from fleetrl.inference.probe import probe_fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.weights.transport import make_transport
 
-from .conftest import chat_ids
+from .conftest import chat_ids, model_with, perturbed
 
 WORKERS = 2
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def perturbed(model: torch.nn.Module, seed: int, scale: float = 0.05):
-    """Weights of policy version `seed`: the model's own plus deterministic noise, big enough
-    that greedy decoding differs from the base model at almost every position."""
-
-    def named_tensors():
-        for i, (name, param) in enumerate(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed * 1000 + i))
-            yield name, (param.detach() + scale * noise).contiguous()
-
-    return named_tensors
-
-
-def model_with(base: torch.nn.Module, named_tensors) -> torch.nn.Module:
-    model = copy.deepcopy(base)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in named_tensors():
-            params[name].copy_(tensor)
-    return model
-
-
-@pytest.fixture(scope="module")
-def probe(tokenizer):
-    return [tokenizer(text)["input_ids"] for text in PROBE_TEXTS]
 
 
 async def greedy(fleet: Fleet, prompt: list[int], max_tokens: int) -> list[int]:

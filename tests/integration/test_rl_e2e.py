@@ -62,7 +62,7 @@ def check_common(run_dir, groups, out, k):
     assert sorted(final["workers"]) == ["vllm-0", "vllm-1"]
     for worker in final["workers"].values():
         assert worker["version"] == STEPS
-        assert worker["checksums"] == [metrics[-1]["checksum"]]
+        assert worker["checksum"] == metrics[-1]["checksum"]
     assert len(final["tokens"]) == 16 and final["spans"] == [[STEPS, 0]]
     assert (run_dir / "reward.png").stat().st_size > 0 and (run_dir / "off_policy.png").stat().st_size > 0
     assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()

@@ -63,10 +63,10 @@ class FakeAdmin:
         self._check("set_version")
         self.engine.version = version
 
-    async def collective_rpc(self, method: str, args=None, timeout_s=None) -> list:
-        self._check(method)
-        assert method == "fleetrl_weight_checksum"
-        return [self.engine.checksum]
+    async def verify_weights(self, checksum: str) -> None:
+        self._check("verify_weights")
+        if self.engine.checksum != checksum:
+            raise FleetrlError(f"worker {self.worker_id}: checksum {self.engine.checksum} != sender's {checksum}")
 
     async def close(self) -> None:
         pass
@@ -131,6 +131,7 @@ class FakeTransport:
     def __init__(self, provider: FakeProvider) -> None:
         self.provider = provider
         self.fail_worker: str | None = None  # this worker breaks the transfer
+        self.kill_worker: str | None = None  # dies mid-transfer; a survivor reports the error
         self.corrupt_worker: str | None = None  # this worker ends with a wrong checksum
         self.transfers: list[tuple[list[str], int]] = []
 
@@ -138,6 +139,13 @@ class FakeTransport:
         ids = [w.worker_id for w in workers]
         self.transfers.append((ids, version))
         list(named_tensors())  # the transport consumes the weights
+        if self.kill_worker in ids:
+            self.provider.engines[self.kill_worker].alive = False
+            self.kill_worker = None
+            survivor = next(i for i in ids if self.provider.engines[i].alive)
+            error = FleetrlError(f"worker {survivor}: update_weights failed: connection reset by peer")
+            error.worker_id = survivor
+            raise error
         for worker_id in ids:
             if worker_id == self.fail_worker:
                 error = FleetrlError(f"worker {worker_id}: update_weights failed: injected")

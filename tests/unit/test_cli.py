@@ -33,7 +33,8 @@ def test_at_file_without_space(tmp_path, capsys):
         (["rl", "@", "/nonexistent.toml"], "config file not found: /nonexistent.toml"),
         (["inference", "--model.path", "/nonexistent-model"], "model.path: /nonexistent-model does not exist"),
         (["status"], "fleetrl status needs inference.urls"),
-        (["rl", "--inference.provider", "dynamo"], "publishing weights to Dynamo workers is not built yet"),
+        (["rl", "--inference.provider", "dynamo", "--inference.dynamo_frontend_url", "http://h:8000"],
+         "dynamo_frontend_url and dynamo_rl_url: set both"),
         (["rl", "--orchestrator.temperature", "0.7"], "fleetrl rl samples at orchestrator.temperature = 1"),
     ],
 )

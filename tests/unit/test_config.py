@@ -95,3 +95,29 @@ def test_pause_mode_follows_the_provider():
     assert load_config([], [("inference.provider", "dynamo")]).inference.resolved_pause_mode() == "wait"
     with pytest.raises(ConfigError, match="pause_mode must be 'wait' with the dynamo provider"):
         load_config([], [("inference.provider", "dynamo"), ("inference.pause_mode", "keep")])
+
+
+def test_dynamo_attach_and_discovery_fields():
+    attach = [("inference.provider", "dynamo"), ("inference.dynamo_frontend_url", "http://fe:8000"),
+              ("inference.dynamo_rl_url", "http://fe:8001")]
+    assert load_config([], attach).inference.dynamo_rl_url == "http://fe:8001"
+    with pytest.raises(ConfigError, match="set both"):
+        load_config([], attach[:2])
+    with pytest.raises(ConfigError, match="provider is not 'dynamo'"):
+        load_config([], attach[1:])
+    with pytest.raises(ConfigError, match="dynamo_discovery is not 'etcd'"):
+        load_config([], [("inference.dynamo_etcd_endpoints", '["http://etcd:2379"]')])
+
+
+def test_launched_dynamo_processes_get_the_discovery_backend(tmp_path):
+    from fleetrl.inference.dynamo.launcher import deployment_env
+
+    local = deployment_env(load_config([], [("inference.provider", "dynamo")]).inference, tmp_path)
+    assert local["DYN_DISCOVERY_BACKEND"] == "file" and local["DYN_FILE_KV"] == str(tmp_path)
+    assert local["DYN_SYSTEM_HOST"] == "127.0.0.1" and local["DYN_NAMESPACE"] == "fleetrl"
+    etcd = load_config([], [("inference.provider", "dynamo"), ("inference.dynamo_discovery", "etcd"),
+                            ("inference.dynamo_etcd_endpoints", '["http://e1:2379", "http://e2:2379"]'),
+                            ("inference.dynamo_env", '{NATS_SERVER = "nats://n:4222"}')]).inference
+    env = deployment_env(etcd, tmp_path)
+    assert env["DYN_DISCOVERY_BACKEND"] == "etcd" and "DYN_FILE_KV" not in env
+    assert env["ETCD_ENDPOINTS"] == "http://e1:2379,http://e2:2379" and env["NATS_SERVER"] == "nats://n:4222"

@@ -38,7 +38,7 @@ def test_rl_worker_entry_becomes_a_worker():
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_only_wait_pauses_are_accepted(mode):
-    admin = DynamoAdminClient("7", "http://127.0.0.1:9", timeout_s=1, retries=0)
+    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0)
     with pytest.raises(FleetrlError, match="worker 7: pause"):
         await admin.pause(mode)
     assert admin.fence == FenceRecord()  # nothing sent, nothing counted

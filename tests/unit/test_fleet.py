@@ -93,6 +93,17 @@ async def test_worker_that_breaks_the_transfer_is_dropped_and_the_rest_retried()
     await fleet.close()
 
 
+async def test_peer_that_dies_mid_transfer_is_dropped_even_when_a_survivor_reports_the_error():
+    # In a collective the survivor's "connection reset" surfaces first and names the survivor.
+    fleet, provider, transport = await started("a", "b")
+    transport.kill_worker = "b"
+    report = await fleet.publish(1, transport, weights)
+    assert report.ready == ["a"] and "connection reset" in report.failed["b"]
+    assert transport.transfers == [(["a", "b"], 1), (["a"], 1)]
+    assert fleet.workers["b"].state == WorkerState.DEAD and fleet.workers["a"].state == WorkerState.READY
+    await fleet.close()
+
+
 async def test_wrong_checksum_leaves_worker_stale_and_paused():
     fleet, provider, transport = await started("a", "b")
     transport.corrupt_worker = "b"

@@ -4,7 +4,8 @@ fleetrl.engine.worker_extension.FleetrlWorkerExtension`).
 vLLM imports this module in every worker process before it builds the worker's
 weight-transfer engine, so importing it is what registers the `fleetrl` backend
 (`--weight-transfer-config '{"backend": "fleetrl"}'`). The methods below are reachable
-through `/collective_rpc`; each returns one result per rank. Every name starts with
+through `/collective_rpc`, which returns one result per rank, or through a Dynamo worker's
+`engine_rpc` routes, which return none: the `fleetrl_verify_*` checks raise instead. Every name starts with
 `fleetrl_`: vLLM refuses an extension whose attribute names clash with the worker's.
 """
 
@@ -41,3 +42,13 @@ class FleetrlWorkerExtension:
         the group when any rank of any worker is not in its current one (a restarted worker)."""
         receiver = self._fleetrl_receiver()
         return receiver.group.name if receiver and receiver.group else ""
+
+    def fleetrl_verify_weights(self, checksum: str) -> None:
+        held = self.fleetrl_weight_checksum()
+        if held != checksum:
+            raise RuntimeError(f"rank {self.rank}: weight checksum {held} != sender's {checksum}")
+
+    def fleetrl_verify_broadcast_group(self, group_name: str) -> None:
+        joined = self.fleetrl_broadcast_group()
+        if not group_name or joined != group_name:
+            raise RuntimeError(f"rank {self.rank}: in broadcast group {joined!r}, not {group_name!r}")

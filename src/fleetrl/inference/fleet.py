@@ -77,6 +77,11 @@ class Fleet:
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    @property
+    def checksum(self) -> str | None:
+        """fleetrl checksum of the weights of the fleet's version; None at the base model."""
+        return self._source.checksum if self._source else None
+
     async def start(self) -> None:
         await self.provider.start()
         await self.refresh()
@@ -152,9 +157,7 @@ class Fleet:
         reported = await admin.version()
         if reported != version:
             raise FleetrlError(f"reports version {reported}, expected v{version}")
-        sums = set(await admin.collective_rpc("fleetrl_weight_checksum"))
-        if sums != {checksum}:
-            raise FleetrlError(f"weight checksum {sorted(map(str, sums))} != sender's {checksum}")
+        await admin.verify_weights(checksum)
 
     # -- publish ---------------------------------------------------------------------------
 
@@ -197,7 +200,12 @@ class Fleet:
     async def _transfer(self, workers: list[WorkerInfo], transport: "WeightTransport",
                         named_tensors: NamedTensors, version: int,
                         failed: dict[str, str]) -> tuple[str, list[WorkerInfo]]:
-        """Transfer to `workers`; if one named worker breaks it, drop that one and retry once."""
+        """Transfer to `workers`; if some of them break it, drop those and retry once.
+
+        The error does not reliably name the worker at fault: in a collective, a peer's death
+        surfaces first as a survivor's "connection reset". So the workers that no longer pass
+        a health check are the culprits; only when all are healthy is the named one dropped.
+        """
         retried = False
         while True:
             if not workers:
@@ -206,17 +214,29 @@ class Fleet:
                 checksum = await transport.transfer([self.provider.admin(w) for w in workers], named_tensors, version)
                 return checksum, workers
             except Exception as e:
-                culprit = getattr(e, "worker_id", None)
-                if not retried and culprit in {w.id for w in workers}:
+                culprits = [] if retried else await self._transfer_culprits(workers, e)
+                if culprits:
                     retried = True
-                    failed[culprit] = f"transfer of v{version} failed: {e}"
-                    self._mark(self.workers[culprit], WorkerState.DEAD, failed[culprit])
-                    workers = [w for w in workers if w.id != culprit]
+                    for worker in culprits:
+                        failed[worker.id] = f"transfer of v{version} failed: {e}"
+                        self._mark(worker, WorkerState.DEAD, failed[worker.id])
+                    workers = [w for w in workers if w not in culprits]
                     continue
                 for worker in workers:
                     failed[worker.id] = f"transfer of v{version} failed: {e}"
                     self._mark(worker, WorkerState.STALE, failed[worker.id])
                 raise PublishError(f"publish v{version} failed: {self._format(failed)}") from e
+
+    async def _transfer_culprits(self, workers: list[WorkerInfo], error: Exception) -> list[WorkerInfo]:
+        async def healthy(worker: WorkerInfo) -> bool:
+            try:
+                return await self.provider.admin(worker).health()
+            except Exception:
+                return False
+        health = await asyncio.gather(*(healthy(w) for w in workers))
+        dead = [w for w, ok in zip(workers, health) if not ok]
+        named = [w for w in workers if w.id == getattr(error, "worker_id", None)]
+        return dead or named
 
     async def wait_for_version(self, version: int) -> None:
         """Return once the fleet serves `version` or newer (admission control waits here)."""

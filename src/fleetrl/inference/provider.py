@@ -30,8 +30,27 @@ class WorkerAdmin(Protocol):
 
     async def set_version(self, version: int) -> None: ...
 
-    async def collective_rpc(self, method: str, args: list | None = None) -> list:
-        """Call an engine-side fleetrl method on every rank (e.g. fleetrl_weight_checksum)."""
+    async def verify_weights(self, checksum: str) -> None:
+        """Raise unless every rank holds weights whose fleetrl checksum is `checksum`."""
+
+    # The worker side of a weight transfer (fleetrl's `fleetrl` weight-transfer backend in
+    # every rank), driven by a transport on a paused worker; see fleetrl.weights.transport.
+
+    async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
+        """(ranks of this worker, whether all of them are in broadcast group `group_name`)."""
+
+    async def init_weight_transfer(self, init_info: dict, timeout_s: float) -> None: ...
+
+    async def start_weight_update(self, timeout_s: float) -> None: ...
+
+    async def update_weights(self, update_info: dict, timeout_s: float) -> None: ...
+
+    async def finish_weight_update(self, version: int, timeout_s: float) -> None:
+        """Close the update and label the worker `version`."""
+
+    async def abandon_weight_update(self, version: int) -> None:
+        """After a failed transfer (best effort): close any open update and label the worker
+        with a name that is no policy version, so its half-updated weights pass for none."""
 
     async def close(self) -> None: ...
 

@@ -99,6 +99,11 @@ def version_name(version: int) -> str:
     return f"v{version}"
 
 
+def incomplete_version_name(version: int) -> str:
+    """The label of a worker whose transfer of `version` failed: it names no policy version."""
+    return f"incomplete-{version_name(version)}"
+
+
 def parse_version(name: str) -> int | None:
     """`v3` -> 3; anything else (vLLM's initial "default", a foreign label) -> None."""
     if name.startswith("v") and name[1:].isdigit():

@@ -2,7 +2,7 @@
 every worker, and sends the weights bucket by bucket (gloo over TCP when its tensors are on
 the CPU, NCCL when they are on CUDA).
 
-Per bucket the sender posts the bucket's metadata to every worker (/update_weights blocks
+Per bucket the sender posts the bucket's metadata to every worker (update_weights blocks
 in the worker until the bytes arrive) while it broadcasts the bytes from a thread. The group
 lives across publishes and is re-formed when the worker set changes, when any worker rank is
 not in it (a worker restarted) or after a failure.
@@ -25,7 +25,7 @@ from fleetrl.weights.buckets import iter_buckets, pack
 from fleetrl.weights.checksum import WeightsHasher
 
 if TYPE_CHECKING:
-    from fleetrl.inference.vllm.admin import VllmAdminClient
+    from fleetrl.inference.provider import WorkerAdmin
     from fleetrl.weights.transport import NamedTensors
 
 JOIN_POLL_S = 0.05
@@ -40,7 +40,7 @@ class BroadcastTransport:
         self.timeout_s = timeout_s
         self._group: broadcast_group.BroadcastGroup | None = None
 
-    async def transfer(self, workers: Sequence[VllmAdminClient], named_tensors: NamedTensors,
+    async def transfer(self, workers: Sequence[WorkerAdmin], named_tensors: NamedTensors,
                        version: int) -> str:
         tensors = iter(named_tensors())
         first = next(tensors, None)
@@ -53,9 +53,9 @@ class BroadcastTransport:
             self._drop_group()
             raise
         try:
-            await rpc.start_update(workers, self.timeout_s)
+            await rpc.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
             checksum = await self._send(workers, itertools.chain([first], tensors))
-            await rpc.finish_update(workers, version, self.timeout_s)
+            await rpc.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
         except BaseException:
             self._drop_group()
             await rpc.abandon_update(workers, version)
@@ -67,18 +67,17 @@ class BroadcastTransport:
 
     # -- group ------------------------------------------------------------------------------
 
-    async def _ensure_group(self, workers: Sequence[VllmAdminClient], backend: broadcast_group.Backend) -> None:
-        joined = await rpc.on_all(workers, lambda w: w.collective_rpc("fleetrl_broadcast_group"))
-        ranks = [len(names) for names in joined]
+    async def _ensure_group(self, workers: Sequence[WorkerAdmin], backend: broadcast_group.Backend) -> None:
         current = self._group
+        membership = await rpc.on_all(workers, lambda w: w.broadcast_membership(current.name if current else ""))
+        ranks = [count for count, _ in membership]
         if (current is not None and current.backend_name == backend
-                and current.world_size == 1 + sum(ranks)
-                and all(name == current.name for names in joined for name in names)):
+                and current.world_size == 1 + sum(ranks) and all(joined for _, joined in membership)):
             return
         self._drop_group()
         self._group = await self._form_group(workers, ranks, backend)
 
-    async def _form_group(self, workers: Sequence[VllmAdminClient], ranks: list[int],
+    async def _form_group(self, workers: Sequence[WorkerAdmin], ranks: list[int],
                           backend: broadcast_group.Backend) -> broadcast_group.BroadcastGroup:
         world_size = 1 + sum(ranks)
         name = uuid.uuid4().hex[:12]
@@ -88,9 +87,7 @@ class BroadcastTransport:
                      "timeout_s": self.timeout_s}
         # Each call returns only once the whole group has formed, the sender included.
         inits = [
-            asyncio.ensure_future(worker.call(
-                "POST", "/init_weight_transfer_engine", idempotent=False, timeout_s=self.timeout_s,
-                json={"init_info": {**init_info, "rank_offset": offset}}))
+            asyncio.ensure_future(worker.init_weight_transfer({**init_info, "rank_offset": offset}, self.timeout_s))
             for worker, offset in zip(workers, itertools.accumulate([1, *ranks[:-1]]))
         ]
         try:
@@ -127,7 +124,7 @@ class BroadcastTransport:
 
     # -- send -------------------------------------------------------------------------------
 
-    async def _send(self, workers: Sequence[VllmAdminClient],
+    async def _send(self, workers: Sequence[WorkerAdmin],
                     tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         assert self._group is not None
         group = self._group
@@ -138,7 +135,7 @@ class BroadcastTransport:
             update_info = {"names": [m.name for m in metas], "dtypes": [m.dtype for m in metas],
                            "shapes": [list(m.shape) for m in metas]}
             await rpc.run_together(
-                *(rpc.update(w, update_info, self.timeout_s) for w in workers),
+                *(w.update_weights(update_info, self.timeout_s) for w in workers),
                 asyncio.to_thread(group.broadcast, buffer),
                 # Hashing overlaps the broadcast (hashlib releases the GIL).
                 asyncio.to_thread(_hash_all, hasher, bucket),

@@ -15,7 +15,7 @@ from fleetrl.weights import rpc
 from fleetrl.weights.manifest import MANIFEST, collect_garbage, write_version
 
 if TYPE_CHECKING:
-    from fleetrl.inference.vllm.admin import VllmAdminClient
+    from fleetrl.inference.provider import WorkerAdmin
     from fleetrl.weights.transport import NamedTensors
 
 # The version being published and the one before it (a worker may still be refitted from it).
@@ -30,19 +30,17 @@ class FilesystemTransport:
         self.shard_bytes = shard_bytes
         self.timeout_s = timeout_s
 
-    async def transfer(self, workers: Sequence[VllmAdminClient], named_tensors: NamedTensors,
+    async def transfer(self, workers: Sequence[WorkerAdmin], named_tensors: NamedTensors,
                        version: int) -> str:
         manifest = await asyncio.to_thread(
             write_version, self.storage_dir, version, named_tensors(), self.shard_bytes)
         update_info = {"manifest": str((manifest.folder / MANIFEST).resolve())}
         try:
             # Cheap (no group to join), so done every time: a restarted worker needs it too.
-            await rpc.on_all(workers, lambda w: w.call(
-                "POST", "/init_weight_transfer_engine", idempotent=False, timeout_s=self.timeout_s,
-                json={"init_info": {"transport": "filesystem"}}))
-            await rpc.start_update(workers, self.timeout_s)
-            await rpc.on_all(workers, lambda w: rpc.update(w, update_info, self.timeout_s))
-            await rpc.finish_update(workers, version, self.timeout_s)
+            await rpc.on_all(workers, lambda w: w.init_weight_transfer({"transport": "filesystem"}, self.timeout_s))
+            await rpc.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
+            await rpc.on_all(workers, lambda w: w.update_weights(update_info, self.timeout_s))
+            await rpc.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
         except BaseException:
             await rpc.abandon_update(workers, version)
             raise

@@ -1,14 +1,16 @@
 """What the fleet coordinator calls to move a policy version onto workers.
 
 A transport runs the weight part of publish(v) on workers the coordinator has already
-paused: (join if needed) -> /start_weight_update -> /update_weights ... ->
-/finish_weight_update {"weight_version": "v{version}"}. It returns fleetrl's checksum of
-what it sent; each worker rank reports the checksum of what it received through
-`/collective_rpc fleetrl_weight_checksum`, and the two must be equal.
+paused, through each worker's admin client (`WorkerAdmin`): (join if needed) ->
+start_weight_update -> update_weights ... -> finish_weight_update(v). The admin client maps
+these onto the worker kind's routes (vLLM's weight-transfer protocol, or Dynamo's RL routes
+naming the same engine methods); on the worker, fleetrl's `fleetrl` weight-transfer backend
+receives them in every rank. The transport returns fleetrl's checksum of what it sent; the
+coordinator then has every worker check that each of its ranks received exactly that.
 
 If a transfer fails, no worker is left with an update open, every worker of the call is
 labelled `incomplete-v{version}` (a label that names no policy version), and the error
-names the worker at fault; the coordinator treats those workers as stale until a full
+names a worker; the coordinator treats those workers as stale until a full
 transfer succeeds.
 """
 
@@ -24,7 +26,7 @@ from fleetrl.weights.broadcast import BroadcastTransport
 from fleetrl.weights.filesystem import FilesystemTransport
 
 if TYPE_CHECKING:
-    from fleetrl.inference.vllm.admin import VllmAdminClient
+    from fleetrl.inference.provider import WorkerAdmin
 
 # Called once per transfer; yields every full (unsharded) tensor of the policy, in a stable
 # order, under the names the model's checkpoint uses. For a sharded trainer the iteration
@@ -36,7 +38,7 @@ TransportKind = Literal["broadcast", "filesystem"]
 class WeightTransport(Protocol):
     name: str
 
-    async def transfer(self, workers: Sequence[VllmAdminClient], named_tensors: NamedTensors,
+    async def transfer(self, workers: Sequence[WorkerAdmin], named_tensors: NamedTensors,
                        version: int) -> str:
         """Moves the weights onto already-paused workers as policy `version`; returns the
         sender-side checksum."""

@@ -2,7 +2,16 @@
 
 The routes answer HTTP 200 with `{"status": "ok" | "error", ...}` (labelled text/plain), so
 the body, not the HTTP status, says whether a call worked. Calls have a timeout and are
-retried on transport errors where that is safe (every route used here is idempotent).
+retried on transport errors where that is safe (not the weight-transfer ones).
+
+Weight transfer: the worker runs with fleetrl's worker extension and `fleetrl`
+weight-transfer backend (engine arguments Dynamo passes through to vLLM), and two of its RL
+routes run any engine method on every rank by name (`engine_rpc`): `init_weights_update_group`
+and `update_weights_from_distributed` (the latter only while paused; with `weight_version`
+it also labels the worker). The client names vLLM's own weight-transfer steps through them,
+so the engine side is the same as the native provider's. Neither route returns the ranks'
+results, so checks run the other way: the expected value goes in, and a rank that holds
+another raises, which the route reports as an error.
 
 The client also keeps the worker's **fence record**, from which the data plane derives
 sequence-level versions (see `FenceRecord`): the upstream worker reports no weight version
@@ -19,7 +28,10 @@ import httpx
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import PauseMode
-from fleetrl.inference.types import parse_version, version_name
+from fleetrl.inference.types import incomplete_version_name, parse_version, version_name
+
+# Short: the calls that clean up after a failure must not hide the failure for long.
+ABANDON_TIMEOUT_S = 10.0
 
 
 class WorkerCallError(FleetrlError):
@@ -44,9 +56,10 @@ class FenceRecord:
 
 
 class DynamoAdminClient:
-    def __init__(self, worker_id: str, system_url: str, timeout_s: float, retries: int) -> None:
+    def __init__(self, worker_id: str, system_url: str, world_size: int, timeout_s: float, retries: int) -> None:
         self.worker_id = worker_id
         self.url = system_url
+        self.world_size = world_size
         self.retries = retries
         self.fence = FenceRecord()
         self._http = httpx.AsyncClient(base_url=system_url, timeout=timeout_s)
@@ -55,10 +68,12 @@ class DynamoAdminClient:
         await self._http.aclose()
 
     async def call(self, route: str, body: dict[str, Any] | None = None,
-                   timeout_s: float | None = None) -> dict[str, Any]:
+                   timeout_s: float | None = None, retry: bool = True) -> dict[str, Any]:
         what = f"{route} at {self.url}"
+        if body and "engine_rpc" in body:
+            what = f"{route} ({body['engine_rpc']}) at {self.url}"
         extra = {"timeout": timeout_s} if timeout_s is not None else {}
-        for attempt in range(self.retries + 1):
+        for attempt in range(self.retries + 1 if retry else 1):
             try:
                 response = await self._http.post(f"/engine/{route}", json=body or {}, **extra)
             except httpx.TransportError as e:
@@ -112,8 +127,53 @@ class DynamoAdminClient:
         await self.call("set_weight_version", {"weight_version": version_name(version)})
         self.fence = replace(self.fence, version=version)
 
-    async def collective_rpc(self, method: str, args: list | None = None) -> list:
-        # The worker's only routes into vLLM's collective_rpc (init_weights_update_group,
-        # update_weights_from_distributed) run a method on every rank but drop its results.
-        raise WorkerCallError(self.worker_id, f"collective_rpc {method}",
-                              "Dynamo's vLLM worker has no route that returns per-rank results")
+    async def verify_weights(self, checksum: str) -> None:
+        await self._on_ranks("fleetrl_verify_weights", {"checksum": checksum}, reads_only=True)
+
+    # -- weight transfer (see the module docstring) -------------------------------------------
+
+    async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
+        try:
+            await self._on_ranks("fleetrl_verify_broadcast_group", {"group_name": group_name}, reads_only=True)
+        except WorkerCallError:
+            return self.world_size, False  # a rank not in it, or no answer: the sender re-forms
+        return self.world_size, True
+
+    async def init_weight_transfer(self, init_info: dict, timeout_s: float) -> None:
+        await self.call("init_weights_update_group",
+                        {"engine_rpc": "init_weight_transfer_engine", "init_info": init_info},
+                        timeout_s=timeout_s, retry=False)
+
+    async def start_weight_update(self, timeout_s: float) -> None:
+        self.fence = replace(self.fence, version=None)  # in flux until finished
+        await self._on_ranks("start_weight_update", {}, timeout_s)
+
+    async def update_weights(self, update_info: dict, timeout_s: float) -> None:
+        await self._on_ranks("update_weights", {"update_info": update_info}, timeout_s)
+
+    async def finish_weight_update(self, version: int, timeout_s: float) -> None:
+        # One call closes the update, labels the worker and clears its prefix cache.
+        await self.call("update_weights_from_distributed",
+                        {"engine_rpc": "finish_weight_update", "weight_version": version_name(version)},
+                        timeout_s=timeout_s, retry=False)
+        self.fence = replace(self.fence, version=version)
+
+    async def abandon_weight_update(self, version: int) -> None:
+        try:
+            await self._on_ranks("finish_weight_update", {}, ABANDON_TIMEOUT_S)
+        except FleetrlError:
+            pass  # no update open (the receiver aborted it itself) or the worker is gone
+        try:
+            await self.call("set_weight_version", {"weight_version": incomplete_version_name(version)},
+                            timeout_s=ABANDON_TIMEOUT_S)
+        except FleetrlError:
+            pass
+
+    async def _on_ranks(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None,
+                        reads_only: bool = False) -> None:
+        """Run engine method `method` on every rank. The route refuses a worker that is not
+        paused unless told the call changes nothing (`reads_only`: a check)."""
+        body = {"engine_rpc": method, **kwargs, "reset_prefix_cache": False}
+        if reads_only:
+            body["allow_unpaused"] = True
+        await self.call("update_weights_from_distributed", body, timeout_s=timeout_s, retry=reads_only)

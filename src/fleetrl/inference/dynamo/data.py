@@ -19,7 +19,6 @@ import httpx
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.admin import FenceRecord
-from fleetrl.inference.dynamo.launcher import SERVED_MODEL_NAME
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan
 
 EXTRA_FIELDS = ["completion_token_ids", "worker_id"]
@@ -44,8 +43,9 @@ def sequence_version(at_dispatch: FenceRecord, at_receipt: FenceRecord) -> int |
 
 
 class DynamoDataClient:
-    def __init__(self, frontend_url: str, timeout_s: float, max_connections: int = 256) -> None:
+    def __init__(self, frontend_url: str, model_name: str, timeout_s: float, max_connections: int = 256) -> None:
         self.frontend_url = frontend_url
+        self.model_name = model_name
         self._http = httpx.AsyncClient(
             base_url=frontend_url,
             timeout=timeout_s,
@@ -60,7 +60,7 @@ class DynamoDataClient:
         """Sample `sample` of `request` on worker `worker_id`; spans are left to the caller."""
         s = request.sampling
         body: dict[str, Any] = {
-            "model": SERVED_MODEL_NAME,
+            "model": self.model_name,
             "prompt": list(request.prompt_token_ids) + list(prompt_suffix),
             "max_tokens": s.max_tokens - len(prompt_suffix),
             "temperature": s.temperature,
@@ -91,7 +91,7 @@ class DynamoDataClient:
     async def prompt_logprobs(self, worker_id: str, token_ids: list[int]) -> list[float]:
         """log p(token_i | tokens_<i) for i >= 1, scored by the worker's current weights."""
         body = {
-            "model": SERVED_MODEL_NAME,
+            "model": self.model_name,
             "prompt": list(token_ids),
             "max_tokens": 1,
             "temperature": 0.0,
@@ -135,3 +135,16 @@ def with_span(response: GenerateResponse, version: int) -> GenerateResponse:
     if response.token_ids:
         response.check()
     return response
+
+
+async def served_model(client: httpx.AsyncClient, frontend_url: str) -> str:
+    """The one model an attached frontend serves (the policy fleetrl trains)."""
+    try:
+        response = await client.get(f"{frontend_url}/v1/models")
+    except httpx.TransportError as e:
+        raise FleetrlError(f"Dynamo frontend at {frontend_url}: GET /v1/models failed: {type(e).__name__}") from None
+    names = [m["id"] for m in response.json().get("data") or []] if response.status_code == 200 else []
+    if len(names) != 1:
+        raise FleetrlError(f"Dynamo frontend at {frontend_url} serves {len(names)} models {names}; fleetrl "
+                           "attaches to a deployment that serves exactly one (the policy)")
+    return names[0]

@@ -1,10 +1,11 @@
-"""Launches a Dynamo deployment on loopback: one frontend and N of Dynamo's own vLLM workers.
+"""Launches a Dynamo deployment: one frontend and N of Dynamo's own vLLM workers.
 
-No etcd or NATS: discovery is a folder of files (`DYN_DISCOVERY_BACKEND=file`, entries
-refreshed by their owner and dropped 10 s after it stops), requests travel over TCP and
-events over ZMQ. Every listener Dynamo opens is pinned to 127.0.0.1 through its
-`DYN_*_HOST` variables, because the workers' system ports carry admin routes (pause, weight
-updates) that have no authentication of their own.
+By default no etcd or NATS: discovery is a folder of files (`DYN_DISCOVERY_BACKEND=file`,
+entries refreshed by their owner and dropped 10 s after it stops); `inference.dynamo_discovery`
+switches to etcd or Kubernetes. Requests travel over TCP and events over ZMQ. Every listener
+Dynamo opens binds `inference.host` (loopback by default) through its `DYN_*_HOST`
+variables, because the workers' system ports carry admin routes (pause, weight updates)
+that have no authentication of their own.
 
 The frontend serves the OpenAI API on its HTTP port and lists the RL workers (`--enable-rl`
 workers of `DYN_NAMESPACE`/`DYN_RL_COMPONENT`) at `GET :DYN_RL_PORT/v1/rl/workers`; each
@@ -22,12 +23,11 @@ from pathlib import Path
 import httpx
 
 from fleetrl.config import InferenceConfig
+from fleetrl.engine import ENGINE_ARGS
 from fleetrl.errors import FleetrlError
 from fleetrl.processes import ManagedProcess, free_port, start_process
 
 SERVED_MODEL_NAME = "policy"
-NAMESPACE = "fleetrl"
-COMPONENT = "backend"  # the component dynamo.vllm registers aggregated workers under
 
 
 @dataclass
@@ -46,21 +46,26 @@ class DynamoDeployment:
             process.stop()
 
 
-def loopback_env(host: str, discovery_dir: Path) -> dict[str, str]:
-    """What every Dynamo process of a local deployment shares."""
-    return {
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(discovery_dir),
+def deployment_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
+    """What every Dynamo process of the deployment shares."""
+    host = config.host
+    env = {
+        "DYN_DISCOVERY_BACKEND": config.dynamo_discovery,
         "DYN_REQUEST_PLANE": "tcp",
         "DYN_EVENT_PLANE": "zmq",
         "DYN_TCP_RPC_HOST": host,
         "DYN_TCP_RESPONSE_STREAM_HOST": host,
         "DYN_EVENT_PLANE_HOST": host,
         "DYN_SYSTEM_HOST": host,
-        "DYN_NAMESPACE": NAMESPACE,
+        "DYN_NAMESPACE": config.dynamo_namespace,
         "HF_HUB_OFFLINE": "1",
         "PYTHONHASHSEED": "0",  # what `python -m dynamo.vllm` sets; our entry module does not
     }
+    if config.dynamo_discovery == "file":
+        env["DYN_FILE_KV"] = str(discovery_dir)
+    if config.dynamo_etcd_endpoints:
+        env["ETCD_ENDPOINTS"] = ",".join(config.dynamo_etcd_endpoints)
+    return {**env, **config.dynamo_env}
 
 
 def frontend_argv(config: InferenceConfig, http_port: int) -> list[str]:
@@ -69,11 +74,11 @@ def frontend_argv(config: InferenceConfig, http_port: int) -> list[str]:
 
 def frontend_env(config: InferenceConfig, discovery_dir: Path, rl_port: int) -> dict[str, str]:
     return {
-        **loopback_env(config.host, discovery_dir),
+        **deployment_env(config, discovery_dir),
         "DYN_ENABLE_RL": "true",
         "DYN_RL_PORT": str(rl_port),
         # The frontend's RL discovery reads these, not its --namespace flag.
-        "DYN_RL_COMPONENT": COMPONENT,
+        "DYN_RL_COMPONENT": config.dynamo_component,
     }
 
 
@@ -88,18 +93,22 @@ def worker_argv(model_dir: Path, config: InferenceConfig) -> list[str]:
         "--max-model-len", str(config.max_model_len),
         # Compiling costs minutes on a CPU and gains nothing at this scale.
         "--enforce-eager",
+        *ENGINE_ARGS,
         *config.extra_args,
     ]
 
 
 def worker_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
     return {
-        **loopback_env(config.host, discovery_dir),
+        **deployment_env(config, discovery_dir),
         # The system server carries the admin routes (POST /engine/<route>). Port 0: the worker
         # binds a free one and advertises its URL in RL discovery. (An explicit port must be
         # below 32768: Dynamo parses DYN_SYSTEM_PORT as an i16.)
         "DYN_SYSTEM_PORT": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+        # Joining a broadcast group waits for every other worker: give it the transfer's
+        # limit (Dynamo's default, 30 s, then kills the worker).
+        "DYN_RL_INIT_WEIGHTS_TIMEOUT_S": str(config.transfer_timeout_s),
     }
 
 

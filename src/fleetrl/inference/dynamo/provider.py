@@ -1,6 +1,7 @@
 """The Dynamo provider: a frontend that routes, and workers that Dynamo discovers.
 
-fleetrl launches the deployment (launcher.py), learns the workers from the frontend's RL
+fleetrl launches the deployment (launcher.py) or attaches to a running one
+(`inference.dynamo_frontend_url` + `dynamo_rl_url`), learns the workers from the frontend's RL
 discovery (discovery.py), sends rollouts through the frontend pinned to the worker the
 coordinator chose (data.py), and drives each worker's admin routes directly (admin.py).
 
@@ -18,9 +19,9 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.admin import DynamoAdminClient
-from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, sequence_version, with_span
+from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, sequence_version, served_model, with_span
 from fleetrl.inference.dynamo.discovery import list_rl_workers
-from fleetrl.inference.dynamo.launcher import DynamoDeployment, launch_dynamo
+from fleetrl.inference.dynamo.launcher import SERVED_MODEL_NAME, DynamoDeployment, launch_dynamo
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 
 # A completion is attributable unless a whole pause-resume happened while it was in flight;
@@ -36,17 +37,29 @@ class DynamoProvider:
         self.model_dir = model_dir
         self.run_dir = run_dir
         self.log = log
-        self.deployment: DynamoDeployment | None = None
+        self.deployment: DynamoDeployment | None = None  # None when attached
+        self._rl_url: str | None = None
         self._data: DynamoDataClient | None = None
         self._discovery = httpx.AsyncClient(timeout=10.0)
         self._admins: dict[str, DynamoAdminClient] = {}
 
     async def start(self) -> None:
-        self.deployment = await launch_dynamo(self.model_dir, self.config, self.config.workers, self.run_dir, self.log)
-        self._data = DynamoDataClient(self.deployment.frontend_url, self.config.request_timeout_s)
+        if self.config.dynamo_frontend_url:
+            frontend_url, self._rl_url = self.config.dynamo_frontend_url, self.config.dynamo_rl_url
+            model_name = await served_model(self._discovery, frontend_url)
+            self.log(f"fleetrl: attached to the Dynamo frontend at {frontend_url} serving {model_name!r} "
+                     f"(RL discovery {self._rl_url})")
+        else:
+            self.deployment = await launch_dynamo(self.model_dir, self.config, self.config.workers, self.run_dir,
+                                                  self.log)
+            frontend_url, self._rl_url = self.deployment.frontend_url, self.deployment.rl_url
+            model_name = SERVED_MODEL_NAME
+        self._data = DynamoDataClient(frontend_url, model_name, self.config.request_timeout_s)
 
     async def discover(self) -> list[WorkerInfo]:
-        return await list_rl_workers(self._discovery, self._started().rl_url)
+        if self._rl_url is None:
+            raise FleetrlError("the Dynamo provider was used before start()")
+        return await list_rl_workers(self._discovery, self._rl_url)
 
     async def generate(self, worker: WorkerInfo, request: GenerateRequest,
                        prompt_suffix: list[int] = ()) -> list[GenerateResponse]:
@@ -69,7 +82,7 @@ class DynamoProvider:
     def admin(self, worker: WorkerInfo) -> DynamoAdminClient:
         known = self._admins.get(worker.id)
         if known is None or known.url != worker.url:
-            self._admins[worker.id] = DynamoAdminClient(worker.id, worker.url, self.config.admin_timeout_s,
+            self._admins[worker.id] = DynamoAdminClient(worker.id, worker.url, worker.world_size, self.config.admin_timeout_s,
                                                         self.config.admin_retries)
         return self._admins[worker.id]
 
@@ -82,11 +95,6 @@ class DynamoProvider:
         await self._discovery.aclose()
         if self.deployment:
             self.deployment.stop()
-
-    def _started(self) -> DynamoDeployment:
-        if self.deployment is None:
-            raise FleetrlError("the Dynamo provider was used before start()")
-        return self.deployment
 
     def _started_data(self) -> DynamoDataClient:
         if self._data is None:

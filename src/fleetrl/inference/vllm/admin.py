@@ -13,9 +13,11 @@ from typing import Any, Literal
 import httpx
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import parse_version, version_name
+from fleetrl.inference.types import incomplete_version_name, parse_version, version_name
 
 PauseMode = Literal["keep", "abort", "wait"]
+# Short: the calls that clean up after a failure must not hide the failure for long.
+ABANDON_TIMEOUT_S = 10.0
 
 
 class WorkerCallError(FleetrlError):
@@ -94,3 +96,45 @@ class VllmAdminClient:
         body = {"method": method, "args": args or []}
         result = await self.call("POST", "/collective_rpc", idempotent=idempotent, json=body, timeout_s=timeout_s)
         return result["results"]
+
+    async def verify_weights(self, checksum: str) -> None:
+        sums = await self.collective_rpc("fleetrl_weight_checksum")
+        if set(sums) != {checksum}:
+            raise WorkerCallError(self.worker_id, "weight check",
+                                  f"checksum {sorted(map(str, set(sums)))} != sender's {checksum}")
+
+    # -- weight transfer: vLLM's protocol, into fleetrl's backend on every rank ---------------
+    # None of these calls is retried: each blocks in a collective or changes weights.
+
+    async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
+        joined = await self.collective_rpc("fleetrl_broadcast_group")
+        return len(joined), all(name == group_name for name in joined)
+
+    async def init_weight_transfer(self, init_info: dict, timeout_s: float) -> None:
+        await self.call("POST", "/init_weight_transfer_engine", idempotent=False, timeout_s=timeout_s,
+                        json={"init_info": init_info})
+
+    async def start_weight_update(self, timeout_s: float) -> None:
+        await self.call("POST", "/start_weight_update", idempotent=False, timeout_s=timeout_s)
+
+    async def update_weights(self, update_info: dict, timeout_s: float) -> None:
+        await self.call("POST", "/update_weights", idempotent=False, timeout_s=timeout_s,
+                        json={"update_info": update_info})
+
+    async def finish_weight_update(self, version: int, timeout_s: float) -> None:
+        await self.call("POST", "/finish_weight_update", idempotent=False, timeout_s=timeout_s,
+                        json={"weight_version": version_name(version)})
+
+    async def abandon_weight_update(self, version: int) -> None:
+        # Both calls may be retried: a repeated finish is refused, never applied twice. They
+        # need it: vLLM drops the connection after a failed weight call, and the next request
+        # on it can fail before reaching the server.
+        try:
+            await self.call("POST", "/finish_weight_update", idempotent=True, timeout_s=ABANDON_TIMEOUT_S)
+        except FleetrlError:
+            pass  # no update open (the worker aborted it itself) or the worker is gone
+        try:
+            await self.call("POST", "/update_weight_version", idempotent=True, timeout_s=ABANDON_TIMEOUT_S,
+                            json={"new_version": incomplete_version_name(version)})
+        except FleetrlError:
+            pass

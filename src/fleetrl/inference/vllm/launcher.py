@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from fleetrl.config import InferenceConfig
+from fleetrl.engine import ENGINE_ARGS
 from fleetrl.engine.admin_auth import TOKEN_ENV
 from fleetrl.errors import FleetrlError
 from fleetrl.processes import ManagedProcess, free_port, start_process
@@ -45,10 +46,7 @@ def server_argv(model_dir: Path, config: InferenceConfig, port: int) -> list[str
         # /inference/v1/generate: token ids in and out, with per-token weight version spans.
         "--enable-scale-out",
         "--middleware", "fleetrl.engine.admin_auth.AdminTokenMiddleware",
-        # fleetrl's engine side: its import registers the `fleetrl` weight-transfer backend
-        # (broadcast over gloo/NCCL, or safetensors + manifest) and adds the checksum RPC.
-        "--worker-extension-cls", "fleetrl.engine.worker_extension.FleetrlWorkerExtension",
-        "--weight-transfer-config", '{"backend": "fleetrl"}',
+        *ENGINE_ARGS,
         "--uvicorn-log-level", "warning",
         *config.extra_args,
     ]
