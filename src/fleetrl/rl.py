@@ -172,6 +172,7 @@ def run_rl(config: Config, make_fleet, log=print) -> int:
             "step": batch.step,
             **{k: batch.meta[k] for k in ("reward_mean", "reward_std", "distance_max", "distance_mean")},
             "dropped": batch.dropped,
+            "misversioned": batch.meta["misversioned"],
             "samples": metrics.samples,
             "loss": metrics.loss,
             "grad_norm": metrics.grad_norm,
@@ -190,7 +191,7 @@ def run_rl(config: Config, make_fleet, log=print) -> int:
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         log(f"step {batch.step}/{config.run.max_steps}  reward {line['reward_mean']:.3f}±{line['reward_std']:.3f}  "
-            f"off-policy max {line['distance_max']} mean {line['distance_mean']:.2f}  dropped {batch.dropped}  "
+            f"off-policy max {line['distance_max']} mean {line['distance_mean']:.2f}  dropped {batch.dropped}  misversioned {line['misversioned']}  "
             f"loss {metrics.loss:+.4f}  kl {metrics.mismatch_kl:.2e}  train {finished - started:.1f}s  "
             f"publish {report.seconds:.1f}s  workers at {sorted(set(line['worker_versions'].values()))}")
 

@@ -160,12 +160,17 @@ async def test_requests_spread_by_load_and_stick_by_session():
     await fleet.close()
 
 
-async def test_response_at_a_version_the_fleet_never_published_is_rejected():
+async def test_response_at_a_version_the_fleet_never_published_is_flagged():
     fleet, provider, _ = await started("a", "b")
     provider.engines["a"].version = 7  # a worker that changed weights behind the fleet's back
-    with pytest.raises(FleetrlError, match="outside the fleet's"):
-        await asyncio.gather(*(fleet.generate(request(max_tokens=2)) for _ in range(2)))
+    outs = [o for (o,) in await asyncio.gather(*(fleet.generate(request(max_tokens=2)) for _ in range(2)))]
+    (bad,) = [o for o in outs if o.worker_id == "a"]
+    (good,) = [o for o in outs if o.worker_id == "b"]
+    assert "outside the fleet's v0..v0" in bad.version_error and good.version_error is None
     assert fleet.workers["a"].state == WorkerState.STALE
+    # A stale worker takes no more requests.
+    outs = await asyncio.gather(*(fleet.generate(request(max_tokens=2)) for _ in range(3)))
+    assert {o.worker_id for (o,) in outs} == {"b"}
     await fleet.close()
 
 

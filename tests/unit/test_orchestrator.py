@@ -1,6 +1,7 @@
 """The orchestrator against the in-process fake fleet: admission, drops, bad environments."""
 
 import asyncio
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -102,8 +103,24 @@ async def test_samples_over_the_bound_are_dropped_even_if_admission_failed(monke
         return None
 
     monkeypatch.setattr(fleet, "wait_for_version", no_admission)
-    with pytest.raises(FleetrlError, match="batch 3 is empty: all 12 samples exceeded orchestrator.max_off_policy_steps = 0"):
+    with pytest.raises(FleetrlError, match="batch 3 is empty: of 12 samples 12 exceeded orchestrator.max_off_policy_steps = 0 and 0 were"):
         await orch.make_batch(3)
+    await fleet.close()
+
+
+async def test_samples_from_a_worker_at_the_wrong_version_are_rejected_and_counted():
+    fleet, orch, _ = await make(k=0)
+    fleet.provider.engines["a"].version = 7  # changed weights behind the fleet's back
+    batch = await orch.make_batch(1)
+    records = [json.loads(line) for line in (orch.run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    rejected = [r for r in records if r["version_error"]]
+    assert rejected and all(r["worker"] == "a" and not r["trained"] for r in rejected)
+    assert batch.meta["misversioned"] == len(rejected) and batch.dropped == 0
+    assert len(batch.samples) == 12 - len(rejected) and all(s.spans[0].version == 0 for s in batch.samples)
+    trained = [r for r in records if r["trained"]]
+    assert {r["worker"] for r in trained} == {"b"} and len(trained) == len(batch.samples)
+    for g in {s.group for s in batch.samples}:
+        assert abs(sum(s.advantage for s in batch.samples if s.group == g)) < 1e-6
     await fleet.close()
 
 

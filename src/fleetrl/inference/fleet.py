@@ -277,13 +277,16 @@ class Fleet:
         return responses
 
     def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, dispatched_at: int) -> None:
-        """Second line of defence: the engine's spans must lie within what the fleet published."""
+        """Second line of defence: the engine's spans must lie within what the fleet published
+        while the request ran. A response outside is flagged (its sample must not be trained
+        on) and the worker goes stale until the next discovery round refits it."""
         versions = {span.version for span in response.spans}
         if versions and (min(versions) < dispatched_at or max(versions) > self.version):
-            self._mark(worker, WorkerState.STALE, f"served v{sorted(versions)} while the fleet was at "
-                                                  f"v{dispatched_at}..v{self.version}")
-            raise FleetrlError(f"request {response.request_id}: worker {worker.id} produced tokens at "
-                               f"versions {sorted(versions)}, outside the fleet's v{dispatched_at}..v{self.version}")
+            response.version_error = (f"worker {worker.id} produced tokens at versions {sorted(versions)}, "
+                                      f"outside the fleet's v{dispatched_at}..v{self.version}")
+            if worker.state == WorkerState.READY:
+                self._mark(worker, WorkerState.STALE, response.version_error)
+                self.log(f"fleetrl: request {response.request_id}: {response.version_error}; worker stale")
 
     async def _continue_aborted(self, request: GenerateRequest, response: GenerateResponse) -> GenerateResponse:
         while response.finish_reason == "abort" and len(response.token_ids) < request.sampling.max_tokens:
@@ -356,6 +359,7 @@ def join_completions(head: GenerateResponse, tail: GenerateResponse) -> Generate
         finish_reason=tail.finish_reason,
         worker_id=tail.worker_id if tail.worker_id == head.worker_id else f"{head.worker_id}+{tail.worker_id}",
         spans=spans,
+        version_error=head.version_error or tail.version_error,
     )
     joined.check()
     return joined

@@ -54,6 +54,9 @@ class GenerateResponse:
     finish_reason: str  # "stop" | "length" | "abort"
     worker_id: str
     spans: list[VersionSpan]
+    # Set by the fleet when the spans lie outside the versions it published (a worker that
+    # changed weights behind its back): the orchestrator rejects and counts such a sample.
+    version_error: str | None = None
 
     @property
     def min_version(self) -> int:

@@ -8,6 +8,9 @@ Off-policy control, with k = `max_off_policy_steps`:
   waits for version n - 1; k >= 1: sampling for batch n overlaps training of step n - 1.
 - packing: each sample's distance is recomputed from its own version spans,
   (n - 1) - min(span versions); a sample above k is dropped and counted, never trained on.
+- a sample whose spans name versions the fleet never served while it ran (a worker at the
+  wrong version) is rejected and counted (`misversioned`), and left out of its group's
+  advantage baseline.
 """
 
 from __future__ import annotations
@@ -71,13 +74,19 @@ class Orchestrator:
         groups = await asyncio.gather(*(self._sample_group(step, i, task) for i, task in enumerate(tasks)))
         finished = time.time()
 
-        samples, records, dropped = [], [], 0
+        samples, records, dropped, misversioned = [], [], 0, 0
         for group_index, group in enumerate(groups):
+            rejected = [s for s in group if s.completion.version_error]
+            misversioned += len(rejected)
+            group = [s for s in group if not s.completion.version_error]
+            for scored in rejected:
+                records.append(self._record(step, group_index, scored, None, trained=False))
+            if not group:
+                continue
             advantages = group_advantages([s.reward for s in group], self.config.normalize_advantages_std)
             for scored, advantage in zip(group, advantages):
                 c = scored.completion
-                distance = off_policy_distance(step, c.spans)
-                kept = distance <= k
+                kept = off_policy_distance(step, c.spans) <= k
                 if kept:
                     samples.append(Sample(
                         prompt_ids=scored.prompt_ids,
@@ -90,15 +99,13 @@ class Orchestrator:
                     ))
                 else:
                     dropped += 1
-                records.append({
-                    "step": step, "group": group_index, "task": scored.task.id, "completion": scored.text,
-                    "reward": scored.reward, "advantage": advantage, "worker": c.worker_id,
-                    "spans": [[s.version, s.start] for s in c.spans], "distance": distance, "trained": kept,
-                })
+                records.append(self._record(step, group_index, scored, advantage, trained=kept))
         self._save_rollouts(step, records)
+        if misversioned:
+            self.log(f"fleetrl: batch {step}: rejected {misversioned} sample(s) from a worker at the wrong version")
         if not samples:
-            raise FleetrlError(f"batch {step} is empty: all {dropped} samples exceeded "
-                               f"orchestrator.max_off_policy_steps = {k}")
+            raise FleetrlError(f"batch {step} is empty: of {len(records)} samples {dropped} exceeded "
+                               f"orchestrator.max_off_policy_steps = {k} and {misversioned} were misversioned")
         rewards = [r["reward"] for r in records]
         distances = [off_policy_distance(step, s.spans) for s in samples]
         mean = sum(rewards) / len(rewards)
@@ -112,6 +119,7 @@ class Orchestrator:
             "distance_max": max(distances),
             "distance_mean": sum(distances) / len(distances),
             "max_off_policy_steps": k,
+            "misversioned": misversioned,
         }
         return Batch(step=step, samples=samples, dropped=dropped, meta=meta)
 
@@ -127,6 +135,16 @@ class Orchestrator:
             reward = score(self.env, Rollout(task=task, completion=text, spans=completion.spans, step=step))
             scored.append(Scored(task=task, prompt_ids=prompt_ids, completion=completion, text=text, reward=reward))
         return scored
+
+    @staticmethod
+    def _record(step: int, group: int, scored: Scored, advantage: float | None, trained: bool) -> dict:
+        c = scored.completion
+        return {
+            "step": step, "group": group, "task": scored.task.id, "completion": scored.text,
+            "reward": scored.reward, "advantage": advantage, "worker": c.worker_id,
+            "spans": [[s.version, s.start] for s in c.spans], "distance": off_policy_distance(step, c.spans),
+            "trained": trained, "version_error": c.version_error,
+        }
 
     def _save_rollouts(self, step: int, records: list[dict]) -> None:
         path = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
