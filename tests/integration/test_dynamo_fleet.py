@@ -4,11 +4,13 @@ through the workers' RL admin routes."""
 
 import asyncio
 
+import psutil
 import pytest
 import pytest_asyncio
 
 from fleetrl.config import InferenceConfig
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo.launcher import wait_ready
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.probe import probe_fleet
@@ -22,7 +24,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def dynamo_fleet(model_dir, tmp_path_factory):
-    """Frontend + 2 workers for the whole module; always stopped, pass or fail."""
+    """Frontend + 2 workers for the whole module (a third joins, two are killed, in that
+    order at the end); always stopped, pass or fail."""
     config = InferenceConfig(provider="dynamo", workers=2, max_model_len=512, admin_timeout_s=120,
                              startup_timeout_s=900)
     provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-run"))
@@ -126,3 +129,82 @@ async def test_publish_through_the_admin_routes(dynamo_fleet, base_weights, prob
             assert out.spans == [VersionSpan(version, 0)]
     finally:
         await transport.close()
+
+
+def worker_process(deployment, url: str):
+    """The launched worker process whose system server listens at `url`."""
+    port = int(url.rsplit(":", 1)[1])
+    for process in deployment.workers:
+        if process.alive() and any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                                   for c in psutil.Process(process.popen.pid).net_connections("tcp")):
+            return process
+    raise AssertionError(f"no launched worker listens at {url}")
+
+
+async def test_worker_that_joins_is_refitted_before_it_serves(dynamo_fleet, base_weights, probe):
+    """Runs after the publishes (the fleet is at v3): a third worker starts and is discovered."""
+    version, known = dynamo_fleet.version, set(dynamo_fleet.workers)
+    deployment = dynamo_fleet.provider.deployment
+    deployment.add_worker()
+    await wait_ready(deployment, len(known) + 1, timeout_s=900, log=lambda *_: None)
+    (joined,) = [w for w in await dynamo_fleet.provider.discover() if w.id not in known]
+    # Listed by Dynamo, but holding the base model and no fleetrl version: fleetrl sends it
+    # nothing (requests are pinned to ready workers) until it is refitted.
+    assert await dynamo_fleet.provider.admin(joined).version() is None
+    await dynamo_fleet.refresh()
+    worker = dynamo_fleet.workers[joined.id]
+    assert worker.state == WorkerState.READY and worker.version == version
+    admin = dynamo_fleet.provider.admin(worker)
+    assert await admin.version() == version
+    await admin.verify_weights(dynamo_fleet.checksum)
+    results = await probe_fleet(dynamo_fleet, model_with(base_weights, perturbed(base_weights, seed=version)), probe)
+    assert {r.worker_id for r in results} == known | {joined.id}
+    for r in results:
+        assert r.max_abs_diff < 2e-3, r
+
+
+async def test_worker_killed_mid_rollout_does_not_fail_the_samples(dynamo_fleet, tokenizer):
+    """One long request per worker; one worker dies under its request, which is sampled again,
+    whole, on a ready worker: every completion is full length and at the fleet's version."""
+    version, deployment = dynamo_fleet.version, dynamo_fleet.provider.deployment
+    workers = dynamo_fleet.ready_workers()
+    victim = workers[0]
+    prompt = chat_ids(tokenizer, "Write a long story about a lighthouse.")
+    sampling = SamplingParams(max_tokens=160, ignore_eos=True)
+    requests = [asyncio.create_task(dynamo_fleet.generate(GenerateRequest(prompt, sampling)))
+                for _ in workers]
+    await asyncio.sleep(3.0)
+    worker_process(deployment, victim.url).stop()
+    outs = [o for (o,) in await asyncio.gather(*requests)]
+    assert all(len(o.token_ids) == 160 and o.spans == [VersionSpan(version, 0)] for o in outs)
+    assert victim.id not in {o.worker_id for o in outs}
+    assert dynamo_fleet.workers[victim.id].state == WorkerState.DEAD
+
+
+async def test_worker_killed_mid_publish_leaves_the_others_at_one_version(dynamo_fleet, base_weights, tokenizer,
+                                                                          tmp_path_factory):
+    old, deployment = dynamo_fleet.version, dynamo_fleet.provider.deployment
+    survivors = dynamo_fleet.ready_workers()
+    victim, survivors = survivors[0], survivors[1:]
+    weights = perturbed(base_weights, seed=old + 1)
+
+    def killing_weights():
+        for i, item in enumerate(weights()):
+            if i == 20:  # mid-transfer
+                worker_process(deployment, victim.url).stop()
+            yield item
+
+    transport = make_transport("broadcast", host="127.0.0.1", bucket_bytes=4 << 20,
+                               storage_dir=tmp_path_factory.mktemp("weights-kill"))
+    try:
+        report = await dynamo_fleet.publish(old + 1, transport, killing_weights)
+    finally:
+        await transport.close()
+    assert sorted(report.ready) == sorted(w.id for w in survivors) and victim.id in report.failed, report
+    assert dynamo_fleet.workers[victim.id].state == WorkerState.DEAD
+    for worker in survivors:
+        await dynamo_fleet.provider.admin(worker).verify_weights(report.checksum)
+    outs = await asyncio.gather(*(dynamo_fleet.generate(GenerateRequest(chat_ids(tokenizer, "Hi"),
+                                                                        SamplingParams(max_tokens=4)))
+                                  for _ in range(4)))
+    assert all(o.spans == [VersionSpan(old + 1, 0)] and o.worker_id != victim.id for (o,) in outs)

@@ -36,6 +36,17 @@ class DynamoDeployment:
     rl_url: str  # RL worker discovery
     frontend: ManagedProcess
     workers: list[ManagedProcess]
+    model_dir: Path
+    config: InferenceConfig
+    run_dir: Path
+
+    def add_worker(self) -> ManagedProcess:
+        """Start one more worker; it joins through discovery like any other (scale-out)."""
+        name = f"dynamo-worker-{len(self.workers)}"
+        worker = start_process(name, worker_argv(self.model_dir, self.config), self.run_dir / "logs" / f"{name}.log",
+                               env=worker_env(self.config, file_discovery_dir(self.run_dir)))
+        self.workers.append(worker)
+        return worker
 
     def processes(self) -> list[ManagedProcess]:
         return [self.frontend, *self.workers]
@@ -44,6 +55,11 @@ class DynamoDeployment:
         # Workers first: a frontend that outlives them only logs their disappearance.
         for process in [*self.workers, self.frontend]:
             process.stop()
+
+
+def file_discovery_dir(run_dir: Path) -> Path:
+    """Where file discovery keeps its entries (unused by the etcd and Kubernetes backends)."""
+    return run_dir / "dynamo-discovery"
 
 
 def deployment_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
@@ -116,21 +132,16 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
                         log=print) -> DynamoDeployment:
     """Start the frontend and `count` workers; return once the frontend answers and lists
     `count` RL workers. Everything started is stopped again if that does not happen."""
-    discovery_dir = run_dir / "dynamo-discovery"
-    discovery_dir.mkdir(parents=True, exist_ok=True)
+    file_discovery_dir(run_dir).mkdir(parents=True, exist_ok=True)
     log_dir = run_dir / "logs"
     http_port, rl_port = free_port(config.host), free_port(config.host)
     frontend = start_process("dynamo-frontend", frontend_argv(config, http_port), log_dir / "dynamo-frontend.log",
-                             env=frontend_env(config, discovery_dir, rl_port))
+                             env=frontend_env(config, file_discovery_dir(run_dir), rl_port))
     deployment = DynamoDeployment(f"http://{config.host}:{http_port}", f"http://{config.host}:{rl_port}",
-                                  frontend, [])
+                                  frontend, [], model_dir, config, run_dir)
     try:
-        for i in range(count):
-            name = f"dynamo-worker-{i}"
-            deployment.workers.append(start_process(
-                name, worker_argv(model_dir, config), log_dir / f"{name}.log",
-                env=worker_env(config, discovery_dir),
-            ))
+        for _ in range(count):
+            deployment.add_worker()
         log(f"fleetrl: starting a Dynamo frontend and {count} worker(s) on {model_dir.name} (logs in {log_dir})")
         await wait_ready(deployment, count, config.startup_timeout_s, log)
     except BaseException:
