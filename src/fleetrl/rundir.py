@@ -8,7 +8,9 @@
       checkpoints/step_N/    model + optimizer + step
       reward.png, off_policy.png
       logs/                  each process's log
-      manifest.json          every artifact above (but logs) with its sha256
+      weights/               filesystem transport scratch (recent versions)
+      dynamo-discovery/      file discovery of a launched Dynamo deployment
+      manifest.json          every artifact above (but logs, weights, dynamo-discovery) with its sha256
 
 `verify_run` re-checks the manifest and the run's invariants from the artifacts themselves,
 and reports the first violation.
@@ -26,7 +28,9 @@ from fleetrl.errors import FleetrlError
 from fleetrl.files import sha256_file
 
 MANIFEST = "manifest.json"
-UNLISTED = ("logs", "weights")  # logs change after the fact; weights/ is the transport's scratch
+# logs change after the fact; weights/ is the transport's scratch; dynamo-discovery/ is a
+# launched Dynamo deployment's live registry, emptied as its processes stop.
+UNLISTED = ("logs", "weights", "dynamo-discovery")
 
 
 class VerifyError(FleetrlError):

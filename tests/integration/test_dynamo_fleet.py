@@ -131,6 +131,25 @@ async def test_publish_through_the_admin_routes(dynamo_fleet, base_weights, prob
         await transport.close()
 
 
+async def test_request_in_flight_during_a_publish_is_attributed_to_the_version_that_produced_it(
+        dynamo_fleet, base_weights, tokenizer, tmp_path_factory):
+    """Sequence-level versions on a real worker: a publish lands while a greedy request runs;
+    the `wait` pause drains it on the old weights, and its one span says so."""
+    old = dynamo_fleet.version
+    request = GenerateRequest(chat_ids(tokenizer, "Write a long story about a lighthouse."),
+                              SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True), session_id="straddle")
+    (reference,) = await dynamo_fleet.generate(request)
+    in_flight = asyncio.create_task(dynamo_fleet.generate(request))
+    await asyncio.sleep(1.5)
+    transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=32 << 20,
+                               storage_dir=tmp_path_factory.mktemp("weights-straddle"))
+    await dynamo_fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
+    (out,) = await in_flight
+    assert out.spans == [VersionSpan(old, 0)] and out.token_ids == reference.token_ids
+    (after,) = await dynamo_fleet.generate(request)
+    assert after.spans == [VersionSpan(old + 1, 0)] and after.token_ids != reference.token_ids
+
+
 def worker_process(deployment, url: str):
     """The launched worker process whose system server listens at `url`."""
     port = int(url.rsplit(":", 1)[1])
@@ -188,10 +207,12 @@ async def test_worker_killed_mid_publish_leaves_the_others_at_one_version(dynamo
     victim, survivors = survivors[0], survivors[1:]
     weights = perturbed(base_weights, seed=old + 1)
 
-    def killing_weights():
+    victim_process = worker_process(deployment, victim.url)
+
+    def killing_weights():  # the coordinator's retry iterates again: stopping twice is a no-op
         for i, item in enumerate(weights()):
             if i == 20:  # mid-transfer
-                worker_process(deployment, victim.url).stop()
+                victim_process.stop()
             yield item
 
     transport = make_transport("broadcast", host="127.0.0.1", bucket_bytes=4 << 20,
