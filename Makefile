@@ -12,7 +12,7 @@ run: setup
 
 # pytest exits 5 when it collected no test: that fails here like any other non-zero exit.
 test: setup
-	$(VENV)/bin/python -m pytest tests
+	$(VENV)/bin/python -m pytest tests --durations=15
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest tests/unit

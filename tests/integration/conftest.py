@@ -126,6 +126,9 @@ def _term_with_parent() -> None:
     import signal
 
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    # As from a terminal: a test runner started as a background job (`cmd &`) ignores
+    # SIGINT, and a child would inherit that, so Ctrl-C tests would test nothing.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextmanager
