@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_fleet import BUCKET_BYTES, median_time, tokens_per_s_fleet
+from bench_fleet import BUCKET_BYTES, interleaved_publishes, median_time, tokens_per_s_fleet
 
 from fleetrl.config import InferenceConfig, ModelConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
@@ -32,25 +32,6 @@ from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.weights.transport import make_transport
-
-
-async def publish_times(fleets: dict[str, Fleet], model: torch.nn.Module, reps: int, tmp: Path) -> dict[str, list[float]]:
-    def weights():
-        return ((n, p.detach()) for n, p in model.named_parameters())
-
-    transports = {name: make_transport("broadcast", host="127.0.0.1", bucket_bytes=BUCKET_BYTES,
-                                       storage_dir=tmp / name) for name in fleets}
-    times: dict[str, list[float]] = {name: [] for name in fleets}
-    try:
-        for _ in range(reps):
-            for name, fleet in fleets.items():
-                report = await fleet.publish(fleet.version + 1, transports[name], weights)
-                assert not report.failed, report.failed
-                times[name].append(report.seconds)
-    finally:
-        for transport in transports.values():
-            await transport.close()
-    return times
 
 
 async def main(args) -> None:
@@ -82,7 +63,10 @@ async def main(args) -> None:
                 d, n = statistics.median(rates["dynamo"]), statistics.median(rates["native"])
                 print(f"rollouts at {concurrency} concurrent: Dynamo frontend {d:.0f} tok/s, native {n:.0f} tok/s, "
                       f"ratio Dynamo / native {d / n:.2f}")
-            times = await publish_times(fleets, model, args.reps, tmp)
+            times = await interleaved_publishes(
+                {name: (fleet, make_transport("broadcast", host="127.0.0.1", bucket_bytes=BUCKET_BYTES,
+                                              storage_dir=tmp / name)) for name, fleet in fleets.items()},
+                model, args.reps)
             d, n = statistics.median(times["dynamo"]), statistics.median(times["native"])
             print(f"\npublish by broadcast through Dynamo's admin routes: {median_time(times['dynamo'])}")
             print(f"publish by broadcast through vLLM's routes (native): {median_time(times['native'])}")

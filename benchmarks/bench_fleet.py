@@ -32,7 +32,7 @@ from fleetrl.inference.vllm.launcher import SERVED_MODEL_NAME
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.weights import group as bgroup
-from fleetrl.weights.transport import make_transport
+from fleetrl.weights.transport import WeightTransport, make_transport
 
 BUCKET_BYTES = 64 << 20
 
@@ -77,23 +77,30 @@ def floor_broadcast(total_bytes: int, receivers: int, reps: int) -> list[float]:
 
 # -- publish ---------------------------------------------------------------------------------
 
-async def bench_publish(fleet: Fleet, model: torch.nn.Module, reps: int, storage: Path) -> dict[str, list[float]]:
+async def interleaved_publishes(cases: dict[str, tuple[Fleet, WeightTransport]], model: torch.nn.Module,
+                                reps: int) -> dict[str, list[float]]:
+    """Seconds per publish of `model`'s weights for each (fleet, transport) case, the cases
+    interleaved so drift in machine load hits all alike. Closes the transports."""
     def weights():
         return ((n, p.detach()) for n, p in model.named_parameters())
 
-    results: dict[str, list[float]] = {"broadcast": [], "filesystem": []}
-    transports = {kind: make_transport(kind, host="127.0.0.1", bucket_bytes=BUCKET_BYTES, storage_dir=storage / kind)
-                  for kind in results}
+    results: dict[str, list[float]] = {name: [] for name in cases}
     try:
-        for _ in range(reps):  # interleaved, so drift in machine load hits both alike
-            for kind, transport in transports.items():
+        for _ in range(reps):
+            for name, (fleet, transport) in cases.items():
                 report = await fleet.publish(fleet.version + 1, transport, weights)
                 assert not report.failed, report.failed
-                results[kind].append(report.seconds)
+                results[name].append(report.seconds)
     finally:
-        for transport in transports.values():
+        for _, transport in cases.values():
             await transport.close()
     return results
+
+
+async def bench_publish(fleet: Fleet, model: torch.nn.Module, reps: int, storage: Path) -> dict[str, list[float]]:
+    return await interleaved_publishes(
+        {kind: (fleet, make_transport(kind, host="127.0.0.1", bucket_bytes=BUCKET_BYTES, storage_dir=storage / kind))
+         for kind in ("broadcast", "filesystem")}, model, reps)
 
 
 # -- data plane ------------------------------------------------------------------------------
