@@ -10,9 +10,20 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
+from fleetrl.errors import FleetrlError
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 
 PauseMode = Literal["keep", "abort", "wait"]
+# Short: the calls that clean up after a failed transfer must not hide the failure for long.
+ABANDON_TIMEOUT_S = 10.0
+
+
+class WorkerCallError(FleetrlError):
+    """A failed admin call; names the worker (the coordinator reads `worker_id`)."""
+
+    def __init__(self, worker_id: str, what: str, detail: str) -> None:
+        super().__init__(f"worker {worker_id}: {what} failed: {detail}")
+        self.worker_id = worker_id
 
 
 class WorkerAdmin(Protocol):

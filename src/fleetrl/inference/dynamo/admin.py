@@ -27,17 +27,8 @@ from typing import Any
 import httpx
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import PauseMode
+from fleetrl.inference.provider import ABANDON_TIMEOUT_S, PauseMode, WorkerCallError
 from fleetrl.inference.types import incomplete_version_name, parse_version, version_name
-
-# Short: the calls that clean up after a failure must not hide the failure for long.
-ABANDON_TIMEOUT_S = 10.0
-
-
-class WorkerCallError(FleetrlError):
-    def __init__(self, worker_id: str, what: str, detail: str) -> None:
-        super().__init__(f"worker {worker_id}: {what} failed: {detail}")
-        self.worker_id = worker_id
 
 
 @dataclass(frozen=True)
