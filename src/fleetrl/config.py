@@ -83,8 +83,8 @@ class InferenceConfig(Section):
     pause_mode: Literal["keep", "abort", "wait"] | None = Field(
         None,
         description="How a publish pauses workers: keep (in-flight requests continue on the new "
-        "weights), abort (they are cut and continued), wait (drained first); unset = keep for "
-        "vllm, wait for dynamo (its worker reports no per-token versions).",
+        "weights), abort (they are cut and continued), wait (drained first); unset = keep, or wait "
+        "with dynamo_worker = dynamo (that worker reports no per-token versions).",
     )
     discovery_interval_s: float = Field(
         5.0, gt=0, description="How often the fleet re-discovers workers and checks their health."
@@ -111,6 +111,12 @@ class InferenceConfig(Section):
         default_factory=list,
         description="Extra command-line arguments passed verbatim to every launched vLLM server "
         "(or Dynamo vLLM worker).",
+    )
+    dynamo_worker: Literal["dynamo", "fleetrl"] = Field(
+        "dynamo",
+        description="Dynamo worker kind: dynamo (Dynamo's own vLLM worker: one exact version per "
+        "completion, pause_mode wait only) or fleetrl (the same worker reporting the version of "
+        "every token: any pause_mode). In attach mode, the kind the deployment runs.",
     )
     dynamo_frontend_url: str | None = Field(
         None,
@@ -149,9 +155,9 @@ class InferenceConfig(Section):
 
     @model_validator(mode="after")
     def _pause_mode_fits_provider(self) -> "InferenceConfig":
-        if self.provider == "dynamo" and self.pause_mode not in (None, "wait"):
-            raise ValueError("pause_mode must be 'wait' with the dynamo provider (its worker reports no "
-                             "per-token versions, so a request must not straddle a publish)")
+        if self.provider == "dynamo" and self.dynamo_worker == "dynamo" and self.pause_mode not in (None, "wait"):
+            raise ValueError(f"pause_mode {self.pause_mode!r} needs per-token versions, which Dynamo's own "
+                             "worker does not report: set dynamo_worker = 'fleetrl' or pause_mode = 'wait'")
         return self
 
     @model_validator(mode="after")
@@ -166,7 +172,9 @@ class InferenceConfig(Section):
         return self
 
     def resolved_pause_mode(self) -> str:
-        return self.pause_mode or ("wait" if self.provider == "dynamo" else "keep")
+        if self.pause_mode:
+            return self.pause_mode
+        return "wait" if self.provider == "dynamo" and self.dynamo_worker == "dynamo" else "keep"
 
 
 class OrchestratorConfig(Section):

@@ -76,8 +76,11 @@ async def test_admin_plane_pauses_resumes_and_sets_versions(dynamo_fleet, tokeni
     worker = next(iter(dynamo_fleet.workers.values()))
     admin = dynamo_fleet.provider.admin(worker)
     assert await admin.health()
-    with pytest.raises(FleetrlError, match="pause_mode"):
-        await admin.pause("keep")
+    # Dynamo's own worker kind: no per-token versions, so only `wait` pauses keep them exact.
+    assert not await admin.reports_token_versions()
+    for mode in ("keep", "abort"):
+        with pytest.raises(FleetrlError, match="reports no per-token versions"):
+            await admin.pause(mode)
     with pytest.raises(FleetrlError, match="not paused"):
         await admin.set_version(3)
     await admin.pause("wait")

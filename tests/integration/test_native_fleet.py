@@ -16,18 +16,11 @@ from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.weights.transport import make_transport
 
-from .conftest import chat_ids, model_with, perturbed
+from .conftest import (chat_ids, check_abort_mode_joins_spans, check_keep_mode_span_boundary,
+                       greedy_response, model_with, perturbed)
 
 WORKERS = 2
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-async def greedy(fleet: Fleet, prompt: list[int], max_tokens: int) -> list[int]:
-    (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
-    return out.token_ids
-
-
 async def test_generation_spreads_over_workers_with_v0_spans(native_fleet, tokenizer):
     prompt = chat_ids(tokenizer, "Tell me a fact about the sea.")
     requests = [GenerateRequest(prompt, SamplingParams(max_tokens=8, seed=i), n=2) for i in range(6)]
@@ -108,57 +101,15 @@ async def test_publish_two_versions(native_fleet, base_weights, probe, tmp_path_
         await transport.close()
 
 
-async def greedy_response(fleet, prompt, max_tokens):
-    (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
-    return out
-
-
-async def publish_during_request(fleet, base_weights, storage, kind, prompt, max_tokens):
-    """Start a greedy request, publish the next version by `kind` while it runs, return it."""
-    version = fleet.version + 1
-    transport = make_transport(kind, host="127.0.0.1", bucket_bytes=32 << 20, storage_dir=storage)
-    try:
-        in_flight = asyncio.create_task(greedy_response(fleet, prompt, max_tokens))
-        await asyncio.sleep(2.0)
-        await fleet.publish(version, transport, perturbed(base_weights, seed=version))
-        return await in_flight
-    finally:
-        await transport.close()
-
-
 async def test_span_boundary_is_exactly_where_the_weights_changed(native_fleet, base_weights, tokenizer,
                                                                   tmp_path_factory):
-    """Keep mode: a request in flight across a publish gets two spans, split at the exact token."""
-    old = native_fleet.version
-    prompt = chat_ids(tokenizer, "Write a long story about a lighthouse keeper.")
-    reference = await greedy(native_fleet, prompt, 400)  # all at `old`
-    out = await publish_during_request(native_fleet, base_weights, tmp_path_factory.mktemp("weights-span"),
-                                       "broadcast", prompt, 400)
-    assert [s.version for s in out.spans] == [old, old + 1], out.spans
-    boundary = out.spans[1].start
-    assert 0 < boundary < 400
-    assert out.token_ids[:boundary] == reference[:boundary]
-    # From the boundary on, the tokens are the new policy's greedy continuation of the prefix.
-    continuation = await greedy(native_fleet, prompt + reference[:boundary], 400 - boundary)
-    assert out.token_ids[boundary:] == continuation
-    assert continuation[0] != reference[boundary]  # the weights really changed right there
+    await check_keep_mode_span_boundary(native_fleet, base_weights, tokenizer, tmp_path_factory.mktemp("weights-span"),
+                                        "broadcast")
 
 
 async def test_abort_mode_continues_and_joins_spans(native_fleet, base_weights, tokenizer, tmp_path_factory):
-    """Abort mode: the cut request is continued after the publish and its spans joined."""
-    old = native_fleet.version
-    prompt = chat_ids(tokenizer, "List every prime number you know, one per line.")
-    native_fleet.pause_mode = "abort"
-    try:
-        out = await publish_during_request(native_fleet, base_weights, tmp_path_factory.mktemp("weights-abort"),
-                                           "filesystem", prompt, 300)
-    finally:
-        native_fleet.pause_mode = "keep"
-    assert len(out.token_ids) == 300
-    assert [s.version for s in out.spans] == [old, old + 1], out.spans
-    boundary = out.spans[1].start
-    continuation = await greedy(native_fleet, prompt + out.token_ids[:boundary], 300 - boundary)
-    assert out.token_ids[boundary:] == continuation
+    await check_abort_mode_joins_spans(native_fleet, base_weights, tokenizer, tmp_path_factory.mktemp("weights-abort"),
+                                       "filesystem")
 
 
 async def test_worker_killed_mid_publish_leaves_survivor_serving_one_version(native_fleet, base_weights,

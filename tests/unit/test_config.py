@@ -90,11 +90,17 @@ def test_config_docs_are_current():
     assert (root / "docs" / "config.md").read_text() == module.render(), "run scripts/config_docs.py"
 
 
-def test_pause_mode_follows_the_provider():
+def test_pause_mode_follows_the_worker_kind():
+    dynamo = ("inference.provider", "dynamo")
     assert load_config([], []).inference.resolved_pause_mode() == "keep"
-    assert load_config([], [("inference.provider", "dynamo")]).inference.resolved_pause_mode() == "wait"
-    with pytest.raises(ConfigError, match="pause_mode must be 'wait' with the dynamo provider"):
-        load_config([], [("inference.provider", "dynamo"), ("inference.pause_mode", "keep")])
+    assert load_config([], [dynamo]).inference.resolved_pause_mode() == "wait"
+    fleetrl_kind = load_config([], [dynamo, ("inference.dynamo_worker", "fleetrl")]).inference
+    assert fleetrl_kind.resolved_pause_mode() == "keep"
+    for mode in ("keep", "abort"):
+        with pytest.raises(ConfigError, match=f"pause_mode '{mode}' needs per-token versions.*dynamo_worker"):
+            load_config([], [dynamo, ("inference.pause_mode", mode)])
+    abort = load_config([], [dynamo, ("inference.dynamo_worker", "fleetrl"), ("inference.pause_mode", "abort")])
+    assert abort.inference.resolved_pause_mode() == "abort"
 
 
 def test_dynamo_attach_and_discovery_fields():

@@ -37,9 +37,13 @@ def test_rl_worker_entry_becomes_a_worker():
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
-async def test_only_wait_pauses_are_accepted(mode):
+async def test_keep_and_abort_pauses_need_per_token_versions(mode, monkeypatch):
     admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0)
-    with pytest.raises(FleetrlError, match="worker 7: pause"):
+
+    async def dynamo_own_worker():
+        return False
+    monkeypatch.setattr(admin, "reports_token_versions", dynamo_own_worker)
+    with pytest.raises(FleetrlError, match="worker 7: pause .* reports no per-token versions"):
         await admin.pause(mode)
     assert admin.fence == FenceRecord()  # nothing sent, nothing counted
     await admin.close()

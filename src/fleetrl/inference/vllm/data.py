@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan, parse_version
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_spans
 from fleetrl.inference.vllm.launcher import SERVED_MODEL_NAME
 
 
@@ -80,29 +80,15 @@ class VllmDataClient:
     def _parse_choice(worker_id: str, request: GenerateRequest, choice: dict) -> GenerateResponse:
         token_ids = list(choice["token_ids"])
         content = (choice.get("logprobs") or {}).get("content") or []
-        spans = []
-        for item in choice.get("weight_versions") or []:
-            version = parse_version(str(item["version"]))
-            if version is None:
-                raise FleetrlError(f"worker {worker_id}: request {request.request_id} produced tokens "
-                                   f"under weight version {item['version']!r}, not a fleetrl policy version")
-            spans.append(VersionSpan(version=version, start=int(item["start"])))
         result = GenerateResponse(
             request_id=request.request_id,
             token_ids=token_ids,
             logprobs=[float(c["logprob"]) for c in content],
             finish_reason=choice.get("finish_reason") or "abort",
             worker_id=worker_id,
-            spans=_merge_adjacent(spans),
+            spans=engine_spans(worker_id, request.request_id, choice.get("weight_versions") or []),
         )
         if token_ids:
             result.check()
         return result
 
-
-def _merge_adjacent(spans: list[VersionSpan]) -> list[VersionSpan]:
-    merged: list[VersionSpan] = []
-    for span in spans:
-        if not merged or merged[-1].version != span.version:
-            merged.append(span)
-    return merged
