@@ -45,7 +45,8 @@ class InferenceConfig(Section):
     provider: Literal["vllm", "dynamo"] = Field(
         "vllm", description="Inference provider: native vLLM servers or an NVIDIA Dynamo deployment."
     )
-    workers: int = Field(1, ge=1, description="Number of inference workers fleetrl launches.")
+    workers: int = Field(1, ge=1, description="Number of inference workers fleetrl launches (decode "
+                         "workers when dynamo_prefill_workers > 0).")
     urls: list[str] = Field(
         default_factory=list,
         description="Attach to servers started elsewhere (base URLs) instead of launching; "
@@ -131,10 +132,21 @@ class InferenceConfig(Section):
     dynamo_namespace: str = Field(
         "fleetrl", description="Dynamo namespace of the launched frontend and workers (DYN_NAMESPACE)."
     )
-    dynamo_component: str = Field(
-        "backend",
-        description="Component whose RL workers the launched frontend lists (DYN_RL_COMPONENT); "
-        "dynamo.vllm registers aggregated workers as `backend`.",
+    dynamo_components: list[str] = Field(
+        default_factory=lambda: ["backend", "prefill"],
+        description="Components whose RL workers the launched frontend lists (DYN_RL_COMPONENTS); "
+        "dynamo.vllm registers aggregated and decode workers as `backend`, prefill workers as `prefill`.",
+    )
+    dynamo_prefill_workers: int = Field(
+        0, ge=0,
+        description="Prefill workers launched beside `workers` decode workers (disaggregated serving "
+        "through the frontend's prefill router); 0 = `workers` aggregated workers.",
+    )
+    dynamo_kv_transfer_config: dict[str, Any] | None = Field(
+        None,
+        description="KV connector of launched prefill/decode workers (vLLM --kv-transfer-config, "
+        "kv_role defaults to kv_both); unset = vLLM's shared-storage connector with its store in "
+        "RUN_DIR/kv-store (one machine; what runs on a CPU). On GPUs e.g. {kv_connector = \"NixlConnector\"}.",
     )
     dynamo_discovery: Literal["file", "etcd", "kubernetes"] = Field(
         "file",
@@ -169,6 +181,9 @@ class InferenceConfig(Section):
             raise ValueError("dynamo_frontend_url is set but provider is not 'dynamo'")
         if self.dynamo_etcd_endpoints and self.dynamo_discovery != "etcd":
             raise ValueError("dynamo_etcd_endpoints is set but dynamo_discovery is not 'etcd'")
+        if self.dynamo_prefill_workers and self.resolved_pause_mode() != "wait":
+            raise ValueError("dynamo_prefill_workers needs pause_mode = 'wait' (a request held or cut while "
+                             "its KV is between prefill and decode would resume on KV of the old weights)")
         return self
 
     def resolved_pause_mode(self) -> str:

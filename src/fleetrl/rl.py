@@ -232,7 +232,7 @@ async def final_generation(fleet: Fleet, tokenizer) -> dict:
         admin = fleet.provider.admin(worker)
         if fleet.checksum is not None:
             await admin.verify_weights(fleet.checksum)
-        workers[worker.id] = {"version": await admin.version(), "checksum": fleet.checksum}
+        workers[worker.id] = {"role": worker.role.value, "version": await admin.version(), "checksum": fleet.checksum}
     return {"version": fleet.version, "tokens": out.token_ids, "text": tokenizer.decode(out.token_ids),
             "spans": [[s.version, s.start] for s in out.spans], "workers": workers}
 

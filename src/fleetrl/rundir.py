@@ -30,7 +30,7 @@ from fleetrl.files import sha256_file
 MANIFEST = "manifest.json"
 # logs change after the fact; weights/ is the transport's scratch; dynamo-discovery/ is a
 # launched Dynamo deployment's live registry, emptied as its processes stop.
-UNLISTED = ("logs", "weights", "dynamo-discovery")
+UNLISTED = ("logs", "weights", "dynamo-discovery", "kv-store")
 
 
 class VerifyError(FleetrlError):

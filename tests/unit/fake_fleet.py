@@ -96,7 +96,8 @@ class FakeProvider:
             self._admins[worker.id] = FakeAdmin(engine)
         return self._admins[worker.id]
 
-    async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix=()) -> list[GenerateResponse]:
+    async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix=(),
+                       prefill=None) -> list[GenerateResponse]:
         engine = self.engines[worker.id]
         engine.served += 1
         return list(await asyncio.gather(*(self._sample(engine, request, len(prompt_suffix)) for _ in range(request.n))))

@@ -26,6 +26,8 @@ embedding, so such layers are re-processed at the end.
 
 from __future__ import annotations
 
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +121,7 @@ class FleetrlWeightReceiver(WeightTransferEngine[FleetrlInitInfo, BucketInfo | M
     def start_weight_update(self) -> None:
         if self.transport is None:
             raise RuntimeError("fleetrl weight receiver: start_weight_update before init_weight_transfer_engine")
+        clear_shared_kv_storage(self.vllm_config)
         initialize_layerwise_reload(self.model)
         self._hasher = WeightsHasher()
         self.checksum = None  # the weights are in flux until finish_weight_update
@@ -203,6 +206,30 @@ class FleetrlWeightReceiver(WeightTransferEngine[FleetrlInitInfo, BucketInfo | M
             quant_method = getattr(layer, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(layer)
+
+
+KV_FOLDER = re.compile(r"[0-9a-f]{32}")
+
+
+def clear_shared_kv_storage(vllm_config: Any) -> None:
+    """Empty the store of vLLM's shared-storage KV connector (`ExampleConnector`, fleetrl's
+    prefill -> decode transfer on a CPU), once the weights start to change.
+
+    That connector keys the KV it saved by prompt tokens alone, and both the prefill and the
+    decode worker load a hit instead of computing it, so KV computed by old weights would
+    silently serve the new version. Every worker clears it, all paused; whichever clears
+    last removes anything a drained request saved before the publish.
+    """
+    kv = vllm_config.kv_transfer_config
+    if kv is None or kv.kv_connector != "ExampleConnector":
+        return
+    path = (kv.kv_connector_extra_config or {}).get("shared_storage_path")
+    if not path:  # the connector's default is /tmp itself: never empty that
+        raise RuntimeError("ExampleConnector without kv_connector_extra_config.shared_storage_path: "
+                           "fleetrl cannot clear its KV store at a weight update")
+    for entry in Path(path).glob("*"):
+        if entry.is_dir() and KV_FOLDER.fullmatch(entry.name):  # the connector's md5-named folders only
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _tied_followers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -26,6 +26,7 @@ from fleetrl.inference.types import (
     GenerateResponse,
     VersionSpan,
     WorkerInfo,
+    WorkerRole,
     WorkerState,
 )
 
@@ -107,6 +108,11 @@ class Fleet:
 
     def ready_workers(self) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.state == WorkerState.READY]
+
+    def routable_workers(self) -> list[WorkerInfo]:
+        """Ready workers a request can be pinned to: not prefill workers, which the
+        frontend's prefill router picks for the requests it sends to decode workers."""
+        return [w for w in self.ready_workers() if w.role != WorkerRole.PREFILL]
 
     async def refresh(self) -> None:
         """Mark vanished workers dead; bring new, stale or returning ones to the fleet's version."""
@@ -259,19 +265,23 @@ class Fleet:
         (twice at most), so a single lost worker does not fail a rollout."""
         retries_left = 2
         while True:
-            worker = await self._acquire(request.session_id)
+            worker, prefill = await self._acquire(request.session_id)
+            serving = [w for w in (worker, prefill) if w is not None]
             fleet_version = self.version
             try:
-                responses = await self.provider.generate(worker, request, suffix)
+                responses = await self.provider.generate(worker, request, suffix, prefill)
                 break
             except FleetrlError as e:
-                if retries_left == 0 or await self.provider.admin(worker).health():
+                dead = [w for w in serving if not await self.provider.admin(w).health()]
+                if retries_left == 0 or not dead:
                     raise
                 retries_left -= 1
-                self._mark(worker, WorkerState.DEAD, f"died serving {request.request_id}: {e}")
+                for w in dead:
+                    self._mark(w, WorkerState.DEAD, f"died serving {request.request_id}: {e}")
                 await self._notify()
             finally:
-                self._inflight[worker.id] -= 1
+                for w in serving:
+                    self._inflight[w.id] -= 1
         for response in responses:
             self._check_versions(worker, response, fleet_version)
         return responses
@@ -298,19 +308,34 @@ class Fleet:
             response = join_completions(response, rest)
         return response
 
-    async def _acquire(self, session_id: str | None) -> WorkerInfo:
+    async def _acquire(self, session_id: str | None) -> tuple[WorkerInfo, WorkerInfo | None]:
+        """A ready worker to pin the request to, and, when the fleet has prefill workers, a
+        ready prefill worker for its prompt: both chosen here, so that neither can be a
+        worker that has not been brought to the fleet's version."""
         async with self._changed:
-            while not (ready := self.ready_workers()):
-                if all(w.state == WorkerState.DEAD for w in self.workers.values()):
+            while not (ready := self.routable_workers()) or not self._prefill_ready():
+                if all(w.state == WorkerState.DEAD for w in self.workers.values() if w.role != WorkerRole.PREFILL):
                     raise FleetrlError("no live inference worker: " + self._describe_failures())
                 await self._changed.wait()
             worker = self.workers.get(self._sticky.get(session_id, ""))
             if worker is None or worker.state != WorkerState.READY:
-                worker = min(ready, key=lambda w: self._inflight.get(w.id, 0))
+                worker = self._least_busy(ready)
                 if session_id is not None:
                     self._sticky[session_id] = worker.id
-            self._inflight[worker.id] = self._inflight.get(worker.id, 0) + 1
-            return worker
+            prefills = [w for w in self.ready_workers() if w.role == WorkerRole.PREFILL]
+            prefill = self._least_busy(prefills) if prefills else None
+            for w in (worker, prefill):
+                if w is not None:
+                    self._inflight[w.id] = self._inflight.get(w.id, 0) + 1
+            return worker, prefill
+
+    def _prefill_ready(self) -> bool:
+        """No prefill workers, or at least one ready (if all are dead, decode workers serve alone)."""
+        prefills = [w for w in self.workers.values() if w.role == WorkerRole.PREFILL]
+        return all(w.state == WorkerState.DEAD for w in prefills) or any(w.state == WorkerState.READY for w in prefills)
+
+    def _least_busy(self, workers: list[WorkerInfo]) -> WorkerInfo:
+        return min(workers, key=lambda w: self._inflight.get(w.id, 0))
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -37,10 +37,10 @@ def reference_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[flo
 
 
 async def probe_fleet(fleet: Fleet, model: torch.nn.Module, probe: list[list[int]]) -> list[ProbeResult]:
-    """Score `probe` (token id sequences) on every ready worker and against `model`."""
+    """Score `probe` (token id sequences) on every routable worker and against `model`."""
     reference = [await asyncio.to_thread(reference_logprobs, model, ids) for ids in probe]
     results = []
-    for worker in fleet.ready_workers():
+    for worker in fleet.routable_workers():
         diffs: list[float] = []
         for ids, ref in zip(probe, reference):
             served = await fleet.provider.prompt_logprobs(worker, ids)

@@ -75,9 +75,10 @@ class InferenceProvider(Protocol):
     async def discover(self) -> list[WorkerInfo]:
         """The workers that exist now, with stable ids; states are the coordinator's business."""
 
-    async def generate(self, worker: WorkerInfo, request: GenerateRequest,
-                       prompt_suffix: list[int] = ()) -> list[GenerateResponse]:
-        """Send one request to `worker` (pinned, even where a router could choose)."""
+    async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix: list[int] = (),
+                       prefill: WorkerInfo | None = None) -> list[GenerateResponse]:
+        """Send one request to `worker` (pinned, even where a router could choose), its prompt
+        prefilled by `prefill` when the fleet has prefill workers (disaggregated serving)."""
 
     async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int]) -> list[float]:
         """Score a token sequence on `worker`: log p(token_i | tokens_<i) for i >= 1."""

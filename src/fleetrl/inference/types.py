@@ -57,6 +57,8 @@ class GenerateResponse:
     # Set by the fleet when the spans lie outside the versions it published (a worker that
     # changed weights behind its back): the orchestrator rejects and counts such a sample.
     version_error: str | None = None
+    # Disaggregated serving: the worker that computed the prompt's KV, when not `worker_id`.
+    prefill_worker_id: str | None = None
 
     @property
     def min_version(self) -> int:

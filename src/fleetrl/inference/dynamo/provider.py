@@ -19,14 +19,15 @@ import httpx
 
 from fleetrl.config import InferenceConfig
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.dynamo.admin import DynamoAdminClient
+from fleetrl.inference.dynamo.admin import DynamoAdminClient, FenceRecord
 from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, sequence_version, served_model, with_span
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.launcher import SERVED_MODEL_NAME, DynamoDeployment, launch_dynamo
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 
-# A completion is attributable unless a whole pause-resume happened while it was in flight;
-# this many of those in a row means the fleet publishes faster than it samples.
+# A completion is attributable unless a whole pause-resume happened while it was in flight
+# (on its worker, or on its prefill worker); this many of those in a row means the fleet
+# publishes faster than it samples.
 ATTEMPTS = 3
 
 
@@ -62,22 +63,47 @@ class DynamoProvider:
             raise FleetrlError("the Dynamo provider was used before start()")
         return await list_rl_workers(self._discovery, self._rl_url)
 
-    async def generate(self, worker: WorkerInfo, request: GenerateRequest,
-                       prompt_suffix: list[int] = ()) -> list[GenerateResponse]:
+    async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix: list[int] = (),
+                       prefill: WorkerInfo | None = None) -> list[GenerateResponse]:
         admin = self.admin(worker)
-        if await admin.reports_token_versions():
-            return await gather_samples(self._started_data(), worker.id, request, list(prompt_suffix), True)
+        token_versions = await admin.reports_token_versions()
         for _ in range(ATTEMPTS):
+            fences = {worker_id: a.fence for worker_id, a in self._admins.items()}
             at_dispatch = admin.fence
-            if at_dispatch.paused or at_dispatch.version is None:
+            if not token_versions and (at_dispatch.paused or at_dispatch.version is None):
                 raise FleetrlError(f"worker {worker.id}: request {request.request_id} sent to a worker that is "
                                    f"paused or was never given a version ({worker.url})")
-            responses = await gather_samples(self._started_data(), worker.id, request, list(prompt_suffix), False)
-            version = sequence_version(at_dispatch, admin.fence)
-            if version is not None:
-                return [with_span(r, version) for r in responses]
-            self.log(f"fleetrl: worker {worker.id}: request {request.request_id} straddled a publish; sampling it again")
-        raise FleetrlError(f"worker {worker.id}: request {request.request_id} straddled {ATTEMPTS} publishes in a row")
+            responses = await gather_samples(self._started_data(), worker.id, prefill.id if prefill else None,
+                                             request, list(prompt_suffix), token_versions)
+            if not token_versions:
+                version = sequence_version(at_dispatch, admin.fence)
+                if version is None:
+                    self.log(f"fleetrl: worker {worker.id}: request {request.request_id} straddled a publish; "
+                             "sampling it again")
+                    continue
+                responses = [with_span(r, version) for r in responses]
+            if all(self._prefill_agrees(r, fences) for r in responses):
+                return responses
+            self.log(f"fleetrl: request {request.request_id}: its prefill worker's version is not provably the "
+                     "completion's; sampling it again")
+        raise FleetrlError(f"worker {worker.id}: request {request.request_id} could not be attributed to one "
+                           f"version in {ATTEMPTS} tries (publishes in a row, or a prefill worker fleetrl has "
+                           "not refitted)")
+
+    def _prefill_agrees(self, response: GenerateResponse, fences: dict[str, FenceRecord]) -> bool:
+        """Disaggregated serving: the prompt's KV came from a prefill worker (the one the
+        fleet pinned, which the data client checks), so that worker's version over the
+        request (its fence record, as for any worker without per-token versions) must be
+        the completion's version. A prefill worker fleetrl has not refitted yet has no
+        version, so its work is never accepted."""
+        prefill = response.prefill_worker_id
+        if prefill is None:
+            return True
+        admin, at_dispatch = self._admins.get(prefill), fences.get(prefill)
+        if admin is None or at_dispatch is None or at_dispatch.paused:
+            return False  # unknown, or paused at dispatch: it may have prefilled after the publish
+        version = sequence_version(at_dispatch, admin.fence)
+        return version is not None and {span.version for span in response.spans} <= {version}
 
     async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int]) -> list[float]:
         return await self._started_data().prompt_logprobs(worker.id, token_ids)

@@ -11,6 +11,11 @@ vLLM needs; both only change which module object a name resolves to, never behav
 - On vLLM 0.32 `get_engine_zmq_addresses` is named `get_engine_zmq_bind_addresses`;
   `dynamo.vllm` imports the old name (used only by its multi-process embedding worker).
 
+Prefill/decode workers may use vLLM's shared-storage KV connector (`ExampleConnector`, the
+one that runs on a CPU here): it is entered in Dynamo's registry of PD connector protocols,
+Dynamo's extension point for a new connector, as cache-mediated like LMCache (the decode
+worker finds the prefill's KV by prompt tokens; nothing per request crosses over).
+
 With `--fleetrl-token-versions` it is fleetrl's worker kind (`inference.dynamo_worker =
 "fleetrl"`): the same worker plus what it lacks for exact per-token versions (see
 `_report_token_versions`).
@@ -34,6 +39,12 @@ def _apply_import_fixes() -> None:
 
     if not hasattr(engine_utils, "get_engine_zmq_addresses"):
         engine_utils.get_engine_zmq_addresses = engine_utils.get_engine_zmq_bind_addresses
+
+
+def _register_shared_storage_connector() -> None:
+    from dynamo.vllm import kv_connector_protocols as protocols
+
+    protocols.KV_CONNECTOR_PROTOCOLS.setdefault("ExampleConnector", protocols.LMCacheMPConnectorProtocol)
 
 
 def _report_token_versions() -> None:
@@ -107,6 +118,7 @@ def _report_token_versions() -> None:
 
 def main() -> None:
     _apply_import_fixes()
+    _register_shared_storage_connector()
     if TOKEN_VERSIONS_FLAG in sys.argv:
         sys.argv.remove(TOKEN_VERSIONS_FLAG)
         _report_token_versions()

@@ -50,8 +50,10 @@ class VllmProvider:
         # A launched server that exited is gone from discovery; the coordinator marks it dead.
         return [WorkerInfo(id=s.name, url=s.url) for s in self.launched if s.process.alive()]
 
-    async def generate(self, worker: WorkerInfo, request: GenerateRequest,
-                       prompt_suffix: list[int] = ()) -> list[GenerateResponse]:
+    async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix: list[int] = (),
+                       prefill: WorkerInfo | None = None) -> list[GenerateResponse]:
+        if prefill is not None:
+            raise FleetrlError(f"the vllm provider has no prefill workers (asked to prefill on {prefill.id})")
         return await self._data.generate(worker.id, worker.url, request, prompt_suffix)
 
     async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int]) -> list[float]:
