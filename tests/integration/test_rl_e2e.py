@@ -92,9 +92,17 @@ def test_one_step_off_policy_overlaps_rollouts_with_training(tmp_path):
     assert any(overlaps), [(m["rollout_started"], m["train_started"], m["train_finished"]) for m in metrics]
 
 
-def test_strictly_on_policy_on_dynamo(tmp_path):
-    """The same loop, unchanged, on a Dynamo frontend + 2 Dynamo vLLM workers."""
-    run_dir, groups, out = run_rl(tmp_path, 0, "--inference.provider", "dynamo")
+def test_strictly_on_policy_on_dynamo_prefill_and_decode(tmp_path):
+    """The same loop, unchanged, on a Dynamo frontend, one prefill and one decode worker
+    (Dynamo's own vLLM workers): every rollout's prompt is prefilled on the one and decoded
+    on the other, and both are in every publish."""
+    run_dir, groups, out = run_rl(tmp_path, 0, "--inference.provider", "dynamo", "--inference.workers", "1",
+                                  "--inference.dynamo_prefill_workers", "1")
     metrics = check_common(run_dir, groups, out, k=0)
     assert all(m["distance_max"] == 0 for m in metrics)
     assert "Dynamo frontend and 2 worker(s) ready" in out
+    final = json.loads((run_dir / "final.json").read_text())
+    assert sorted(w["role"] for w in final["workers"].values()) == ["decode", "prefill"]
+    prefill_id = next(i for i, w in final["workers"].items() if w["role"] == "prefill")
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert rollouts and all(r["prefill_worker"] == prefill_id for r in rollouts), rollouts[0]

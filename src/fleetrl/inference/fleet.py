@@ -86,7 +86,7 @@ class Fleet:
     async def start(self) -> None:
         await self.provider.start()
         await self.refresh()
-        if not self.ready_workers():
+        if not self.routable_workers():
             raise FleetrlError("no inference worker became ready: " + self._describe_failures())
         self._discovery = asyncio.create_task(self._discovery_loop())
 

@@ -142,7 +142,7 @@ class Orchestrator:
         return {
             "step": step, "group": group, "task": scored.task.id, "completion": scored.text,
             "reward": scored.reward, "advantage": advantage, "worker": c.worker_id,
-            "spans": [[s.version, s.start] for s in c.spans], "distance": off_policy_distance(step, c.spans),
+            "prefill_worker": c.prefill_worker_id, "spans": [[s.version, s.start] for s in c.spans], "distance": off_policy_distance(step, c.spans),
             "trained": trained, "version_error": c.version_error,
         }
 
