@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan, WorkerInfo
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan, WorkerInfo, WorkerRole
 
 
 @dataclass
@@ -26,6 +26,8 @@ class FakeEngine:
     fail: set[str] = field(default_factory=set)  # admin operations that raise
     unpaused: asyncio.Event = field(default_factory=asyncio.Event)
     served: int = 0
+    role: WorkerRole = WorkerRole.AGGREGATED
+    prefilled: int = 0  # prompts it prefilled for another worker (role PREFILL)
 
     def __post_init__(self) -> None:
         self.unpaused.set()
@@ -80,15 +82,15 @@ class FakeProvider:
         self.step_s = step_s
         self._admins: dict[str, FakeAdmin] = {}
 
-    def add(self, worker_id: str) -> FakeEngine:
-        self.engines[worker_id] = FakeEngine(worker_id)
+    def add(self, worker_id: str, role: WorkerRole = WorkerRole.AGGREGATED) -> FakeEngine:
+        self.engines[worker_id] = FakeEngine(worker_id, role=role)
         return self.engines[worker_id]
 
     async def start(self) -> None:
         pass
 
     async def discover(self) -> list[WorkerInfo]:
-        return [WorkerInfo(id=e.id, url=f"fake://{e.id}") for e in self.engines.values() if e.alive]
+        return [WorkerInfo(id=e.id, url=f"fake://{e.id}", role=e.role) for e in self.engines.values() if e.alive]
 
     def admin(self, worker: WorkerInfo) -> FakeAdmin:
         engine = self.engines[worker.id]
@@ -99,6 +101,12 @@ class FakeProvider:
     async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix=(),
                        prefill=None) -> list[GenerateResponse]:
         engine = self.engines[worker.id]
+        if prefill is not None:
+            prefiller = self.engines[prefill.id]
+            if not prefiller.alive:
+                raise FleetrlError(f"worker {worker.id}: generate {request.request_id} failed: prefill worker "
+                                   f"{prefill.id} gone")
+            prefiller.prefilled += 1
         engine.served += 1
         return list(await asyncio.gather(*(self._sample(engine, request, len(prompt_suffix)) for _ in range(request.n))))
 

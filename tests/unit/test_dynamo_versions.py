@@ -1,13 +1,20 @@
 """Hermetic pieces of the Dynamo provider: sequence-level versions from the fence record,
-RL discovery entries, and the pause modes the upstream worker allows."""
+RL discovery entries, the pause modes the upstream worker allows, and the check of a
+prefill worker's version."""
 
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
 import pytest
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.admin import DynamoAdminClient, FenceRecord
 from fleetrl.inference.dynamo.data import sequence_version
-from fleetrl.inference.dynamo.discovery import parse_worker
-from fleetrl.inference.types import WorkerRole
+from fleetrl.inference.dynamo.discovery import list_rl_workers, parse_worker
+from fleetrl.config import InferenceConfig
+from fleetrl.inference.dynamo.provider import DynamoProvider
+from fleetrl.inference.types import GenerateResponse, VersionSpan, WorkerInfo, WorkerRole
 
 READY_V3 = FenceRecord(pauses=2, resumes=2, paused=False, version=3)
 
@@ -36,6 +43,16 @@ def test_rl_worker_entry_becomes_a_worker():
         parse_worker({"instance_id": 1}, "http://x/v1/rl/workers")
 
 
+async def test_backend_workers_beside_prefill_workers_are_decode_workers():
+    entries = [{"component": c, "instance_id": i, "system_url": f"http://127.0.0.1:{9000 + i}"}
+               for i, c in enumerate(["backend", "prefill"])]
+    listing = httpx.MockTransport(lambda request: httpx.Response(200, json={"workers": entries}))
+    async with httpx.AsyncClient(transport=listing) as http:
+        assert [w.role for w in await list_rl_workers(http, "http://rl")] == [WorkerRole.DECODE, WorkerRole.PREFILL]
+        listing.handler = lambda request: httpx.Response(200, json={"workers": entries[:1]})
+        assert [w.role for w in await list_rl_workers(http, "http://rl")] == [WorkerRole.AGGREGATED]
+
+
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_keep_and_abort_pauses_need_per_token_versions(mode, monkeypatch):
     admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0)
@@ -47,3 +64,18 @@ async def test_keep_and_abort_pauses_need_per_token_versions(mode, monkeypatch):
         await admin.pause(mode)
     assert admin.fence == FenceRecord()  # nothing sent, nothing counted
     await admin.close()
+
+
+def test_a_prefill_worker_must_provably_hold_the_completions_version():
+    provider = DynamoProvider(InferenceConfig(provider="dynamo"), Path("model"), Path("run"))
+    prefill = provider.admin(WorkerInfo(id="p", url="http://127.0.0.1:9", role=WorkerRole.PREFILL))
+    prefill.fence = READY_V3
+    completion = GenerateResponse("r", [5, 6], [-1.0, -1.0], "length", "d", [VersionSpan(3, 0)], prefill_worker_id="p")
+    agrees = provider._prefill_agrees
+    assert agrees(completion, {"p": READY_V3})
+    assert agrees(replace(completion, prefill_worker_id=None), {})  # aggregated: nothing to check
+    assert not agrees(replace(completion, spans=[VersionSpan(4, 0)]), {"p": READY_V3})  # other version
+    assert not agrees(replace(completion, prefill_worker_id="x"), {"p": READY_V3})  # unknown to fleetrl
+    assert not agrees(completion, {"p": replace(READY_V3, paused=True)})  # paused at dispatch
+    prefill.fence = FenceRecord(pauses=3, resumes=3, paused=False, version=4)
+    assert not agrees(completion, {"p": READY_V3})  # a publish went through it meanwhile

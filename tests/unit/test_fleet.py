@@ -6,7 +6,8 @@ import pytest
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet, PublishError, join_completions
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, VersionSpan, WorkerState
+from fleetrl.inference.types import (GenerateRequest, GenerateResponse, SamplingParams, VersionSpan, WorkerRole,
+                                    WorkerState)
 
 from .fake_fleet import FakeProvider, FakeTransport
 
@@ -193,3 +194,24 @@ async def test_request_on_a_worker_that_dies_is_retried_elsewhere():
     assert out.worker_id != victim and len(out.token_ids) == 30
     assert fleet.workers[victim].state == WorkerState.DEAD
     await fleet.close()
+
+
+async def test_requests_go_to_decode_workers_prefilled_by_ready_prefill_workers():
+    fleet, provider, _ = await started("d")
+    provider.add("p", WorkerRole.PREFILL)
+    provider.add("q", WorkerRole.PREFILL).fail.add("set_version")  # can never be brought to v0
+    await fleet.refresh()
+    assert fleet.workers["p"].state == WorkerState.READY and fleet.workers["q"].state == WorkerState.STALE
+    assert [w.id for w in fleet.routable_workers()] == ["d"]
+    outs = await asyncio.gather(*(fleet.generate(request(max_tokens=3)) for _ in range(4)))
+    assert all(o.worker_id == "d" for (o,) in outs)
+    assert (provider.engines["p"].prefilled, provider.engines["q"].prefilled) == (4, 0)
+
+
+async def test_a_prefill_worker_that_dies_under_a_request_is_dropped_and_the_request_served():
+    fleet, provider, _ = await started("d")
+    provider.add("p", WorkerRole.PREFILL)
+    await fleet.refresh()
+    provider.engines["p"].alive = False
+    (out,) = await fleet.generate(request(max_tokens=3))
+    assert out.worker_id == "d" and fleet.workers["p"].state == WorkerState.DEAD
