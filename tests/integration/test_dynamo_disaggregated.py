@@ -9,6 +9,7 @@ import torch
 from fleetrl.config import InferenceConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.probe import probe_fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan, WorkerRole, WorkerState
 from fleetrl.weights.transport import make_transport
 
@@ -72,6 +73,13 @@ async def test_kv_from_the_prefill_worker_gives_the_models_greedy_tokens(pd_flee
     out = await through_prefill_and_decode(pd_fleet, long_prompt, pd_fleet.provider.run_dir)
     assert out.spans == [VersionSpan(0, 0)]
     assert out.token_ids == hf_greedy(base_weights, long_prompt)
+
+
+async def test_probe_agrees_with_transformers_at_v0(pd_fleet, base_weights, probe):
+    results = await probe_fleet(pd_fleet, base_weights, probe)
+    assert [r.worker_id for r in results] == [w.id for w in pd_fleet.routable_workers()]
+    for r in results:
+        assert r.max_abs_diff < 2e-3, r
 
 
 @pytest.mark.parametrize("kind, version", [("broadcast", 1), ("filesystem", 2)])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.types import WorkerRole
 
 PROBE_TEXTS = [
     "The capital of France is Paris. The capital of Italy is",
@@ -37,13 +38,16 @@ def reference_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[flo
 
 
 async def probe_fleet(fleet: Fleet, model: torch.nn.Module, probe: list[list[int]]) -> list[ProbeResult]:
-    """Score `probe` (token id sequences) on every routable worker and against `model`."""
+    """Score `probe` (token id sequences) on every routable worker and against `model`
+    (through a ready prefill worker where the fleet has them; those are also checked by
+    checksum at every publish)."""
     reference = [await asyncio.to_thread(reference_logprobs, model, ids) for ids in probe]
     results = []
+    prefill = next((w for w in fleet.ready_workers() if w.role == WorkerRole.PREFILL), None)
     for worker in fleet.routable_workers():
         diffs: list[float] = []
         for ids, ref in zip(probe, reference):
-            served = await fleet.provider.prompt_logprobs(worker, ids)
+            served = await fleet.provider.prompt_logprobs(worker, ids, prefill)
             diffs += [abs(a - b) for a, b in zip(served, ref)]
         results.append(ProbeResult(worker.id, sum(diffs) / len(diffs), max(diffs)))
     return results

@@ -80,8 +80,10 @@ class InferenceProvider(Protocol):
         """Send one request to `worker` (pinned, even where a router could choose), its prompt
         prefilled by `prefill` when the fleet has prefill workers (disaggregated serving)."""
 
-    async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int]) -> list[float]:
-        """Score a token sequence on `worker`: log p(token_i | tokens_<i) for i >= 1."""
+    async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int],
+                              prefill: WorkerInfo | None = None) -> list[float]:
+        """Score a token sequence on `worker`: log p(token_i | tokens_<i) for i >= 1 (through
+        `prefill` where the deployment routes every request through a prefill worker)."""
 
     def admin(self, worker: WorkerInfo) -> WorkerAdmin: ...
 

@@ -108,7 +108,7 @@ class DynamoDataClient:
                 response.check()
         return response
 
-    async def prompt_logprobs(self, worker_id: str, token_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, worker_id: str, token_ids: list[int], prefill_id: str | None = None) -> list[float]:
         """log p(token_i | tokens_<i) for i >= 1, scored by the worker's current weights."""
         body = {
             "model": self.model_name,
@@ -118,7 +118,7 @@ class DynamoDataClient:
             "prompt_logprobs": 0,
             "nvext": {"extra_fields": ["engine_data", "worker_id"]},
         }
-        _, nvext = await self._post(worker_id, body, "scoring")
+        _, nvext = await self._post(worker_id, body, "scoring", prefill_id)
         scored = (nvext.get("engine_data") or {}).get("prompt_logprobs")
         if not scored or len(scored) != len(token_ids):
             raise FleetrlError(f"worker {worker_id}: scoring returned no prompt logprobs for {len(token_ids)} tokens")

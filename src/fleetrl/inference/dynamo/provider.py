@@ -105,8 +105,10 @@ class DynamoProvider:
         version = sequence_version(at_dispatch, admin.fence)
         return version is not None and {span.version for span in response.spans} <= {version}
 
-    async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int]) -> list[float]:
-        return await self._started_data().prompt_logprobs(worker.id, token_ids)
+    async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int],
+                              prefill: WorkerInfo | None = None) -> list[float]:
+        # A frontend with prefill workers refuses a pinned request without its prefill pin.
+        return await self._started_data().prompt_logprobs(worker.id, token_ids, prefill.id if prefill else None)
 
     def admin(self, worker: WorkerInfo) -> DynamoAdminClient:
         known = self._admins.get(worker.id)

@@ -56,7 +56,10 @@ class VllmProvider:
             raise FleetrlError(f"the vllm provider has no prefill workers (asked to prefill on {prefill.id})")
         return await self._data.generate(worker.id, worker.url, request, prompt_suffix)
 
-    async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int],
+                              prefill: WorkerInfo | None = None) -> list[float]:
+        if prefill is not None:
+            raise FleetrlError(f"the vllm provider has no prefill workers (asked to prefill on {prefill.id})")
         return await self._data.prompt_logprobs(worker.id, worker.url, token_ids)
 
     def admin(self, worker: WorkerInfo) -> VllmAdminClient:
