@@ -85,7 +85,7 @@ class InferenceConfig(Section):
         None,
         description="How a publish pauses workers: keep (in-flight requests continue on the new "
         "weights), abort (they are cut and continued), wait (drained first); unset = keep, or wait "
-        "with dynamo_worker = dynamo (that worker reports no per-token versions).",
+        "with dynamo_worker = dynamo (no per-token versions) or dynamo_prefill_workers > 0.",
     )
     discovery_interval_s: float = Field(
         5.0, gt=0, description="How often the fleet re-discovers workers and checks their health."
@@ -189,7 +189,8 @@ class InferenceConfig(Section):
     def resolved_pause_mode(self) -> str:
         if self.pause_mode:
             return self.pause_mode
-        return "wait" if self.provider == "dynamo" and self.dynamo_worker == "dynamo" else "keep"
+        exact_only_when_drained = self.dynamo_worker == "dynamo" or self.dynamo_prefill_workers > 0
+        return "wait" if self.provider == "dynamo" and exact_only_when_drained else "keep"
 
 
 class OrchestratorConfig(Section):

@@ -101,6 +101,11 @@ def test_pause_mode_follows_the_worker_kind():
             load_config([], [dynamo, ("inference.pause_mode", mode)])
     abort = load_config([], [dynamo, ("inference.dynamo_worker", "fleetrl"), ("inference.pause_mode", "abort")])
     assert abort.inference.resolved_pause_mode() == "abort"
+    prefill = ("inference.dynamo_prefill_workers", "1")
+    pd = load_config([], [dynamo, ("inference.dynamo_worker", "fleetrl"), prefill]).inference
+    assert pd.resolved_pause_mode() == "wait"
+    with pytest.raises(ConfigError, match="dynamo_prefill_workers needs pause_mode = 'wait'"):
+        load_config([], [dynamo, ("inference.dynamo_worker", "fleetrl"), prefill, ("inference.pause_mode", "keep")])
 
 
 def test_dynamo_attach_and_discovery_fields():
