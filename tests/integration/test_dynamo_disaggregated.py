@@ -1,6 +1,6 @@
 """Disaggregated serving on Dynamo with real processes: a frontend, one prefill and one decode
-worker (Dynamo's own vLLM workers), the prompt's KV crossing from prefill to decode through
-vLLM's shared-storage connector, and every publish reaching both workers."""
+worker (of each worker kind), the prompt's KV crossing from prefill to decode through vLLM's
+shared-storage connector, and every publish reaching both workers."""
 
 import pytest
 import pytest_asyncio
@@ -19,12 +19,14 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_TOKENS = 12
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def pd_fleet(model_dir, tmp_path_factory):
-    config = InferenceConfig(provider="dynamo", workers=1, dynamo_prefill_workers=1, max_model_len=768,
-                             admin_timeout_s=120, startup_timeout_s=900)
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["dynamo", "fleetrl"])
+async def pd_fleet(request, model_dir, tmp_path_factory):
+    """One prefill + one decode worker of each worker kind in turn (Dynamo's own: spans from
+    the fence record; fleetrl's: from the decode engine)."""
+    config = InferenceConfig(provider="dynamo", dynamo_worker=request.param, workers=1, dynamo_prefill_workers=1,
+                             max_model_len=768, admin_timeout_s=120, startup_timeout_s=900)
     provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-pd-run"))
-    async with running(Fleet(provider, pause_mode="wait", discovery_interval_s=3600)) as fleet:
+    async with running(Fleet(provider, pause_mode=config.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
         yield fleet
 
 
@@ -63,9 +65,12 @@ async def through_prefill_and_decode(fleet, prompt, run_dir):
 
 async def test_prefill_and_decode_workers_are_discovered_ready(pd_fleet):
     prefill, decode = workers_by_role(pd_fleet)
+    fleetrl_kind = pd_fleet.provider.config.dynamo_worker == "fleetrl"
     for worker in (prefill, decode):
+        admin = pd_fleet.provider.admin(worker)
         assert worker.state == WorkerState.READY and worker.version == 0
-        assert await pd_fleet.provider.admin(worker).version() == 0
+        assert await admin.version() == 0
+        assert await admin.reports_token_versions() == fleetrl_kind
     assert pd_fleet.routable_workers() == [decode]  # requests are pinned to decode workers only
 
 

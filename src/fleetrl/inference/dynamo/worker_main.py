@@ -67,15 +67,17 @@ def _report_token_versions() -> None:
     from dynamo.vllm.handlers import BaseWorkerHandler
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    # request id -> output index -> what the engine said when that completion finished
+    # request id -> output index -> what the engine said when that completion finished; an
+    # entry exists only while `generate_tokens` serves that request (other callers of the
+    # engine, e.g. the prefill handler, leave nothing behind)
     finished: dict[str, dict[int, dict]] = {}
     engine_generate = AsyncLLM.generate
 
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs):
         async for output in engine_generate(self, prompt, sampling_params, request_id, *args, **kwargs):
             for completion in output.outputs:
-                if completion.finish_reason is not None:
-                    finished.setdefault(request_id, {})[completion.index] = {
+                if completion.finish_reason is not None and request_id in finished:
+                    finished[request_id][completion.index] = {
                         "weight_versions": [{"version": s.version, "start": s.start, "end": s.end}
                                             for s in completion.weight_versions or []],
                         "engine_finish_reason": str(completion.finish_reason),
@@ -85,10 +87,11 @@ def _report_token_versions() -> None:
     handler_generate_tokens = BaseWorkerHandler.generate_tokens
 
     async def generate_tokens(self, prompt, sampling_params, request_id, *args, **kwargs):
+        finished[request_id] = {}
         try:
             async for chunk in handler_generate_tokens(self, prompt, sampling_params, request_id, *args, **kwargs):
                 if chunk.get("finish_reason"):
-                    engine = finished.get(request_id, {}).pop(chunk.get("index", 0), None)
+                    engine = finished[request_id].pop(chunk.get("index", 0), None)
                     if engine is not None:
                         chunk.setdefault("engine_data", {}).update(engine)
                 yield chunk
