@@ -110,8 +110,8 @@ class Fleet:
         return [w for w in self.workers.values() if w.state == WorkerState.READY]
 
     def routable_workers(self) -> list[WorkerInfo]:
-        """Ready workers a request can be pinned to: not prefill workers, which the
-        frontend's prefill router picks for the requests it sends to decode workers."""
+        """Ready workers a request can be pinned to: not prefill workers, which only
+        prefill the prompts of requests pinned to decode workers (see `_acquire`)."""
         return [w for w in self.ready_workers() if w.role != WorkerRole.PREFILL]
 
     async def refresh(self) -> None:
