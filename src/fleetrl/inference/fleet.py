@@ -114,6 +114,10 @@ class Fleet:
         prefill the prompts of requests pinned to decode workers (see `_acquire`)."""
         return [w for w in self.ready_workers() if w.role != WorkerRole.PREFILL]
 
+    def ready_prefill_workers(self) -> list[WorkerInfo]:
+        """Ready prefill workers: the only ones a request's prompt may be prefilled on."""
+        return [w for w in self.ready_workers() if w.role == WorkerRole.PREFILL]
+
     async def refresh(self) -> None:
         """Mark vanished workers dead; bring new, stale or returning ones to the fleet's version."""
         async with self._fence:
@@ -322,7 +326,7 @@ class Fleet:
                 worker = self._least_busy(ready)
                 if session_id is not None:
                     self._sticky[session_id] = worker.id
-            prefills = [w for w in self.ready_workers() if w.role == WorkerRole.PREFILL]
+            prefills = self.ready_prefill_workers()
             prefill = self._least_busy(prefills) if prefills else None
             for w in (worker, prefill):
                 if w is not None:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from fleetrl.inference.fleet import Fleet
-from fleetrl.inference.types import WorkerRole
 
 PROBE_TEXTS = [
     "The capital of France is Paris. The capital of Italy is",
@@ -43,7 +42,7 @@ async def probe_fleet(fleet: Fleet, model: torch.nn.Module, probe: list[list[int
     checksum at every publish)."""
     reference = [await asyncio.to_thread(reference_logprobs, model, ids) for ids in probe]
     results = []
-    prefill = next((w for w in fleet.ready_workers() if w.role == WorkerRole.PREFILL), None)
+    prefill = next(iter(fleet.ready_prefill_workers()), None)
     for worker in fleet.routable_workers():
         diffs: list[float] = []
         for ids, ref in zip(probe, reference):
