@@ -12,6 +12,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.admin import DynamoAdminClient, FenceRecord
 from fleetrl.inference.dynamo.data import sequence_version
 from fleetrl.inference.dynamo.discovery import list_rl_workers, parse_worker
+from fleetrl.inference.dynamo.launcher import why_not_serving
 from fleetrl.config import InferenceConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.types import GenerateResponse, VersionSpan, WorkerInfo, WorkerRole
@@ -51,6 +52,25 @@ async def test_backend_workers_beside_prefill_workers_are_decode_workers():
         assert [w.role for w in await list_rl_workers(http, "http://rl")] == [WorkerRole.DECODE, WorkerRole.PREFILL]
         listing.handler = lambda request: httpx.Response(200, json={"workers": entries[:1]})
         assert [w.role for w in await list_rl_workers(http, "http://rl")] == [WorkerRole.AGGREGATED]
+
+
+async def test_startup_waits_until_the_frontend_serves_every_decode_and_prefill_worker():
+    """RL discovery lists workers before the frontend routes to them (404, no body)."""
+    workers = [WorkerInfo("d1", "", WorkerRole.DECODE), WorkerInfo("p1", "", WorkerRole.PREFILL),
+               WorkerInfo("p2", "", WorkerRole.PREFILL)]
+    pinned, known = [], {"d1", "p1"}
+
+    def frontend(request):
+        pins = (request.headers["x-worker-instance-id"], request.headers["x-prefill-instance-id"])
+        pinned.append(pins)
+        return httpx.Response(200 if set(pins) <= known else 404)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(frontend)) as http:
+        assert "HTTP 404" in await why_not_serving(http, "http://f", workers)
+        known.add("p2")
+        pinned.clear()
+        assert await why_not_serving(http, "http://f", workers) is None
+        assert pinned == [("d1", "p1"), ("d1", "p2")]  # every prefill worker, every decode worker
+        assert await why_not_serving(http, "http://f", workers[1:]) == "no decode worker listed"
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])

@@ -26,10 +26,15 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.engine import ENGINE_ARGS
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.worker_main import TOKEN_VERSIONS_FLAG
+from fleetrl.inference.types import WorkerInfo, WorkerRole
 from fleetrl.processes import ManagedProcess, free_port, start_process
 
 SERVED_MODEL_NAME = "policy"
+# Token ids valid in any vocabulary. Not a single token: a one-token prompt sent through a
+# prefill worker kills the decode worker's engine (vLLM 0.32, IndexError in _prepare_inputs).
+SMOKE_PROMPT = [0] * 16
 
 
 @dataclass
@@ -156,8 +161,8 @@ def worker_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
 async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, run_dir: Path,
                         log=print) -> DynamoDeployment:
     """Start the frontend, `count` workers and `config.dynamo_prefill_workers` prefill workers;
-    return once the frontend answers and lists them all as RL workers. Everything started is
-    stopped again if that does not happen."""
+    return once the frontend lists them all as RL workers and serves completions on each.
+    Everything started is stopped again if that does not happen."""
     file_discovery_dir(run_dir).mkdir(parents=True, exist_ok=True)
     log_dir = run_dir / "logs"
     http_port, rl_port = free_port(config.host), free_port(config.host)
@@ -180,7 +185,7 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
 
 
 async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float, log=print) -> None:
-    """The frontend's /health answers and its RL discovery lists `count` workers."""
+    """The frontend's RL discovery lists `count` workers and it serves completions on each."""
     started = last_report = time.monotonic()
     async with httpx.AsyncClient(timeout=5.0) as client:
         while True:
@@ -190,26 +195,46 @@ async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float,
                         f"{process.name} exited during startup (code {process.popen.returncode}); "
                         f"last lines of {process.log_path}:\n{process.log_tail()}"
                     )
-            listed = 0
+            workers: list[WorkerInfo] = []
             try:
-                healthy = (await client.get(f"{deployment.frontend_url}/health")).status_code == 200
-                response = await client.get(f"{deployment.rl_url}/v1/rl/workers")
-                if response.status_code == 200:
-                    listed = len(response.json().get("workers") or [])
-            except httpx.TransportError:
-                healthy = False
-            if healthy and listed >= count:
+                workers = await list_rl_workers(client, deployment.rl_url)
+                unserved = (await why_not_serving(client, deployment.frontend_url, workers) if len(workers) >= count
+                            else "waiting for the workers")
+            except httpx.TransportError as e:
+                unserved = f"{type(e).__name__} talking to the frontend"
+            except FleetrlError as e:
+                unserved = str(e)
+            if unserved is None:
                 break
             elapsed = time.monotonic() - started
+            progress = f"{len(workers)}/{count} worker(s) listed, completions: {unserved}"
             if elapsed > timeout_s:
-                raise FleetrlError(
-                    f"Dynamo deployment not ready after {timeout_s:.0f} s (inference.startup_timeout_s): "
-                    f"frontend {'healthy' if healthy else 'not healthy'} at {deployment.frontend_url}, "
-                    f"{listed}/{count} workers listed at {deployment.rl_url}/v1/rl/workers; "
-                    f"see logs in {deployment.frontend.log_path.parent}"
-                )
+                raise FleetrlError(f"Dynamo deployment not ready after {timeout_s:.0f} s (inference.startup_timeout_s): "
+                                   f"{progress}; see logs in {deployment.frontend.log_path.parent}")
             if time.monotonic() - last_report >= 15:
-                log(f"fleetrl: waiting for Dynamo: {listed}/{count} worker(s) listed ({elapsed:.0f} s)")
+                log(f"fleetrl: waiting for Dynamo: {progress} ({elapsed:.0f} s)")
                 last_report = time.monotonic()
             await asyncio.sleep(1.0)
     log(f"fleetrl: Dynamo frontend and {count} worker(s) ready after {time.monotonic() - started:.0f} s")
+
+
+async def why_not_serving(client: httpx.AsyncClient, frontend_url: str, workers: list[WorkerInfo]) -> str | None:
+    """None once a one-token completion pinned to each worker succeeds (with prefill workers:
+    each decode and each prefill worker in at least one pair), else why not.
+
+    RL discovery lists a worker before the frontend has loaded its model card: until then
+    /v1/completions answers 404, and with prefill workers the prefill router activates a
+    moment later still, so only a served request proves that rollouts can start."""
+    prefill = [w for w in workers if w.role == WorkerRole.PREFILL]
+    decode = [w for w in workers if w.role != WorkerRole.PREFILL]
+    if not decode:
+        return "no decode worker listed"
+    for i in range(max(len(decode), len(prefill))):
+        headers = {"x-worker-instance-id": decode[i % len(decode)].id}
+        if prefill:
+            headers["x-prefill-instance-id"] = prefill[i % len(prefill)].id
+        response = await client.post(f"{frontend_url}/v1/completions", headers=headers, timeout=60.0,
+                                     json={"model": SERVED_MODEL_NAME, "prompt": SMOKE_PROMPT, "max_tokens": 1})
+        if response.status_code != 200:
+            return f"HTTP {response.status_code} for a request pinned by {headers}"
+    return None
