@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from fleetrl.errors import FleetrlError
+from fleetrl.inference import fleet as fleet_module
 from fleetrl.inference.fleet import Fleet, PublishError, join_completions
 from fleetrl.inference.types import (GenerateRequest, GenerateResponse, SamplingParams, VersionSpan, WorkerRole,
                                     WorkerState)
@@ -158,6 +159,15 @@ async def test_requests_spread_by_load_and_stick_by_session():
     assert provider.engines["a"].served == provider.engines["b"].served == 4
     sticky = [await fleet.generate(request(max_tokens=2, session_id="s1")) for _ in range(4)]
     assert len({o.worker_id for (o,) in sticky}) == 1
+    await fleet.close()
+
+
+async def test_the_session_map_forgets_the_least_recently_used_sessions(monkeypatch):
+    monkeypatch.setattr(fleet_module, "STICKY_SESSIONS", 2)
+    fleet, _, _ = await started("a", "b")
+    for session in ["s1", "s2", "s1", "s3"]:
+        await fleet.generate(request(max_tokens=2, session_id=session))
+    assert list(fleet._sticky) == ["s1", "s3"]  # s2 was used least recently
     await fleet.close()
 
 

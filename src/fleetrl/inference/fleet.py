@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,6 +37,11 @@ if TYPE_CHECKING:
     from fleetrl.weights.transport import WeightTransport
 
 NamedTensors = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
+
+# Sessions whose worker the fleet remembers, most recently used first. A session is a rollout
+# group (its turns and samples share a prompt prefix, so one worker's prefix cache serves them
+# all) and lives for one step: the map forgets the oldest rather than grow for the whole run.
+STICKY_SESSIONS = 4096
 
 
 class PublishError(FleetrlError):
@@ -71,7 +77,7 @@ class Fleet:
         self.workers: dict[str, WorkerInfo] = {}
         self._source: _WeightSource | None = None
         self._inflight: dict[str, int] = {}
-        self._sticky: dict[str, str] = {}  # session id -> worker id
+        self._sticky: OrderedDict[str, str] = OrderedDict()  # session id -> worker id
         self._changed = asyncio.Condition()  # notified whenever routability may have changed
         self._fence = asyncio.Lock()  # held by publish and by refits
         self._discovery: asyncio.Task | None = None
@@ -324,8 +330,11 @@ class Fleet:
             worker = self.workers.get(self._sticky.get(session_id, ""))
             if worker is None or worker.state != WorkerState.READY:
                 worker = self._least_busy(ready)
-                if session_id is not None:
-                    self._sticky[session_id] = worker.id
+            if session_id is not None:
+                self._sticky[session_id] = worker.id
+                self._sticky.move_to_end(session_id)
+                if len(self._sticky) > STICKY_SESSIONS:
+                    self._sticky.popitem(last=False)
             prefills = self.ready_prefill_workers()
             prefill = self._least_busy(prefills) if prefills else None
             for w in (worker, prefill):
