@@ -10,7 +10,7 @@ import pytest
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.admin import DynamoAdminClient, FenceRecord
-from fleetrl.inference.dynamo.data import sequence_version
+from fleetrl.inference.dynamo.data import DynamoDataClient, sequence_version
 from fleetrl.inference.dynamo.discovery import list_rl_workers, parse_worker
 from fleetrl.inference.dynamo.launcher import why_not_serving
 from fleetrl.config import InferenceConfig
@@ -56,21 +56,26 @@ async def test_backend_workers_beside_prefill_workers_are_decode_workers():
 
 async def test_startup_waits_until_the_frontend_serves_every_decode_and_prefill_worker():
     """RL discovery lists workers before the frontend routes to them (404, no body)."""
-    workers = [WorkerInfo("d1", "", WorkerRole.DECODE), WorkerInfo("p1", "", WorkerRole.PREFILL),
-               WorkerInfo("p2", "", WorkerRole.PREFILL)]
-    pinned, known = [], {"d1", "p1"}
+    workers = [WorkerInfo("10", "", WorkerRole.DECODE), WorkerInfo("21", "", WorkerRole.PREFILL),
+               WorkerInfo("22", "", WorkerRole.PREFILL)]
+    pinned, known = [], {"10", "21"}
 
     def frontend(request):
         pins = (request.headers["x-worker-instance-id"], request.headers["x-prefill-instance-id"])
         pinned.append(pins)
-        return httpx.Response(200 if set(pins) <= known else 404)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(frontend)) as http:
-        assert "HTTP 404" in await why_not_serving(http, "http://f", workers)
-        known.add("p2")
+        if not set(pins) <= known:
+            return httpx.Response(404)
+        served = {"decode_worker_id": int(pins[0]), "prefill_worker_id": int(pins[1])}  # as Dynamo: numbers
+        return httpx.Response(200, json={"choices": [{"finish_reason": "length"}],
+                                         "nvext": {"completion_token_ids": [5], "worker_id": served}})
+    async with DynamoDataClient("http://f", "policy", timeout_s=1) as data:
+        data._http = httpx.AsyncClient(base_url="http://f", transport=httpx.MockTransport(frontend))
+        assert "HTTP 404" in await why_not_serving(data, workers)
+        known.add("22")
         pinned.clear()
-        assert await why_not_serving(http, "http://f", workers) is None
-        assert pinned == [("d1", "p1"), ("d1", "p2")]  # every prefill worker, every decode worker
-        assert await why_not_serving(http, "http://f", workers[1:]) == "no decode worker listed"
+        assert await why_not_serving(data, workers) is None
+        assert pinned == [("10", "21"), ("10", "22")]  # every prefill worker, every decode worker
+        assert await why_not_serving(data, workers[1:]) == "no decode worker listed"
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])

@@ -57,6 +57,12 @@ class DynamoDataClient:
     async def close(self) -> None:
         await self._http.aclose()
 
+    async def __aenter__(self) -> "DynamoDataClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
     async def complete(self, worker_id: str, prefill_id: str | None, request: GenerateRequest,
                        prompt_suffix: list[int], sample: int, token_versions: bool) -> GenerateResponse:
         """Sample `sample` of `request` on worker `worker_id`, prefilled by `prefill_id` if set.

@@ -26,9 +26,10 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.engine import ENGINE_ARGS
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.worker_main import TOKEN_VERSIONS_FLAG
-from fleetrl.inference.types import WorkerInfo, WorkerRole
+from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole
 from fleetrl.processes import ManagedProcess, free_port, start_process
 
 SERVED_MODEL_NAME = "policy"
@@ -187,7 +188,8 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
 async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float, log=print) -> None:
     """The frontend's RL discovery lists `count` workers and it serves completions on each."""
     started = last_report = time.monotonic()
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    async with (httpx.AsyncClient(timeout=5.0) as client,
+                DynamoDataClient(deployment.frontend_url, SERVED_MODEL_NAME, timeout_s=60.0) as data):
         while True:
             for process in deployment.processes():
                 if not process.alive():
@@ -198,10 +200,7 @@ async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float,
             workers: list[WorkerInfo] = []
             try:
                 workers = await list_rl_workers(client, deployment.rl_url)
-                unserved = (await why_not_serving(client, deployment.frontend_url, workers) if len(workers) >= count
-                            else "waiting for the workers")
-            except httpx.TransportError as e:
-                unserved = f"{type(e).__name__} talking to the frontend"
+                unserved = await why_not_serving(data, workers) if len(workers) >= count else "waiting for workers"
             except FleetrlError as e:
                 unserved = str(e)
             if unserved is None:
@@ -218,7 +217,7 @@ async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float,
     log(f"fleetrl: Dynamo frontend and {count} worker(s) ready after {time.monotonic() - started:.0f} s")
 
 
-async def why_not_serving(client: httpx.AsyncClient, frontend_url: str, workers: list[WorkerInfo]) -> str | None:
+async def why_not_serving(data: DynamoDataClient, workers: list[WorkerInfo]) -> str | None:
     """None once a one-token completion pinned to each worker succeeds (with prefill workers:
     each decode and each prefill worker in at least one pair), else why not.
 
@@ -229,12 +228,11 @@ async def why_not_serving(client: httpx.AsyncClient, frontend_url: str, workers:
     decode = [w for w in workers if w.role != WorkerRole.PREFILL]
     if not decode:
         return "no decode worker listed"
+    request = GenerateRequest(SMOKE_PROMPT, SamplingParams(max_tokens=1, logprobs=False))
     for i in range(max(len(decode), len(prefill))):
-        headers = {"x-worker-instance-id": decode[i % len(decode)].id}
-        if prefill:
-            headers["x-prefill-instance-id"] = prefill[i % len(prefill)].id
-        response = await client.post(f"{frontend_url}/v1/completions", headers=headers, timeout=60.0,
-                                     json={"model": SERVED_MODEL_NAME, "prompt": SMOKE_PROMPT, "max_tokens": 1})
-        if response.status_code != 200:
-            return f"HTTP {response.status_code} for a request pinned by {headers}"
+        prefill_id = prefill[i % len(prefill)].id if prefill else None
+        try:
+            await data.complete(decode[i % len(decode)].id, prefill_id, request, [], 0, token_versions=False)
+        except FleetrlError as e:
+            return str(e)
     return None
