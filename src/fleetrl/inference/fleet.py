@@ -38,9 +38,9 @@ if TYPE_CHECKING:
 
 NamedTensors = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
 
-# Sessions whose worker the fleet remembers, most recently used first. A session is a rollout
-# group (its turns and samples share a prompt prefix, so one worker's prefix cache serves them
-# all) and lives for one step: the map forgets the oldest rather than grow for the whole run.
+# How many sessions keep their worker. A session is a rollout group (its turns and samples
+# share a prompt prefix, so one worker's prefix cache serves them all) and lives for one step:
+# the map forgets the least recently used session rather than grow for the whole run.
 STICKY_SESSIONS = 4096
 
 
