@@ -69,6 +69,7 @@ async def test_startup_waits_until_the_frontend_serves_every_decode_and_prefill_
         return httpx.Response(200, json={"choices": [{"finish_reason": "length"}],
                                          "nvext": {"completion_token_ids": [5], "worker_id": served}})
     async with DynamoDataClient("http://f", "policy", timeout_s=1) as data:
+        await data._http.aclose()  # replaced by the fake frontend, which the context closes
         data._http = httpx.AsyncClient(base_url="http://f", transport=httpx.MockTransport(frontend))
         assert "HTTP 404" in await why_not_serving(data, workers)
         known.add("22")
