@@ -51,6 +51,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def is_dotted_flag(arg: str) -> bool:
+    """`--section.key` or `--section.key=value`: a config field set on the command line."""
+    return arg.startswith("--") and "." in arg.split("=", 1)[0]
+
+
+def join_dotted_values(argv: list[str]) -> list[str]:
+    """`--section.key VALUE` -> `--section.key=VALUE`, whatever VALUE begins with.
+
+    argparse reads an argument that starts with "-" as an option, so a token such as `-x3f`
+    or a value `-1` would be refused as a missing value; joined, it is the flag's value.
+    """
+    out = []
+    it = iter(argv)
+    for arg in it:
+        if is_dotted_flag(arg) and "=" not in arg:
+            value = next(it, None)
+            arg = arg if value is None else f"{arg}={value}"
+        out.append(arg)
+    return out
+
+
 def split_config_files(argv: list[str]) -> tuple[list[str], list[Path]]:
     """Pull `@ file.toml` and `@file.toml` out of argv."""
     rest, files = [], []
@@ -70,19 +91,18 @@ def split_config_files(argv: list[str]) -> tuple[list[str], list[Path]]:
 
 def unknown_dotted_flags(unknown: list[str], parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
     pairs = []
-    it = iter(unknown)
-    for arg in it:
-        if not (arg.startswith("--") and "." in arg.split("=", 1)[0]):
+    for arg in unknown:
+        if not is_dotted_flag(arg):
             parser.error(f"unrecognized argument: {arg}")
         key, eq, value = arg[2:].partition("=")
         if not eq:
-            value = next(it, "")
+            parser.error(f"argument --{key}: expected one argument")
         pairs.append((key, value))
     return pairs
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = join_dotted_values(list(sys.argv[1:] if argv is None else argv))
     debug = "--debug" in argv
     try:
         rest, files = split_config_files(argv)

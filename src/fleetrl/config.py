@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -266,12 +267,32 @@ def field_docs() -> list[tuple[str, str, Any]]:
     return rows
 
 
-def parse_override(text: str) -> Any:
-    """A CLI value as TOML (numbers, booleans, lists, quoted strings), else as a bare string."""
+def parse_override(text: str, path: tuple[str, ...] = ()) -> Any:
+    """A CLI value as TOML (numbers, booleans, lists, quoted strings), else as a bare string.
+
+    A field that only holds text (a token, a name, a path) takes the text as it is: a token
+    of digits, such as `--inference.admin_token 0123`, stays the string "0123".
+    """
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    if not isinstance(value, str) and _holds_only_text(path):
+        return text
+    return value
+
+
+def _holds_only_text(path: tuple[str, ...]) -> bool:
+    model: Any = Config
+    for part in path:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        model = field.annotation
+    kinds = [a for a in (get_args(model) if get_origin(model) in (Union, UnionType) else (model,))
+             if a is not type(None)]
+    return bool(kinds) and all(k in (str, Path) or get_origin(k) is Literal and all(
+        isinstance(v, str) for v in get_args(k)) for k in kinds)
 
 
 def load_config(files: list[Path], overrides: list[tuple[str, str]]) -> Config:
@@ -290,7 +311,7 @@ def load_config(files: list[Path], overrides: list[tuple[str, str]]) -> Config:
 
     for dotted, value in overrides:
         path = tuple(dotted.split("."))
-        nested: Any = parse_override(value)
+        nested: Any = parse_override(value, path)
         for part in reversed(path):
             nested = {part: nested}
         _merge(merged, nested, (), source, f"--{dotted}")

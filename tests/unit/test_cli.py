@@ -77,3 +77,36 @@ def test_help_works_for_every_command(command):
 def test_unbuilt_command_says_so():
     result = run_cli("bench")
     assert result.returncode == 2 and "not built yet" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        # A value that begins with "-", as `secrets.token_urlsafe` draws about 1 time in 64.
+        (["--inference.admin_token", "-abc"], 'admin_token = "-abc"'),
+        (["--inference.admin_token", "--abc"], 'admin_token = "--abc"'),
+        # Digits only: a token, not a number.
+        (["--inference.admin_token", "123456"], 'admin_token = "123456"'),
+        (["--inference.admin_token", "0123"], 'admin_token = "0123"'),
+        (["--inference.admin_token=-abc"], 'admin_token = "-abc"'),
+        (["--orchestrator.env_options", "{x = -1}"], 'env_options = {"x" = -1}'),
+        (["--run.seed", "-3"], "seed = -3"),
+        (["--run.seed=-3"], "seed = -3"),
+        (["--inference.admin_token", "@abc"], 'admin_token = "@abc"'),
+    ],
+)
+def test_a_dotted_flag_takes_its_next_argument_whatever_it_begins_with(args, expected, capsys):
+    assert main(["status", *args, "--dry-run"]) == 0
+    assert expected in capsys.readouterr().out.splitlines()
+
+
+def test_a_negative_number_is_refused_by_the_field_not_the_parser(capsys):
+    assert main(["rl", "--inference.workers", "-1", "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "config key 'inference.workers'" in err and "(from --inference.workers)" in err
+
+
+def test_a_dotted_flag_without_a_value_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["rl", "--inference.wokers"])
+    assert "--inference.wokers: expected one argument" in capsys.readouterr().err
