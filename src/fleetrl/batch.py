@@ -16,12 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fleetrl.inference.types import VersionSpan
-
-
-def off_policy_distance(step: int, spans: list[VersionSpan]) -> int:
-    """How many versions behind the policy being trained (`step - 1`) a sample's oldest token is."""
-    return (step - 1) - min(span.version for span in spans)
+from fleetrl.versions import VersionSpan, off_policy_distance
 
 
 @dataclass

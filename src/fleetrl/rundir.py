@@ -22,7 +22,9 @@ import json
 import os
 from pathlib import Path
 
-from fleetrl.batch import Batch, off_policy_distance
+from fleetrl.batch import Batch
+
+from fleetrl.versions import off_policy_distance
 from fleetrl.config import load_config
 from fleetrl.errors import FleetrlError
 from fleetrl.files import sha256_file

@@ -10,7 +10,8 @@ from fleetrl.config import InferenceConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.probe import probe_fleet
-from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan, WorkerRole, WorkerState
+from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
+from fleetrl.versions import VersionSpan
 from fleetrl.weights.transport import make_transport
 
 from .conftest import chat_ids, model_with, perturbed, running

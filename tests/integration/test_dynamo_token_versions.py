@@ -8,7 +8,8 @@ import pytest_asyncio
 from fleetrl.config import InferenceConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
-from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan
+from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.versions import VersionSpan
 
 from .conftest import chat_ids, check_abort_mode_joins_spans, check_keep_mode_span_boundary, running
 

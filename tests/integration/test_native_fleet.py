@@ -12,7 +12,8 @@ import pytest
 from fleetrl.config import InferenceConfig
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.probe import probe_fleet
-from fleetrl.inference.types import GenerateRequest, SamplingParams, VersionSpan, WorkerState
+from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerState
+from fleetrl.versions import VersionSpan
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.weights.transport import make_transport
 

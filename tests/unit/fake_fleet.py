@@ -12,7 +12,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan, WorkerInfo, WorkerRole
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole
+from fleetrl.versions import VersionSpan
 
 
 @dataclass

@@ -15,7 +15,8 @@ from fleetrl.inference.dynamo.discovery import list_rl_workers, parse_worker
 from fleetrl.inference.dynamo.launcher import why_not_serving
 from fleetrl.config import InferenceConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
-from fleetrl.inference.types import GenerateResponse, VersionSpan, WorkerInfo, WorkerRole
+from fleetrl.inference.types import GenerateResponse, WorkerInfo, WorkerRole
+from fleetrl.versions import VersionSpan
 
 READY_V3 = FenceRecord(pauses=2, resumes=2, paused=False, version=3)
 

@@ -9,7 +9,7 @@ import pytest
 from fleetrl.envs import EnvError, Rollout, Task, get_environment, score, task_stream
 from fleetrl.envs.arithmetic import CORRECT_WEIGHT, FORMAT_WEIGHT
 from fleetrl.envs.reverse_text import levenshtein, similarity
-from fleetrl.inference.types import VersionSpan
+from fleetrl.versions import VersionSpan
 
 
 def rollout(task, completion):

@@ -7,8 +7,8 @@ import pytest
 from fleetrl.errors import FleetrlError
 from fleetrl.inference import fleet as fleet_module
 from fleetrl.inference.fleet import Fleet, PublishError, join_completions
-from fleetrl.inference.types import (GenerateRequest, GenerateResponse, SamplingParams, VersionSpan, WorkerRole,
-                                    WorkerState)
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState
+from fleetrl.versions import VersionSpan
 
 from .fake_fleet import FakeProvider, FakeTransport
 

@@ -6,7 +6,7 @@ import pytest
 
 from fleetrl.batch import Batch, Sample, batch_path
 from fleetrl.config import load_config, to_toml
-from fleetrl.inference.types import VersionSpan
+from fleetrl.versions import VersionSpan
 from fleetrl.rundir import VerifyError, verify_run, write_manifest
 
 

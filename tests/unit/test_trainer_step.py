@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fleetrl.batch import Batch, Sample
-from fleetrl.inference.types import VersionSpan
+from fleetrl.versions import VersionSpan
 from fleetrl.trainer import checkpoint
 from fleetrl.trainer.model import load_policy, named_tensors
 from fleetrl.trainer.step import StepConfig, build_optimizer, micro_batches, rank_samples, train_step

@@ -16,7 +16,7 @@ pytest.importorskip("verifiers.v1")
 import verifiers.v1 as vf  # noqa: E402
 
 from fleetrl.envs import EnvError, Rollout, get_environment, score, task_stream  # noqa: E402
-from fleetrl.inference.types import VersionSpan  # noqa: E402
+from fleetrl.versions import VersionSpan  # noqa: E402
 
 TASKSET = '''
 import verifiers.v1 as vf

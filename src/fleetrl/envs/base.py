@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import VersionSpan
+from fleetrl.versions import VersionSpan
 
 
 class EnvError(FleetrlError):

@@ -22,14 +22,8 @@ from typing import TYPE_CHECKING
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import InferenceProvider, PauseMode
-from fleetrl.inference.types import (
-    GenerateRequest,
-    GenerateResponse,
-    VersionSpan,
-    WorkerInfo,
-    WorkerRole,
-    WorkerState,
-)
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole, WorkerState
+from fleetrl.versions import VersionSpan
 
 if TYPE_CHECKING:
     import torch

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
+from fleetrl.versions import VersionSpan, parse_version
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,6 @@ class GenerateRequest:
             raise FleetrlError(f"request {self.request_id}: prompt_token_ids is empty")
         if self.n < 1:
             raise FleetrlError(f"request {self.request_id}: n must be >= 1, got {self.n}")
-
-
-@dataclass(frozen=True)
-class VersionSpan:
-    """Tokens from `start` up to the next span's start were produced by policy `version`."""
-
-    version: int
-    start: int
 
 
 @dataclass
@@ -112,19 +105,3 @@ class WorkerInfo:
     state: WorkerState = WorkerState.JOINING
     version: int | None = None
     error: str | None = None  # why the worker is stale or dead
-
-
-def version_name(version: int) -> str:
-    return f"v{version}"
-
-
-def incomplete_version_name(version: int) -> str:
-    """The label of a worker whose transfer of `version` failed: it names no policy version."""
-    return f"incomplete-{version_name(version)}"
-
-
-def parse_version(name: str) -> int | None:
-    """`v3` -> 3; anything else (vLLM's initial "default", a foreign label) -> None."""
-    if name.startswith("v") and name[1:].isdigit():
-        return int(name[1:])
-    return None

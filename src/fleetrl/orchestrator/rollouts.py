@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetrl.batch import Batch, Sample, batch_path, off_policy_distance
+from fleetrl.batch import Batch, Sample, batch_path
+
+from fleetrl.versions import off_policy_distance
 from fleetrl.config import OrchestratorConfig
 from fleetrl.envs import Environment, Rollout, Task, score, task_stream
 from fleetrl.errors import FleetrlError

@@ -21,7 +21,8 @@ import httpx
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.admin import FenceRecord
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, VersionSpan, engine_spans
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_spans
+from fleetrl.versions import VersionSpan
 
 EXTRA_FIELDS = ["completion_token_ids", "worker_id"]
 

@@ -14,7 +14,7 @@ import httpx
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import ABANDON_TIMEOUT_S, PauseMode, WorkerCallError
-from fleetrl.inference.types import incomplete_version_name, parse_version, version_name
+from fleetrl.versions import incomplete_version_name, parse_version, version_name
 
 
 class VllmAdminClient:
