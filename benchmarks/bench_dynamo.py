@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from bench_fleet import BUCKET_BYTES, interleaved_publishes, median_time, tokens_per_s_fleet
 
-from fleetrl.config import InferenceConfig, ModelConfig
+from fleetrl.config import DynamoConfig, InferenceConfig, ModelConfig, VllmConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
-from fleetrl.weights.transport import make_transport
+from fleetrl.weights.factory import make_transport
 
 
 async def main(args) -> None:
@@ -77,14 +77,15 @@ async def main(args) -> None:
 
 def compared_fleets(compare: str, model_dir: Path, tmp: Path) -> dict[str, Fleet]:
     def dynamo(name: str, **fields) -> Fleet:
-        config = InferenceConfig(provider="dynamo", workers=1, max_model_len=512, **fields)
+        config = InferenceConfig(provider="dynamo", workers=1, vllm=VllmConfig(max_model_len=512), **fields)
         return Fleet(DynamoProvider(config, model_dir, tmp / name), pause_mode=config.resolved_pause_mode(),
                      discovery_interval_s=3600)
 
     if compare == "worker-kind":
-        return {"fleetrl kind": dynamo("fleetrl-kind", dynamo_worker="fleetrl"), "Dynamo kind": dynamo("dynamo-kind")}
-    native = VllmProvider(InferenceConfig(workers=1, max_model_len=512), model_dir, tmp / "native",
-                          secrets.token_urlsafe(16))
+        return {"fleetrl kind": dynamo("fleetrl-kind", dynamo=DynamoConfig(worker="fleetrl")),
+                "Dynamo kind": dynamo("dynamo-kind")}
+    native = VllmProvider(InferenceConfig(workers=1, vllm=VllmConfig(max_model_len=512)), model_dir,
+                          tmp / "native", secrets.token_urlsafe(16))
     return {"Dynamo": dynamo("dynamo"), "native": Fleet(native, discovery_interval_s=3600)}
 
 

@@ -25,14 +25,15 @@ from pathlib import Path
 
 import torch
 
-from fleetrl.config import InferenceConfig, ModelConfig
+from fleetrl.config import InferenceConfig, ModelConfig, VllmConfig
 from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.http import SERVED_MODEL_NAME
+from fleetrl.inference.provider import WeightTransport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
-from fleetrl.inference.vllm.launcher import SERVED_MODEL_NAME
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.weights import group as bgroup
-from fleetrl.weights.transport import WeightTransport, make_transport
+from fleetrl.weights.factory import make_transport
 
 BUCKET_BYTES = 64 << 20
 
@@ -162,7 +163,8 @@ async def main(args) -> None:
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     token = secrets.token_urlsafe(16)
     with tempfile.TemporaryDirectory() as tmp:
-        provider = VllmProvider(InferenceConfig(workers=args.workers, max_model_len=512), model_dir, Path(tmp) / "logs", token)
+        config = InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512))
+        provider = VllmProvider(config, model_dir, Path(tmp) / "logs", token)
         fleet = Fleet(provider, discovery_interval_s=3600)
         await fleet.start()
         try:
@@ -186,7 +188,7 @@ async def main(args) -> None:
 
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
-            urls = [w.url for w in fleet.ready_workers()]
+            urls = [w.data_url for w in fleet.ready_workers()]
             print()
             for concurrency in (16, 64):
                 prompts = [prompt] * (concurrency * 2)

@@ -5,16 +5,14 @@ carries the version spans of its completion, so the trainer (and `fleetrl verify
 recompute every sample's off-policy distance, `(n - 1) - min(span versions)`, from the data
 itself instead of trusting the orchestrator's bookkeeping.
 
-Batches are files in the run directory, written atomically (a temporary name, then rename),
+Batches are files in the run directory (`RunDir.write_batch`), written whole or not at all,
 so a reader never sees half a batch and a multi-node trainer only needs shared storage.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from fleetrl.versions import VersionSpan, off_policy_distance
 
@@ -45,18 +43,11 @@ class Batch:
     def distances(self) -> list[int]:
         return [off_policy_distance(self.step, s.spans) for s in self.samples]
 
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
 
     @classmethod
-    def load(cls, path: Path) -> Batch:
-        data = json.loads(Path(path).read_text())
+    def from_json(cls, text: str) -> Batch:
+        data = json.loads(text)
         samples = [Sample(**{**s, "spans": [VersionSpan(**sp) for sp in s["spans"]]}) for s in data["samples"]]
         return cls(step=data["step"], samples=samples, dropped=data["dropped"], meta=data["meta"])
-
-
-def batch_path(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "batches" / f"step_{step:06d}.json"

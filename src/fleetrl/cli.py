@@ -1,18 +1,18 @@
 """`fleetrl <command> [@ config.toml ...] [--section.key value ...] [--dry-run] [--debug]`.
 
-Errors the user can act on print as one line and exit 1 (`--debug` shows the traceback);
-Ctrl-C exits 130. Every process a command started is stopped on the way out.
+This module only parses the command line and reports errors: errors the user can act on
+print as one line and exit 1 (`--debug` shows the traceback); Ctrl-C exits 130. What each
+command does is in fleetrl.app.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import secrets
 import sys
 from pathlib import Path
 
-from fleetrl.config import Config, ConfigError, field_docs, load_config, to_toml
+from fleetrl.app.commands import run_command
+from fleetrl.config import ConfigError, field_docs, load_config, to_toml
 from fleetrl.errors import FleetrlError
 
 COMMANDS = {
@@ -22,8 +22,6 @@ COMMANDS = {
     "verify": "Re-check a finished run directory's manifest and invariants.",
     "bench": "Run the benchmarks (see benchmarks/).",
 }
-NOT_BUILT = {"bench"}
-DEFAULT_PROMPTS = ["Name three primary colors.", "What is 7 + 5?", "Write the word 'fleet' backwards."]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,109 +130,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleetrl: error: unexpected {type(e).__name__}: {first} (--debug shows the traceback)",
               file=sys.stderr)
         return 1
-    finally:
-        from fleetrl.processes import stop_all
-
-        stop_all()
-
-
-def run_command(args: argparse.Namespace, config: Config) -> int:
-    if args.command in NOT_BUILT:
-        print(f"fleetrl {args.command}: not built yet (see the open issues); "
-              f"`fleetrl {args.command} --dry-run` shows the config it would use", file=sys.stderr)
-        return 2
-    if args.command == "rl":
-        from fleetrl.rl import run_rl
-
-        return run_rl(config, make_fleet)
-    if args.command == "verify":
-        from fleetrl.rundir import verify_run
-
-        if args.run_dir is None:
-            raise FleetrlError("fleetrl verify needs a run directory: fleetrl verify RUN_DIR")
-        print(verify_run(args.run_dir))
-        return 0
-    if args.command == "inference":
-        return asyncio.run(run_inference(config, args.prompts or DEFAULT_PROMPTS))
-    if args.command == "status":
-        return asyncio.run(run_status(config))
-    raise AssertionError(args.command)
-
-
-def make_fleet(config: Config, token: str):
-    from fleetrl.inference.fleet import Fleet
-    from fleetrl.inference.vllm.provider import VllmProvider
-    from fleetrl.model import resolve_model
-
-    model_dir = resolve_model(config.model)
-    if config.inference.provider == "dynamo":
-        from fleetrl.inference.dynamo.provider import DynamoProvider
-
-        provider = DynamoProvider(config.inference, model_dir, config.run.dir)
-    else:
-        provider = VllmProvider(config.inference, model_dir, config.run.dir / "logs", token)
-    fleet = Fleet(provider, pause_mode=config.inference.resolved_pause_mode(),
-                  discovery_interval_s=config.inference.discovery_interval_s)
-    return fleet, model_dir
-
-
-async def run_inference(config: Config, prompts: list[str]) -> int:
-    from transformers import AutoTokenizer
-
-    from fleetrl.inference.types import GenerateRequest, SamplingParams
-
-    token = config.inference.admin_token or secrets.token_urlsafe(24)
-    fleet, model_dir = make_fleet(config, token)
-    try:
-        await fleet.start()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        sampling = SamplingParams(
-            temperature=config.orchestrator.temperature,
-            max_tokens=config.orchestrator.max_tokens,
-            stop_token_ids=(tokenizer.eos_token_id,),
-            seed=config.run.seed,
-        )
-        requests = [
-            GenerateRequest(
-                prompt_token_ids=tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
-                ),
-                sampling=sampling,
-            )
-            for p in prompts
-        ]
-        results = await asyncio.gather(*(fleet.generate(r) for r in requests))
-        for prompt, (completion,) in zip(prompts, results):
-            spans = ", ".join(f"v{s.version}@{s.start}" for s in completion.spans)
-            text = tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip()
-            print(f"\n> {prompt}\n{text}\n  [{len(completion.token_ids)} tokens, worker {completion.worker_id}, "
-                  f"versions {spans}, finish {completion.finish_reason}]")
-    finally:
-        await fleet.close()
-    return 0
-
-
-async def run_status(config: Config) -> int:
-    if not config.inference.urls:
-        raise ConfigError("fleetrl status needs inference.urls (the workers to query) and inference.admin_token")
-    if not config.inference.admin_token:
-        raise ConfigError("fleetrl status needs inference.admin_token (printed in the run's logs)")
-    from fleetrl.inference.vllm.admin import VllmAdminClient
-
-    all_up = True
-    for url in config.inference.urls:
-        admin = VllmAdminClient(url, url, config.inference.admin_token, config.inference.admin_timeout_s, 0)
-        try:
-            if not await admin.health():
-                print(f"{url}  down")
-                all_up = False
-                continue
-            version, paused = await admin.version(), await admin.is_paused()
-            print(f"{url}  up  version={'v%d' % version if version is not None else 'unset'}  "
-                  f"{'paused' if paused else 'serving'}")
-        except FleetrlError as e:
-            print(f"{url}  error: {e}")
-            all_up = False
-        finally:
-            await admin.close()
-    return 0 if all_up else 1

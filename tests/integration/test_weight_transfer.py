@@ -17,12 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fleetrl.config import InferenceConfig
+from fleetrl.config import InferenceConfig, VllmConfig
+from fleetrl.inference.provider import WeightTransport
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers
 from fleetrl.processes import stop_all
 from fleetrl.weights import manifest
-from fleetrl.weights.transport import WeightTransport, make_transport
+from fleetrl.weights.factory import make_transport
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +39,7 @@ def server(model_dir, tmp_path_factory):
     token = secrets.token_hex(16)
     try:
         (launched,) = asyncio.run(launch_vllm_servers(
-            model_dir, InferenceConfig(max_model_len=256), 1, tmp_path_factory.mktemp("logs"), token))
+            model_dir, InferenceConfig(vllm=VllmConfig(max_model_len=256)), 1, tmp_path_factory.mktemp("logs"), token))
     except BaseException:
         stop_all()  # a server that never became healthy is still running
         raise

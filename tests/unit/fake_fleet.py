@@ -48,6 +48,10 @@ class FakeAdmin:
     async def health(self) -> bool:
         return self.engine.alive
 
+    async def is_paused(self) -> bool:
+        self._check("is_paused")
+        return self.engine.paused
+
     async def pause(self, mode: str) -> None:
         self._check("pause")
         self.engine.paused, self.engine.pause_mode = True, mode
@@ -91,7 +95,8 @@ class FakeProvider:
         pass
 
     async def discover(self) -> list[WorkerInfo]:
-        return [WorkerInfo(id=e.id, url=f"fake://{e.id}", role=e.role) for e in self.engines.values() if e.alive]
+        return [WorkerInfo(id=e.id, data_url=f"fake://{e.id}", admin_url=f"fake://{e.id}", role=e.role)
+                for e in self.engines.values() if e.alive]
 
     def admin(self, worker: WorkerInfo) -> FakeAdmin:
         engine = self.engines[worker.id]

@@ -3,7 +3,10 @@ import sys
 
 import pytest
 
+from fleetrl.app.providers import PROVIDERS, ProviderEntry
 from fleetrl.cli import main
+
+from .fake_fleet import FakeProvider
 
 
 def run_cli(*args):
@@ -33,8 +36,9 @@ def test_at_file_without_space(tmp_path, capsys):
         (["rl", "@", "/nonexistent.toml"], "config file not found: /nonexistent.toml"),
         (["inference", "--model.path", "/nonexistent-model"], "model.path: /nonexistent-model does not exist"),
         (["status"], "fleetrl status needs inference.urls"),
-        (["rl", "--inference.provider", "dynamo", "--inference.dynamo_frontend_url", "http://h:8000"],
-         "dynamo_frontend_url and dynamo_rl_url: set both"),
+        (["status", "--inference.provider", "dynamo"], "fleetrl status needs inference.dynamo.frontend_url"),
+        (["rl", "--inference.provider", "dynamo", "--inference.dynamo.frontend_url", "http://h:8000"],
+         "inference.dynamo.frontend_url and inference.dynamo.rl_url: set both"),
         (["rl", "--orchestrator.temperature", "0.7"], "fleetrl rl samples at orchestrator.temperature = 1"),
     ],
 )
@@ -58,6 +62,18 @@ def test_model_path_without_config_json(tmp_path, capsys):
 def test_unreachable_server_is_reported_per_url(capsys):
     assert main(["status", "--inference.urls", '["http://127.0.0.1:9"]', "--inference.admin_token", "t"]) == 1
     assert "http://127.0.0.1:9  down" in capsys.readouterr().out
+
+
+def test_status_reads_each_discovered_worker_through_the_provider(monkeypatch, capsys):
+    provider = FakeProvider("a", "b", "c")
+    provider.engines["a"].version = 2
+    provider.engines["b"].paused = True
+    provider.engines["c"].fail = {"version"}
+    monkeypatch.setitem(PROVIDERS, "dynamo", ProviderEntry(build=lambda *_: provider, missing_to_attach=lambda _: None))
+    assert main(["status", "--inference.provider", "dynamo"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "a  up  version=v2  serving", "b  up  version=unset  paused", "c  error: worker c: version failed: injected",
+    ]
 
 
 def test_attach_to_unreachable_url_fails_clearly(tmp_path, capsys):

@@ -63,7 +63,7 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    config = load_config([], [("inference.workers", "2"), ("inference.extra_args", '["--seed", "1"]'),
+    config = load_config([], [("inference.workers", "2"), ("inference.vllm.extra_args", '["--seed", "1"]'),
                               ("orchestrator.env_options", '{max_len = 4, "odd key" = "x"}'),
                               ("trainer.tis_cap", "inf")])
     out = tmp_path / "resolved.toml"
@@ -77,6 +77,7 @@ def test_every_field_is_documented():
     for name, description, _ in docs:
         assert description, f"{name} has no description"
     assert {n.split(".")[0] for n, _, _ in docs} == set(Config.model_fields)
+    assert {"inference.vllm.dtype", "inference.dynamo.worker", "inference.weights.dir"} <= {n for n, _, _ in docs}
 
 
 def test_config_docs_are_current():
@@ -94,30 +95,30 @@ def test_pause_mode_follows_the_worker_kind():
     dynamo = ("inference.provider", "dynamo")
     assert load_config([], []).inference.resolved_pause_mode() == "keep"
     assert load_config([], [dynamo]).inference.resolved_pause_mode() == "wait"
-    fleetrl_kind = load_config([], [dynamo, ("inference.dynamo_worker", "fleetrl")]).inference
+    fleetrl_kind = load_config([], [dynamo, ("inference.dynamo.worker", "fleetrl")]).inference
     assert fleetrl_kind.resolved_pause_mode() == "keep"
     for mode in ("keep", "abort"):
-        with pytest.raises(ConfigError, match=f"pause_mode '{mode}' needs per-token versions.*dynamo_worker"):
+        with pytest.raises(ConfigError, match=f"pause_mode '{mode}' needs per-token versions.*dynamo\\.worker"):
             load_config([], [dynamo, ("inference.pause_mode", mode)])
-    abort = load_config([], [dynamo, ("inference.dynamo_worker", "fleetrl"), ("inference.pause_mode", "abort")])
+    abort = load_config([], [dynamo, ("inference.dynamo.worker", "fleetrl"), ("inference.pause_mode", "abort")])
     assert abort.inference.resolved_pause_mode() == "abort"
-    prefill = ("inference.dynamo_prefill_workers", "1")
-    pd = load_config([], [dynamo, ("inference.dynamo_worker", "fleetrl"), prefill]).inference
+    prefill = ("inference.dynamo.prefill_workers", "1")
+    pd = load_config([], [dynamo, ("inference.dynamo.worker", "fleetrl"), prefill]).inference
     assert pd.resolved_pause_mode() == "wait"
-    with pytest.raises(ConfigError, match="dynamo_prefill_workers needs pause_mode = 'wait'"):
-        load_config([], [dynamo, ("inference.dynamo_worker", "fleetrl"), prefill, ("inference.pause_mode", "keep")])
+    with pytest.raises(ConfigError, match="dynamo.prefill_workers needs inference.pause_mode = 'wait'"):
+        load_config([], [dynamo, ("inference.dynamo.worker", "fleetrl"), prefill, ("inference.pause_mode", "keep")])
 
 
 def test_dynamo_attach_and_discovery_fields():
-    attach = [("inference.provider", "dynamo"), ("inference.dynamo_frontend_url", "http://fe:8000"),
-              ("inference.dynamo_rl_url", "http://fe:8001")]
-    assert load_config([], attach).inference.dynamo_rl_url == "http://fe:8001"
+    attach = [("inference.provider", "dynamo"), ("inference.dynamo.frontend_url", "http://fe:8000"),
+              ("inference.dynamo.rl_url", "http://fe:8001")]
+    assert load_config([], attach).inference.dynamo.rl_url == "http://fe:8001"
     with pytest.raises(ConfigError, match="set both"):
         load_config([], attach[:2])
     with pytest.raises(ConfigError, match="provider is not 'dynamo'"):
         load_config([], attach[1:])
-    with pytest.raises(ConfigError, match="dynamo_discovery is not 'etcd'"):
-        load_config([], [("inference.dynamo_etcd_endpoints", '["http://etcd:2379"]')])
+    with pytest.raises(ConfigError, match="dynamo.discovery is not 'etcd'"):
+        load_config([], [("inference.dynamo.etcd_endpoints", '["http://etcd:2379"]')])
 
 
 def test_launched_dynamo_processes_get_the_discovery_backend(tmp_path):
@@ -126,9 +127,26 @@ def test_launched_dynamo_processes_get_the_discovery_backend(tmp_path):
     local = deployment_env(load_config([], [("inference.provider", "dynamo")]).inference, tmp_path)
     assert local["DYN_DISCOVERY_BACKEND"] == "file" and local["DYN_FILE_KV"] == str(tmp_path)
     assert local["DYN_SYSTEM_HOST"] == "127.0.0.1" and local["DYN_NAMESPACE"] == "fleetrl"
-    etcd = load_config([], [("inference.provider", "dynamo"), ("inference.dynamo_discovery", "etcd"),
-                            ("inference.dynamo_etcd_endpoints", '["http://e1:2379", "http://e2:2379"]'),
-                            ("inference.dynamo_env", '{NATS_SERVER = "nats://n:4222"}')]).inference
+    etcd = load_config([], [("inference.provider", "dynamo"), ("inference.dynamo.discovery", "etcd"),
+                            ("inference.dynamo.etcd_endpoints", '["http://e1:2379", "http://e2:2379"]'),
+                            ("inference.dynamo.env", '{NATS_SERVER = "nats://n:4222"}')]).inference
     env = deployment_env(etcd, tmp_path)
     assert env["DYN_DISCOVERY_BACKEND"] == "etcd" and "DYN_FILE_KV" not in env
     assert env["ETCD_ENDPOINTS"] == "http://e1:2379,http://e2:2379" and env["NATS_SERVER"] == "nats://n:4222"
+
+
+def test_subsections_load_from_tables_and_dotted_flags(tmp_path):
+    f = tmp_path / "dynamo.toml"
+    f.write_text('[inference]\nprovider = "dynamo"\n[inference.dynamo]\nworker = "fleetrl"\n'
+                 '[inference.weights]\ntransport = "filesystem"\n')
+    inference = load_config([f], [("inference.dynamo.namespace", "0123"),
+                                  ("inference.vllm.max_model_len", "512")]).inference
+    assert inference.dynamo.worker == "fleetrl" and inference.weights.transport == "filesystem"
+    assert inference.dynamo.namespace == "0123" and inference.vllm.max_model_len == 512
+    f.write_text("[inference.dynamo]\nwrker = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'inference.dynamo.wrker' \(from .*dynamo.toml\)"):
+        load_config([f], [])
+    with pytest.raises(ConfigError, match=r"'inference.weights.bucket_mb'.*\(from --inference.weights.bucket_mb\)"):
+        load_config([], [("inference.weights.bucket_mb", "0")])
+    with pytest.raises(ConfigError, match="prefill_workers is set but inference.provider is not 'dynamo'"):
+        load_config([], [("inference.dynamo.prefill_workers", "1")])

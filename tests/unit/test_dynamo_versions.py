@@ -2,19 +2,18 @@
 RL discovery entries, the pause modes the upstream worker allows, and the check of a
 prefill worker's version."""
 
+import json
 from dataclasses import replace
-from pathlib import Path
 
 import httpx
 import pytest
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.dynamo.admin import DynamoAdminClient, FenceRecord
-from fleetrl.inference.dynamo.data import DynamoDataClient, sequence_version
+from fleetrl.inference.dynamo.admin import DynamoAdminClient
+from fleetrl.inference.dynamo.attribution import FenceRecord, prefill_agrees, sequence_version
+from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers, parse_worker
 from fleetrl.inference.dynamo.launcher import why_not_serving
-from fleetrl.config import InferenceConfig
-from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.types import GenerateResponse, WorkerInfo, WorkerRole
 from fleetrl.versions import VersionSpan
 
@@ -38,11 +37,12 @@ def test_a_resume_before_receipt_makes_the_version_unknown():
 
 def test_rl_worker_entry_becomes_a_worker():
     entry = {"component": "prefill", "instance_id": 42, "system_url": "http://127.0.0.1:9/", "world_size": 2}
-    worker = parse_worker(entry, "http://x/v1/rl/workers")
-    assert (worker.id, worker.url, worker.role, worker.world_size) == ("42", "http://127.0.0.1:9", WorkerRole.PREFILL, 2)
-    assert parse_worker({**entry, "component": "backend"}, "").role == WorkerRole.AGGREGATED
+    worker = parse_worker(entry, "http://x/v1/rl/workers", "http://frontend")
+    assert (worker.id, worker.admin_url, worker.role, worker.world_size) == ("42", "http://127.0.0.1:9", WorkerRole.PREFILL, 2)
+    assert worker.data_url == "http://frontend"  # requests go through the frontend, which routes
+    assert parse_worker({**entry, "component": "backend"}, "", "").role == WorkerRole.AGGREGATED
     with pytest.raises(FleetrlError, match="system URL"):
-        parse_worker({"instance_id": 1}, "http://x/v1/rl/workers")
+        parse_worker({"instance_id": 1}, "http://x/v1/rl/workers", "http://frontend")
 
 
 async def test_backend_workers_beside_prefill_workers_are_decode_workers():
@@ -50,15 +50,15 @@ async def test_backend_workers_beside_prefill_workers_are_decode_workers():
                for i, c in enumerate(["backend", "prefill"])]
     listing = httpx.MockTransport(lambda request: httpx.Response(200, json={"workers": entries}))
     async with httpx.AsyncClient(transport=listing) as http:
-        assert [w.role for w in await list_rl_workers(http, "http://rl")] == [WorkerRole.DECODE, WorkerRole.PREFILL]
+        assert [w.role for w in await list_rl_workers(http, "http://rl", "http://f")] == [WorkerRole.DECODE, WorkerRole.PREFILL]
         listing.handler = lambda request: httpx.Response(200, json={"workers": entries[:1]})
-        assert [w.role for w in await list_rl_workers(http, "http://rl")] == [WorkerRole.AGGREGATED]
+        assert [w.role for w in await list_rl_workers(http, "http://rl", "http://f")] == [WorkerRole.AGGREGATED]
 
 
 async def test_startup_waits_until_the_frontend_serves_every_decode_and_prefill_worker():
     """RL discovery lists workers before the frontend routes to them (404, no body)."""
-    workers = [WorkerInfo("10", "", WorkerRole.DECODE), WorkerInfo("21", "", WorkerRole.PREFILL),
-               WorkerInfo("22", "", WorkerRole.PREFILL)]
+    workers = [WorkerInfo("10", "", "", WorkerRole.DECODE), WorkerInfo("21", "", "", WorkerRole.PREFILL),
+               WorkerInfo("22", "", "", WorkerRole.PREFILL)]
     pinned, known = [], {"10", "21"}
 
     def frontend(request):
@@ -94,15 +94,37 @@ async def test_keep_and_abort_pauses_need_per_token_versions(mode, monkeypatch):
 
 
 def test_a_prefill_worker_must_provably_hold_the_completions_version():
-    provider = DynamoProvider(InferenceConfig(provider="dynamo"), Path("model"), Path("run"))
-    prefill = provider.admin(WorkerInfo(id="p", url="http://127.0.0.1:9", role=WorkerRole.PREFILL))
-    prefill.fence = READY_V3
+    at_receipt = {"p": READY_V3}  # the prefill worker's fence record when the completion arrived
+
+    def agrees(completion, at_dispatch):
+        return prefill_agrees(completion, at_dispatch, at_receipt)
+
     completion = GenerateResponse("r", [5, 6], [-1.0, -1.0], "length", "d", [VersionSpan(3, 0)], prefill_worker_id="p")
-    agrees = provider._prefill_agrees
     assert agrees(completion, {"p": READY_V3})
     assert agrees(replace(completion, prefill_worker_id=None), {})  # aggregated: nothing to check
     assert not agrees(replace(completion, spans=[VersionSpan(4, 0)]), {"p": READY_V3})  # other version
     assert not agrees(replace(completion, prefill_worker_id="x"), {"p": READY_V3})  # unknown to fleetrl
     assert not agrees(completion, {"p": replace(READY_V3, paused=True)})  # paused at dispatch
-    prefill.fence = FenceRecord(pauses=3, resumes=3, paused=False, version=4)
+    at_receipt["p"] = FenceRecord(pauses=3, resumes=3, paused=False, version=4)
     assert not agrees(completion, {"p": READY_V3})  # a publish went through it meanwhile
+
+
+async def test_is_paused_asks_the_route_that_runs_only_on_a_paused_worker():
+    """Dynamo has no is_paused route: its weight-update route refuses an unpaused worker."""
+    paused = False
+
+    def worker(request):
+        body = json.loads(request.content)
+        assert request.url.path == "/engine/update_weights_from_distributed"
+        assert body == {"engine_rpc": "fleetrl_broadcast_group", "reset_prefix_cache": False}  # reads only
+        if paused:
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(200, json={"status": "error", "message": "Worker must be paused via "
+                                         "pause_generation() before updating weights."})
+    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0)
+    await admin._http.close()
+    admin._http._http = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(worker))
+    assert await admin.is_paused() is False
+    paused = True
+    assert await admin.is_paused() is True
+    await admin.close()

@@ -14,6 +14,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
 from fleetrl.orchestrator.advantages import group_advantages
 from fleetrl.orchestrator.rollouts import Orchestrator
+from fleetrl.rundir import RunDir
 
 from .fake_fleet import FakeProvider, FakeTransport
 
@@ -45,7 +46,7 @@ class Env:
 
 
 async def make(k=0, env=None, step_s=0.001):
-    run_dir = Path(tempfile.mkdtemp(prefix="fleetrl-orch-"))
+    run_dir = RunDir(Path(tempfile.mkdtemp(prefix="fleetrl-orch-")))
     provider = FakeProvider("a", "b", step_s=step_s)
     fleet = Fleet(provider, discovery_interval_s=3600, log=lambda *_: None)
     await fleet.start()
@@ -112,7 +113,7 @@ async def test_samples_from_a_worker_at_the_wrong_version_are_rejected_and_count
     fleet, orch, _ = await make(k=0)
     fleet.provider.engines["a"].version = 7  # changed weights behind the fleet's back
     batch = await orch.make_batch(1)
-    records = [json.loads(line) for line in (orch.run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in orch.run_dir.rollouts_path(1).read_text().splitlines()]
     rejected = [r for r in records if r["version_error"]]
     assert rejected and all(r["worker"] == "a" and not r["trained"] for r in rejected)
     assert batch.meta["misversioned"] == len(rejected) and batch.dropped == 0

@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from fleetrl.batch import Batch, Sample, batch_path
+from fleetrl.batch import Batch, Sample
 from fleetrl.config import load_config, to_toml
+from fleetrl.errors import FleetrlError
+from fleetrl.rundir import RunDir, VerifyError, step_name, step_of, verify_run
 from fleetrl.versions import VersionSpan
-from fleetrl.rundir import VerifyError, verify_run, write_manifest
 
 
 def sample(spans):
@@ -22,13 +23,13 @@ def make_run(tmp_path, k=1, steps=3):
     lines = []
     for step in range(1, steps + 1):
         oldest = max(0, step - 1 - k)
-        Batch(step, [sample([(oldest, 0), (step - 1, 2)])]).save(batch_path(run, step))
+        RunDir(run).write_batch(Batch(step, [sample([(oldest, 0), (step - 1, 2)])]))
         lines.append({"step": step, "distance_max": (step - 1) - oldest,
                       "worker_versions": {"vllm-0": step, "vllm-1": step}})
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     (run / "logs").mkdir()
     (run / "logs" / "vllm-0.log").write_text("logs are not in the manifest")
-    write_manifest(run)
+    RunDir(run).write_manifest()
     return run
 
 
@@ -65,15 +66,15 @@ def test_step_over_the_bound(tmp_path):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     lines[1]["distance_max"] = 2
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
-    write_manifest(run)
+    RunDir(run).write_manifest()
     with pytest.raises(VerifyError, match="step 2: off-policy distance 2 > k = 1"):
         verify_run(run)
 
 
 def test_sample_trained_over_the_bound_is_caught_from_its_spans(tmp_path):
     run = make_run(tmp_path)
-    Batch(3, [sample([(0, 0)])]).save(batch_path(run, 3))  # metrics still claim distance 1
-    write_manifest(run)
+    RunDir(run).write_batch(Batch(3, [sample([(0, 0)])]))  # metrics still claim distance 1
+    RunDir(run).write_manifest()
     with pytest.raises(VerifyError, match="step 3: sample 0 was trained at off-policy distance 2 > k = 1"):
         verify_run(run)
 
@@ -83,6 +84,29 @@ def test_worker_behind_the_final_version(tmp_path):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     lines[-1]["worker_versions"]["vllm-1"] = 2
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
-    write_manifest(run)
+    RunDir(run).write_manifest()
     with pytest.raises(VerifyError, match="worker vllm-1 ended at version 2, not the final version 3"):
         verify_run(run)
+
+
+def test_step_names_round_trip():
+    assert step_name(3) == "step_000003"
+    assert [step_of(f"{step_name(12)}{suffix}") for suffix in ("", ".json", ".jsonl")] == [12, 12, 12]
+    with pytest.raises(ValueError):
+        step_of(".tmp-step_000004")
+
+
+def test_a_resumed_run_drops_the_steps_after_its_checkpoint(tmp_path):
+    run = RunDir(make_run(tmp_path))
+    run.write_rollouts(3, [{"step": 3}])
+    config = load_config([run.config_path], [])
+    run.start(config, resume=2)
+    assert [m["step"] for m in run.read_metrics()] == [1, 2]
+    assert sorted(p.name for p in run.batches_dir.iterdir()) == [step_name(1) + ".json", step_name(2) + ".json"]
+    assert not run.rollouts_path(3).exists() and not run.manifest_path.exists()
+
+
+def test_a_finished_run_without_a_checkpoint_is_not_overwritten(tmp_path):
+    run = RunDir(make_run(tmp_path))
+    with pytest.raises(FleetrlError, match="holds a run without a checkpoint to resume from"):
+        run.start(load_config([run.config_path], []), resume=0)

@@ -68,7 +68,7 @@ def weights(model) -> dict[str, torch.Tensor]:
 # -- the step ----------------------------------------------------------------------------------
 
 
-def test_packed_logprobs_agree_with_a_plain_forward(model_dir):
+def test_padded_logprobs_agree_with_a_plain_forward(model_dir):
     model = load_policy(model_dir, CPU)
     batch = make_batch(model)
     metrics = train_step(model, build_optimizer(model, FAST), batch, FAST)

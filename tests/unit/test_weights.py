@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from fleetrl.weights import WeightsHasher
 from fleetrl.weights import group as broadcast_group
-from fleetrl.weights.buckets import ALIGN, TensorMeta, iter_buckets, layout, pack, unpack
+from fleetrl.weights.buckets import ALIGN, TensorMeta, iter_buckets, layout, pack_bucket, unpack_bucket
 from fleetrl.weights.manifest import (
     MANIFEST,
     READY,
@@ -23,6 +23,7 @@ from fleetrl.weights.manifest import (
     version_dir,
     write_version,
 )
+from fleetrl.weights.wire import BucketInfo, InitInfo, ManifestInfo
 
 
 def sample_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -78,11 +79,11 @@ def test_checksum_sees_every_difference(change):
 
 def test_bucket_round_trip_is_bit_exact():
     named = sample_tensors()
-    buffer, metas = pack(named, torch.device("cpu"))
+    buffer, metas = pack_bucket(named, torch.device("cpu"))
     offsets, total = layout(metas)
     assert buffer.dtype == torch.uint8 and buffer.numel() == total
     assert all(offset % ALIGN == 0 for offset in offsets)
-    unpacked = unpack(buffer, metas)
+    unpacked = unpack_bucket(buffer, metas)
     assert [n for n, _ in unpacked] == [n for n, _ in named]
     for (_, sent), (_, got) in zip(named, unpacked):
         assert got.dtype == sent.dtype and got.shape == sent.shape
@@ -90,10 +91,37 @@ def test_bucket_round_trip_is_bit_exact():
     assert digest(unpacked) == digest(named)
 
 
-def test_unpack_refuses_metadata_of_another_size():
-    buffer, metas = pack(sample_tensors(), torch.device("cpu"))
+def test_unpack_bucket_refuses_metadata_of_another_size():
+    buffer, metas = pack_bucket(sample_tensors(), torch.device("cpu"))
     with pytest.raises(ValueError, match="metadata describes"):
-        unpack(buffer, metas[:-1])
+        unpack_bucket(buffer, metas[:-1])
+
+
+# -- wire schema -------------------------------------------------------------------------------
+
+
+def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
+    init = InitInfo("broadcast", master_address="10.0.0.1", master_port=29500, group_name="g", backend="gloo",
+                    rank_offset=3, world_size=5, timeout_s=60.0)
+    sent = json.loads(json.dumps(init.to_dict()))
+    assert sent == {"transport": "broadcast", "master_address": "10.0.0.1", "master_port": 29500, "group_name": "g",
+                    "backend": "gloo", "rank_offset": 3, "world_size": 5, "timeout_s": 60.0}
+    assert InitInfo.from_dict(sent) == init
+    assert InitInfo("filesystem").to_dict() == {"transport": "filesystem"}
+    _, metas = pack_bucket(sample_tensors(), torch.device("cpu"))
+    bucket = BucketInfo.from_dict(json.loads(json.dumps(BucketInfo.of(metas).to_dict())))
+    assert bucket.metas() == metas
+    assert ManifestInfo.from_dict(ManifestInfo("/w/v3/manifest.json").to_dict()).manifest == "/w/v3/manifest.json"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"transport": "carrier-pigeon"}, "not one of"),
+    ({"transport": "broadcast", "master_address": "h"}, "needs master_address"),
+    ({"transport": "filesystem", "colour": "red"}, "init_info: .*colour"),
+])
+def test_wire_init_info_refuses_what_the_receiver_cannot_use(bad, match):
+    with pytest.raises(ValueError, match=match):
+        InitInfo.from_dict(bad)
 
 
 def test_buckets_respect_the_size_limit_in_order():
@@ -204,7 +232,7 @@ def _receive(port: int, rank: int, world_size: int, bucket_metas: list[list[Tens
     for metas in bucket_metas:
         buffer = torch.empty(layout(metas)[1], dtype=torch.uint8)
         group.broadcast(buffer)
-        for name, tensor in unpack(buffer, metas):
+        for name, tensor in unpack_bucket(buffer, metas):
             hasher.update(name, tensor)
     group.close()
     out.put((rank, hasher.hexdigest()))
@@ -215,7 +243,7 @@ def test_gloo_broadcast_between_processes_is_bit_exact():
     named = [(f"{i}.{n}", t) for i, (n, t) in enumerate(named)]
     buckets = list(iter_buckets(named, bucket_bytes=128))
     assert len(buckets) > 2
-    packed = [pack(bucket, torch.device("cpu")) for bucket in buckets]
+    packed = [pack_bucket(bucket, torch.device("cpu")) for bucket in buckets]
     world_size = 3
     store = broadcast_group.open_store("127.0.0.1", world_size, timeout_s=60)
     ctx = mp.get_context("spawn")
@@ -284,7 +312,7 @@ def test_nccl_broadcast_between_processes():
 def test_run_together_breaks_the_collective_and_reports_the_earliest_step():
     import asyncio
 
-    from fleetrl.weights.rpc import run_together
+    from fleetrl.weights.fanout import run_together
 
     broken = asyncio.Event()
 
@@ -304,7 +332,7 @@ def test_the_sender_side_imports_neither_vllm_nor_engine_code():
     import subprocess
     import sys
 
-    code = ("import sys, fleetrl.weights.transport; "
+    code = ("import sys, fleetrl.weights.factory; "
             "bad = [m for m in sys.modules if m == 'vllm' or m.startswith(('vllm.', 'fleetrl.engine'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

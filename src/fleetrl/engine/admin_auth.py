@@ -4,8 +4,8 @@ run's bearer token on every route but the health probe.
 vLLM's own `--api-key` guards only the data-plane prefixes (/v1, /inference, ...): the
 admin routes that pause the engine or replace its weights (/pause, /update_weights,
 /collective_rpc, ...) would stay open. This middleware guards all of them. The token comes
-from the environment (FLEETRL_ADMIN_TOKEN) because vLLM instantiates middleware classes
-without arguments.
+from the environment (`contract.ADMIN_TOKEN_ENV`) because vLLM instantiates middleware
+classes without arguments.
 """
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ import hmac
 import json
 import os
 
-TOKEN_ENV = "FLEETRL_ADMIN_TOKEN"
+from fleetrl.contract import ADMIN_TOKEN_ENV
+
 OPEN_PATHS = ("/health", "/ping")
 
 
 class AdminTokenMiddleware:
     def __init__(self, app) -> None:
         self.app = app
-        token = os.environ.get(TOKEN_ENV, "")
+        token = os.environ.get(ADMIN_TOKEN_ENV, "")
         if not token:
-            raise RuntimeError(f"{TOKEN_ENV} is not set: refusing to serve without an admin token")
+            raise RuntimeError(f"{ADMIN_TOKEN_ENV} is not set: refusing to serve without an admin token")
         self._digest = hashlib.sha256(token.encode()).digest()
 
     def _authorized(self, scope) -> bool:

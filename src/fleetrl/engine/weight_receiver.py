@@ -8,6 +8,8 @@ collective_rpc on every rank):
     /update_weights {"update_info": {...}}   stream tensors into model.load_weights
     /finish_weight_update                    close the reload; keep the checksum
 
+The infos are the wire schema the sender builds them from (fleetrl.weights.wire).
+
 Two transports share the lifecycle:
 - broadcast: the rank joins the trainer's broadcast group (gloo on CPU, NCCL on CUDA) and
   receives one bucket per /update_weights call; update_info carries the bucket's names,
@@ -28,77 +30,27 @@ from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.model_executor.model_loader.reload import (
     finalize_layerwise_reload,
     initialize_layerwise_reload,
 )
 
 from fleetrl.weights import group as broadcast_group
-from fleetrl.weights.buckets import TensorMeta, layout, unpack
+from fleetrl.weights.buckets import TensorMeta, layout, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
 from fleetrl.weights.manifest import iter_tensors, read_manifest
+from fleetrl.weights.wire import BucketInfo, InitInfo, ManifestInfo
 
 BACKEND = "fleetrl"
-TRANSPORTS = ("broadcast", "filesystem")
 
 
-@dataclass
-class FleetrlInitInfo(WeightTransferInitInfo):
-    transport: str
-    # broadcast only: the sender's rendezvous and this worker's place in the group
-    master_address: str = ""
-    master_port: int = 0
-    group_name: str = ""
-    backend: str = "gloo"  # the sender's choice: "nccl" when its tensors are on CUDA
-    rank_offset: int = 0
-    world_size: int = 0
-    timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"init_info.transport: {self.transport!r} is not one of {TRANSPORTS}")
-        if self.transport == "broadcast" and not (self.master_address and self.master_port
-                                                  and self.group_name and self.world_size > 1):
-            raise ValueError("init_info: the broadcast transport needs master_address, master_port, "
-                             "group_name and world_size > 1")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"init_info.backend: {self.backend!r} is not gloo or nccl")
-
-
-@dataclass
-class BucketInfo(WeightTransferUpdateInfo):
-    """One broadcast bucket: the tensors packed in it, in order."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-
-    def metas(self) -> list[TensorMeta]:
-        if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ValueError(f"update_info: {len(self.names)} names, {len(self.dtypes)} dtypes and "
-                             f"{len(self.shapes)} shapes")
-        return [TensorMeta(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
-
-
-@dataclass
-class ManifestInfo(WeightTransferUpdateInfo):
-    """A whole version on shared storage."""
-
-    manifest: str
-
-
-class FleetrlWeightReceiver(WeightTransferEngine[FleetrlInitInfo, BucketInfo | ManifestInfo]):
-    init_info_cls = FleetrlInitInfo
+class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | ManifestInfo]):
+    init_info_cls = InitInfo
     update_info_cls = BucketInfo  # the filesystem transport swaps in ManifestInfo, see parse_update_info
     supports_draft_weight_update = False
 
@@ -111,7 +63,10 @@ class FleetrlWeightReceiver(WeightTransferEngine[FleetrlInitInfo, BucketInfo | M
 
     # -- protocol ---------------------------------------------------------------------------
 
-    def init_transfer_engine(self, init_info: FleetrlInitInfo) -> None:
+    def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
+        return InitInfo.from_dict(init_dict)
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
         """(Re)joins: a new init replaces the previous group (the worker set changed)."""
         self.shutdown()
         if init_info.transport == "broadcast":
@@ -127,11 +82,9 @@ class FleetrlWeightReceiver(WeightTransferEngine[FleetrlInitInfo, BucketInfo | M
         self.checksum = None  # the weights are in flux until finish_weight_update
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> BucketInfo | ManifestInfo:
-        cls = ManifestInfo if self.transport == "filesystem" else BucketInfo
-        try:
-            return cls(**update_dict)
-        except TypeError as e:
-            raise ValueError(f"update_info for the fleetrl {self.transport} transport: {e}") from None
+        if self.transport == "filesystem":
+            return ManifestInfo.from_dict(update_dict)
+        return BucketInfo.from_dict(update_dict)
 
     def receive_weights(self, update_info: BucketInfo | ManifestInfo) -> None:
         if self._hasher is None:
@@ -160,7 +113,7 @@ class FleetrlWeightReceiver(WeightTransferEngine[FleetrlInitInfo, BucketInfo | M
 
     # -- transports -------------------------------------------------------------------------
 
-    def _join(self, info: FleetrlInitInfo) -> broadcast_group.BroadcastGroup:
+    def _join(self, info: InitInfo) -> broadcast_group.BroadcastGroup:
         parallel = self.parallel_config
         rank = info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         store = broadcast_group.connect_store(info.master_address, info.master_port, info.world_size,
@@ -178,9 +131,9 @@ class FleetrlWeightReceiver(WeightTransferEngine[FleetrlInitInfo, BucketInfo | M
                              device=broadcast_group.buffer_device(self.group.backend_name))
         self.group.broadcast(buffer)
         # One device-to-host copy per bucket (none on the CPU) rather than one per tensor.
-        for name, tensor in unpack(buffer.cpu(), metas):
+        for name, tensor in unpack_bucket(buffer.cpu(), metas):
             self._hasher.update(name, tensor)
-        self.model.load_weights(unpack(buffer, metas))
+        self.model.load_weights(unpack_bucket(buffer, metas))
 
     def _receive_manifest(self, manifest_path: Path) -> None:
         manifest = read_manifest(manifest_path)  # verifies everything before anything loads

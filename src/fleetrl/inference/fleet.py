@@ -16,21 +16,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import InferenceProvider, PauseMode
+from fleetrl.inference.provider import InferenceProvider, NamedTensors, PauseMode, WeightTransport
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole, WorkerState
 from fleetrl.versions import VersionSpan
-
-if TYPE_CHECKING:
-    import torch
-
-    from fleetrl.weights.transport import WeightTransport
-
-NamedTensors = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
 
 # How many sessions keep their worker. A session is a rollout group (its turns and samples
 # share a prompt prefix, so one worker's prefix cache serves them all) and lives for one step:
@@ -55,7 +47,7 @@ class PublishReport:
 class _WeightSource:
     """What the last publish sent, so a joining or stale worker can be refitted to it."""
 
-    transport: "WeightTransport"
+    transport: WeightTransport
     named_tensors: NamedTensors
     checksum: str
 
@@ -127,7 +119,7 @@ class Fleet:
                     self._mark(worker, WorkerState.DEAD, "gone from discovery")
             for worker_id, found in discovered.items():
                 known = self.workers.get(worker_id)
-                if known is None or (known.state == WorkerState.DEAD and known.url != found.url):
+                if known is None or (known.state == WorkerState.DEAD and known.admin_url != found.admin_url):
                     self.workers[worker_id] = known = found  # new, or restarted elsewhere
                 if known.state in (WorkerState.JOINING, WorkerState.STALE, WorkerState.DEAD):
                     await self._refit(known)
@@ -171,7 +163,7 @@ class Fleet:
 
     # -- publish ---------------------------------------------------------------------------
 
-    async def publish(self, version: int, transport: "WeightTransport", named_tensors: NamedTensors) -> PublishReport:
+    async def publish(self, version: int, transport: WeightTransport, named_tensors: NamedTensors) -> PublishReport:
         """Fence: pause all -> transfer -> verify version + checksum on all -> resume all.
 
         Workers that fail are excluded (dead or stale, with the reason in the report) and the
@@ -207,7 +199,7 @@ class Fleet:
             self.log(f"fleetrl: publish v{version} excluded {self._format(failed)}")
         return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed)
 
-    async def _transfer(self, workers: list[WorkerInfo], transport: "WeightTransport",
+    async def _transfer(self, workers: list[WorkerInfo], transport: WeightTransport,
                         named_tensors: NamedTensors, version: int,
                         failed: dict[str, str]) -> tuple[str, list[WorkerInfo]]:
         """Transfer to `workers`; if some of them break it, drop those and retry once.

@@ -1,21 +1,28 @@
 """The seam between fleetrl and an inference stack.
 
-The orchestrator and the fleet coordinator depend on these two protocols only. A provider
+The orchestrator and the fleet coordinator depend on these protocols only. A provider
 launches or attaches to a fleet, says which workers exist right now (discovery), sends
 data-plane requests, and hands out one control-plane client per worker: admin calls always go
-straight to the worker, never through a router.
+straight to the worker, never through a router. A weight transport (fleetrl.weights) moves a
+policy version onto paused workers through those control-plane clients.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
+from fleetrl.config import PauseMode
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 
-PauseMode = Literal["keep", "abort", "wait"]
-# Short: the calls that clean up after a failed transfer must not hide the failure for long.
-ABANDON_TIMEOUT_S = 10.0
+if TYPE_CHECKING:
+    import torch
+
+# Called once per transfer; yields every full (unsharded) tensor of the policy, in a stable
+# order, under the names the model's checkpoint uses. For a sharded trainer the iteration
+# may be a collective (FSDP full_tensor()).
+NamedTensors = Callable[[], Iterable[tuple[str, "torch.Tensor"]]]
 
 
 class WorkerCallError(FleetrlError):
@@ -33,6 +40,9 @@ class WorkerAdmin(Protocol):
 
     async def health(self) -> bool: ...
 
+    async def is_paused(self) -> bool:
+        """Whether the worker is paused (by anyone: this client, or another coordinator)."""
+
     async def pause(self, mode: PauseMode) -> None: ...
 
     async def resume(self) -> None: ...
@@ -45,7 +55,8 @@ class WorkerAdmin(Protocol):
         """Raise unless every rank holds weights whose fleetrl checksum is `checksum`."""
 
     # The worker side of a weight transfer (fleetrl's `fleetrl` weight-transfer backend in
-    # every rank), driven by a transport on a paused worker; see fleetrl.weights.transport.
+    # every rank), driven by a WeightTransport on a paused worker. The infos are the wire
+    # schema's dicts (fleetrl.weights.wire), passed through unread.
 
     async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
         """(ranks of this worker, whether all of them are in broadcast group `group_name`)."""
@@ -62,6 +73,27 @@ class WorkerAdmin(Protocol):
     async def abandon_weight_update(self, version: int) -> None:
         """After a failed transfer (best effort): close any open update and label the worker
         with a name that is no policy version, so its half-updated weights pass for none."""
+
+    async def close(self) -> None: ...
+
+
+class WeightTransport(Protocol):
+    """Runs the weight part of publish(v) on workers the coordinator has already paused:
+    (join if needed) -> start_weight_update -> update_weights ... -> finish_weight_update(v).
+
+    Returns fleetrl's checksum of what it sent; the coordinator then has every worker check
+    that each of its ranks received exactly that. If a transfer fails, no worker is left with
+    an update open, every worker of the call is labelled `incomplete-v{version}` (a label
+    that names no policy version), and the error names a worker.
+    """
+
+    name: str
+
+    async def transfer(self, workers: Sequence[WorkerAdmin], named_tensors: NamedTensors,
+                       version: int) -> str:
+        """Moves the weights onto already-paused workers as policy `version`; returns the
+        sender-side checksum."""
+        ...
 
     async def close(self) -> None: ...
 

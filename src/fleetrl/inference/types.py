@@ -53,10 +53,6 @@ class GenerateResponse:
     # Disaggregated serving: the worker that computed the prompt's KV, when not `worker_id`.
     prefill_worker_id: str | None = None
 
-    @property
-    def min_version(self) -> int:
-        return min(span.version for span in self.spans)
-
     def check(self) -> None:
         """Spans must start at 0, increase strictly and lie inside the completion."""
         starts = [s.start for s in self.spans]
@@ -99,7 +95,11 @@ class WorkerState(str, enum.Enum):
 @dataclass
 class WorkerInfo:
     id: str  # stable across re-discovery
-    url: str  # data and admin base URL (native vLLM serves both on one port)
+    # Where requests pinned to the worker go (a native server; Dynamo: the frontend, which
+    # routes them to the worker), and where its admin routes live (a native server, the same
+    # URL; Dynamo: the worker's own system server). A new admin URL is a restarted worker.
+    data_url: str
+    admin_url: str
     role: WorkerRole = WorkerRole.AGGREGATED
     world_size: int = 1
     state: WorkerState = WorkerState.JOINING

@@ -1,1 +1,1 @@
-"""Rollout scheduling, off-policy control, rewards and advantages, batch packing."""
+"""Rollout scheduling, off-policy control, rewards and advantages, batch assembly."""

@@ -1,4 +1,4 @@
-"""The orchestrator: samples groups from the fleet, scores them, packs batch `n` for step `n`.
+"""The orchestrator: samples groups from the fleet, scores them, assembles batch `n` for step `n`.
 
 Off-policy control, with k = `max_off_policy_steps`:
 
@@ -6,7 +6,7 @@ Off-policy control, with k = `max_off_policy_steps`:
   >= (n - 1) - k, so every token they produce is at most k versions behind the policy that
   trainer step n starts from (version n - 1). k = 0: strictly on-policy, sampling for batch n
   waits for version n - 1; k >= 1: sampling for batch n overlaps training of step n - 1.
-- packing: each sample's distance is recomputed from its own version spans,
+- assembly: each sample's distance is recomputed from its own version spans,
   (n - 1) - min(span versions); a sample above k is dropped and counted, never trained on.
 - a sample whose spans name versions the fleet never served while it ran (a worker at the
   wrong version) is rejected and counted (`misversioned`), and left out of its group's
@@ -16,21 +16,19 @@ Off-policy control, with k = `max_off_policy_steps`:
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from fleetrl.batch import Batch, Sample, batch_path
-
-from fleetrl.versions import off_policy_distance
+from fleetrl.batch import Batch, Sample
 from fleetrl.config import OrchestratorConfig
 from fleetrl.envs import Environment, Rollout, Task, score, task_stream
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams
 from fleetrl.orchestrator.advantages import group_advantages
+from fleetrl.rundir import RunDir
+from fleetrl.versions import off_policy_distance
 
 
 @dataclass
@@ -44,12 +42,12 @@ class Scored:
 
 class Orchestrator:
     def __init__(self, fleet: Fleet, env: Environment, tokenizer, config: OrchestratorConfig,
-                 run_dir: Path, seed: int, log=print) -> None:
+                 run_dir: RunDir, seed: int, log=print) -> None:
         self.fleet = fleet
         self.env = env
         self.tokenizer = tokenizer
         self.config = config
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_dir
         self.log = log
         self._tasks = task_stream(env, seed)
         self.sampling = SamplingParams(
@@ -62,8 +60,7 @@ class Orchestrator:
     async def run(self, first_step: int, last_step: int) -> None:
         """Write batches first_step..last_step, each as soon as admission allows."""
         for step in range(first_step, last_step + 1):
-            batch = await self.make_batch(step)
-            batch.save(batch_path(self.run_dir, step))
+            self.run_dir.write_batch(await self.make_batch(step))
 
     async def make_batch(self, step: int) -> Batch:
         k = self.config.max_off_policy_steps
@@ -102,7 +99,7 @@ class Orchestrator:
                 else:
                     dropped += 1
                 records.append(self._record(step, group_index, scored, advantage, trained=kept))
-        self._save_rollouts(step, records)
+        self.run_dir.write_rollouts(step, records)
         if misversioned:
             self.log(f"fleetrl: batch {step}: rejected {misversioned} sample(s) from a worker at the wrong version")
         if not samples:
@@ -147,8 +144,3 @@ class Orchestrator:
             "prefill_worker": c.prefill_worker_id, "spans": [[s.version, s.start] for s in c.spans], "distance": off_policy_distance(step, c.spans),
             "trained": trained, "version_error": c.version_error,
         }
-
-    def _save_rollouts(self, step: int, records: list[dict]) -> None:
-        path = self.run_dir / "rollouts" / f"step_{step:06d}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))

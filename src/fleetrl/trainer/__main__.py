@@ -2,32 +2,26 @@
 with torchrun-style environment variables. Rank 0 runs in the `fleetrl rl` process itself."""
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from fleetrl.batch import Batch, batch_path
 from fleetrl.config import load_config
+from fleetrl.rundir import RunDir
 from fleetrl.trainer import distributed
 from fleetrl.trainer.loop import Hooks, train
 
 
 def main() -> None:
-    run_dir, model_dir = Path(sys.argv[1]), Path(sys.argv[2])
-    config = load_config([run_dir / "config.toml"], [])
+    run_dir, model_dir = RunDir(Path(sys.argv[1])), Path(sys.argv[2])
+    config = load_config([run_dir.config_path], [])
     world = distributed.init()
     torch.set_num_threads(max(1, torch.get_num_threads() // world.world_size))
 
-    def wait_batch(step: int) -> Batch:
-        # Rank 0 watches the orchestrator and ends this process if the run fails.
-        path = batch_path(run_dir, step)
-        while not path.exists():
-            time.sleep(0.1)
-        return Batch.load(path)
-
     try:
-        train(config, run_dir, model_dir, world, Hooks(wait_batch=wait_batch), log=lambda *_: None)
+        # Waits for each batch without a deadline: rank 0 watches the orchestrator and ends
+        # this process if the run fails.
+        train(config, run_dir, model_dir, world, Hooks(wait_batch=run_dir.wait_batch), log=lambda *_: None)
     finally:
         distributed.destroy()
 

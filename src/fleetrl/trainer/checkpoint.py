@@ -28,21 +28,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fleetrl.files import fsync_dir
+from fleetrl.files import atomic_write, fsync_dir
+from fleetrl.rundir import STEP_PREFIX, step_name, step_of
 from fleetrl.trainer import distributed
 
-PREFIX = "step_"
 COMPLETE = "complete.json"
-
-
-def checkpoint_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"{PREFIX}{step:06d}"
 
 
 def latest(root: Path) -> tuple[int, Path] | None:
     """The newest complete checkpoint under `root` as (step, folder), or None."""
     found = []
-    for folder in Path(root).glob(f"{PREFIX}*"):
+    for folder in Path(root).glob(f"{STEP_PREFIX}*"):
         step = _complete_step(folder)
         if step is not None:
             found.append((step, folder))
@@ -54,7 +50,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = Path(root)
-    final = checkpoint_dir(root, step)
+    final = root / step_name(step)
     tmp = root / f".tmp-{final.name}"
     if distributed.rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -69,7 +65,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     _barrier()  # every rank's shards are on disk
 
     if distributed.rank() == 0:
-        _write_synced(tmp / COMPLETE, json.dumps({"step": step, "world_size": distributed.world_size()}))
+        atomic_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": distributed.world_size()}), durable=True)
         fsync_dir(tmp)
         if final.exists():  # a step saved again (a resumed run): the new one replaces it
             stale = root / f".stale-{final.name}"
@@ -106,7 +102,7 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int 
 
 def _complete_step(folder: Path) -> int | None:
     try:
-        step = int(folder.name.removeprefix(PREFIX))
+        step = step_of(folder)
         record = json.loads((folder / COMPLETE).read_text())
     except (ValueError, OSError):
         return None
@@ -114,16 +110,9 @@ def _complete_step(folder: Path) -> int | None:
 
 
 def _prune(root: Path, keep: int) -> None:
-    complete = sorted((s, f) for f in root.glob(f"{PREFIX}*") if (s := _complete_step(f)) is not None)
+    complete = sorted((s, f) for f in root.glob(f"{STEP_PREFIX}*") if (s := _complete_step(f)) is not None)
     for _, folder in complete[:-keep]:
         shutil.rmtree(folder)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 @contextmanager

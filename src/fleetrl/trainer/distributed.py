@@ -22,7 +22,6 @@ import torch.distributed as dist
 class World:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
 
@@ -45,7 +44,7 @@ def init(timeout_s: float = 600.0) -> World:
             # Binding the device lets NCCL connect eagerly; gloo takes no device.
             device_id=device if device.type == "cuda" else None,
         )
-    return World(rank, world_size, local_rank, device)
+    return World(rank, world_size, device)
 
 
 def destroy() -> None:

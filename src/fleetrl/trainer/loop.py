@@ -18,6 +18,7 @@ import torch
 
 from fleetrl.batch import Batch
 from fleetrl.config import Config
+from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.loss import LossConfig
@@ -31,7 +32,7 @@ def step_config(config: Config) -> StepConfig:
     t = config.trainer
     return StepConfig(
         lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-        micro_batch_tokens=t.micro_batch_tokens, temperature=config.orchestrator.temperature,
+        micro_batch_tokens=t.micro_batch_tokens,
         loss=LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap),
     )
 
@@ -41,7 +42,7 @@ class Hooks:
     """What the loop needs from its surroundings; ranks > 0 get the no-op defaults."""
 
     wait_batch: Callable[[int], Batch]
-    on_ready: Callable[[int], None] = lambda start: None  # after the refit: rollouts may begin
+    start_rollouts: Callable[[int], None] = lambda start: None  # after the refit, from step `start` + 1
     publish: Callable[[int, Snapshot], object] | None = None  # rank 0 only
     on_step: Callable[[Batch, StepMetrics, object, float, float], None] = lambda *a: None
 
@@ -55,18 +56,17 @@ def snapshot(model: torch.nn.Module, rank: int) -> Snapshot:
     return tensors
 
 
-def train(config: Config, run_dir: Path, model_dir: Path, world: World, hooks: Hooks, log=print) -> None:
+def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks: Hooks, log=print) -> None:
     cfg = step_config(config)
     model = load_policy(model_dir, world.device)
     optimizer = build_optimizer(model, cfg)
-    ckpt_root = run_dir / "checkpoints"
-    start = checkpoint.load(ckpt_root, model, optimizer) or 0
+    start = checkpoint.load(run_dir.checkpoints_dir, model, optimizer) or 0
     if start:
         log(f"fleetrl: resumed from checkpoint step {start}")
         weights = snapshot(model, world.rank)
         if hooks.publish:  # the fleet must serve the checkpoint's version before any rollout
             hooks.publish(start, weights)
-    hooks.on_ready(start)
+    hooks.start_rollouts(start)
     interval = config.trainer.checkpoint_interval
     for step in range(start + 1, config.run.max_steps + 1):
         batch = hooks.wait_batch(step)
@@ -76,5 +76,5 @@ def train(config: Config, run_dir: Path, model_dir: Path, world: World, hooks: H
         weights = snapshot(model, world.rank)
         report = hooks.publish(step, weights) if hooks.publish else None
         if interval and (step % interval == 0 or step == config.run.max_steps):
-            checkpoint.save(ckpt_root, step, model, optimizer, keep=config.trainer.keep_checkpoints)
+            checkpoint.save(run_dir.checkpoints_dir, step, model, optimizer, keep=config.trainer.keep_checkpoints)
         hooks.on_step(batch, metrics, report, started, finished)

@@ -40,7 +40,6 @@ class StepConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 4096  # rows x padded length of one forward/backward
-    temperature: float = 1.0  # the sampling temperature the inference logprobs were taken at
     loss: LossConfig = field(default_factory=LossConfig)
 
 
@@ -57,7 +56,6 @@ class StepMetrics:
     samples: int
     completion_tokens: int
     tokens: int  # prompt + completion tokens of the batch: the forward passes' real work
-    time_s: float
     tokens_per_s: float
 
 
@@ -84,7 +82,7 @@ def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
 
 
 @dataclass
-class Packed:
+class PaddedBatch:
     """A right-padded micro-batch, cut to the positions whose logits predict completion tokens:
     column j is sequence position `first + j + 1`, predicted from position `first + j`."""
 
@@ -96,7 +94,7 @@ class Packed:
     advantages: torch.Tensor  # [rows]
 
 
-def pack(samples: list[Sample], device: torch.device) -> Packed:
+def pad_batch(samples: list[Sample], device: torch.device) -> PaddedBatch:
     if any(not s.prompt_ids for s in samples):
         raise ValueError("a sample has an empty prompt: no position predicts its first token")
     length = max(_length(s) for s in samples)
@@ -112,7 +110,7 @@ def pack(samples: list[Sample], device: torch.device) -> Packed:
         end = start + len(s.completion_ids)
         mask[row, start:end] = 1
         inference[row, start:end] = torch.tensor(s.inference_logprobs)
-    return Packed(
+    return PaddedBatch(
         input_ids=input_ids.to(device),
         keep=torch.arange(first, length - 1, device=device),
         targets=input_ids[:, first + 1 :].to(device),
@@ -122,12 +120,11 @@ def pack(samples: list[Sample], device: torch.device) -> Packed:
     )
 
 
-def token_logprobs(model: nn.Module, packed: Packed, temperature: float) -> torch.Tensor:
-    """log pi(target) at every kept position, in fp32: [rows, columns]."""
-    logits = model(input_ids=packed.input_ids, logits_to_keep=packed.keep).logits.float()
-    if temperature != 1.0:  # the division copies [tokens x vocab]: skip it when it is a no-op
-        logits = logits / temperature
-    picked = logits.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(model: nn.Module, padded: PaddedBatch) -> torch.Tensor:
+    """log pi(target) at every kept position, in fp32: [rows, columns]. Untempered: `fleetrl rl`
+    samples at temperature 1, the distribution the workers report logprobs of."""
+    logits = model(input_ids=padded.input_ids, logits_to_keep=padded.keep).logits.float()
+    picked = logits.gather(-1, padded.targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
@@ -149,10 +146,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     for samples in mine:
         with compute_precision(model, device):
             if samples:
-                packed = pack(samples, device)
-                logprobs = token_logprobs(model, packed, cfg.temperature)
-                loss, stats = policy_loss(logprobs, packed.inference_logprobs, packed.advantages,
-                                          packed.mask, num_tokens, cfg.loss)
+                padded = pad_batch(samples, device)
+                logprobs = token_logprobs(model, padded)
+                loss, stats = policy_loss(logprobs, padded.inference_logprobs, padded.advantages,
+                                          padded.mask, num_tokens, cfg.loss)
                 sums += stats.stack()
             else:
                 # Nothing left on this rank: a one-token forward whose loss is 0 joins the
@@ -182,7 +179,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         samples=len(batch.samples),
         completion_tokens=num_tokens,
         tokens=all_tokens,
-        time_s=elapsed,
         tokens_per_s=all_tokens / elapsed,
     )
 

@@ -1,6 +1,7 @@
 """The publishing side of weight transfer (runs in the trainer; needs no vLLM), and the
-formats both sides share: the checksum, the bucket layout, the on-disk manifest and the
-broadcast group. `transport.make_transport` is the entry point of the fleet coordinator."""
+formats both sides share: the wire schema, the checksum, the bucket layout, the on-disk
+manifest and the broadcast group. `factory.make_transport` builds the transport that the
+fleet coordinator drives."""
 
 from fleetrl.weights.checksum import WeightsHasher
 

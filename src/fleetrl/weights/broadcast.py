@@ -11,22 +11,20 @@ not in it (a worker restarted) or after a failure.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from fleetrl.inference.provider import NamedTensors, WorkerAdmin
+from fleetrl.weights import fanout
 from fleetrl.weights import group as broadcast_group
-from fleetrl.weights import rpc
-from fleetrl.weights.buckets import iter_buckets, pack
+from fleetrl.weights.buckets import iter_buckets, pack_bucket
 from fleetrl.weights.checksum import WeightsHasher
-
-if TYPE_CHECKING:
-    from fleetrl.inference.provider import WorkerAdmin
-    from fleetrl.weights.transport import NamedTensors
+from fleetrl.weights.wire import BucketInfo, InitInfo
 
 JOIN_POLL_S = 0.05
 
@@ -45,7 +43,7 @@ class BroadcastTransport:
         tensors = iter(named_tensors())
         first = next(tensors, None)
         if first is None:
-            raise rpc.WeightTransferError("broadcast transport: no tensors to send")
+            raise fanout.WeightTransferError("broadcast transport: no tensors to send")
         backend = broadcast_group.backend_for(first[1].device)
         try:
             await self._ensure_group(workers, backend)
@@ -53,12 +51,12 @@ class BroadcastTransport:
             self._drop_group()
             raise
         try:
-            await rpc.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
             checksum = await self._send(workers, itertools.chain([first], tensors))
-            await rpc.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
         except BaseException:
             self._drop_group()
-            await rpc.abandon_update(workers, version)
+            await fanout.abandon_update(workers, version)
             raise
         return checksum
 
@@ -69,7 +67,7 @@ class BroadcastTransport:
 
     async def _ensure_group(self, workers: Sequence[WorkerAdmin], backend: broadcast_group.Backend) -> None:
         current = self._group
-        membership = await rpc.on_all(workers, lambda w: w.broadcast_membership(current.name if current else ""))
+        membership = await fanout.on_all(workers, lambda w: w.broadcast_membership(current.name if current else ""))
         ranks = [count for count, _ in membership]
         if (current is not None and current.backend_name == backend
                 and current.world_size == 1 + sum(ranks) and all(joined for _, joined in membership)):
@@ -82,12 +80,12 @@ class BroadcastTransport:
         world_size = 1 + sum(ranks)
         name = uuid.uuid4().hex[:12]
         store = broadcast_group.open_store(self.host, world_size, self.timeout_s)
-        init_info = {"transport": "broadcast", "master_address": self.host, "master_port": store.port,
-                     "group_name": name, "backend": backend, "world_size": world_size,
-                     "timeout_s": self.timeout_s}
+        init_info = InitInfo("broadcast", master_address=self.host, master_port=store.port, group_name=name,
+                             backend=backend, world_size=world_size, timeout_s=self.timeout_s)
         # Each call returns only once the whole group has formed, the sender included.
         inits = [
-            asyncio.ensure_future(worker.init_weight_transfer({**init_info, "rank_offset": offset}, self.timeout_s))
+            asyncio.ensure_future(worker.init_weight_transfer(
+                dataclasses.replace(init_info, rank_offset=offset).to_dict(), self.timeout_s))
             for worker, offset in zip(workers, itertools.accumulate([1, *ranks[:-1]]))
         ]
         try:
@@ -113,7 +111,7 @@ class BroadcastTransport:
                 if init.done() and init.exception() is not None:
                     raise init.exception()
             if time.monotonic() > deadline:
-                raise rpc.WeightTransferError(
+                raise fanout.WeightTransferError(
                     f"broadcast group: {count} of {expected} worker ranks joined within {self.timeout_s:.0f} s")
             await asyncio.sleep(JOIN_POLL_S)
 
@@ -131,10 +129,9 @@ class BroadcastTransport:
         device = broadcast_group.buffer_device(group.backend_name)
         hasher = WeightsHasher()
         for bucket in iter_buckets(tensors, self.bucket_bytes):
-            buffer, metas = await asyncio.to_thread(pack, bucket, device)
-            update_info = {"names": [m.name for m in metas], "dtypes": [m.dtype for m in metas],
-                           "shapes": [list(m.shape) for m in metas]}
-            await rpc.run_together(
+            buffer, metas = await asyncio.to_thread(pack_bucket, bucket, device)
+            update_info = BucketInfo.of(metas).to_dict()
+            await fanout.run_together(
                 *(w.update_weights(update_info, self.timeout_s) for w in workers),
                 asyncio.to_thread(group.broadcast, buffer),
                 # Hashing overlaps the broadcast (hashlib releases the GIL).

@@ -54,7 +54,7 @@ def layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def pack(named: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, list[TensorMeta]]:
+def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, list[TensorMeta]]:
     metas = [TensorMeta.of(name, tensor) for name, tensor in named]
     offsets, total = layout(metas)
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
@@ -64,7 +64,7 @@ def pack(named: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[t
     return buffer, metas
 
 
-def unpack(buffer: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(buffer: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
     """Views into `buffer` (no copies): they keep the buffer alive as long as they live."""
     offsets, total = layout(metas)
     if buffer.numel() != total:

@@ -40,7 +40,6 @@ class WeightsHasher:
 
     def __init__(self) -> None:
         self._sha = hashlib.sha256()
-        self.count = 0
 
     def update(self, name: str, tensor: torch.Tensor) -> None:
         data = raw_bytes(tensor)
@@ -48,7 +47,6 @@ class WeightsHasher:
         header = f"{name}\0{dtype_name(tensor.dtype)}\0{shape}\0{data.nbytes}\n"
         self._sha.update(header.encode())
         self._sha.update(data)
-        self.count += 1
 
     def hexdigest(self) -> str:
         return self._sha.hexdigest()

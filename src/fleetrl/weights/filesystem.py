@@ -9,14 +9,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from fleetrl.weights import rpc
+from fleetrl.inference.provider import NamedTensors, WorkerAdmin
+from fleetrl.weights import fanout
 from fleetrl.weights.manifest import MANIFEST, collect_garbage, write_version
-
-if TYPE_CHECKING:
-    from fleetrl.inference.provider import WorkerAdmin
-    from fleetrl.weights.transport import NamedTensors
+from fleetrl.weights.wire import InitInfo, ManifestInfo
 
 # The version being published and the one before it (a worker may still be refitted from it).
 KEEP_VERSIONS = 2
@@ -34,15 +31,16 @@ class FilesystemTransport:
                        version: int) -> str:
         manifest = await asyncio.to_thread(
             write_version, self.storage_dir, version, named_tensors(), self.shard_bytes)
-        update_info = {"manifest": str((manifest.folder / MANIFEST).resolve())}
+        init_info = InitInfo("filesystem").to_dict()
+        update_info = ManifestInfo(str((manifest.folder / MANIFEST).resolve())).to_dict()
         try:
             # Cheap (no group to join), so done every time: a restarted worker needs it too.
-            await rpc.on_all(workers, lambda w: w.init_weight_transfer({"transport": "filesystem"}, self.timeout_s))
-            await rpc.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
-            await rpc.on_all(workers, lambda w: w.update_weights(update_info, self.timeout_s))
-            await rpc.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.init_weight_transfer(init_info, self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.update_weights(update_info, self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
         except BaseException:
-            await rpc.abandon_update(workers, version)
+            await fanout.abandon_update(workers, version)
             raise
         await asyncio.to_thread(collect_garbage, self.storage_dir, KEEP_VERSIONS)
         return manifest.checksum

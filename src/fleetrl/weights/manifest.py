@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fleetrl.errors import FleetrlError
-from fleetrl.files import fsync_dir, sha256_file
+from fleetrl.files import atomic_write, fsync_dir, sha256_file
 from fleetrl.weights.buckets import TensorMeta, iter_buckets
 from fleetrl.weights.checksum import WeightsHasher
 
@@ -63,15 +63,6 @@ def version_dir(storage_dir: Path, version: int) -> Path:
     return storage_dir / f"v{version}"
 
 
-def _write_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -100,13 +91,13 @@ def write_version(storage_dir: Path, version: int, named: Iterable[tuple[str, to
                                 [TensorMeta.of(name, tensor) for name, tensor in cpu]))
         manifest = Manifest(target, version, hasher.hexdigest(), shards)
         manifest_bytes = json.dumps(_to_json(manifest), indent=1).encode()
-        _write_durably(scratch / MANIFEST, manifest_bytes)
+        atomic_write(scratch / MANIFEST, manifest_bytes, durable=True)
         # An earlier attempt at this version (a failed or retried publish) is replaced.
         shutil.rmtree(target, ignore_errors=True)
         os.rename(scratch, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    _write_durably(target / READY, hashlib.sha256(manifest_bytes).hexdigest().encode())
+    atomic_write(target / READY, hashlib.sha256(manifest_bytes).hexdigest().encode(), durable=True)
     fsync_dir(target)
     return manifest
 

@@ -2,7 +2,8 @@
 
 The routes answer HTTP 200 with `{"status": "ok" | "error", ...}` (labelled text/plain), so
 the body, not the HTTP status, says whether a call worked. Calls have a timeout and are
-retried on transport errors where that is safe (not the weight-transfer ones).
+retried where that is safe (see `http.AdminHttp`; the weight-transfer calls only when the
+connection was never made).
 
 Weight transfer: the worker runs with fleetrl's worker extension and `fleetrl`
 weight-transfer backend (engine arguments Dynamo passes through to vLLM), and two of its RL
@@ -13,82 +14,67 @@ so the engine side is the same as the native provider's. Neither route returns t
 results, so checks run the other way: the expected value goes in, and a rank that holds
 another raises, which the route reports as an error.
 
-The client also keeps the worker's **fence record**, from which the data plane derives
-sequence-level versions (see `FenceRecord`) for Dynamo's own worker, which reports no weight
-version with its tokens. fleetrl's worker kind does (worker_main.py) and says so in
-`get_weight_version` (`token_versions: true`).
+The client also keeps the worker's fence record (attribution.py): for Dynamo's own worker,
+which reports no weight version with its tokens, the provider derives each completion's
+version from it. fleetrl's worker kind does report them (engine/dynamo_worker.py) and says
+so in `get_weight_version` (`token_versions: true`).
 """
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
-
-from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import ABANDON_TIMEOUT_S, PauseMode, WorkerCallError
+from fleetrl.config import pause_modes
+from fleetrl.inference.dynamo.attribution import FenceRecord
+from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update
+from fleetrl.inference.provider import PauseMode, WorkerCallError
 from fleetrl.versions import incomplete_version_name, parse_version, version_name
 
-
-@dataclass(frozen=True)
-class FenceRecord:
-    """What the coordinator did to the worker, as seen by this client.
-
-    `pauses` counts pause calls (counted before the call is sent), `resumes` resume calls
-    (counted before they are sent); `paused` holds from the first until a resume
-    succeeded; `version` is the version the worker was last set to, while paused.
-    """
-
-    pauses: int = 0
-    resumes: int = 0
-    paused: bool = False
-    version: int | None = None
+# What Dynamo's weight-update route answers on a worker that is not paused.
+NOT_PAUSED = "must be paused"
 
 
 class DynamoAdminClient:
     def __init__(self, worker_id: str, system_url: str, world_size: int, timeout_s: float, retries: int) -> None:
         self.worker_id = worker_id
-        self.url = system_url
+        self.admin_url = system_url
         self.world_size = world_size
-        self.retries = retries
         self.fence = FenceRecord()
         self._token_versions: bool | None = None  # unknown until get_weight_version answers
-        self._http = httpx.AsyncClient(base_url=system_url, timeout=timeout_s)
+        self._http = AdminHttp(worker_id, system_url, timeout_s, retries)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._http.close()
 
     async def call(self, route: str, body: dict[str, Any] | None = None,
                    timeout_s: float | None = None, retry: bool = True) -> dict[str, Any]:
-        what = f"{route} at {self.url}"
+        what = f"{route} at {self.admin_url}"
         if body and "engine_rpc" in body:
-            what = f"{route} ({body['engine_rpc']}) at {self.url}"
-        extra = {"timeout": timeout_s} if timeout_s is not None else {}
-        for attempt in range(self.retries + 1 if retry else 1):
-            try:
-                response = await self._http.post(f"/engine/{route}", json=body or {}, **extra)
-            except httpx.TransportError as e:
-                error = f"{type(e).__name__}: {e}"
-            else:
-                if response.status_code != 200:
-                    raise WorkerCallError(self.worker_id, what, f"HTTP {response.status_code}: {response.text[:300]}")
-                result = response.json()
-                if result.get("status") != "ok":
-                    raise WorkerCallError(self.worker_id, what, str(result.get("message") or result)[:300])
-                return result
-            if attempt < self.retries:
-                await asyncio.sleep(0.5 * 2**attempt)
-        raise WorkerCallError(self.worker_id, what, error)
+            what = f"{route} ({body['engine_rpc']}) at {self.admin_url}"
+        response = await self._http.call("POST", f"/engine/{route}", idempotent=retry, timeout_s=timeout_s,
+                                          what=what, json=body or {})
+        result = response.json()
+        if result.get("status") != "ok":
+            raise WorkerCallError(self.worker_id, what, str(result.get("message") or result)[:300])
+        return result
 
     async def health(self) -> bool:
         """The engine's event loop answers (a round trip into the engine core)."""
+        response = await self._http.probe("POST", "/engine/liveness_probe", timeout_s=10.0, json={})
+        return response is not None and response.status_code == 200 and response.json().get("alive") is True
+
+    async def is_paused(self) -> bool:
+        """Dynamo has no route that says so, but its weight-update route refuses a worker that
+        is not paused: a read-only engine method sent through it (the ranks' broadcast group
+        names) runs only on a paused worker."""
         try:
-            result = await self._http.post("/engine/liveness_probe", json={}, timeout=10.0)
-        except httpx.TransportError:
-            return False
-        return result.status_code == 200 and result.json().get("alive") is True
+            await self.call("update_weights_from_distributed",
+                            {"engine_rpc": "fleetrl_broadcast_group", "reset_prefix_cache": False})
+        except WorkerCallError as e:
+            if NOT_PAUSED in str(e):
+                return False
+            raise
+        return True
 
     async def reports_token_versions(self) -> bool:
         """Whether the worker is fleetrl's kind (per-token versions with its tokens)."""
@@ -97,22 +83,21 @@ class DynamoAdminClient:
         return bool(self._token_versions)
 
     async def pause(self, mode: PauseMode) -> None:
-        # Without per-token versions only `wait` keeps versions exact: in `keep` mode a
-        # request held across an update would mix versions with no record of where, and in
-        # `abort` mode Dynamo reports the cut request as finish_reason "stop", so it could
-        # not be told from a finished one and continued.
-        if mode != "wait" and not await self.reports_token_versions():
+        # The pause-mode rule, checked against what the worker itself reports: in attach mode
+        # the config only says which kind the deployment runs. Disaggregation was checked
+        # when the config was loaded.
+        if mode not in pause_modes(await self.reports_token_versions(), disaggregated=False):
             raise WorkerCallError(self.worker_id, f"pause ({mode})",
                                   "Dynamo's own vLLM worker reports no per-token versions; set "
                                   "inference.pause_mode = \"wait\" or run fleetrl's worker kind")
-        self.fence = replace(self.fence, pauses=self.fence.pauses + 1, paused=True)
+        self.fence = self.fence.pausing()
         # clear_cache: a prefix cache filled by old weights must not serve the new version.
         await self.call("pause_generation", {"mode": mode, "clear_cache": True})
 
     async def resume(self) -> None:
-        self.fence = replace(self.fence, resumes=self.fence.resumes + 1)
+        self.fence = self.fence.resuming()
         await self.call("resume_generation")
-        self.fence = replace(self.fence, paused=False)
+        self.fence = self.fence.resumed()
 
     async def version(self) -> int | None:
         """The version the worker reports; None if it was never given a fleetrl version."""
@@ -125,7 +110,7 @@ class DynamoAdminClient:
             # The data plane relies on versions changing only while the worker is paused.
             raise WorkerCallError(self.worker_id, "set_weight_version", "the worker is not paused")
         await self.call("set_weight_version", {"weight_version": version_name(version)})
-        self.fence = replace(self.fence, version=version)
+        self.fence = self.fence.at_version(version)
 
     async def verify_weights(self, checksum: str) -> None:
         await self._on_ranks("fleetrl_verify_weights", {"checksum": checksum}, reads_only=True)
@@ -145,7 +130,7 @@ class DynamoAdminClient:
                         timeout_s=timeout_s, retry=False)
 
     async def start_weight_update(self, timeout_s: float) -> None:
-        self.fence = replace(self.fence, version=None)  # in flux until finished
+        self.fence = self.fence.at_version(None)  # in flux until finished
         await self._on_ranks("start_weight_update", {}, timeout_s)
 
     async def update_weights(self, update_info: dict, timeout_s: float) -> None:
@@ -156,18 +141,14 @@ class DynamoAdminClient:
         await self.call("update_weights_from_distributed",
                         {"engine_rpc": "finish_weight_update", "weight_version": version_name(version)},
                         timeout_s=timeout_s, retry=False)
-        self.fence = replace(self.fence, version=version)
+        self.fence = self.fence.at_version(version)
 
     async def abandon_weight_update(self, version: int) -> None:
-        try:
-            await self._on_ranks("finish_weight_update", {}, ABANDON_TIMEOUT_S)
-        except FleetrlError:
-            pass  # no update open (the receiver aborted it itself) or the worker is gone
-        try:
-            await self.call("set_weight_version", {"weight_version": incomplete_version_name(version)},
-                            timeout_s=ABANDON_TIMEOUT_S)
-        except FleetrlError:
-            pass
+        await abandon_weight_update(
+            lambda: self._on_ranks("finish_weight_update", {}, ABANDON_TIMEOUT_S),
+            lambda: self.call("set_weight_version", {"weight_version": incomplete_version_name(version)},
+                              timeout_s=ABANDON_TIMEOUT_S),
+        )
 
     async def _on_ranks(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None,
                         reads_only: bool = False) -> None:

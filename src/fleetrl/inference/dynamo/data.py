@@ -8,8 +8,8 @@ the request is seeded).
 
 Versions: fleetrl's worker kind returns vLLM's per-token spans in `engine_data.weight_versions`
 (and vLLM's own finish reason, so a completion cut by an abort-mode pause is told from a
-finished one). Dynamo's own worker attaches none, so its spans are sequence-level, derived
-from the worker's fence record (admin.py): see `sequence_version`.
+finished one). Dynamo's own worker attaches none: its spans are left to the provider
+(attribution.py).
 """
 
 from __future__ import annotations
@@ -20,29 +20,10 @@ from typing import Any
 import httpx
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.dynamo.admin import FenceRecord
+from fleetrl.inference.http import prompt_logprobs_of
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_spans
-from fleetrl.versions import VersionSpan
 
 EXTRA_FIELDS = ["completion_token_ids", "worker_id"]
-
-
-def sequence_version(at_dispatch: FenceRecord, at_receipt: FenceRecord) -> int | None:
-    """The one version that produced a whole completion, or None if it cannot be known.
-
-    The coordinator changes a worker's version only while the worker is paused, and a paused
-    engine produces no tokens. The completion was produced between dispatch and receipt, by
-    a worker that was unpaused at dispatch, at version `at_dispatch.version`, so:
-    - no pause began in between: every token came from that version;
-    - pauses began but no resume was sent before receipt: the tokens all came before the
-      first pause took effect, at that version too;
-    - a resume was sent before receipt: the request may have waited out the pause and run
-      on the new weights, or finished before it (a `wait` pause drains it), and nothing in
-      the response says which.
-    """
-    if at_receipt.pauses == at_dispatch.pauses or at_receipt.resumes == at_dispatch.resumes:
-        return at_dispatch.version
-    return None
 
 
 class DynamoDataClient:
@@ -129,7 +110,7 @@ class DynamoDataClient:
         scored = (nvext.get("engine_data") or {}).get("prompt_logprobs")
         if not scored or len(scored) != len(token_ids):
             raise FleetrlError(f"worker {worker_id}: scoring returned no prompt logprobs for {len(token_ids)} tokens")
-        return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(token_ids[1:], scored[1:])]
+        return prompt_logprobs_of(token_ids, scored)
 
     async def _post(self, worker_id: str, body: dict, what: str, prefill_id: str | None = None) -> tuple[dict, dict]:
         url = f"{self.frontend_url}/v1/completions"
@@ -161,13 +142,6 @@ async def gather_samples(data: DynamoDataClient, worker_id: str, prefill_id: str
                          prompt_suffix: list[int], token_versions: bool) -> list[GenerateResponse]:
     return list(await asyncio.gather(*(data.complete(worker_id, prefill_id, request, prompt_suffix, i, token_versions)
                                        for i in range(request.n))))
-
-
-def with_span(response: GenerateResponse, version: int) -> GenerateResponse:
-    response.spans = [VersionSpan(version=version, start=0)]
-    if response.token_ids:
-        response.check()
-    return response
 
 
 async def served_model(client: httpx.AsyncClient, frontend_url: str) -> str:

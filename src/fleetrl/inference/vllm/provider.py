@@ -36,7 +36,7 @@ class VllmProvider:
         if self.config.urls:
             workers = await self.discover()
             healthy = await asyncio.gather(*(self.admin(w).health() for w in workers))
-            down = [w.url for w, ok in zip(workers, healthy) if not ok]
+            down = [w.admin_url for w, ok in zip(workers, healthy) if not ok]
             if down:
                 raise FleetrlError(f"inference.urls: cannot reach {', '.join(down)} (no answer on /health)")
             return
@@ -46,26 +46,26 @@ class VllmProvider:
 
     async def discover(self) -> list[WorkerInfo]:
         if self.config.urls:
-            return [WorkerInfo(id=url.rstrip("/"), url=url.rstrip("/")) for url in self.config.urls]
+            return [_worker(url.rstrip("/"), url.rstrip("/")) for url in self.config.urls]
         # A launched server that exited is gone from discovery; the coordinator marks it dead.
-        return [WorkerInfo(id=s.name, url=s.url) for s in self.launched if s.process.alive()]
+        return [_worker(s.name, s.url) for s in self.launched if s.process.alive()]
 
     async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix: list[int] = (),
                        prefill: WorkerInfo | None = None) -> list[GenerateResponse]:
         if prefill is not None:
             raise FleetrlError(f"the vllm provider has no prefill workers (asked to prefill on {prefill.id})")
-        return await self._data.generate(worker.id, worker.url, request, prompt_suffix)
+        return await self._data.generate(worker.id, worker.data_url, request, prompt_suffix)
 
     async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int],
                               prefill: WorkerInfo | None = None) -> list[float]:
         if prefill is not None:
             raise FleetrlError(f"the vllm provider has no prefill workers (asked to prefill on {prefill.id})")
-        return await self._data.prompt_logprobs(worker.id, worker.url, token_ids)
+        return await self._data.prompt_logprobs(worker.id, worker.data_url, token_ids)
 
     def admin(self, worker: WorkerInfo) -> VllmAdminClient:
         if worker.id not in self._admins:
             self._admins[worker.id] = VllmAdminClient(
-                worker.id, worker.url, self.token, self.config.admin_timeout_s, self.config.admin_retries
+                worker.id, worker.admin_url, self.token, self.config.admin_timeout_s, self.config.admin_retries
             )
         return self._admins[worker.id]
 
@@ -82,3 +82,8 @@ class VllmProvider:
         await self._data.close()
         for server in self.launched:
             server.process.stop()
+
+
+def _worker(worker_id: str, url: str) -> WorkerInfo:
+    """A native server serves requests and its admin routes on one port."""
+    return WorkerInfo(id=worker_id, data_url=url, admin_url=url)

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from fleetrl.errors import FleetrlError
-
-if TYPE_CHECKING:
-    from fleetrl.inference.provider import WorkerAdmin
+from fleetrl.inference.provider import WorkerAdmin
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""Entry point of a Dynamo vLLM worker process: `python -m fleetrl.inference.dynamo.worker_main
+"""Entry point of a Dynamo vLLM worker process: `python -m fleetrl.engine.dynamo_worker
 [--fleetrl-token-versions] <dynamo.vllm arguments>`.
 
 Runs Dynamo's own worker (`dynamo.vllm`) after two import-time fixes that the CPU build of
@@ -16,7 +16,7 @@ one that runs on a CPU here): it is entered in Dynamo's registry of PD connector
 Dynamo's extension point for a new connector, as cache-mediated like LMCache (the decode
 worker finds the prefill's KV by prompt tokens; nothing per request crosses over).
 
-With `--fleetrl-token-versions` it is fleetrl's worker kind (`inference.dynamo_worker =
+With `--fleetrl-token-versions` it is fleetrl's worker kind (`inference.dynamo.worker =
 "fleetrl"`): the same worker plus what it lacks for exact per-token versions (see
 `_report_token_versions`).
 """
@@ -27,7 +27,7 @@ import importlib
 import importlib.util
 import sys
 
-TOKEN_VERSIONS_FLAG = "--fleetrl-token-versions"
+from fleetrl.contract import TOKEN_VERSIONS_FLAG
 
 
 def _apply_import_fixes() -> None:

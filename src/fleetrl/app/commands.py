@@ -1,0 +1,52 @@
+"""What each `fleetrl` command does, once the CLI has parsed it into a config.
+
+Each command's modules are imported when it runs, so `fleetrl --help` and `--dry-run` stay
+fast (torch, transformers and the providers are not loaded for them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from fleetrl.config import Config
+from fleetrl.errors import FleetrlError
+from fleetrl.processes import stop_all
+
+NOT_BUILT = {"bench"}
+
+
+def run_command(args: argparse.Namespace, config: Config) -> int:
+    """Runs `args.command`; every process it started is stopped on the way out, however it ends."""
+    try:
+        return _dispatch(args, config)
+    finally:
+        stop_all()
+
+
+def _dispatch(args: argparse.Namespace, config: Config) -> int:
+    if args.command in NOT_BUILT:
+        print(f"fleetrl {args.command}: not built yet (see the open issues); "
+              f"`fleetrl {args.command} --dry-run` shows the config it would use", file=sys.stderr)
+        return 2
+    if args.command == "rl":
+        from fleetrl.app.rl import RLRun
+
+        return RLRun(config).run()
+    if args.command == "verify":
+        from fleetrl.rundir import verify_run
+
+        if args.run_dir is None:
+            raise FleetrlError("fleetrl verify needs a run directory: fleetrl verify RUN_DIR")
+        print(verify_run(args.run_dir))
+        return 0
+    if args.command == "inference":
+        from fleetrl.app.inference import DEFAULT_PROMPTS, run_inference
+
+        return asyncio.run(run_inference(config, args.prompts or DEFAULT_PROMPTS))
+    if args.command == "status":
+        from fleetrl.app.status import run_status
+
+        return asyncio.run(run_status(config))
+    raise AssertionError(args.command)

@@ -1,0 +1,45 @@
+"""`fleetrl inference`: start the fleet, sample a few completions, print them, shut down."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fleetrl.app.providers import build_fleet
+from fleetrl.config import Config
+from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.versions import version_name
+
+DEFAULT_PROMPTS = ["Name three primary colors.", "What is 7 + 5?", "Write the word 'fleet' backwards."]
+
+
+async def run_inference(config: Config, prompts: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    fleet, model_dir = build_fleet(config)
+    try:
+        await fleet.start()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        sampling = SamplingParams(
+            temperature=config.orchestrator.temperature,
+            max_tokens=config.orchestrator.max_tokens,
+            stop_token_ids=(tokenizer.eos_token_id,),
+            seed=config.run.seed,
+        )
+        requests = [
+            GenerateRequest(
+                prompt_token_ids=tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+                ),
+                sampling=sampling,
+            )
+            for p in prompts
+        ]
+        results = await asyncio.gather(*(fleet.generate(r) for r in requests))
+        for prompt, (completion,) in zip(prompts, results):
+            spans = ", ".join(f"{version_name(s.version)}@{s.start}" for s in completion.spans)
+            text = tokenizer.decode(completion.token_ids, skip_special_tokens=True).strip()
+            print(f"\n> {prompt}\n{text}\n  [{len(completion.token_ids)} tokens, worker {completion.worker_id}, "
+                  f"versions {spans}, finish {completion.finish_reason}]")
+    finally:
+        await fleet.close()
+    return 0

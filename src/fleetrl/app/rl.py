@@ -1,0 +1,264 @@
+"""`fleetrl rl`: the fleet, the trainer ranks and the orchestrator, started and ended together.
+
+Process layout: this process is trainer rank 0 and hosts the control side — the fleet
+coordinator and the orchestrator run on an asyncio loop in a background thread (the control
+loop), the training loop in the main thread. Trainer ranks 1..N-1 are child processes; the
+inference workers are child processes (or attached servers). Rank 0 is the broadcast sender,
+so publishing a version is a call from the training loop into the coordinator in the same
+process: the publish fence never spans a process boundary.
+
+The main thread reads the fleet only through the control loop (`ControlLoop.run`), the one
+thread that changes it.
+
+Everything started here is stopped on success, on the failure of any part, and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from fleetrl.app.providers import build_fleet
+from fleetrl.batch import Batch
+from fleetrl.config import Config, ConfigError
+from fleetrl.envs import Environment, get_environment
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.fleet import Fleet, PublishReport
+from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.orchestrator.rollouts import Orchestrator
+from fleetrl.processes import ManagedProcess, free_port, start_process
+from fleetrl.rundir import RunDir
+from fleetrl.trainer import checkpoint, distributed
+from fleetrl.trainer.loop import Hooks, Snapshot, train
+from fleetrl.trainer.step import StepMetrics
+from fleetrl.weights.factory import make_transport
+
+
+def check_config(config: Config) -> None:
+    o = config.orchestrator
+    # vLLM reports logprobs of the untempered distribution; the importance ratio is only
+    # right if the samples came from that same distribution.
+    if o.temperature != 1.0 or o.top_p != 1.0:
+        raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
+                          "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
+
+
+class ControlLoop:
+    """An asyncio loop in a daemon thread, for the fleet and the orchestrator."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fleetrl-control", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro):
+        return self.submit(coro).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class RLRun:
+    """One `fleetrl rl` job: `run()` reads top-down; the hooks below are what the training
+    loop calls back."""
+
+    def __init__(self, config: Config, log=print) -> None:
+        check_config(config)
+        self.config = config
+        self.log = log
+        self.run_dir = RunDir(config.run.dir)
+        latest = checkpoint.latest(self.run_dir.checkpoints_dir)
+        self.resume = latest[0] if latest else 0  # the step of the checkpoint to resume from
+        self.control = ControlLoop()
+        self.ranks: list[ManagedProcess] = []
+        self.rollouts: list[Future] = []
+        self.fleet: Fleet | None = None
+
+    def run(self) -> int:
+        try:
+            self.run_dir.start(self.config, self.resume)
+            env = self.make_environment()
+            self.start_fleet(env)
+            self.start_ranks()
+            self.log(f"fleetrl: run {self.run_dir.root}: {self.config.run.max_steps} steps, "
+                     f"k = {self.config.orchestrator.max_off_policy_steps}, {self.config.trainer.world_size} "
+                     f"trainer rank(s), env {env.name}" + (f", resuming after step {self.resume}" if self.resume else ""))
+            self.train()
+            self.finish()
+            return 0
+        finally:
+            self.stop()
+
+    def make_environment(self) -> Environment:
+        options = dict(self.config.orchestrator.env_options)
+        if self.config.orchestrator.env.startswith("verifiers:"):
+            # verifiers users see each rollout's policy provenance in the episodes file.
+            options.setdefault("episodes_path", self.run_dir.verifiers_episodes_path)
+            options.setdefault("run_id", self.run_dir.root.name)
+        return get_environment(self.config.orchestrator.env, **options)
+
+    def start_fleet(self, env: Environment) -> None:
+        """Builds the fleet, the weight transport and the orchestrator; the fleet starts on the
+        control loop while the trainer ranks start here."""
+        from transformers import AutoTokenizer
+
+        config = self.config
+        fleet, self.model_dir = build_fleet(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        weights = config.inference.weights
+        self.transport = make_transport(
+            weights.transport, host=weights.sender_host, bucket_bytes=weights.bucket_mb << 20,
+            storage_dir=weights.dir or self.run_dir.weights_dir, timeout_s=weights.transfer_timeout_s,
+        )
+        self.orchestrator = Orchestrator(fleet, env, self.tokenizer, config.orchestrator, self.run_dir,
+                                         config.run.seed, log=self.log)
+        self.fleet = fleet  # from here on, stop() closes it and the transport
+        self.fleet_started = self.control.submit(fleet.start())
+
+    def start_ranks(self) -> None:
+        """Ranks 1..N-1 as children; this process joins the same group as rank 0."""
+        world_size = self.config.trainer.world_size
+        if world_size > 1:
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "WORLD_SIZE": str(world_size)}
+            os.environ.update({**env, "RANK": "0", "LOCAL_RANK": "0"})
+            self.ranks = [
+                start_process(f"trainer-rank-{rank}",
+                              [sys.executable, "-m", "fleetrl.trainer", str(self.run_dir.root), str(self.model_dir)],
+                              self.run_dir.log_path(f"trainer-rank-{rank}"),
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                for rank in range(1, world_size)
+            ]
+        self.world = distributed.init()
+        torch.set_num_threads(max(1, torch.get_num_threads() // self.world.world_size))
+
+    def train(self) -> None:
+        hooks = Hooks(wait_batch=self.wait_batch, start_rollouts=self.start_rollouts, publish=self.publish,
+                      on_step=self.on_step)
+        try:
+            train(self.config, self.run_dir, self.model_dir, self.world, hooks, log=self.log)
+        except Exception:
+            # A collective fails when a peer rank dies: name the rank rather than gloo's error.
+            deadline = time.monotonic() + 5
+            while self.ranks and all(r.alive() for r in self.ranks) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.check_children()
+            raise
+
+    def finish(self) -> None:
+        self.run_dir.write_final(self.control.run(final_generation(self.fleet, self.tokenizer)))
+        self.run_dir.write_plots()
+        self.run_dir.write_manifest()
+        self.log(f"fleetrl: done: {self.run_dir.root} (check it with `fleetrl verify {self.run_dir.root}`)")
+
+    def stop(self) -> None:
+        for future in self.rollouts:
+            future.cancel()
+        if self.fleet is not None:
+            self.control.run(_close(self.fleet, self.transport))
+        self.control.stop()
+        distributed.destroy()
+        for rank in self.ranks:
+            rank.stop()
+
+    # -- what the training loop calls ------------------------------------------------------
+
+    def wait_batch(self, step: int) -> Batch:
+        return self.run_dir.wait_batch(step, while_waiting=self.check_children)
+
+    def start_rollouts(self, start: int) -> None:
+        self.wait_fleet()
+        self.rollouts.append(self.control.submit(self.orchestrator.run(start + 1, self.config.run.max_steps)))
+
+    def publish(self, step: int, weights: Snapshot) -> PublishReport:
+        self.wait_fleet()
+        report = self.control.run(self.fleet.publish(step, self.transport, lambda: iter(weights.items())))
+        if not report.ready:
+            raise FleetrlError(f"publish v{step} reached no worker")
+        return report
+
+    def on_step(self, batch: Batch, metrics: StepMetrics, report: PublishReport, started: float,
+                finished: float) -> None:
+        line = {
+            "step": batch.step,
+            **{k: batch.meta[k] for k in ("reward_mean", "reward_std", "distance_max", "distance_mean")},
+            "dropped": batch.dropped,
+            "misversioned": batch.meta["misversioned"],
+            "samples": metrics.samples,
+            "completion_tokens": metrics.completion_tokens,
+            "tokens": metrics.tokens,
+            "loss": metrics.loss,
+            "grad_norm": metrics.grad_norm,
+            "mismatch_kl": metrics.mismatch_kl,
+            "ratio_mean": metrics.ratio_mean,
+            "clip_frac": metrics.clip_frac,
+            "truncated_frac": metrics.truncated_frac,
+            "tokens_per_s": metrics.tokens_per_s,
+            "publish_s": report.seconds,
+            "checksum": report.checksum,
+            "worker_versions": self.control.run(ready_versions(self.fleet)),
+            "failed_workers": report.failed,
+            "rollout_started": batch.meta["rollout_started"],
+            "rollout_finished": batch.meta["rollout_finished"],
+            "train_started": started,
+            "train_finished": finished,
+        }
+        self.run_dir.append_metrics(line)
+        self.log(f"step {batch.step}/{self.config.run.max_steps}  reward {line['reward_mean']:.3f}±{line['reward_std']:.3f}  "
+                 f"off-policy max {line['distance_max']} mean {line['distance_mean']:.2f}  dropped {batch.dropped}  "
+                 f"misversioned {line['misversioned']}  loss {metrics.loss:+.4f}  kl {metrics.mismatch_kl:.2e}  "
+                 f"train {finished - started:.1f}s  publish {report.seconds:.1f}s  "
+                 f"workers at {sorted(set(line['worker_versions'].values()))}")
+
+    # -- failures of the other parts -------------------------------------------------------
+
+    def check_children(self) -> None:
+        """Raises the failure of a trainer rank, the fleet's start or the rollouts, if any."""
+        for rank in self.ranks:
+            if not rank.alive():
+                raise FleetrlError(f"{rank.name} died (exit code {rank.popen.returncode}); last lines of "
+                                   f"{rank.log_path}: {rank.log_tail(3)}")
+        for future in self.rollouts + [self.fleet_started]:
+            if future.done() and future.exception():
+                raise future.exception()
+
+    def wait_fleet(self) -> None:
+        while not self.fleet_started.done():
+            self.check_children()
+            time.sleep(0.2)
+        self.fleet_started.result()
+
+
+async def ready_versions(fleet: Fleet) -> dict[str, int]:
+    """Every ready worker's version (on the control loop: the thread that changes the fleet)."""
+    return {w.id: w.version for w in fleet.ready_workers()}
+
+
+async def final_generation(fleet: Fleet, tokenizer) -> dict:
+    """A 16-token greedy sample from the final policy, and every worker's version; each
+    worker checks that all its ranks hold the weights of the trainer's last checksum."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write one sentence about the sea."}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)))
+    workers = {}
+    for worker in fleet.ready_workers():
+        admin = fleet.provider.admin(worker)
+        if fleet.checksum is not None:
+            await admin.verify_weights(fleet.checksum)
+        workers[worker.id] = {"role": worker.role.value, "version": await admin.version(), "checksum": fleet.checksum}
+    return {"version": fleet.version, "tokens": out.token_ids, "text": tokenizer.decode(out.token_ids),
+            "spans": [[s.version, s.start] for s in out.spans], "workers": workers}
+
+
+async def _close(fleet: Fleet, transport) -> None:
+    await transport.close()
+    await fleet.close()

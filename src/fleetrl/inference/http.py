@@ -1,0 +1,121 @@
+"""The HTTP machinery both providers share: the retrying admin call, the cleanup after a
+failed weight transfer, the readiness wait of a launch, and what the workers' OpenAI-style
+API is asked and answers (the served model name, prompt logprobs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import httpx
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.provider import WorkerCallError
+from fleetrl.processes import ManagedProcess
+
+# The name every launched worker serves the policy under (attached Dynamo frontends say theirs).
+SERVED_MODEL_NAME = "policy"
+# Short: the calls that clean up after a failed transfer must not hide the failure for long.
+ABANDON_TIMEOUT_S = 10.0
+# Seconds between the readiness probes of a launch, and between its progress lines.
+READY_POLL_S = 1.0
+READY_REPORT_S = 15.0
+
+
+class AdminHttp:
+    """The admin endpoint of one worker: every call goes straight to it, has a timeout, and is
+    retried (`retries` times, backing off) where that is safe: an idempotent call on any
+    transport error, any other call only when the connection was never made."""
+
+    def __init__(self, worker_id: str, base_url: str, timeout_s: float, retries: int,
+                 headers: dict[str, str] | None = None) -> None:
+        self.worker_id = worker_id
+        self.base_url = base_url
+        self.retries = retries
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, headers=headers)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def probe(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response | None:
+        """A health probe: one try, never retried; None when the worker cannot be reached."""
+        try:
+            return await self._http.request(method, path, timeout=timeout_s, **kwargs)
+        except httpx.TransportError:
+            return None
+
+    async def call(self, method: str, path: str, *, idempotent: bool, timeout_s: float | None = None,
+                   what: str | None = None, **kwargs: Any) -> httpx.Response:
+        """The response of a call that succeeded (HTTP status below 400); WorkerCallError,
+        naming the worker and `what` (default: the method and path), otherwise."""
+        what = what or f"{method} {path}"
+        extra = {"timeout": timeout_s} if timeout_s is not None else {}
+        for attempt in range(self.retries + 1):
+            try:
+                response = await self._http.request(method, path, **kwargs, **extra)
+            except httpx.ConnectError as e:
+                error = f"cannot connect to {self.base_url} ({e})"
+            except httpx.TransportError as e:
+                if not idempotent:
+                    raise WorkerCallError(self.worker_id, what, f"{type(e).__name__}: {e}") from None
+                error = f"{type(e).__name__} talking to {self.base_url}"
+            else:
+                if response.status_code == 401:
+                    raise WorkerCallError(self.worker_id, what, "the admin token was refused")
+                if response.status_code >= 400:
+                    raise WorkerCallError(self.worker_id, what, f"HTTP {response.status_code}: {response.text[:300]}")
+                return response
+            if attempt < self.retries:
+                await asyncio.sleep(0.5 * 2**attempt)
+        raise WorkerCallError(self.worker_id, what, error)
+
+
+async def abandon_weight_update(close_update: Callable[[], Awaitable[object]],
+                                label_incomplete: Callable[[], Awaitable[object]]) -> None:
+    """After a failed transfer (best effort): close any open update, then label the worker with
+    a name that is no policy version, so its half-updated weights pass for none. A step that
+    fails is passed over: no update was open (the worker aborted it itself), or the worker is
+    gone."""
+    for step in (close_update, label_incomplete):
+        try:
+            await step()
+        except FleetrlError:
+            pass
+
+
+async def wait_until_ready(what: str, processes: Sequence[ManagedProcess], not_ready: Callable[[], Awaitable[str | None]],
+                           timeout_s: float, log=print) -> None:
+    """Poll `not_ready` (None once ready, else why not yet) until the launch of `what` is ready.
+
+    Fails at once when one of `processes` exits, with the last lines of its log, and after
+    `timeout_s` (inference.startup_timeout_s) with the last reason.
+    """
+    started = last_report = time.monotonic()
+    while True:
+        for process in processes:
+            if not process.alive():
+                raise FleetrlError(
+                    f"{process.name} exited during startup (code {process.popen.returncode}); "
+                    f"last lines of {process.log_path}:\n{process.log_tail()}"
+                )
+        why = await not_ready()
+        if why is None:
+            break
+        elapsed = time.monotonic() - started
+        if elapsed > timeout_s:
+            raise FleetrlError(f"{what} not ready after {timeout_s:.0f} s (inference.startup_timeout_s): {why}; "
+                               f"see logs in {processes[0].log_path.parent}")
+        if time.monotonic() - last_report >= READY_REPORT_S:
+            log(f"fleetrl: waiting for {what}: {why} ({elapsed:.0f} s)")
+            last_report = time.monotonic()
+        await asyncio.sleep(READY_POLL_S)
+    log(f"fleetrl: {what} ready after {time.monotonic() - started:.0f} s")
+
+
+def prompt_logprobs_of(token_ids: list[int], scored: list[dict | None]) -> list[float]:
+    """log p(token_i | tokens_<i) for i >= 1 from vLLM's `prompt_logprobs` (one entry per
+    prompt token, keyed by token id; the first is None)."""
+    return [float(entry[str(token)]["logprob"]) for token, entry in zip(token_ids[1:], scored[1:])]

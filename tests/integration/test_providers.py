@@ -1,0 +1,386 @@
+"""The provider seam with real processes: one set of checks, run through the fleet coordinator
+on each provider —
+
+  vllm            two native vLLM CPU servers;
+  dynamo          a Dynamo frontend and two of Dynamo's own vLLM workers (one exact version per
+                  completion: `wait` pauses);
+  dynamo-fleetrl  a Dynamo frontend and one worker of fleetrl's kind (per-token versions).
+
+Real weight transfers between real processes, exact versions, the probe against transformers.
+Each fleet lives for the whole module (pytest runs every test of one fleet before starting
+the next); a test that only holds for some providers names them, and the tests that kill
+workers come last.
+"""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import psutil
+import pytest
+import pytest_asyncio
+
+from fleetrl.app.providers import build_provider
+from fleetrl.config import Config, DynamoConfig, InferenceConfig, RunConfig, VllmConfig
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo.launcher import wait_ready
+from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.probe import probe_fleet
+from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
+from fleetrl.inference.vllm.provider import VllmProvider
+from fleetrl.versions import VersionSpan
+from fleetrl.weights.factory import make_transport
+
+from .conftest import chat_ids, greedy, greedy_response, model_with, perturbed, running
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROVIDERS = {
+    "vllm": dict(provider="vllm", workers=2),
+    "dynamo": dict(provider="dynamo", workers=2),
+    "dynamo-fleetrl": dict(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl"), workers=1),
+}
+PER_TOKEN_VERSIONS = ["vllm", "dynamo-fleetrl"]
+# A fixed token with a leading "-" and digits: it must pass the CLI as it is (issue 15).
+TOKEN = "-0123456789abcdef"
+
+
+def only(*names: str):
+    """Run a test on these providers' fleets only."""
+    return pytest.mark.parametrize("fleet", names, indirect=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=list(PROVIDERS))
+async def fleet(request, model_dir, tmp_path_factory):
+    """One provider's fleet for every test that runs on it; always stopped, pass or fail."""
+    inference = InferenceConfig(**PROVIDERS[request.param], vllm=VllmConfig(max_model_len=512), admin_timeout_s=120,
+                                startup_timeout_s=900)
+    # Built by name through the registry, as `fleetrl rl` builds it.
+    config = Config(inference=inference, run=RunConfig(dir=tmp_path_factory.mktemp(request.param)))
+    provider = build_provider(config, model_dir, TOKEN)
+    async with running(Fleet(provider, pause_mode=inference.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
+        yield fleet
+
+
+def transport_for(kind: str, tmp_path_factory, bucket_bytes: int = 32 << 20):
+    return make_transport(kind, host="127.0.0.1", bucket_bytes=bucket_bytes,
+                          storage_dir=tmp_path_factory.mktemp(f"weights-{kind}"))
+
+
+def stop_now(fleet: Fleet, worker):
+    """Returns a call that stops the launched process serving `worker` at once."""
+    if isinstance(fleet.provider, VllmProvider):
+        return lambda: fleet.provider.stop_worker(worker.id)
+    return launched_dynamo_worker(fleet, worker).stop
+
+
+def launched_dynamo_worker(fleet: Fleet, worker):
+    """The launched Dynamo worker whose system server listens at the worker's admin URL."""
+    port = int(worker.admin_url.rsplit(":", 1)[1])
+    for process in fleet.provider.deployment.workers:
+        if process.alive() and any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                                   for c in psutil.Process(process.popen.pid).net_connections("tcp")):
+            return process
+    raise AssertionError(f"no launched worker listens at {worker.admin_url}")
+
+
+async def test_workers_are_discovered_ready_at_v0(fleet, request):
+    workers = list(fleet.workers.values())
+    assert len(workers) == PROVIDERS[request.node.callspec.params["fleet"]]["workers"]
+    for worker in workers:
+        assert worker.state == WorkerState.READY and worker.version == 0
+        assert worker.role == WorkerRole.AGGREGATED and worker.world_size == 1
+        assert worker.admin_url.startswith("http://127.0.0.1:")
+        assert await fleet.provider.admin(worker).version() == 0
+    # Re-discovery keeps the workers' identities.
+    assert sorted(w.id for w in await fleet.provider.discover()) == sorted(w.id for w in workers)
+
+
+async def test_generation_spreads_over_workers_with_v0_spans(fleet, tokenizer):
+    prompt = chat_ids(tokenizer, "Tell me a fact about the sea.")
+    requests = [GenerateRequest(prompt, SamplingParams(max_tokens=8, seed=i), n=2) for i in range(6)]
+    outs = [o for group in await asyncio.gather(*(fleet.generate(r) for r in requests)) for o in group]
+    assert len(outs) == 12
+    assert {o.worker_id for o in outs} == set(fleet.workers)
+    for out in outs:
+        assert out.spans == [VersionSpan(0, 0)]
+        assert 0 < len(out.token_ids) == len(out.logprobs) <= 8
+        assert all(lp <= 0 for lp in out.logprobs)
+        assert out.finish_reason in ("stop", "length")
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (a,) = await fleet.generate(GenerateRequest(prompt, greedy))
+    (b,) = await fleet.generate(GenerateRequest(prompt, greedy))
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 6
+
+
+async def test_prompt_logprobs_score_the_greedy_continuation(fleet, tokenizer):
+    worker = next(iter(fleet.workers.values()))
+    prompt = chat_ids(tokenizer, "Name a colour.")
+    (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(max_tokens=4, temperature=0.0,
+                                                                         ignore_eos=True)))
+    scored = await fleet.provider.prompt_logprobs(worker, prompt + out.token_ids)
+    assert len(scored) == len(prompt) + len(out.token_ids) - 1
+    assert scored[-len(out.token_ids):] == pytest.approx(out.logprobs, abs=1e-3)
+
+
+async def test_probe_agrees_with_transformers_at_v0(fleet, base_weights, probe):
+    results = await probe_fleet(fleet, base_weights, probe)
+    assert {r.worker_id for r in results} == set(fleet.workers)
+    for r in results:
+        assert r.max_abs_diff < 2e-3, r
+
+
+@only("vllm")
+async def test_admin_routes_refuse_requests_without_the_token(fleet):
+    worker = fleet.workers["vllm-0"]
+    async with httpx.AsyncClient(base_url=worker.admin_url) as client:
+        assert (await client.get("/health")).status_code == 200
+        for method, path in [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/collective_rpc"),
+                             ("GET", "/weight_info"), ("POST", "/inference/v1/generate")]:
+            assert (await client.request(method, path)).status_code == 401, path
+            wrong = {"Authorization": "Bearer wrong"}
+            assert (await client.request(method, path, headers=wrong)).status_code == 401, path
+    assert not await fleet.provider.admin(worker).is_paused()
+
+
+@only("vllm")
+async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, model_dir, tmp_path):
+    """A second coordinator attached by URL (servers started elsewhere) serves at v0 too."""
+    urls = [w.admin_url for w in fleet.workers.values()]
+    config = InferenceConfig(urls=urls, admin_token=TOKEN)
+    attached = Fleet(VllmProvider(config, model_dir, tmp_path, TOKEN), discovery_interval_s=3600,
+                     log=lambda *_: None)
+    await attached.start()
+    try:
+        assert sorted(w.id for w in attached.ready_workers()) == sorted(urls)
+        (out,) = await attached.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
+        assert out.worker_id in urls and out.spans == [VersionSpan(0, 0)]
+    finally:
+        await attached.close()
+    assert not attached.provider.launched  # attaching starts nothing, and closing stops nothing
+    assert all(w.state == WorkerState.READY for w in fleet.workers.values())
+    status = subprocess.run([sys.executable, "-m", "fleetrl", "status", "--inference.urls", json.dumps(urls),
+                             "--inference.admin_token", TOKEN], capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.count("up  version=v0  serving") == 2
+
+
+@only("dynamo")
+async def test_dynamos_own_worker_pauses_only_in_wait_mode_and_sets_versions(fleet, tokenizer):
+    worker = next(iter(fleet.workers.values()))
+    admin = fleet.provider.admin(worker)
+    assert await admin.health()
+    # Dynamo's own worker kind: no per-token versions, so only `wait` pauses keep them exact.
+    assert not await admin.reports_token_versions()
+    for mode in ("keep", "abort"):
+        with pytest.raises(FleetrlError, match="reports no per-token versions"):
+            await admin.pause(mode)
+    with pytest.raises(FleetrlError, match="not paused"):
+        await admin.set_version(3)
+    await admin.pause("wait")
+    try:
+        await admin.set_version(7)
+        assert await admin.version() == 7
+        await admin.set_version(0)
+    finally:
+        await admin.resume()
+    assert await admin.version() == 0
+    (out,) = await fleet.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
+    assert out.spans == [VersionSpan(0, 0)]
+    # At v0 the worker holds the weights it loaded, not any a sender checksummed.
+    with pytest.raises(FleetrlError, match="weight checksum None"):
+        await admin.verify_weights("0" * 64)
+
+
+@only("dynamo-fleetrl")
+async def test_fleetrls_worker_kind_reports_per_token_versions(fleet):
+    (worker,) = fleet.workers.values()
+    assert await fleet.provider.admin(worker).reports_token_versions()
+    assert fleet.pause_mode == "keep"
+
+
+@pytest.mark.parametrize("kind, versions", [("broadcast", (1, 2)), ("filesystem", (3, 4))])
+async def test_publish_two_versions(fleet, base_weights, probe, tokenizer, tmp_path_factory, kind, versions):
+    transport = transport_for(kind, tmp_path_factory)
+    try:
+        for version in versions:
+            weights = perturbed(base_weights, seed=version)
+            report = await fleet.publish(version, transport, weights)
+            assert sorted(report.ready) == sorted(fleet.workers) and not report.failed, report
+            assert fleet.version == version
+            for worker in fleet.workers.values():
+                admin = fleet.provider.admin(worker)
+                assert worker.state == WorkerState.READY and worker.version == version
+                assert await admin.version() == version
+                await admin.verify_weights(report.checksum)
+                with pytest.raises(FleetrlError, match="checksum"):
+                    await admin.verify_weights("0" * 64)
+            # The served weights are the published ones, not merely labelled so.
+            for r in await probe_fleet(fleet, model_with(base_weights, weights), probe):
+                assert r.max_abs_diff < 2e-3, r
+            for r in await probe_fleet(fleet, base_weights, probe):
+                assert r.mean_abs_diff > 0.05, r
+            (out,) = await fleet.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
+            assert out.spans == [VersionSpan(version, 0)]
+    finally:
+        await transport.close()
+
+
+async def publish_during_request(fleet, base_weights, storage, kind, prompt, max_tokens):
+    """Start a greedy request, publish the next version by `kind` while it runs, return it."""
+    version = fleet.version + 1
+    transport = make_transport(kind, host="127.0.0.1", bucket_bytes=32 << 20, storage_dir=storage)
+    try:
+        in_flight = asyncio.create_task(greedy_response(fleet, prompt, max_tokens))
+        await asyncio.sleep(2.0)
+        await fleet.publish(version, transport, perturbed(base_weights, seed=version))
+        return await in_flight
+    finally:
+        await transport.close()
+
+
+async def check_keep_mode_span_boundary(fleet, base_weights, tokenizer, storage, kind: str) -> None:
+    """Keep mode: a request in flight across a publish gets two spans, split at the exact token."""
+    old = fleet.version
+    prompt = chat_ids(tokenizer, "Write a long story about a lighthouse keeper.")
+    reference = await greedy(fleet, prompt, 400)  # all at `old`
+    out = await publish_during_request(fleet, base_weights, storage, kind, prompt, 400)
+    assert [s.version for s in out.spans] == [old, old + 1], out.spans
+    boundary = out.spans[1].start
+    assert 0 < boundary < 400
+    assert out.token_ids[:boundary] == reference[:boundary]
+    # From the boundary on, the tokens are the new policy's greedy continuation of the prefix.
+    continuation = await greedy(fleet, prompt + reference[:boundary], 400 - boundary)
+    assert out.token_ids[boundary:] == continuation
+    assert continuation[0] != reference[boundary]  # the weights really changed right there
+
+
+async def check_abort_mode_joins_spans(fleet, base_weights, tokenizer, storage, kind: str) -> None:
+    """Abort mode: the cut request is continued after the publish and its spans joined."""
+    old, mode = fleet.version, fleet.pause_mode
+    prompt = chat_ids(tokenizer, "List every prime number you know, one per line.")
+    fleet.pause_mode = "abort"
+    try:
+        out = await publish_during_request(fleet, base_weights, storage, kind, prompt, 300)
+    finally:
+        fleet.pause_mode = mode
+    assert len(out.token_ids) == 300 and out.finish_reason == "length"
+    assert [s.version for s in out.spans] == [old, old + 1], out.spans
+    boundary = out.spans[1].start
+    continuation = await greedy(fleet, prompt + out.token_ids[:boundary], 300 - boundary)
+    assert out.token_ids[boundary:] == continuation
+
+
+@only(*PER_TOKEN_VERSIONS)
+async def test_keep_mode_span_boundary_is_where_the_weights_changed(fleet, base_weights, tokenizer,
+                                                                    tmp_path_factory):
+    await check_keep_mode_span_boundary(fleet, base_weights, tokenizer, tmp_path_factory.mktemp("weights-keep"),
+                                        "broadcast")
+
+
+@only(*PER_TOKEN_VERSIONS)
+async def test_abort_mode_continues_and_joins_spans(fleet, base_weights, tokenizer, tmp_path_factory):
+    await check_abort_mode_joins_spans(fleet, base_weights, tokenizer, tmp_path_factory.mktemp("weights-abort"),
+                                       "filesystem")
+
+
+@only("dynamo")
+async def test_wait_mode_attributes_a_request_in_flight_to_the_version_that_produced_it(
+        fleet, base_weights, tokenizer, tmp_path_factory):
+    """Sequence-level versions on a real worker: a publish lands while a greedy request runs;
+    the `wait` pause drains it on the old weights, and its one span says so."""
+    old = fleet.version
+    request = GenerateRequest(chat_ids(tokenizer, "Write a long story about a lighthouse."),
+                              SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True), session_id="straddle")
+    (reference,) = await fleet.generate(request)
+    in_flight = asyncio.create_task(fleet.generate(request))
+    await asyncio.sleep(1.5)
+    transport = transport_for("filesystem", tmp_path_factory)
+    try:
+        await fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
+    finally:
+        await transport.close()
+    (out,) = await in_flight
+    assert out.spans == [VersionSpan(old, 0)] and out.token_ids == reference.token_ids
+    (after,) = await fleet.generate(request)
+    assert after.spans == [VersionSpan(old + 1, 0)] and after.token_ids != reference.token_ids
+
+
+# -- the tests below change the fleet's membership: they run last -------------------------------
+
+
+@only("dynamo")
+async def test_worker_that_joins_is_refitted_before_it_serves(fleet, base_weights, probe):
+    """A third worker starts and is discovered after the publishes."""
+    version, known = fleet.version, set(fleet.workers)
+    deployment = fleet.provider.deployment
+    deployment.add_worker()
+    await wait_ready(deployment, len(known) + 1, timeout_s=900, log=lambda *_: None)
+    (joined,) = [w for w in await fleet.provider.discover() if w.id not in known]
+    # Listed by Dynamo, but holding the base model and no fleetrl version: fleetrl sends it
+    # nothing (requests are pinned to ready workers) until it is refitted.
+    assert await fleet.provider.admin(joined).version() is None
+    await fleet.refresh()
+    worker = fleet.workers[joined.id]
+    assert worker.state == WorkerState.READY and worker.version == version
+    admin = fleet.provider.admin(worker)
+    assert await admin.version() == version
+    await admin.verify_weights(fleet.checksum)
+    results = await probe_fleet(fleet, model_with(base_weights, perturbed(base_weights, seed=version)), probe)
+    assert {r.worker_id for r in results} == known | {joined.id}
+    for r in results:
+        assert r.max_abs_diff < 2e-3, r
+
+
+@only("dynamo")
+async def test_worker_killed_mid_rollout_does_not_fail_the_samples(fleet, tokenizer):
+    """One long request per worker; one worker dies under its request, which is sampled again,
+    whole, on a ready worker: every completion is full length and at the fleet's version."""
+    version = fleet.version
+    workers = fleet.ready_workers()
+    victim = workers[0]
+    prompt = chat_ids(tokenizer, "Write a long story about a lighthouse.")
+    sampling = SamplingParams(max_tokens=160, ignore_eos=True)
+    requests = [asyncio.create_task(fleet.generate(GenerateRequest(prompt, sampling))) for _ in workers]
+    await asyncio.sleep(3.0)
+    launched_dynamo_worker(fleet, victim).stop()
+    outs = [o for (o,) in await asyncio.gather(*requests)]
+    assert all(len(o.token_ids) == 160 and o.spans == [VersionSpan(version, 0)] for o in outs)
+    assert victim.id not in {o.worker_id for o in outs}
+    assert fleet.workers[victim.id].state == WorkerState.DEAD
+
+
+@only("vllm", "dynamo")
+async def test_worker_killed_mid_publish_leaves_the_others_at_one_version(fleet, base_weights, tokenizer,
+                                                                          tmp_path_factory):
+    old = fleet.version
+    victim, *survivors = fleet.ready_workers()
+    stop_victim = stop_now(fleet, victim)
+    weights = perturbed(base_weights, seed=old + 1)
+
+    def killing_weights():  # the coordinator's retry iterates again: stopping twice is a no-op
+        for i, item in enumerate(weights()):
+            if i == 20:  # mid-transfer
+                stop_victim()
+            yield item
+
+    transport = transport_for("broadcast", tmp_path_factory, bucket_bytes=4 << 20)
+    try:
+        report = await fleet.publish(old + 1, transport, killing_weights)
+    finally:
+        await transport.close()
+    assert sorted(report.ready) == sorted(w.id for w in survivors), report
+    assert victim.id in report.failed and report.failed[victim.id], report
+    # A Dynamo worker that stopped leaves discovery; a native server's URL is only found dead
+    # at the next health check.
+    assert fleet.workers[victim.id].state in ((WorkerState.DEAD, WorkerState.STALE) if fleet.provider.name == "vllm"
+                                              else (WorkerState.DEAD,))
+    for worker in survivors:
+        assert fleet.workers[worker.id].state == WorkerState.READY
+        await fleet.provider.admin(worker).verify_weights(report.checksum)
+    outs = await asyncio.gather(*(greedy_response(fleet, chat_ids(tokenizer, "Say hello."), 8) for _ in range(4)))
+    assert all(o.spans == [VersionSpan(old + 1, 0)] and o.worker_id != victim.id for o in outs)
+    await fleet.refresh()
+    assert fleet.workers[victim.id].state == WorkerState.DEAD
