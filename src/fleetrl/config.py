@@ -13,12 +13,13 @@ Every section forbids unknown keys, and every error names the key and where it c
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fleetrl.errors import FleetrlError
 
@@ -28,7 +29,16 @@ class ConfigError(FleetrlError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Numbers must be finite (TOML and the flags accept `nan` and `inf`): a NaN learning rate or
+    # timeout would only show up as a broken run much later. The fields where `inf` means "off"
+    # say so with `Field(allow_inf_nan=True)` and refuse NaN themselves (`_no_nan`).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _no_nan(value: float) -> float:
+    if math.isnan(value):
+        raise ValueError("must be a number, not nan")
+    return value
 
 
 class ModelConfig(Section):
@@ -132,6 +142,12 @@ class DynamoConfig(Section):
         description="Extra environment for every launched Dynamo process (e.g. NATS_SERVER, "
         "POD_NAMESPACE); overrides fleetrl's own settings.",
     )
+    allow_unauthenticated_admin: bool = Field(
+        False,
+        description="Let launched Dynamo workers bind their system port (the RL admin routes, which "
+        "take no token) to inference.host when it is not loopback; protect the port with a network "
+        "policy (docs/dynamo.md).",
+    )
 
     @model_validator(mode="after")
     def _fields_fit(self) -> "DynamoConfig":
@@ -196,7 +212,35 @@ class InferenceConfig(Section):
     )
     admin_token: str | None = Field(
         None,
-        description="Bearer token the admin routes require; unset = a fresh random token per run.",
+        description="Bearer token the admin routes (pause, weights, versions) require; unset = "
+        "$FLEETRL_ADMIN_TOKEN, else a fresh random token per run. Never written to config.toml.",
+        json_schema_extra={"secret": True},
+    )
+    data_token: str | None = Field(
+        None,
+        description="Bearer token the data plane (sampling) requires; unset = $FLEETRL_DATA_TOKEN, "
+        "else a fresh random token per run. Never written to config.toml.",
+        json_schema_extra={"secret": True},
+    )
+    health_timeout_s: float = Field(
+        10.0, gt=0,
+        description="Timeout of one health check: a worker that does not answer in time (hung, "
+        "not dead) is taken out of routing and of the next publish fence.",
+    )
+    max_restarts: int = Field(
+        3, ge=0,
+        description="Restarts of a launched worker that died or hung, over the whole run; each "
+        "restarted worker is refitted and verified before it serves again.",
+    )
+    no_worker_timeout_s: float = Field(
+        600.0, gt=0,
+        description="The run stops, naming each worker and its last error, when no worker has "
+        "been ready for this long.",
+    )
+    probe_tolerance: float = Field(
+        0.1, gt=0,
+        description="Agreement probe after every publish: a worker whose prompt logprobs differ "
+        "from the trainer's by more than this (max |delta|) is marked stale and refitted.",
     )
     pause_mode: PauseMode | None = Field(
         None,
@@ -215,6 +259,9 @@ class InferenceConfig(Section):
     @model_validator(mode="after")
     def _dynamo_fields_need_dynamo(self) -> "InferenceConfig":
         if self.provider == "dynamo":
+            if self.urls:
+                raise ValueError("inference.urls is set but inference.provider is 'dynamo': to attach to a "
+                                 "Dynamo deployment set inference.dynamo.frontend_url and inference.dynamo.rl_url")
             return self
         if self.dynamo.frontend_url:
             raise ValueError("inference.dynamo.frontend_url is set but inference.provider is not 'dynamo'")
@@ -261,13 +308,30 @@ class OrchestratorConfig(Section):
         "{config = {...}} for a verifiers taskset).",
     )
     batch_prompts: int = Field(8, ge=1, description="Prompts per batch (one group of samples each).")
-    group_size: int = Field(4, ge=1, description="Samples per prompt; GRPO normalizes rewards within a group.")
+    group_size: int = Field(
+        4, ge=1,
+        description="Samples per prompt (at least 2); GRPO normalizes rewards within a group.",
+    )
     normalize_advantages_std: bool = Field(
         True, description="Divide group-centered rewards by the group's std (GRPO); false = Dr. GRPO."
     )
     max_tokens: int = Field(32, ge=1, description="Most completion tokens per sample.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    reward_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Longest a reward function may take for one sample; a reward that raises, "
+        "hangs or returns a non-number drops its sample, which is counted (reward_failed).",
+    )
+
+    @field_validator("group_size")
+    @classmethod
+    def _groups_have_a_baseline(cls, value: int) -> int:
+        if value < 2:
+            # The group-relative advantage of a sample alone in its group is always 0.
+            raise ValueError("must be at least 2: GRPO's advantage is relative to the group, so every "
+                             "sample of a 1-sample group has advantage 0 and nothing is learned")
+        return value
 
 
 class TrainerConfig(Section):
@@ -284,12 +348,26 @@ class TrainerConfig(Section):
     clip_low: float = Field(
         0.2, ge=0, le=1, description="PPO clip floor of the trainer/inference ratio, 1 - clip_low; 1 = off."
     )
-    clip_high: float = Field(0.28, ge=0, description="PPO clip ceiling of the ratio, 1 + clip_high; inf = off.")
+    clip_high: float = Field(0.28, ge=0, allow_inf_nan=True,
+                             description="PPO clip ceiling of the ratio, 1 + clip_high; inf = off.")
     tis_cap: float = Field(
-        2.0, gt=0, description="Truncated importance sampling: the most weight a token's ratio may carry; inf = off."
+        2.0, gt=0, allow_inf_nan=True,
+        description="Truncated importance sampling: the most weight a token's ratio may carry; inf = off.",
     )
     checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = never).")
+
+    @field_validator("clip_high", "tis_cap")
+    @classmethod
+    def _inf_is_off_but_nan_is_nothing(cls, value: float) -> float:
+        return _no_nan(value)
+
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A step whose loss or gradient norm is not finite is never applied: stop = the "
+        "run ends with an error naming the step; skip = the step's update is skipped and counted "
+        "(metrics: skipped), the version is still published.",
+    )
 
 
 class RunConfig(Section):
@@ -304,6 +382,15 @@ class Config(Section):
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _completions_fit_the_engine(self) -> "Config":
+        # Here only what needs no tokenizer: with the prompts too, `fleetrl rl` checks
+        # max_tokens + the longest prompt before it starts anything (app.rl.check_prompts_fit).
+        if self.orchestrator.max_tokens >= self.inference.vllm.max_model_len:
+            raise ValueError(f"orchestrator.max_tokens = {self.orchestrator.max_tokens} leaves no room for a "
+                             f"prompt in inference.vllm.max_model_len = {self.inference.vllm.max_model_len}")
+        return self
 
 
 def field_docs() -> list[tuple[str, str, Any]]:
@@ -388,7 +475,22 @@ def load_config(files: list[Path], overrides: list[tuple[str, str]]) -> Config:
         key = ".".join(loc)
         if err["type"] == "extra_forbidden":
             raise ConfigError(f"unknown config key '{key}' (from {origin})") from None
-        raise ConfigError(f"config key '{key}': {err['msg']} (from {origin})") from None
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "value_error" and not _is_leaf(loc):
+            # A rule across fields (a section's or the whole config's): its message names them.
+            raise ConfigError(f"{message} (from {origin})" if loc else message) from None
+        raise ConfigError(f"config key '{key}': {message} (from {origin})") from None
+
+
+def _is_leaf(loc: tuple[str, ...]) -> bool:
+    """Whether `loc` names one field (not a section, nor the whole config)."""
+    model: Any = Config
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return True  # inside a dict or list value: a field's content
+        model = field.annotation
+    return bool(loc) and not _is_section(model)
 
 
 def _merge(into: dict, data: dict, prefix: tuple[str, ...], source: dict, origin: str) -> None:
@@ -410,15 +512,22 @@ def _origin(loc: tuple[str, ...], source: dict) -> str:
 
 
 def to_toml(config: Config) -> str:
-    """The resolved config as TOML, loadable again with `@ file`: one table per section."""
+    """The resolved config as TOML, loadable again with `@ file`: one table per section.
+    Secrets (tokens) are left out: this text goes to config.toml and to --dry-run's output."""
     lines: list[str] = []
     for name in Config.model_fields:
         _append_table(lines, name, getattr(config, name))
     return "\n".join(lines)
 
 
+def secret_fields(section: type[Section]) -> set[str]:
+    """A section's fields that hold secrets (tokens): never written to disk or printed."""
+    return {name for name, field in section.model_fields.items()
+            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("secret")}
+
+
 def _append_table(lines: list[str], name: str, section: Section) -> None:
-    values = section.model_dump(mode="json")
+    values = section.model_dump(mode="json", exclude=secret_fields(type(section)))
     subsections = {key: getattr(section, key) for key, field in type(section).model_fields.items()
                    if _is_section(field.annotation)}
     lines.append(f"[{name}]")

@@ -68,10 +68,15 @@ class ManagedProcess:
             return False
 
 
+# Resolved here, in the parent: between fork and exec the child may only make plain calls, and
+# loading a library there (dlopen takes locks another thread of fleetrl may have held at the
+# fork) could deadlock it.
+_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+
+
 def _die_with_parent() -> None:
-    os.setsid()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    """Runs in the child between fork and exec (the session comes from start_new_session)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port(host: str) -> int:
@@ -86,7 +91,7 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
     """Start `argv` in a new process group. Unless the program `watches_parent` itself (and
     then takes its own group down when fleetrl dies, children included), the kernel kills it
     when fleetrl dies."""
-    _install_handlers()
+    install_signal_handlers()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     try:
@@ -97,7 +102,8 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             cwd=cwd,
-            preexec_fn=os.setsid if watches_parent else _die_with_parent,
+            start_new_session=True,
+            preexec_fn=None if watches_parent else _die_with_parent,
         )
     finally:
         log.close()
@@ -123,7 +129,9 @@ def stop_all() -> None:
 _handlers_installed = False
 
 
-def _install_handlers() -> None:
+def install_signal_handlers() -> None:
+    """At exit and on SIGTERM, stop every child. Signal handlers can only be set from the main
+    thread: a caller that starts processes from another thread calls this first, from main."""
     global _handlers_installed
     if _handlers_installed or threading.current_thread() is not threading.main_thread():
         return

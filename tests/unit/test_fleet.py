@@ -225,3 +225,107 @@ async def test_a_prefill_worker_that_dies_under_a_request_is_dropped_and_the_req
     provider.engines["p"].alive = False
     (out,) = await fleet.generate(request(max_tokens=3))
     assert out.worker_id == "d" and fleet.workers["p"].state == WorkerState.DEAD
+
+
+# -- faults: hung, restarted and flaky workers (issue 10) ----------------------------------
+
+
+def test_a_hung_worker_leaves_the_fence_after_one_health_timeout():
+    async def scenario():
+        fleet, provider, transport = await started("a", "b")
+        fleet.health_timeout_s = 0.2
+
+        async def never_answers():
+            await asyncio.Event().wait()  # SIGSTOPped: the socket is open, nothing answers
+
+        provider.admin(fleet.workers["b"]).health = never_answers
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        report = await fleet.publish(1, transport, weights)
+        took = loop.time() - t0
+        assert report.ready == ["a"] and "health check" in report.failed["b"]
+        assert fleet.workers["b"].state == WorkerState.DEAD
+        assert transport.transfers == [(["a"], 1)]  # the hung worker was never part of the transfer
+        assert took < 5  # one timeout, not the admin calls' timeouts and retries
+        # The next discovery round does not try to refit it while it stays hung.
+        await fleet.refresh()
+        assert fleet.workers["b"].state == WorkerState.DEAD and transport.transfers == [(["a"], 1)]
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_restarted_with_base_weights_is_found_stale_and_refitted():
+    async def scenario():
+        fleet, provider, transport = await started("a", "b")
+        await fleet.publish(1, transport, weights)
+        provider.engines["b"].version, provider.engines["b"].checksum = 0, ""  # restarted at the same URL
+        await fleet.refresh()
+        assert fleet.workers["b"].state == WorkerState.STALE
+        assert "reports version 0 but was verified at v1" in fleet.workers["b"].error
+        (out,) = await fleet.generate(request(max_tokens=3, n=1))
+        assert out.worker_id == "a"  # the stale worker serves nothing
+        await fleet.refresh()
+        assert fleet.workers["b"].state == WorkerState.READY and provider.engines["b"].version == 1
+        assert transport.transfers[-1] == (["b"], 1)
+
+    asyncio.run(scenario())
+
+
+def test_a_transient_error_of_a_healthy_worker_is_retried_on_another():
+    async def scenario():
+        fleet, provider, transport = await started("a", "b")
+        real = provider.generate
+        calls = []
+
+        async def flaky(worker, request, suffix=(), prefill=None):
+            calls.append(worker.id)
+            if len(calls) == 1:
+                raise KeyError("choices")  # a malformed 200
+            return await real(worker, request, suffix, prefill)
+
+        provider.generate = flaky
+        (out,) = await fleet.generate(request(max_tokens=3, n=1))
+        assert len(calls) == 2 and calls[0] != calls[1] and out.worker_id == calls[1]
+        assert fleet.transient_errors == 1
+        assert all(w.state == WorkerState.READY for w in fleet.workers.values())
+
+        async def always_fails(worker, request, suffix=(), prefill=None):
+            raise FleetrlError(f"worker {worker.id}: HTTP 500")
+
+        provider.generate = always_fails
+        with pytest.raises(FleetrlError, match="HTTP 500"):
+            await fleet.generate(request(max_tokens=3, n=1))
+        assert fleet.transient_errors == 1 + fleet_module.TRANSIENT_RETRIES
+
+    asyncio.run(scenario())
+
+
+def test_continuing_an_aborted_completion_has_a_cap():
+    async def scenario():
+        fleet, provider, transport = await started("a")
+
+        async def always_cut(worker, request, suffix=(), prefill=None):
+            return [GenerateResponse(request.request_id, [7], [-0.1], "abort", worker.id, [VersionSpan(0, 0)])]
+
+        provider.generate = always_cut
+        with pytest.raises(FleetrlError, match=f"cut by {fleet_module.MAX_CONTINUATIONS} publishes"):
+            await fleet.generate(request(max_tokens=100, n=1))
+
+    asyncio.run(scenario())
+
+
+def test_no_ready_worker_for_too_long_ends_the_wait_naming_each_worker():
+    async def scenario():
+        provider = FakeProvider("a", "b")
+        fleet = Fleet(provider, discovery_interval_s=0.05, no_worker_timeout_s=0.5, log=lambda *_: None)
+        await fleet.start()
+        for engine in provider.engines.values():
+            engine.fail.add("pause")  # every refit fails: the workers stay stale
+            engine.version = 7
+        await fleet.refresh()
+        assert all(w.state == WorkerState.STALE for w in fleet.workers.values())
+        with pytest.raises(FleetrlError, match=r"no inference worker has been ready for 0.5 s.*a \(stale.*b \(stale"):
+            await asyncio.wait_for(fleet.generate(request(max_tokens=3, n=1)), timeout=10)
+        await fleet.close()
+
+    asyncio.run(scenario())

@@ -27,12 +27,12 @@ import torch
 from fleetrl.app.providers import build_fleet
 from fleetrl.batch import Batch
 from fleetrl.config import Config, ConfigError
-from fleetrl.envs import Environment, get_environment
+from fleetrl.envs import Environment, EnvError, get_environment, task_stream
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet, PublishReport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.orchestrator.rollouts import Orchestrator
-from fleetrl.processes import ManagedProcess, free_port, start_process
+from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.loop import Hooks, Snapshot, train
@@ -40,13 +40,45 @@ from fleetrl.trainer.step import StepMetrics
 from fleetrl.weights.factory import make_transport
 
 
-def check_config(config: Config) -> None:
+def check_config(config: Config) -> Environment:
+    """What `fleetrl rl` (and its --dry-run) refuses in a config before anything starts; the
+    environment, built to check it."""
     o = config.orchestrator
     # vLLM reports logprobs of the untempered distribution; the importance ratio is only
     # right if the samples came from that same distribution.
     if o.temperature != 1.0 or o.top_p != 1.0:
         raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
                           "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
+    return make_environment(config, RunDir(config.run.dir))
+
+
+def make_environment(config: Config, run_dir: RunDir) -> Environment:
+    """The configured environment; a name or an option it does not know is a ConfigError."""
+    options = dict(config.orchestrator.env_options)
+    if config.orchestrator.env.startswith("verifiers:"):
+        # verifiers users see each rollout's policy provenance in the episodes file.
+        options.setdefault("episodes_path", run_dir.verifiers_episodes_path)
+        options.setdefault("run_id", run_dir.root.name)
+    try:
+        return get_environment(config.orchestrator.env, **options)
+    except EnvError as e:
+        raise ConfigError(f"orchestrator.env: {e}") from None
+
+
+def render_prompt(tokenizer, task) -> list[int]:
+    return tokenizer.apply_chat_template(task.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def check_prompts_fit(config: Config, env: Environment, tokenizer) -> None:
+    """Every prompt the run will draw, plus orchestrator.max_tokens, fits the engine's
+    max_model_len; otherwise vLLM would refuse the request in the middle of the run."""
+    o, limit = config.orchestrator, config.inference.vllm.max_model_len
+    tasks = task_stream(env, config.run.seed)
+    longest = max((len(render_prompt(tokenizer, next(tasks))), i)
+                  for i in range(config.run.max_steps * o.batch_prompts))
+    if longest[0] + o.max_tokens > limit:
+        raise ConfigError(f"orchestrator.max_tokens = {o.max_tokens} + the longest prompt of the run "
+                          f"({longest[0]} tokens, task {longest[1]}) > inference.vllm.max_model_len = {limit}")
 
 
 class ControlLoop:
@@ -73,7 +105,6 @@ class RLRun:
     loop calls back."""
 
     def __init__(self, config: Config, log=print) -> None:
-        check_config(config)
         self.config = config
         self.log = log
         self.run_dir = RunDir(config.run.dir)
@@ -85,10 +116,20 @@ class RLRun:
         self.fleet: Fleet | None = None
 
     def run(self) -> int:
+        # Also with one rank, where every process starts on the control loop's thread: a SIGTERM
+        # of fleetrl must stop the workers (Ctrl-C and exit are handled either way).
+        install_signal_handlers()
         try:
+            # Everything is checked before the run directory is touched: a refused command
+            # leaves a finished run as it was (`fleetrl verify` still passes on it).
+            env = check_config(self.config)
+            fleet, self.model_dir = build_fleet(self.config)
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            check_prompts_fit(self.config, env, self.tokenizer)
             self.run_dir.start(self.config, self.resume)
-            env = self.make_environment()
-            self.start_fleet(env)
+            self.start_fleet(fleet, env)
             self.start_ranks()
             self.log(f"fleetrl: run {self.run_dir.root}: {self.config.run.max_steps} steps, "
                      f"k = {self.config.orchestrator.max_off_policy_steps}, {self.config.trainer.world_size} "
@@ -99,22 +140,10 @@ class RLRun:
         finally:
             self.stop()
 
-    def make_environment(self) -> Environment:
-        options = dict(self.config.orchestrator.env_options)
-        if self.config.orchestrator.env.startswith("verifiers:"):
-            # verifiers users see each rollout's policy provenance in the episodes file.
-            options.setdefault("episodes_path", self.run_dir.verifiers_episodes_path)
-            options.setdefault("run_id", self.run_dir.root.name)
-        return get_environment(self.config.orchestrator.env, **options)
-
-    def start_fleet(self, env: Environment) -> None:
-        """Builds the fleet, the weight transport and the orchestrator; the fleet starts on the
-        control loop while the trainer ranks start here."""
-        from transformers import AutoTokenizer
-
+    def start_fleet(self, fleet: Fleet, env: Environment) -> None:
+        """Builds the weight transport and the orchestrator; the fleet starts on the control
+        loop while the trainer ranks start here."""
         config = self.config
-        fleet, self.model_dir = build_fleet(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         weights = config.inference.weights
         self.transport = make_transport(
             weights.transport, host=weights.sender_host, bucket_bytes=weights.bucket_mb << 20,
@@ -138,7 +167,7 @@ class RLRun:
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
                 for rank in range(1, world_size)
             ]
-        self.world = distributed.init()
+        self.world = distributed.init(timeout_s=distributed.collective_timeout_s(self.config))
         torch.set_num_threads(max(1, torch.get_num_threads() // self.world.world_size))
 
     def train(self) -> None:

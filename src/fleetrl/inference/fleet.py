@@ -28,6 +28,12 @@ from fleetrl.versions import VersionSpan
 # share a prompt prefix, so one worker's prefix cache serves them all) and lives for one step:
 # the map forgets the least recently used session rather than grow for the whole run.
 STICKY_SESSIONS = 4096
+# A request that failed on a worker that is still healthy (a 5xx, a malformed answer) is sent
+# again, to another worker where there is one, this many times before the error ends it.
+TRANSIENT_RETRIES = 2
+# A completion cut by abort-mode publishes is continued at most this many times: each
+# continuation needs a publish to land inside it, so more means publishes are starving it.
+MAX_CONTINUATIONS = 8
 
 
 class PublishError(FleetrlError):
@@ -54,11 +60,15 @@ class _WeightSource:
 
 class Fleet:
     def __init__(self, provider: InferenceProvider, pause_mode: PauseMode = "keep",
-                 discovery_interval_s: float = 5.0, log=print) -> None:
+                 discovery_interval_s: float = 5.0, health_timeout_s: float = 10.0,
+                 no_worker_timeout_s: float = 600.0, log=print) -> None:
         self.provider = provider
         self.pause_mode = pause_mode
         self.discovery_interval_s = discovery_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.no_worker_timeout_s = no_worker_timeout_s
         self.log = log
+        self.transient_errors = 0  # requests sent again after a healthy worker failed them
         self.version = 0
         self.workers: dict[str, WorkerInfo] = {}
         self._source: _WeightSource | None = None
@@ -67,6 +77,7 @@ class Fleet:
         self._changed = asyncio.Condition()  # notified whenever routability may have changed
         self._fence = asyncio.Lock()  # held by publish and by refits
         self._discovery: asyncio.Task | None = None
+        self._unready_since: float | None = None  # since when requests wait with no worker ready
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -121,14 +132,37 @@ class Fleet:
                 known = self.workers.get(worker_id)
                 if known is None or (known.state == WorkerState.DEAD and known.admin_url != found.admin_url):
                     self.workers[worker_id] = known = found  # new, or restarted elsewhere
-                if known.state in (WorkerState.JOINING, WorkerState.STALE, WorkerState.DEAD):
+                # A worker that does not answer (hung, or still starting) is not refitted now:
+                # its admin calls would hold the fence for their whole timeouts.
+                if known.state in (WorkerState.JOINING, WorkerState.STALE, WorkerState.DEAD) \
+                        and await self._healthy(known):
                     await self._refit(known)
             await self._each(self.ready_workers(), self._check_health, {}, WorkerState.DEAD)
+            await self._each(self.ready_workers(), self._check_version, {}, WorkerState.STALE)
         await self._notify()
 
+    async def _healthy(self, worker: WorkerInfo) -> bool:
+        """Whether the worker answers its health check within `health_timeout_s`: a hung
+        process (SIGSTOP, a wedged engine) keeps its socket open and never answers."""
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+        # arrives as the call completes, and the discovery loop would then never stop.
+        try:
+            async with asyncio.timeout(self.health_timeout_s):
+                return await self.provider.admin(worker).health()
+        except Exception:  # TimeoutError included
+            return False
+
     async def _check_health(self, worker: WorkerInfo) -> None:
-        if not await self.provider.admin(worker).health():
-            raise FleetrlError("failed its health check")
+        if not await self._healthy(worker):
+            raise FleetrlError(f"failed its health check (no healthy answer within {self.health_timeout_s:g} s)")
+
+    async def _check_version(self, worker: WorkerInfo) -> None:
+        """A worker restarted at the same address comes back with the base weights: it no
+        longer reports the version it was verified at, so it is stale until refitted."""
+        reported = await self.provider.admin(worker).version()
+        if reported != worker.version:
+            raise FleetrlError(f"reports version {reported} but was verified at v{worker.version} "
+                               f"(restarted?); refitting it")
 
     async def _refit(self, worker: WorkerInfo) -> None:
         """Give one worker the fleet's current version before it takes any request."""
@@ -175,6 +209,9 @@ class Fleet:
         failed: dict[str, str] = {}
         async with self._fence:
             targets = [w for w in self.workers.values() if w.state != WorkerState.DEAD]
+            # One bounded health check first: a hung worker leaves the fence now, after one
+            # timeout, instead of holding every step of the publish for its admin timeouts.
+            targets = await self._each(targets, self._check_health, failed, WorkerState.DEAD)
             for worker in targets:
                 self._mark(worker, WorkerState.PAUSED)
             await self._notify()
@@ -230,12 +267,7 @@ class Fleet:
                 raise PublishError(f"publish v{version} failed: {self._format(failed)}") from e
 
     async def _transfer_culprits(self, workers: list[WorkerInfo], error: Exception) -> list[WorkerInfo]:
-        async def healthy(worker: WorkerInfo) -> bool:
-            try:
-                return await self.provider.admin(worker).health()
-            except Exception:
-                return False
-        health = await asyncio.gather(*(healthy(w) for w in workers))
+        health = await asyncio.gather(*(self._healthy(w) for w in workers))
         dead = [w for w, ok in zip(workers, health) if not ok]
         named = [w for w in workers if w.id == getattr(error, "worker_id", None)]
         return dead or named
@@ -257,24 +289,33 @@ class Fleet:
         return [await self._continue_aborted(request, r) for r in responses]
 
     async def _generate_once(self, request: GenerateRequest, suffix: list[int]) -> list[GenerateResponse]:
-        """One request on one ready worker; if that worker died under it, once more elsewhere
-        (twice at most), so a single lost worker does not fail a rollout."""
-        retries_left = 2
+        """One request on one ready worker. If that worker died under it, once more elsewhere
+        (twice at most), so a single lost worker does not fail a rollout; if a healthy worker
+        failed it (a 5xx, a malformed answer), again on another worker, TRANSIENT_RETRIES times."""
+        deaths_left, transient_left = 2, TRANSIENT_RETRIES
+        failed_on: set[str] = set()
         while True:
-            worker, prefill = await self._acquire(request.session_id)
+            worker, prefill = await self._acquire(request.session_id, avoid=failed_on)
             serving = [w for w in (worker, prefill) if w is not None]
             fleet_version = self.version
             try:
                 responses = await self.provider.generate(worker, request, suffix, prefill)
                 break
-            except FleetrlError as e:
-                dead = [w for w in serving if not await self.provider.admin(w).health()]
-                if retries_left == 0 or not dead:
+            except Exception as e:  # a malformed answer surfaces as KeyError, ValueError, ...
+                dead = [w for w in serving if not await self._healthy(w)]
+                if dead and deaths_left:
+                    deaths_left -= 1
+                    for w in dead:
+                        self._mark(w, WorkerState.DEAD, f"died serving {request.request_id}: {e}")
+                    await self._notify()
+                elif not dead and transient_left:
+                    transient_left -= 1
+                    self.transient_errors += 1
+                    failed_on.add(worker.id)
+                    self.log(f"fleetrl: request {request.request_id} failed on healthy worker {worker.id} "
+                             f"({type(e).__name__}: {str(e)[:200]}); sending it again")
+                else:
                     raise
-                retries_left -= 1
-                for w in dead:
-                    self._mark(w, WorkerState.DEAD, f"died serving {request.request_id}: {e}")
-                await self._notify()
             finally:
                 for w in serving:
                     self._inflight[w.id] -= 1
@@ -295,7 +336,12 @@ class Fleet:
                 self.log(f"fleetrl: request {response.request_id}: {response.version_error}; worker stale")
 
     async def _continue_aborted(self, request: GenerateRequest, response: GenerateResponse) -> GenerateResponse:
+        continuations = 0
         while response.finish_reason == "abort" and len(response.token_ids) < request.sampling.max_tokens:
+            if continuations == MAX_CONTINUATIONS:
+                raise FleetrlError(f"request {request.request_id} was cut by {continuations} publishes in a row "
+                                   f"(at {len(response.token_ids)} tokens); publishes are starving it")
+            continuations += 1
             continuation = GenerateRequest(
                 prompt_token_ids=request.prompt_token_ids, sampling=request.sampling, n=1,
                 session_id=request.session_id, request_id=f"{request.request_id}-{len(response.token_ids)}",
@@ -304,17 +350,23 @@ class Fleet:
             response = join_completions(response, rest)
         return response
 
-    async def _acquire(self, session_id: str | None) -> tuple[WorkerInfo, WorkerInfo | None]:
-        """A ready worker to pin the request to, and, when the fleet has prefill workers, a
-        ready prefill worker for its prompt: both chosen here, so that neither can be a
-        worker that has not been brought to the fleet's version."""
+    async def _acquire(self, session_id: str | None,
+                       avoid: set[str] = frozenset()) -> tuple[WorkerInfo, WorkerInfo | None]:
+        """A ready worker to pin the request to (not one in `avoid` if another is ready), and,
+        when the fleet has prefill workers, a ready prefill worker for its prompt: both chosen
+        here, so that neither can be a worker that has not been brought to the fleet's version."""
         async with self._changed:
             while not (ready := self.routable_workers()) or not self._prefill_ready():
-                if all(w.state == WorkerState.DEAD for w in self.workers.values() if w.role != WorkerRole.PREFILL):
-                    raise FleetrlError("no live inference worker: " + self._describe_failures())
-                await self._changed.wait()
+                self._check_some_worker_may_serve()
+                try:
+                    async with asyncio.timeout(self.discovery_interval_s):
+                        await self._changed.wait()
+                except TimeoutError:
+                    pass  # look again: the run must not wait forever for workers that never return
+            self._unready_since = None
+            ready = [w for w in ready if w.id not in avoid] or ready
             worker = self.workers.get(self._sticky.get(session_id, ""))
-            if worker is None or worker.state != WorkerState.READY:
+            if worker is None or worker.state != WorkerState.READY or worker.id in avoid:
                 worker = self._least_busy(ready)
             if session_id is not None:
                 self._sticky[session_id] = worker.id
@@ -327,6 +379,22 @@ class Fleet:
                 if w is not None:
                     self._inflight[w.id] = self._inflight.get(w.id, 0) + 1
             return worker, prefill
+
+    def _check_some_worker_may_serve(self) -> None:
+        """Raise when no worker can serve and none will soon: all are dead, or none has been
+        ready, paused for a publish, or being refitted for `no_worker_timeout_s`."""
+        decode = [w for w in self.workers.values() if w.role != WorkerRole.PREFILL]
+        if all(w.state == WorkerState.DEAD for w in decode):
+            raise FleetrlError("no live inference worker: " + self._describe_failures())
+        in_transition = (WorkerState.PAUSED, WorkerState.UPDATING, WorkerState.SYNCING)
+        if any(w.state in in_transition for w in self.workers.values()):
+            self._unready_since = None  # a publish or a refit is under way
+            return
+        now = time.monotonic()
+        self._unready_since = self._unready_since or now
+        if now - self._unready_since > self.no_worker_timeout_s:
+            raise FleetrlError(f"no inference worker has been ready for {self.no_worker_timeout_s:g} s "
+                               f"(inference.no_worker_timeout_s): {self._describe_failures()}")
 
     def _prefill_ready(self) -> bool:
         """No prefill workers, or at least one ready (if all are dead, decode workers serve alone)."""

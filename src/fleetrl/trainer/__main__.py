@@ -15,7 +15,7 @@ from fleetrl.trainer.loop import Hooks, train
 def main() -> None:
     run_dir, model_dir = RunDir(Path(sys.argv[1])), Path(sys.argv[2])
     config = load_config([run_dir.config_path], [])
-    world = distributed.init()
+    world = distributed.init(timeout_s=distributed.collective_timeout_s(config))
     torch.set_num_threads(max(1, torch.get_num_threads() // world.world_size))
 
     try:

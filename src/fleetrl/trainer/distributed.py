@@ -17,6 +17,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fleetrl.config import Config
+
+# The longest a train step may take on one rank beyond its peers (their collectives wait for it).
+TRAIN_STEP_BOUND_S = 600.0
+
 
 @dataclass(frozen=True)
 class World:
@@ -25,7 +30,22 @@ class World:
     device: torch.device
 
 
-def init(timeout_s: float = 600.0) -> World:
+def collective_timeout_s(config: Config) -> float:
+    """How long a rank waits in a collective for its peers before it gives up.
+
+    The longest legal wait is rank 0's work between two collectives: the fleet's start (on a
+    resumed run, before the first publish), one publish (pause, verify and resume are admin
+    calls with retries; join, start, update and finish are transfer steps), and a train step.
+    A shorter timeout would kill a healthy run that publishes slowly; a longer one only delays
+    the error when a rank dies, which rank 0 reports by name anyway.
+    """
+    i = config.inference
+    admin_call_s = i.admin_timeout_s * (i.admin_retries + 1)
+    publish_s = 3 * admin_call_s + 4 * i.weights.transfer_timeout_s
+    return i.startup_timeout_s + publish_s + TRAIN_STEP_BOUND_S
+
+
+def init(timeout_s: float) -> World:
     """Joins the default group (gloo on CPU, NCCL on CUDA) when WORLD_SIZE > 1."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
