@@ -150,3 +150,51 @@ def test_subsections_load_from_tables_and_dotted_flags(tmp_path):
         load_config([], [("inference.weights.bucket_mb", "0")])
     with pytest.raises(ConfigError, match="prefill_workers is set but inference.provider is not 'dynamo'"):
         load_config([], [("inference.dynamo.prefill_workers", "1")])
+
+
+# -- bad input refused before anything starts (issue 10) -----------------------------------
+
+
+@pytest.mark.parametrize("key", ["trainer.lr", "inference.admin_timeout_s", "orchestrator.temperature",
+                                 "trainer.max_grad_norm", "inference.weights.transfer_timeout_s"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_numbers_must_be_finite(key, value):
+    with pytest.raises(ConfigError, match=rf"config key '{key}': Input should be a finite number \(from --{key}\)"):
+        load_config([], [(key, value)])
+
+
+def test_inf_switches_a_bound_off_but_nan_is_refused():
+    config = load_config([], [("trainer.tis_cap", "inf"), ("trainer.clip_high", "inf")])
+    assert config.trainer.tis_cap == float("inf") and config.trainer.clip_high == float("inf")
+    assert 'tis_cap = inf' in to_toml(config) and load_config([], [("trainer.tis_cap", "inf")]) == config.model_copy(
+        update={"trainer": config.trainer.model_copy(update={"clip_high": 0.28})})
+    for key in ("trainer.tis_cap", "trainer.clip_high"):
+        with pytest.raises(ConfigError, match=rf"config key '{key}'"):
+            load_config([], [(key, "nan")])
+
+
+def test_a_group_of_one_is_refused():
+    with pytest.raises(ConfigError, match=r"config key 'orchestrator.group_size': must be at least 2: GRPO's "
+                                          r"advantage is relative to the group"):
+        load_config([], [("orchestrator.group_size", "1")])
+
+
+def test_urls_with_dynamo_are_refused():
+    with pytest.raises(ConfigError, match=r"^inference.urls is set but inference.provider is 'dynamo'.*frontend_url"):
+        load_config([], [("inference.provider", "dynamo"), ("inference.urls", '["http://h:1"]')])
+
+
+def test_max_tokens_must_leave_room_for_a_prompt(tmp_path):
+    f = tmp_path / "long.toml"
+    f.write_text("[orchestrator]\nmax_tokens = 512\n[inference.vllm]\nmax_model_len = 512\n")
+    with pytest.raises(ConfigError, match=r"^orchestrator.max_tokens = 512 leaves no room for a prompt in "
+                                          r"inference.vllm.max_model_len = 512$"):
+        load_config([f], [])
+
+
+def test_secrets_are_never_in_the_resolved_config():
+    config = load_config([], [("inference.admin_token", "0123"), ("inference.data_token", "s3cr3t")])
+    assert config.inference.admin_token == "0123"  # digits stay a token
+    text = to_toml(config)
+    assert "0123" not in text and "s3cr3t" not in text
+    assert "admin_token" not in text and "data_token" not in text
