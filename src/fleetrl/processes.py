@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+# How long a child may take to exit after SIGTERM before it is killed: every process fleetrl
+# started must be gone within 10 s of a signal to fleetrl, and a vLLM server exits in 1-3 s.
+STOP_GRACE_S = 5.0
 _live: list["ManagedProcess"] = []
 _lock = threading.Lock()
 
@@ -43,7 +46,7 @@ class ManagedProcess:
         except OSError:
             return ""
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the whole process group, then SIGKILL whatever is left after `grace_s`."""
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             try:

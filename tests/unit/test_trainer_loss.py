@@ -129,3 +129,21 @@ def test_invalid_bounds_are_refused():
         LossConfig(clip_high=-0.1)
     with pytest.raises(ValueError):
         LossConfig(tis_cap=0.0)
+
+
+@pytest.mark.parametrize("cfg", [NO_CLIP, LossConfig()], ids=["no-clip", "default"])
+def test_a_huge_logprob_gap_gives_a_finite_loss_and_gradient(cfg):
+    # fp32, as the step computes it: exp(100) overflows. Token by token: a gap of 100 with a
+    # zero advantage (0 x inf), with a negative one (TIS: cap / inf x -inf), an inference
+    # logprob of -inf on a real token, and a gap of 100 on a masked token.
+    lp = torch.tensor([[0.0, -1.0], [0.0, -1.0], [0.0, -1.0], [0.0, -100.0]], requires_grad=True)
+    inference = torch.tensor([[-100.0, -1.0], [-100.0, -1.0], [-math.inf, -1.0], [-1.0, 0.0]])
+    adv = torch.tensor([0.0, -1.0, 1.0, 1.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    loss, stats = policy_loss(lp, inference, adv, mask, 7, cfg)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(lp.grad).all(), lp.grad
+    assert all(torch.isfinite(value) for value in vars(stats).values()), stats
+    # The ordinary tokens (equal logprobs) keep their plain gradient -A / N.
+    assert lp.grad[:3, 1].tolist() == pytest.approx([0.0, 1 / 7, -1 / 7])

@@ -1,7 +1,8 @@
-"""The trainer step and checkpoints on a tiny random Llama (fp32, CPU, one rank)."""
+"""The trainer step and the training loop on a tiny random Llama (fp32, CPU, one rank)."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -9,10 +10,16 @@ import pytest
 import torch
 
 from fleetrl.batch import Batch, Sample
-from fleetrl.versions import VersionSpan
-from fleetrl.trainer import checkpoint
+from fleetrl.config import load_config
+from fleetrl.errors import FleetrlError
+from fleetrl.rundir import RunDir
+from fleetrl.trainer import checkpoint, loop, step
+from fleetrl.trainer.distributed import World
+from fleetrl.trainer.loop import Hooks
 from fleetrl.trainer.model import load_policy, named_tensors
-from fleetrl.trainer.step import StepConfig, build_optimizer, micro_batches, rank_samples, train_step
+from fleetrl.trainer.step import (StepConfig, build_optimizer, finite_or_none, micro_batches, rank_samples,
+                                  train_step)
+from fleetrl.versions import VersionSpan
 
 VOCAB = 128
 CPU = torch.device("cpu")
@@ -145,77 +152,141 @@ def test_the_split_over_ranks_is_deterministic_complete_and_balanced():
         assert len(mb) == 1 or len(mb) * longest <= 50
 
 
-# -- checkpoints -------------------------------------------------------------------------------
+# -- numbers that are not finite ---------------------------------------------------------------
 
 
-def optimizer_state(optimizer) -> list[torch.Tensor]:
-    return [t for state in optimizer.state.values() for t in state.values()]
+def poisoned(batch: Batch) -> Batch:
+    """`batch` with one nan inference logprob: what a worker with broken numerics returns."""
+    samples = list(batch.samples)
+    first = samples[0]
+    samples[0] = replace(first, inference_logprobs=[math.nan, *first.inference_logprobs[1:]])
+    return replace(batch, samples=samples)
 
 
-def test_checkpoint_round_trip_restores_model_optimizer_and_step(model_dir, tmp_path):
+def test_a_step_with_a_nan_loss_is_not_applied_and_the_next_one_is(model_dir):
     model = load_policy(model_dir, CPU)
     optimizer = build_optimizer(model, FAST)
-    batch = make_batch(model, noise=0.2)
-    for _ in range(2):
-        train_step(model, optimizer, batch, FAST)
-    checkpoint.save(tmp_path, 2, model, optimizer, keep=2)
-
-    restored = load_policy(model_dir, CPU)
-    restored_optimizer = build_optimizer(restored, FAST)
-    assert checkpoint.load(tmp_path, restored, restored_optimizer) == 2
+    batch = make_batch(model)
+    before = weights(model)
+    metrics = train_step(model, optimizer, poisoned(batch), FAST)
+    # The loss is nan; the gradient is not (the loss's clamp passes no gradient to a nan), and
+    # the step is skipped all the same.
+    assert metrics.skipped and math.isnan(metrics.loss) and math.isfinite(metrics.grad_norm)
+    assert finite_or_none(metrics.loss) is None and finite_or_none(1.5) == 1.5
+    assert metrics.samples == 6 and metrics.completion_tokens > 0  # the rest is still reported
     for name, tensor in weights(model).items():
-        assert torch.equal(weights(restored)[name], tensor), name
-    assert len(optimizer_state(restored_optimizer)) == len(optimizer_state(optimizer)) > 0
-    for a, b in zip(optimizer_state(restored_optimizer), optimizer_state(optimizer), strict=True):
-        assert torch.equal(a, b)
-    # Training on from either is the same training.
-    train_step(model, optimizer, batch, FAST)
-    train_step(restored, restored_optimizer, batch, FAST)
+        assert torch.equal(tensor, before[name]), name
+    assert all(p.grad is None for p in model.parameters())  # nothing left for the next step
+    assert not optimizer.state  # AdamW never saw the nan
+
+    following = train_step(model, optimizer, batch, FAST)
+    assert not following.skipped and math.isfinite(following.loss)
+    assert all(not torch.equal(tensor, before[name]) for name, tensor in weights(model).items())
+
+
+def test_a_gradient_norm_that_is_not_finite_skips_the_step(model_dir, monkeypatch):
+    model = load_policy(model_dir, CPU)
+    optimizer = build_optimizer(model, FAST)
+    monkeypatch.setattr(step, "clip_grad_norm", lambda model, max_norm: math.inf)
+    before = weights(model)
+    metrics = train_step(model, optimizer, make_batch(model), FAST)
+    assert metrics.skipped and math.isfinite(metrics.loss)
     for name, tensor in weights(model).items():
-        assert torch.equal(weights(restored)[name], tensor), name
+        assert torch.equal(tensor, before[name]), name
 
 
-def test_latest_ignores_half_written_checkpoints_and_old_ones_are_pruned(model_dir, tmp_path):
+def test_another_ranks_nan_loss_stops_this_ranks_update(model_dir, monkeypatch):
+    """Rank 0 of 2, its own share finite: the loss sums reduced over the ranks carry rank 1's
+    nan, so rank 0 skips as rank 1 does."""
     model = load_policy(model_dir, CPU)
     optimizer = build_optimizer(model, FAST)
-    assert checkpoint.latest(tmp_path) is None
-    assert checkpoint.load(tmp_path, model, optimizer) is None
-    for step in (1, 2, 3):
-        checkpoint.save(tmp_path, step, model, optimizer, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
-
-    # A crash inside the save (DCP wrote part of its files) leaves only the temp folder.
-    (tmp_path / ".tmp-step_000004").mkdir()
-    (tmp_path / ".tmp-step_000004" / "__0_0.distcp").write_bytes(b"half")
-    # A folder with the final name but no completion record (copied by hand, torn by a
-    # filesystem), and one whose record names another step.
-    (tmp_path / "step_000005").mkdir()
-    (tmp_path / "step_000005" / ".metadata").write_bytes(b"")
-    (tmp_path / "step_000006").mkdir()
-    (tmp_path / "step_000006" / "complete.json").write_text('{"step": 2}')
-    (tmp_path / "step_000007").mkdir()
-    (tmp_path / "step_000007" / "complete.json").write_text('{"st')
-    assert checkpoint.latest(tmp_path) == (3, tmp_path / "step_000003")
-    assert checkpoint.load(tmp_path, model, optimizer) == 3
-
-    checkpoint.save(tmp_path, 4, model, optimizer, keep=2)  # also clears the crashed temp folder
-    assert not (tmp_path / ".tmp-step_000004").exists()
-    assert checkpoint.latest(tmp_path) == (4, tmp_path / "step_000004")
-    checkpoint.save(tmp_path, 4, model, optimizer, keep=2)  # saved again: replaced in place
-    assert checkpoint.latest(tmp_path) == (4, tmp_path / "step_000004")
-    assert not list(tmp_path.glob(".*"))
+    batch = make_batch(model)
+    monkeypatch.setattr(step.distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(step.dist, "all_reduce", lambda sums: sums.add_(math.nan))
+    before = weights(model)
+    metrics = train_step(model, optimizer, batch, FAST)
+    assert metrics.skipped and math.isfinite(metrics.grad_norm)
+    for name, tensor in weights(model).items():
+        assert torch.equal(tensor, before[name]), name
 
 
-def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(model_dir, tmp_path, monkeypatch):
-    model = load_policy(model_dir, CPU)
-    optimizer = build_optimizer(model, FAST)
-    checkpoint.save(tmp_path, 1, model, optimizer, keep=3)
+# -- the loop ----------------------------------------------------------------------------------
 
-    def crash(state, checkpoint_id):
-        (checkpoint_id / "__0_0.distcp").write_bytes(b"partial")
-        raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint.dcp, "save", crash)
-    with pytest.raises(OSError):
-        checkpoint.save(tmp_path, 2, model, optimizer, keep=3)
-    assert checkpoint.latest(tmp_path) == (1, tmp_path / "step_000001")
+class Run:
+    """`loop.train` on one rank with hooks that record what it publishes and reports."""
+
+    def __init__(self, model_dir, tmp_path, poisoned_steps=(), **trainer):
+        overrides = [("run.max_steps", "3"), ("trainer.lr", "1e-3"), ("trainer.checkpoint_interval", "1"),
+                     *((f"trainer.{k}", str(v)) for k, v in trainer.items())]
+        self.config = load_config([], overrides)
+        self.run_dir = RunDir(tmp_path)
+        self.model_dir = model_dir
+        reference = load_policy(model_dir, CPU)
+        self.batches = {s: make_batch(reference, seed=s, step=s) for s in (1, 2, 3)}
+        for s in poisoned_steps:
+            self.batches[s] = poisoned(self.batches[s])
+        self.published: dict[int, dict[str, torch.Tensor]] = {}
+        self.metrics = []
+        self.lines = []
+        self.checkpointed_at_on_step = []
+
+    def publish(self, version, weights):
+        self.published[version] = weights
+        return f"report {version}"
+
+    def on_step(self, batch, metrics, report, started, finished):
+        assert report == f"report {batch.step}"
+        self.metrics.append(metrics)
+        latest = checkpoint.latest(self.run_dir.checkpoints_dir)
+        self.checkpointed_at_on_step.append(latest[0] if latest else 0)
+
+    def train(self):
+        hooks = Hooks(wait_batch=self.batches.__getitem__, publish=self.publish, on_step=self.on_step)
+        loop.train(self.config, self.run_dir, self.model_dir, World(0, 1, CPU), hooks, log=self.lines.append)
+
+
+def test_a_nonfinite_step_stops_the_run_by_default_naming_the_step(model_dir, tmp_path):
+    run = Run(model_dir, tmp_path, poisoned_steps=[2])
+    with pytest.raises(FleetrlError, match=r"^step 2: loss is nan; the update was not applied .*"
+                                           r"trainer\.on_nonfinite = skip") as error:
+        run.train()
+    assert "\n" not in str(error.value)
+    assert sorted(run.published) == [1]  # nothing was published for step 2
+    assert [m.step for m in run.metrics] == [1]
+    assert checkpoint.latest(run.run_dir.checkpoints_dir)[0] == 1
+
+
+def test_a_skipped_step_still_publishes_its_version_with_the_weights_unchanged(model_dir, tmp_path):
+    run = Run(model_dir, tmp_path, poisoned_steps=[2], on_nonfinite="skip")
+    run.train()
+    assert sorted(run.published) == [1, 2, 3]  # versions stay one per step
+    for name, tensor in run.published[1].items():
+        assert torch.equal(run.published[2][name], tensor), name
+        assert not torch.equal(run.published[3][name], tensor), name
+    assert [m.skipped for m in run.metrics] == [False, True, False]
+    assert any(line.startswith("fleetrl: step 2: loss is nan") and "skipped" in line for line in run.lines)
+
+
+def test_the_metrics_line_of_a_step_comes_before_its_checkpoint(model_dir, tmp_path):
+    run = Run(model_dir, tmp_path)
+    run.train()
+    # When step n's metrics are reported, the newest checkpoint is still step n - 1's.
+    assert run.checkpointed_at_on_step == [0, 1, 2]
+    assert checkpoint.latest(run.run_dir.checkpoints_dir)[0] == 3
+
+
+def test_weights_that_are_not_finite_are_never_published(model_dir, tmp_path, monkeypatch):
+    def step_that_breaks_a_weight(model, *args):
+        metrics = train_step(model, *args)
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight[0, 0] = math.inf
+        return metrics
+
+    monkeypatch.setattr(loop, "train_step", step_that_breaks_a_weight)
+    run = Run(model_dir, tmp_path)
+    with pytest.raises(FleetrlError, match=r"^step 1: weight model\.layers\.1\.mlp\.down_proj\.weight is not "
+                                           r"finite; version 1 not published"):
+        run.train()
+    assert not run.published and not run.metrics
+    assert checkpoint.latest(run.run_dir.checkpoints_dir) is None

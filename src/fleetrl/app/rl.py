@@ -36,7 +36,7 @@ from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.loop import Hooks, Snapshot, train
-from fleetrl.trainer.step import StepMetrics
+from fleetrl.trainer.step import StepMetrics, finite_or_none
 from fleetrl.weights.factory import make_transport
 
 
@@ -108,7 +108,7 @@ class RLRun:
         self.config = config
         self.log = log
         self.run_dir = RunDir(config.run.dir)
-        latest = checkpoint.latest(self.run_dir.checkpoints_dir)
+        latest = checkpoint.latest(self.run_dir.checkpoints_dir, log=log)
         self.resume = latest[0] if latest else 0  # the step of the checkpoint to resume from
         self.control = ControlLoop()
         self.ranks: list[ManagedProcess] = []
@@ -175,6 +175,8 @@ class RLRun:
                       on_step=self.on_step)
         try:
             train(self.config, self.run_dir, self.model_dir, self.world, hooks, log=self.log)
+        except FleetrlError:
+            raise  # the loop's own verdict (a step that is not finite, a publish that reached no one)
         except Exception:
             # A collective fails when a peer rank dies: name the rank rather than gloo's error.
             deadline = time.monotonic() + 5
@@ -222,15 +224,13 @@ class RLRun:
             **{k: batch.meta[k] for k in ("reward_mean", "reward_std", "distance_max", "distance_mean")},
             "dropped": batch.dropped,
             "misversioned": batch.meta["misversioned"],
+            "skipped": metrics.skipped,
             "samples": metrics.samples,
             "completion_tokens": metrics.completion_tokens,
             "tokens": metrics.tokens,
-            "loss": metrics.loss,
-            "grad_norm": metrics.grad_norm,
-            "mismatch_kl": metrics.mismatch_kl,
-            "ratio_mean": metrics.ratio_mean,
-            "clip_frac": metrics.clip_frac,
-            "truncated_frac": metrics.truncated_frac,
+            # JSON has no NaN: a step that was not finite (and skipped) records null.
+            **{key: finite_or_none(getattr(metrics, key)) for key in (
+                "loss", "grad_norm", "mismatch_kl", "ratio_mean", "clip_frac", "truncated_frac")},
             "tokens_per_s": metrics.tokens_per_s,
             "publish_s": report.seconds,
             "checksum": report.checksum,

@@ -9,8 +9,14 @@ ranks loads into M, one included. The price is that every rank must see the same
 
 Atomicity: a checkpoint is written into `.tmp-step_N`, then rank 0 writes `complete.json`
 inside it (after DCP's own metadata, which is written last by DCP) and renames the folder to
-`step_N`. `latest()` trusts only `step_N` folders holding a readable `complete.json` for step N;
-a crash at any point leaves either the previous checkpoints or the new complete one.
+`step_N`. A crash at any point leaves either the previous checkpoints or the new complete one.
+
+Integrity: `complete.json` records the size and sha256 of every other file in the folder, and
+that the weights were finite (`save` refuses weights that are not). `latest()` trusts a
+`step_N` folder only when its record is for step N and every file matches it, so a checkpoint
+truncated or corrupted after it was written (a full disk, a torn copy, bit rot) is skipped,
+with a line naming the file, for the previous good one. Verifying reads the whole checkpoint
+(seconds per GB): it happens when a run resumes, never per step.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,27 +35,34 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fleetrl.files import atomic_write, fsync_dir
+from fleetrl.errors import FleetrlError
+from fleetrl.files import atomic_write, fsync_dir, sha256_file
 from fleetrl.rundir import STEP_PREFIX, step_name, step_of
 from fleetrl.trainer import distributed
+from fleetrl.trainer.model import first_nonfinite, local_shards
 
 COMPLETE = "complete.json"
 
 
-def latest(root: Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint under `root` as (step, folder), or None."""
-    found = []
-    for folder in Path(root).glob(f"{STEP_PREFIX}*"):
-        step = _complete_step(folder)
-        if step is not None:
-            found.append((step, folder))
-    return max(found, default=None)
+def latest(root: Path, log: Callable[[str], None] = print) -> tuple[int, Path] | None:
+    """The newest checkpoint under `root` whose files match its record, as (step, folder), or
+    None. Each newer folder that does not is skipped with a line to `log` saying why."""
+    for step, folder in reversed(_step_folders(Path(root))):
+        problem = _verify(folder)
+        if problem is None:
+            return step, folder
+        log(f"fleetrl: checkpoint {folder} skipped: {problem}")
+    return None
 
 
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, keep: int) -> Path:
-    """Saves a checkpoint of `step` and keeps the newest `keep`; every rank must call this."""
+    """Saves a checkpoint of `step` and keeps the newest `keep`; every rank must call this.
+    Raises FleetrlError, saving nothing, when a parameter is not finite."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    bad = first_nonfinite(local_shards(model), across_ranks=True)
+    if bad is not None:
+        raise FleetrlError(f"step {step}: parameter {bad} is not finite; checkpoint not saved")
     root = Path(root)
     final = root / step_name(step)
     tmp = root / f".tmp-{final.name}"
@@ -65,7 +79,10 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     _barrier()  # every rank's shards are on disk
 
     if distributed.rank() == 0:
-        atomic_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": distributed.world_size()}), durable=True)
+        files = {path.relative_to(tmp).as_posix(): {"size": path.stat().st_size, "sha256": sha256_file(path)}
+                 for path in sorted(tmp.rglob("*")) if path.is_file()}
+        record = {"step": step, "world_size": distributed.world_size(), "finite": True, "files": files}
+        atomic_write(tmp / COMPLETE, json.dumps(record, indent=1), durable=True)
         fsync_dir(tmp)
         if final.exists():  # a step saved again (a resumed run): the new one replaces it
             stale = root / f".stale-{final.name}"
@@ -75,20 +92,23 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
         else:
             os.rename(tmp, final)
         fsync_dir(root)
-        _prune(root, keep)
+        _prune(root, keep, final)
     _barrier()
     return final
 
 
-def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
-    """Restores the newest complete checkpoint into `model` and `optimizer` and returns its
-    step, or returns None when there is none; every rank must call this."""
-    found = latest(root)
+def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+         log: Callable[[str], None] = print) -> int | None:
+    """Restores the newest good checkpoint (`latest`) into `model` and `optimizer` and returns
+    its step, or returns None when there is none; every rank must call this."""
     if distributed.world_size() > 1:
-        # Rank 0's listing decides, so no rank can pick another checkpoint than its peers.
-        box = [found]
+        # Rank 0 alone verifies (one read of the files, not one per rank), and its choice is
+        # every rank's, so no rank can pick another checkpoint than its peers.
+        box = [latest(root, log) if distributed.rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         found = box[0]
+    else:
+        found = latest(root, log)
     if found is None:
         return None
     step, folder = found
@@ -100,19 +120,75 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int 
     return step
 
 
-def _complete_step(folder: Path) -> int | None:
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every `step_N` folder under `root`, oldest first."""
+    found = []
+    for folder in root.glob(f"{STEP_PREFIX}*"):
+        try:
+            found.append((step_of(folder), folder))
+        except ValueError:  # not a name fleetrl gives
+            continue
+    return sorted(found)
+
+
+def _record(folder: Path) -> dict | None:
+    """The completion record in `folder` when it is readable and for the folder's step."""
     try:
-        step = step_of(folder)
         record = json.loads((folder / COMPLETE).read_text())
     except (ValueError, OSError):
         return None
-    return step if record.get("step") == step else None
+    return record if isinstance(record, dict) and record.get("step") == step_of(folder) else None
 
 
-def _prune(root: Path, keep: int) -> None:
-    complete = sorted((s, f) for f in root.glob(f"{STEP_PREFIX}*") if (s := _complete_step(f)) is not None)
+# Folders verified in this process, with the (record, sizes, modification times) they were
+# verified at: `fleetrl rl` asks for the latest checkpoint twice as it resumes (to pick the
+# step, then to load it), and the second answer needs no second read of a GB while the
+# files stay as they were.
+_verified: dict[Path, tuple] = {}
+
+
+def _verify(folder: Path) -> str | None:
+    """What is wrong with the checkpoint in `folder`, naming the file, or None when its
+    record is complete and every file it lists is there with its size and sha256."""
+    record = _record(folder)
+    if record is None:
+        return f"no readable {COMPLETE} for its step (a save that never finished, or a torn copy)"
+    files = record.get("files")
+    if record.get("finite") is not True or not isinstance(files, dict) or not files:
+        return f"{COMPLETE} lacks the checksums or the finite-weights mark that fleetrl writes"
+    seen = []
+    for name, expected in files.items():
+        try:
+            stat = (folder / name).stat()
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if stat.st_size != expected["size"]:
+            return f"{name} is {stat.st_size} bytes, {COMPLETE} records {expected['size']} (truncated?)"
+        seen.append((name, stat.st_size, stat.st_mtime_ns))
+    state = (json.dumps(record, sort_keys=True), tuple(seen))
+    if _verified.get(folder) == state:
+        return None
+    for name, expected in files.items():
+        if sha256_file(folder / name) != expected["sha256"]:
+            return f"{name} does not match its sha256 in {COMPLETE} (corrupted)"
+    _verified[folder] = state
+    return None
+
+
+def _prune(root: Path, keep: int, saved: Path) -> None:
+    """Deletes the complete checkpoints older than the newest `keep`, but never `saved`.
+
+    `saved`, just written, is the newest checkpoint known to be good: its weights were checked
+    finite and its checksums computed from its files a moment ago. Yet it is not always among
+    the newest `keep` by step: when a resume skipped a corrupted checkpoint, that one numbers
+    past the resume step until the run saves its step again, and it must not push the good
+    one out. (The other checkpoints are not verified here: that would read all of them at
+    every save.)
+    """
+    complete = [(step, folder) for step, folder in _step_folders(root) if _record(folder) is not None]
     for _, folder in complete[:-keep]:
-        shutil.rmtree(folder)
+        if folder != saved:
+            shutil.rmtree(folder)
 
 
 @contextmanager

@@ -5,10 +5,20 @@ collective on a sharded model) into a CPU snapshot on rank 0, which the fleet co
 publishes as version n. The snapshot is kept until the next step so a worker that joins or
 must be refitted later gets exactly the published tensors, without asking the other ranks
 to take part in a collective at an arbitrary time.
+
+Order within a step: train -> publish version n -> metrics line -> checkpoint. The metrics line
+comes before the checkpoint, so a kill between the two loses nothing: a resume redoes (and
+writes again) every step after its checkpoint, and drops their old lines.
+
+Numbers that are not finite: a step whose loss or gradient norm is not finite is never
+applied (`train_step`); `trainer.on_nonfinite` says whether the run then stops or goes on, the
+unchanged weights becoming version n so versions stay one per step. Weights that are not
+finite are never published (checked here, in the snapshot) nor checkpointed (`checkpoint.save`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,11 +28,12 @@ import torch
 
 from fleetrl.batch import Batch
 from fleetrl.config import Config
+from fleetrl.errors import FleetrlError
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.loss import LossConfig
-from fleetrl.trainer.model import load_policy, named_tensors
+from fleetrl.trainer.model import first_nonfinite, load_policy, named_tensors
 from fleetrl.trainer.step import StepConfig, StepMetrics, build_optimizer, train_step
 
 Snapshot = dict[str, torch.Tensor]
@@ -56,16 +67,33 @@ def snapshot(model: torch.nn.Module, rank: int) -> Snapshot:
     return tensors
 
 
+def publish(step: int, model: torch.nn.Module, rank: int, hooks: Hooks) -> object:
+    """Publishes the model as version `step` through `hooks.publish` (rank 0); every rank must
+    call this, in step. Raises FleetrlError, publishing nothing, when a weight is not finite."""
+    weights = snapshot(model, rank)
+    if not hooks.publish:
+        return None
+    bad = first_nonfinite(weights.items())
+    if bad is not None:
+        raise FleetrlError(f"step {step}: weight {bad} is not finite; version {step} not published")
+    return hooks.publish(step, weights)
+
+
+def nonfinite_step(metrics: StepMetrics) -> str:
+    """What made a skipped step skip, e.g. "loss is nan, grad norm is inf"."""
+    values = {"loss": metrics.loss, "grad norm": metrics.grad_norm}
+    return ", ".join(f"{name} is {value}" for name, value in values.items() if not math.isfinite(value))
+
+
 def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks: Hooks, log=print) -> None:
     cfg = step_config(config)
     model = load_policy(model_dir, world.device)
     optimizer = build_optimizer(model, cfg)
-    start = checkpoint.load(run_dir.checkpoints_dir, model, optimizer) or 0
+    start = checkpoint.load(run_dir.checkpoints_dir, model, optimizer, log=log) or 0
     if start:
         log(f"fleetrl: resumed from checkpoint step {start}")
-        weights = snapshot(model, world.rank)
-        if hooks.publish:  # the fleet must serve the checkpoint's version before any rollout
-            hooks.publish(start, weights)
+        # The fleet must serve the checkpoint's version before any rollout.
+        publish(start, model, world.rank, hooks)
     hooks.start_rollouts(start)
     interval = config.trainer.checkpoint_interval
     for step in range(start + 1, config.run.max_steps + 1):
@@ -73,8 +101,13 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
         started = time.time()
         metrics = train_step(model, optimizer, batch, cfg)
         finished = time.time()
-        weights = snapshot(model, world.rank)
-        report = hooks.publish(step, weights) if hooks.publish else None
+        if metrics.skipped:  # every rank sees it alike (train_step), so all stop or go on together
+            if config.trainer.on_nonfinite == "stop":
+                raise FleetrlError(f"step {step}: {nonfinite_step(metrics)}; the update was not applied "
+                                   f"(to skip such steps and go on: trainer.on_nonfinite = skip)")
+            log(f"fleetrl: step {step}: {nonfinite_step(metrics)}; the update was skipped: version {step} "
+                f"repeats the weights of version {step - 1}")
+        report = publish(step, model, world.rank, hooks)
+        hooks.on_step(batch, metrics, report, started, finished)
         if interval and (step % interval == 0 or step == config.run.max_steps):
             checkpoint.save(run_dir.checkpoints_dir, step, model, optimizer, keep=config.trainer.keep_checkpoints)
-        hooks.on_step(batch, metrics, report, started, finished)

@@ -31,6 +31,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+# |log pi/mu| above this is a broken sample (a sampler mismatch of 10^8), not a policy that
+# moved: such a token's log-ratio is clamped, so it carries no gradient (the clamp's gradient
+# is 0), as a token past the PPO clip carries none. Far above any useful clip or cap.
+MAX_LOG_RATIO = 20.0
+
 
 @dataclass(frozen=True)
 class LossConfig:
@@ -90,7 +95,9 @@ def policy_loss(
     inference_logprobs = inference_logprobs.to(trainer_logprobs.dtype)
     adv = advantages.to(trainer_logprobs.dtype).unsqueeze(-1)
     # Padding may hold anything (even -inf): select, never multiply, so no nan gets through.
-    log_ratio = torch.where(keep, trainer_logprobs - inference_logprobs, 0.0)
+    # The bound keeps the ratio finite: exp overflows fp32 past a log-ratio of 88, and an inf
+    # ratio meets a zero advantage or the TIS factor (cap / inf = 0) in a product, 0 x inf = nan.
+    log_ratio = torch.where(keep, trainer_logprobs - inference_logprobs, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
 
     clipped_surrogate = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv

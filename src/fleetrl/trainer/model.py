@@ -1,5 +1,6 @@
 """The policy as the trainer holds it: a transformers causal LM, sharded with FSDP2 when the
-trainer has several ranks, and the iteration over its weights that a publish sends.
+trainer has several ranks, the iteration over its weights that a publish sends, and the check
+that weights are finite before they are published or checkpointed.
 
 Precision: the trainer keeps fp32 master weights, gradients and AdamW state everywhere. RL
 learning rates are tiny (1e-6 is common) and a bf16 weight cannot absorb an update that much
@@ -13,7 +14,7 @@ native bf16 are several times slower in it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -92,3 +93,30 @@ def named_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
             yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def local_shards(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter's part that this rank holds (all of it on an unsharded model), with HF
+    names: no collective, unlike `named_tensors`."""
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        yield name, tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]], across_ranks: bool = False) -> str | None:
+    """The name of the first tensor holding a nan or an inf, or None; one device sync for all.
+
+    `across_ranks`: the tensors are this rank's shards of the same names on every rank, and
+    every rank must call this; a tensor bad on any rank is reported by all.
+    """
+    names, bad = [], []
+    for name, tensor in named:
+        names.append(name)
+        bad.append(torch.isfinite(tensor).all().logical_not())
+    if not names:
+        return None
+    flags = torch.stack(bad).int()  # not every backend reduces bool
+    if across_ranks and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags)
+    hits = flags.nonzero()
+    return names[hits[0].item()] if len(hits) else None

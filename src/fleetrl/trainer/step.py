@@ -14,10 +14,13 @@ Layout of the work:
   only some kernels take.
 - Only positions that predict completion tokens go through the LM head (`logits_to_keep`):
   the [tokens x vocab] logits are the largest activation of a small model.
+- A step whose loss or gradient norm is not finite is not applied (no optimizer step, the
+  gradients cleared) and reports `skipped`; every rank decides alike (see `train_step`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, fields
 
@@ -45,7 +48,10 @@ class StepConfig:
 
 @dataclass(frozen=True)
 class StepMetrics:
+    """The floats are what was measured, nan and inf included (see `finite_or_none`)."""
+
     step: int
+    skipped: bool  # the loss or the gradient norm was not finite: the update was not applied
     loss: float
     grad_norm: float  # before clipping
     mismatch_kl: float  # mean k3 KL(inference || trainer) over completion tokens
@@ -57,6 +63,11 @@ class StepMetrics:
     completion_tokens: int
     tokens: int  # prompt + completion tokens of the batch: the forward passes' real work
     tokens_per_s: float
+
+
+def finite_or_none(value: float) -> float | None:
+    """`value`, or None when it is nan or infinite: a metrics line is JSON, which has neither."""
+    return value if math.isfinite(value) else None
 
 
 def build_optimizer(model: nn.Module, cfg: StepConfig) -> torch.optim.Optimizer:
@@ -159,16 +170,23 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         loss.backward()
 
     grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
     if world_size > 1:
         dist.all_reduce(sums)
     total = LossStats.unstack(sums.cpu())
+    # Either every rank skips or none does: a rank that stepped alone would update only its
+    # shards of the model. The gradient norm is global already (`clip_grad_norm`), and the loss
+    # is summed over the ranks above; a sum keeps a nan or an inf, so one rank's non-finite
+    # loss is every rank's.
+    skipped = not (math.isfinite(total.loss.item()) and math.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
     all_tokens = sum(_length(s) for s in batch.samples)
     elapsed = time.perf_counter() - started
     return StepMetrics(
         step=batch.step,
+        skipped=skipped,
         loss=total.loss.item() / num_tokens,
         grad_norm=grad_norm,
         mismatch_kl=total.mismatch_kl.item() / num_tokens,
