@@ -85,7 +85,7 @@ def compared_fleets(compare: str, model_dir: Path, tmp: Path) -> dict[str, Fleet
         return {"fleetrl kind": dynamo("fleetrl-kind", dynamo=DynamoConfig(worker="fleetrl")),
                 "Dynamo kind": dynamo("dynamo-kind")}
     native = VllmProvider(InferenceConfig(workers=1, vllm=VllmConfig(max_model_len=512)), model_dir,
-                          tmp / "native", secrets.token_urlsafe(16))
+                          tmp / "native", secrets.token_urlsafe(16), secrets.token_urlsafe(16))
     return {"Dynamo": dynamo("dynamo"), "native": Fleet(native, discovery_interval_s=3600)}
 
 

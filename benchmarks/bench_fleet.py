@@ -164,7 +164,7 @@ async def main(args) -> None:
     token = secrets.token_urlsafe(16)
     with tempfile.TemporaryDirectory() as tmp:
         config = InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512))
-        provider = VllmProvider(config, model_dir, Path(tmp) / "logs", token)
+        provider = VllmProvider(config, model_dir, Path(tmp) / "logs", token, secrets.token_urlsafe(16))
         fleet = Fleet(provider, discovery_interval_s=3600)
         await fleet.start()
         try:

@@ -18,9 +18,16 @@ from fleetrl.errors import FleetrlError
 COMMANDS = {
     "rl": "Run an RL job: fleet, trainer ranks and orchestrator.",
     "inference": "Start the inference fleet, sample a few completions, print them and shut down.",
-    "status": "Show each worker of a fleet: health, pause state, policy version.",
+    "status": "Show each worker of a fleet (a running run's, or the one the config names): health, "
+              "pause state, policy version.",
     "verify": "Re-check a finished run directory's manifest and invariants.",
     "bench": "Run the benchmarks (see benchmarks/).",
+}
+
+# The commands that take a run directory as their one positional argument.
+RUN_DIR_COMMANDS = {
+    "verify": "The run directory to check.",
+    "status": "A running run's directory: its fleet and admin token are read from it.",
 }
 
 
@@ -33,12 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in COMMANDS.items():
         sub = commands.add_parser(
             name, help=help_text, description=help_text, allow_abbrev=False,
-            usage=f"fleetrl {name} [@ CONFIG.toml ...] [--SECTION.KEY VALUE ...] [options]",
+            usage=f"fleetrl {name}{' [RUN_DIR]' if name in RUN_DIR_COMMANDS else ''} [@ CONFIG.toml ...] "
+                  "[--SECTION.KEY VALUE ...] [options]",
         )
         sub.add_argument("--dry-run", action="store_true", help="Print the resolved config and exit.")
         sub.add_argument("--debug", action="store_true", help="Show tracebacks on errors.")
-        if name == "verify":
-            sub.add_argument("run_dir", nargs="?", type=Path, help="The run directory to check.")
+        if name in RUN_DIR_COMMANDS:
+            sub.add_argument("run_dir", nargs="?", type=Path, help=RUN_DIR_COMMANDS[name])
         if name == "inference":
             sub.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
                              help="A prompt to send (repeatable); default: three short questions.")

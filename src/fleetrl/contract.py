@@ -18,11 +18,20 @@ ENGINE_ARGS = [
     "--weight-transfer-config", '{"backend": "fleetrl"}',
 ]
 
-# The ASGI middleware (`--middleware`) that guards a native server's admin routes, and the
-# environment variable that carries the run's admin token to it: vLLM instantiates
-# middleware classes without arguments.
+# The ASGI middleware (`--middleware`) that guards every route of a native server but its
+# health probes, and the environment variables that carry the run's two tokens to it (vLLM
+# instantiates middleware classes without arguments; the environment keeps them out of argv,
+# which any local user can read). The admin token opens everything; the data token opens
+# sampling only. The coordinator reads the same variables as fallbacks for its config.
 ADMIN_MIDDLEWARE = "fleetrl.engine.admin_auth.AdminTokenMiddleware"
 ADMIN_TOKEN_ENV = "FLEETRL_ADMIN_TOKEN"
+DATA_TOKEN_ENV = "FLEETRL_DATA_TOKEN"
+
+# The worker extension's method that returns the checksum of the weights a rank last received,
+# computed by the receiver from the bytes it got (one result per rank). Dynamo's engine_rpc
+# route returns no results of its own, so fleetrl's Dynamo worker entry answers this method
+# with them.
+WEIGHT_CHECKSUM_METHOD = "fleetrl_weight_checksum"
 
 # Dynamo worker flag: run fleetrl's worker kind, which reports the version of every token.
 TOKEN_VERSIONS_FLAG = "--fleetrl-token-versions"

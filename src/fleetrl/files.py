@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+from fleetrl.errors import FleetrlError
 
 
 def sha256_file(path: Path) -> str:
@@ -38,3 +42,33 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line and sync it to disk before returning, for files that grow by a line at a
+    time (metrics.jsonl): a crash loses at most the line being written, and leaves it torn
+    rather than missing lines before it. Readers drop a torn last line (`read_json_lines`)."""
+    with open(path, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_json_lines(path: Path, warn: Callable[[str], None]) -> list:
+    """The values of a file of one JSON value per line that grows by `append_line`; [] if there
+    is no such file. A kill in the middle of an append leaves the last line torn: it is dropped,
+    and `warn` told so. Any other bad line cannot come from a torn append, so it is an error
+    naming the line: the file was damaged, and guessing would hide it."""
+    if not path.exists():
+        return []
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    values = []
+    for number, line in lines:
+        try:
+            values.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number != lines[-1][0]:
+                raise FleetrlError(f"{path}: line {number} is not JSON ({e.msg}); only the last line "
+                                   f"may be torn (by a kill mid-write), so the file is damaged") from None
+            warn(f"fleetrl: {path}: dropped its last line {number}, torn by a kill mid-write")
+    return values

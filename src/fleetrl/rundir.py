@@ -12,11 +12,19 @@
       logs/                  each process's log
       weights/               filesystem transport scratch (recent versions)
       dynamo-discovery/      file discovery of a launched Dynamo deployment
-      manifest.json          every artifact above (but logs, weights, dynamo-discovery) with its sha256
+      fleet.json             where a running run's fleet is (provider, endpoints), for `fleetrl status`
+      tokens.json            the run's admin and data tokens, mode 0600 (never in the manifest)
+      manifest.json          every artifact above (but logs, weights, dynamo-discovery, fleet.json,
+                             tokens.json) with its sha256
+      .lock                  locked (flock) by the run using the directory; holds its pid
 
-Every file is written whole or not at all (`files.atomic_write`), so a reader — a trainer rank
-waiting for a batch, `fleetrl verify`, a resumed run — never sees half of one. The one
-exception is metrics.jsonl, which grows by one line per step.
+One run at a time: `RunDir.start` locks the directory for the whole run (a second fleetrl on it
+is refused, naming the first one's pid), and a resume may not change what the run means
+(`RUN_DEFINING`). Every file is written whole or not at all (`files.atomic_write`), so a
+reader — a trainer rank waiting for a batch, `fleetrl verify`, a resumed run — never sees half
+of one. The exceptions grow a line at a time (metrics.jsonl, verifiers_episodes.jsonl): each
+line is synced to disk as it is appended, and a last line torn by a kill mid-write is dropped
+when the file is read (and by the trim of a resume).
 
 `verify_run` re-checks the manifest and the run's invariants from the artifacts themselves,
 and reports the first violation.
@@ -24,15 +32,18 @@ and reports the first violation.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import time
 from collections.abc import Callable
+from functools import reduce
 from pathlib import Path
 
 from fleetrl.batch import Batch
 from fleetrl.config import Config, load_config, to_toml
 from fleetrl.errors import FleetrlError
-from fleetrl.files import atomic_write, sha256_file
+from fleetrl.files import append_line, atomic_write, read_json_lines, sha256_file
 from fleetrl.plots import off_policy_plot, reward_plot
 from fleetrl.versions import off_policy_distance
 
@@ -40,8 +51,27 @@ MANIFEST = "manifest.json"
 # logs change after the fact; weights/ is the transport's scratch; dynamo-discovery/ (and the
 # kv-store/ of its key-value store) is a launched Dynamo deployment's live registry, emptied
 # as its processes stop.
-UNLISTED = ("logs", "weights", "dynamo-discovery", "kv-store")
+# fleet.json and tokens.json describe the live fleet (and hold its secrets).
+UNLISTED = ("logs", "weights", "dynamo-discovery", "kv-store", "fleet.json", "tokens.json")
 STEP_PREFIX = "step_"
+LOCK = ".lock"  # a dot-file: never an artifact of the manifest
+
+# What a run *is*. A resume that changed one of these would go on, under the same run.dir and
+# from the same checkpoint, with a run that means something else, so it is refused; everything
+# else (steps, workers, timeouts, logging, the learning rate) may change between the two.
+RUN_DEFINING = (
+    "model.path",  # the policy the checkpoints hold weights of
+    "orchestrator.env",  # the tasks and their reward
+    "orchestrator.env_options",  # the same
+    "orchestrator.batch_prompts",  # a resume skips the tasks of the steps done: batch_prompts per step
+    "orchestrator.group_size",  # how many samples each advantage is relative to
+    "orchestrator.normalize_advantages_std",  # the advantage itself (GRPO or Dr. GRPO)
+    "orchestrator.max_off_policy_steps",  # k: `fleetrl verify` checks every step against config.toml's
+    "trainer.clip_low",  # the loss
+    "trainer.clip_high",  # the loss
+    "trainer.tis_cap",  # the loss
+    "run.seed",  # the task stream the resume continues
+)
 
 
 def step_name(step: int) -> str:
@@ -57,6 +87,16 @@ def step_of(path: Path) -> int:
     return int(name.removeprefix(STEP_PREFIX).split(".")[0])
 
 
+def episode_step(record: dict) -> int:
+    """The trainer step a verifiers episode record was generated for: verifiers' own run stamp
+    (`TrainRunInfo.work.step`), which fleetrl's adapter sets to the rollout's step."""
+    return record["run"]["work"]["step"]
+
+
+def json_lines(records: list[dict]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
 class VerifyError(FleetrlError):
     pass
 
@@ -64,8 +104,9 @@ class VerifyError(FleetrlError):
 class RunDir:
     """The paths of one run directory, and every write into it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, log=print) -> None:
         self.root = Path(root)
+        self.log = log
         self.config_path = self.root / "config.toml"
         self.metrics_path = self.root / "metrics.jsonl"
         self.final_path = self.root / "final.json"
@@ -73,11 +114,15 @@ class RunDir:
         self.reward_plot_path = self.root / "reward.png"
         self.off_policy_plot_path = self.root / "off_policy.png"
         self.verifiers_episodes_path = self.root / "verifiers_episodes.jsonl"
+        self.fleet_path = self.root / "fleet.json"
+        self.tokens_path = self.root / "tokens.json"
         self.batches_dir = self.root / "batches"
         self.rollouts_dir = self.root / "rollouts"
         self.checkpoints_dir = self.root / "checkpoints"
         self.logs_dir = self.root / "logs"
         self.weights_dir = self.root / "weights"
+        self.lock_path = self.root / LOCK
+        self._lock_fd: int | None = None  # open while this RunDir holds the lock
 
     def batch_path(self, step: int) -> Path:
         return self.batches_dir / f"{step_name(step)}.json"
@@ -89,19 +134,65 @@ class RunDir:
         return self.logs_dir / f"{process}.log"
 
     def start(self, config: Config, resume: int) -> None:
-        """Make the directory ready for a run that continues after step `resume` (0: a new run)."""
-        if not resume and self.read_metrics():
-            raise FleetrlError(f"run.dir {self.root} holds a run without a checkpoint to resume from; "
-                               f"choose another run.dir or remove it")
-        # Steps after the checkpoint are redone: drop their batches, rollouts and metric lines.
-        for folder in (self.batches_dir, self.rollouts_dir):
-            for path in folder.glob(f"{STEP_PREFIX}*"):
-                if step_of(path) > resume:
-                    path.unlink()
-        kept = [m for m in self.read_metrics() if m["step"] <= resume]
-        atomic_write(self.metrics_path, "".join(json.dumps(m) + "\n" for m in kept))
-        atomic_write(self.config_path, to_toml(config))
-        self.manifest_path.unlink(missing_ok=True)
+        """Lock the directory for this run (`close` lets go) and make it ready for a run that
+        continues after step `resume` (0: a new run). Everything is checked before anything is
+        written: a refused start leaves the directory as it was (but for the lock file) and
+        holds nothing."""
+        self._lock()
+        try:
+            metrics = self.read_metrics()
+            episodes = read_json_lines(self.verifiers_episodes_path, self.log)
+            if not resume and metrics:
+                raise FleetrlError(f"run.dir {self.root} holds a run without a checkpoint to resume from; "
+                                   f"choose another run.dir or remove it")
+            if resume and self.config_path.exists():
+                self._check_resume_keeps_the_run(config)
+            # Steps after the checkpoint are redone: drop their batches, rollouts, metric lines
+            # and verifiers episodes.
+            for folder in (self.batches_dir, self.rollouts_dir):
+                for path in folder.glob(f"{STEP_PREFIX}*"):
+                    if step_of(path) > resume:
+                        path.unlink()
+            atomic_write(self.metrics_path, json_lines([m for m in metrics if m["step"] <= resume]))
+            if self.verifiers_episodes_path.exists():
+                atomic_write(self.verifiers_episodes_path,
+                             json_lines([e for e in episodes if episode_step(e) <= resume]))
+            atomic_write(self.config_path, to_toml(config))
+            self.manifest_path.unlink(missing_ok=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let go of the directory `start` locked. The lock also ends with the process, however
+        it dies: it is an flock on an open file, which the kernel drops with the file."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _lock(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 64).decode().strip()  # empty while the holder is still writing it
+            os.close(fd)
+            holder = f"fleetrl pid {pid}" if pid else "another fleetrl"
+            raise FleetrlError(f"run.dir {self.root} is in use by {holder}; one run at a time per "
+                               f"run.dir (stop that one, or choose another run.dir)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def _check_resume_keeps_the_run(self, config: Config) -> None:
+        now = config.model_dump(mode="json")
+        then = load_config([self.config_path], []).model_dump(mode="json")
+        for name in RUN_DEFINING:
+            new, old = (reduce(dict.__getitem__, name.split("."), values) for values in (now, then))
+            if new != old:
+                raise FleetrlError(f"run.dir {self.root}: resume with {name} {new!r} but the run was started "
+                                   f"with {old!r}; a resumed run must keep what the run means (start a new run.dir)")
 
     def write_batch(self, batch: Batch) -> Path:
         return atomic_write(self.batch_path(batch.step), batch.to_json())
@@ -118,16 +209,13 @@ class RunDir:
         return self.read_batch(step)
 
     def write_rollouts(self, step: int, records: list[dict]) -> Path:
-        return atomic_write(self.rollouts_path(step), "".join(json.dumps(r) + "\n" for r in records))
+        return atomic_write(self.rollouts_path(step), json_lines(records))
 
     def append_metrics(self, line: dict) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        append_line(self.metrics_path, json.dumps(line))
 
     def read_metrics(self) -> list[dict]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        return read_json_lines(self.metrics_path, self.log)
 
     def write_final(self, final: dict) -> Path:
         return atomic_write(self.final_path, json.dumps(final, indent=1))
@@ -148,6 +236,35 @@ class RunDir:
         entries = {str(p.relative_to(self.root)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                    for p in self.artifacts()}
         return atomic_write(self.manifest_path, json.dumps({"artifacts": entries}, indent=1, sort_keys=True))
+
+    def record_fleet(self, settings: dict, tokens: dict) -> None:
+        """Record the running fleet for `fleetrl status RUN_DIR`: the inference settings that
+        attach to it (fleet.json) and its tokens (tokens.json, left out when it has none).
+        tokens.json is created readable by this user alone (0600), so no other user can read
+        it even for an instant, and replaces an older one whole (a temporary name, then a rename)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if tokens:
+            tmp = self.tokens_path.with_name(f".{self.tokens_path.name}.tmp")
+            tmp.unlink(missing_ok=True)  # O_EXCL below: the file is new, and ours
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                json.dump(tokens, f)
+            os.replace(tmp, self.tokens_path)
+        else:
+            self.tokens_path.unlink(missing_ok=True)
+        atomic_write(self.fleet_path, json.dumps(settings, indent=1))
+
+    def recorded_fleet(self) -> dict:
+        """The settings and tokens `record_fleet` wrote, as one dict of inference settings."""
+        if not self.fleet_path.exists():
+            raise FleetrlError(f"{self.root}: no fleet.json: no fleet of this run is running (a run records "
+                               "its fleet once it is up, and removes the record when it ends)")
+        tokens = json.loads(self.tokens_path.read_text()) if self.tokens_path.exists() else {}
+        return {**json.loads(self.fleet_path.read_text()), **tokens}
+
+    def forget_fleet(self) -> None:
+        """The fleet has stopped: its record and tokens go."""
+        self.fleet_path.unlink(missing_ok=True)
+        self.tokens_path.unlink(missing_ok=True)
 
 
 def verify_run(root: Path) -> str:

@@ -14,6 +14,7 @@ workers come last.
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -22,14 +23,16 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from fleetrl.app.providers import build_provider
+from fleetrl.app.providers import Tokens, build_provider, start_recorded
 from fleetrl.config import Config, DynamoConfig, InferenceConfig, RunConfig, VllmConfig
+from fleetrl.contract import ADMIN_TOKEN_ENV
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.launcher import wait_ready
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.probe import probe_fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
+from fleetrl.rundir import RunDir
 from fleetrl.versions import VersionSpan
 from fleetrl.weights.factory import make_transport
 
@@ -43,8 +46,9 @@ PROVIDERS = {
     "dynamo-fleetrl": dict(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl"), workers=1),
 }
 PER_TOKEN_VERSIONS = ["vllm", "dynamo-fleetrl"]
-# A fixed token with a leading "-" and digits: it must pass the CLI as it is (issue 15).
-TOKEN = "-0123456789abcdef"
+# Fixed tokens with a leading "-" and digits: they must pass the CLI as they are (issue 15).
+TOKEN = "-0123456789abcdef"  # admin
+DATA_TOKEN = "-fedcba9876543210"
 
 
 def only(*names: str):
@@ -59,7 +63,7 @@ async def fleet(request, model_dir, tmp_path_factory):
                                 startup_timeout_s=900)
     # Built by name through the registry, as `fleetrl rl` builds it.
     config = Config(inference=inference, run=RunConfig(dir=tmp_path_factory.mktemp(request.param)))
-    provider = build_provider(config, model_dir, TOKEN)
+    provider = build_provider(config, model_dir, Tokens(admin=TOKEN, data=DATA_TOKEN))
     async with running(Fleet(provider, pause_mode=inference.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
         yield fleet
 
@@ -135,6 +139,7 @@ async def test_probe_agrees_with_transformers_at_v0(fleet, base_weights, probe):
 @only("vllm")
 async def test_admin_routes_refuse_requests_without_the_token(fleet):
     worker = fleet.workers["vllm-0"]
+    data = {"Authorization": f"Bearer {DATA_TOKEN}"}
     async with httpx.AsyncClient(base_url=worker.admin_url) as client:
         assert (await client.get("/health")).status_code == 200
         for method, path in [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/collective_rpc"),
@@ -142,29 +147,50 @@ async def test_admin_routes_refuse_requests_without_the_token(fleet):
             assert (await client.request(method, path)).status_code == 401, path
             wrong = {"Authorization": "Bearer wrong"}
             assert (await client.request(method, path, headers=wrong)).status_code == 401, path
+        # The data token samples, and opens no admin route.
+        for method, path in [("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/weight_info")]:
+            assert (await client.request(method, path, headers=data)).status_code == 401, path
+        assert (await client.get("/v1/models", headers=data)).status_code == 200
     assert not await fleet.provider.admin(worker).is_paused()
+
+
+def fleetrl_status(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fleetrl", "status", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
 
 
 @only("vllm")
 async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, model_dir, tmp_path):
-    """A second coordinator attached by URL (servers started elsewhere) serves at v0 too."""
+    """A second coordinator attached by URL (servers started elsewhere) serves at v0 too, and
+    `fleetrl status` finds the workers from the run directory it recorded, or from flags."""
     urls = [w.admin_url for w in fleet.workers.values()]
-    config = InferenceConfig(urls=urls, admin_token=TOKEN)
-    attached = Fleet(VllmProvider(config, model_dir, tmp_path, TOKEN), discovery_interval_s=3600,
+    assert sorted(fleet.provider.attach_settings()["urls"]) == sorted(urls)
+    config = InferenceConfig(urls=urls)
+    attached = Fleet(VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN), discovery_interval_s=3600,
                      log=lambda *_: None)
-    await attached.start()
+    run_dir = RunDir(tmp_path / "run")
+    await start_recorded(attached, run_dir)
     try:
         assert sorted(w.id for w in attached.ready_workers()) == sorted(urls)
         (out,) = await attached.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
         assert out.worker_id in urls and out.spans == [VersionSpan(0, 0)]
+        # The run directory alone: where the fleet is, and its admin token.
+        status = fleetrl_status(str(run_dir.root))
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.count("up  version=v0  serving") == 2
     finally:
         await attached.close()
+        run_dir.forget_fleet()
     assert not attached.provider.launched  # attaching starts nothing, and closing stops nothing
     assert all(w.state == WorkerState.READY for w in fleet.workers.values())
-    status = subprocess.run([sys.executable, "-m", "fleetrl", "status", "--inference.urls", json.dumps(urls),
-                             "--inference.admin_token", TOKEN], capture_output=True, text=True, timeout=120)
+    status = fleetrl_status("--inference.urls", json.dumps(urls), **{ADMIN_TOKEN_ENV: TOKEN})
     assert status.returncode == 0, status.stderr
     assert status.stdout.count("up  version=v0  serving") == 2
+    # A coordinator with other tokens is refused at start, naming the token.
+    other = Fleet(VllmProvider(config, model_dir, tmp_path, TOKEN, "not-the-data-token"), log=lambda *_: None)
+    with pytest.raises(FleetrlError, match="refused the data token"):
+        await other.start()
+    await other.close()
 
 
 @only("dynamo")
@@ -189,8 +215,9 @@ async def test_dynamos_own_worker_pauses_only_in_wait_mode_and_sets_versions(fle
     assert await admin.version() == 0
     (out,) = await fleet.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
     assert out.spans == [VersionSpan(0, 0)]
-    # At v0 the worker holds the weights it loaded, not any a sender checksummed.
-    with pytest.raises(FleetrlError, match="weight checksum None"):
+    # At v0 the worker holds the weights it loaded, not any a sender checksummed: its one rank
+    # says so itself.
+    with pytest.raises(FleetrlError, match=r"weight checksum \['None'\]"):
         await admin.verify_weights("0" * 64)
 
 

@@ -39,7 +39,8 @@ def server(model_dir, tmp_path_factory):
     token = secrets.token_hex(16)
     try:
         (launched,) = asyncio.run(launch_vllm_servers(
-            model_dir, InferenceConfig(vllm=VllmConfig(max_model_len=256)), 1, tmp_path_factory.mktemp("logs"), token))
+            model_dir, InferenceConfig(vllm=VllmConfig(max_model_len=256)), 1, tmp_path_factory.mktemp("logs"), token,
+            secrets.token_hex(16)))
     except BaseException:
         stop_all()  # a server that never became healthy is still running
         raise

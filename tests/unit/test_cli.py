@@ -5,8 +5,17 @@ import pytest
 
 from fleetrl.app.providers import PROVIDERS, ProviderEntry
 from fleetrl.cli import main
+from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
+from fleetrl.rundir import RunDir
 
 from .fake_fleet import FakeProvider
+
+
+@pytest.fixture(autouse=True)
+def no_tokens_in_the_environment(monkeypatch):
+    """The token variables of whoever runs the tests must not leak into them."""
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(DATA_TOKEN_ENV, raising=False)
 
 
 def run_cli(*args):
@@ -35,8 +44,15 @@ def test_at_file_without_space(tmp_path, capsys):
         (["rl", "--inference.workers=many"], "config key 'inference.workers'"),
         (["rl", "@", "/nonexistent.toml"], "config file not found: /nonexistent.toml"),
         (["inference", "--model.path", "/nonexistent-model"], "model.path: /nonexistent-model does not exist"),
-        (["status"], "fleetrl status needs inference.urls"),
-        (["status", "--inference.provider", "dynamo"], "fleetrl status needs inference.dynamo.frontend_url"),
+        (["status"], "fleetrl status needs a run directory (fleetrl status RUN_DIR) or inference.urls"),
+        (["status", "--inference.urls", '["http://127.0.0.1:9"]'],
+         "fleetrl status needs inference.admin_token or $FLEETRL_ADMIN_TOKEN"),
+        (["status", "--inference.provider", "dynamo"],
+         "fleetrl status needs a run directory (fleetrl status RUN_DIR) or inference.dynamo.frontend_url"),
+        (["status", "--inference.provider", "dynamo", "--inference.dynamo.frontend_url", "http://h:8000",
+          "--inference.dynamo.rl_url", "http://h:8001", "--inference.admin_token", "t"],
+         "inference.admin_token set with inference.provider = 'dynamo', whose frontend and workers take no token"),
+        (["status", "/nonexistent-run"], "/nonexistent-run: no fleet.json: no fleet of this run is running"),
         (["rl", "--inference.provider", "dynamo", "--inference.dynamo.frontend_url", "http://h:8000"],
          "inference.dynamo.frontend_url and inference.dynamo.rl_url: set both"),
         (["rl", "--orchestrator.temperature", "0.7"], "fleetrl rl samples at orchestrator.temperature = 1"),
@@ -62,6 +78,29 @@ def test_model_path_without_config_json(tmp_path, capsys):
 def test_unreachable_server_is_reported_per_url(capsys):
     assert main(["status", "--inference.urls", '["http://127.0.0.1:9"]', "--inference.admin_token", "t"]) == 1
     assert "http://127.0.0.1:9  down" in capsys.readouterr().out
+
+
+def test_status_takes_the_admin_token_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "t")
+    assert main(["status", "--inference.urls", '["http://127.0.0.1:9"]']) == 1
+    assert "http://127.0.0.1:9  down" in capsys.readouterr().out
+
+
+def test_status_of_a_run_directory_attaches_to_the_fleet_it_recorded(tmp_path, monkeypatch, capsys):
+    run_dir = RunDir(tmp_path)
+    run_dir.record_fleet({"provider": "vllm", "urls": ["http://10.0.0.1:8000"]},
+                         {"admin_token": "the-admin-token", "data_token": "the-data-token"})
+    built = {}
+
+    def build(config, run_dir, model_dir, tokens):
+        built.update(urls=config.inference.urls, tokens=tokens)
+        return FakeProvider("a")
+
+    monkeypatch.setitem(PROVIDERS, "vllm",
+                        ProviderEntry(build=build, missing_to_attach=PROVIDERS["vllm"].missing_to_attach))
+    assert main(["status", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["a  up  version=unset  serving"]
+    assert built["urls"] == ["http://10.0.0.1:8000"] and built["tokens"].admin == "the-admin-token"
 
 
 def test_status_reads_each_discovered_worker_through_the_provider(monkeypatch, capsys):
@@ -96,24 +135,34 @@ def test_unbuilt_command_says_so():
 
 
 @pytest.mark.parametrize(
-    "args, expected",
+    "args, field, expected",
     [
         # A value that begins with "-", as `secrets.token_urlsafe` draws about 1 time in 64.
-        (["--inference.admin_token", "-abc"], 'admin_token = "-abc"'),
-        (["--inference.admin_token", "--abc"], 'admin_token = "--abc"'),
+        (["--inference.admin_token", "-abc"], "inference.admin_token", "-abc"),
+        (["--inference.admin_token", "--abc"], "inference.admin_token", "--abc"),
         # Digits only: a token, not a number.
-        (["--inference.admin_token", "123456"], 'admin_token = "123456"'),
-        (["--inference.admin_token", "0123"], 'admin_token = "0123"'),
-        (["--inference.admin_token=-abc"], 'admin_token = "-abc"'),
-        (["--orchestrator.env_options", "{x = -1}"], 'env_options = {"x" = -1}'),
-        (["--run.seed", "-3"], "seed = -3"),
-        (["--run.seed=-3"], "seed = -3"),
-        (["--inference.admin_token", "@abc"], 'admin_token = "@abc"'),
+        (["--inference.admin_token", "123456"], "inference.admin_token", "123456"),
+        (["--inference.data_token", "0123"], "inference.data_token", "0123"),
+        (["--inference.admin_token=-abc"], "inference.admin_token", "-abc"),
+        (["--orchestrator.env_options", "{x = -1}"], "orchestrator.env_options", {"x": -1}),
+        (["--run.seed", "-3"], "run.seed", -3),
+        (["--run.seed=-3"], "run.seed", -3),
+        (["--inference.admin_token", "@abc"], "inference.admin_token", "@abc"),
     ],
 )
-def test_a_dotted_flag_takes_its_next_argument_whatever_it_begins_with(args, expected, capsys):
-    assert main(["status", *args, "--dry-run"]) == 0
-    assert expected in capsys.readouterr().out.splitlines()
+def test_a_dotted_flag_takes_its_next_argument_whatever_it_begins_with(args, field, expected, monkeypatch):
+    parsed = {}
+    monkeypatch.setattr("fleetrl.cli.run_command", lambda args, config: parsed.update(config=config) or 0)
+    assert main(["status", *args]) == 0
+    section, key = field.split(".")
+    assert getattr(getattr(parsed["config"], section), key) == expected
+
+
+def test_dry_run_prints_no_token(capsys):
+    assert main(["rl", "--dry-run", "--inference.admin_token", "admin-XYZ", "--inference.data_token", "data-XYZ"]) == 0
+    out, err = capsys.readouterr()
+    assert "[inference]" in out
+    assert "XYZ" not in out + err
 
 
 def test_a_negative_number_is_refused_by_the_field_not_the_parser(capsys):

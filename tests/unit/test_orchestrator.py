@@ -1,15 +1,20 @@
 """The orchestrator against the in-process fake fleet: admission, drops, bad environments."""
 
 import asyncio
+import dataclasses
+import itertools
 import json
 import math
+import re
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from fleetrl.config import OrchestratorConfig
-from fleetrl.envs import EnvError, Task
+from fleetrl.envs import Task
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
 from fleetrl.orchestrator.advantages import group_advantages
@@ -45,14 +50,18 @@ class Env:
         return self._reward(rollout)
 
 
-async def make(k=0, env=None, step_s=0.001):
+async def make(k=0, env=None, step_s=0.001, log=lambda *_: None, **options):
     run_dir = RunDir(Path(tempfile.mkdtemp(prefix="fleetrl-orch-")))
     provider = FakeProvider("a", "b", step_s=step_s)
     fleet = Fleet(provider, discovery_interval_s=3600, log=lambda *_: None)
     await fleet.start()
-    config = OrchestratorConfig(max_off_policy_steps=k, batch_prompts=3, group_size=4, max_tokens=6)
-    orch = Orchestrator(fleet, env or Env(), Tokenizer(), config, run_dir=run_dir, seed=0, log=lambda *_: None)
+    config = OrchestratorConfig(max_off_policy_steps=k, batch_prompts=3, group_size=4, max_tokens=6, **options)
+    orch = Orchestrator(fleet, env or Env(), Tokenizer(), config, run_dir=run_dir, seed=0, log=log)
     return fleet, orch, FakeTransport(provider)
+
+
+def records(orch, step):
+    return [json.loads(line) for line in orch.run_dir.rollouts_path(step).read_text().splitlines()]
 
 
 def weights():
@@ -104,8 +113,10 @@ async def test_samples_over_the_bound_are_dropped_even_if_admission_failed(monke
         return None
 
     monkeypatch.setattr(fleet, "wait_for_version", no_admission)
-    with pytest.raises(FleetrlError, match="batch 3 is empty: of 12 samples 12 exceeded orchestrator.max_off_policy_steps = 0 and 0 were"):
+    with pytest.raises(FleetrlError, match="^batch 3 is empty: of 12 samples 12 exceeded orchestrator.max_off_policy_steps "
+                                           "= 0, 0 were misversioned, 0 had a failed reward and 0 were empty$"):
         await orch.make_batch(3)
+    assert {r["drop_reason"] for r in records(orch, 3)} == {"off_policy"}
     await fleet.close()
 
 
@@ -113,27 +124,139 @@ async def test_samples_from_a_worker_at_the_wrong_version_are_rejected_and_count
     fleet, orch, _ = await make(k=0)
     fleet.provider.engines["a"].version = 7  # changed weights behind the fleet's back
     batch = await orch.make_batch(1)
-    records = [json.loads(line) for line in orch.run_dir.rollouts_path(1).read_text().splitlines()]
-    rejected = [r for r in records if r["version_error"]]
-    assert rejected and all(r["worker"] == "a" and not r["trained"] for r in rejected)
+    written = records(orch, 1)
+    rejected = [r for r in written if r["version_error"]]
+    assert rejected and all(r["worker"] == "a" and not r["trained"] and r["drop_reason"] == "misversioned"
+                            for r in rejected)
     assert batch.meta["misversioned"] == len(rejected) and batch.dropped == 0
     assert len(batch.samples) == 12 - len(rejected) and all(s.spans[0].version == 0 for s in batch.samples)
-    trained = [r for r in records if r["trained"]]
+    trained = [r for r in written if r["trained"]]
     assert {r["worker"] for r in trained} == {"b"} and len(trained) == len(batch.samples)
     for g in {s.group for s in batch.samples}:
         assert abs(sum(s.advantage for s in batch.samples if s.group == g)) < 1e-6
     await fleet.close()
 
 
-@pytest.mark.parametrize("reward, message", [
-    (lambda r: 1 / 0, "raised ZeroDivisionError"),
-    (lambda r: math.nan, "is nan, outside [0, 1]"),
-    (lambda r: "good", "is 'good', not a number"),
+async def test_a_resumed_run_draws_the_tasks_an_uninterrupted_run_would():
+    # k = 2 admits batches 1..3 at v0: no publish needed.
+    fleet, uninterrupted, _ = await make(k=2)
+    await uninterrupted.run(1, 3)
+    tasks = {step: {r["task"] for r in records(uninterrupted, step)} for step in (1, 2, 3)}
+    fleet, resumed, _ = await make(k=2)  # a fresh process: its task stream starts at task 0
+    await resumed.run(3, 3)
+    assert {r["task"] for r in records(resumed, 3)} == tasks[3]
+    assert not tasks[3] & (tasks[1] | tasks[2])  # no prompt of steps 1..2 trained again
+    await fleet.close()
+
+
+HUNG = threading.Event()  # what a hung reward waits for; set at the end of each test
+
+
+@pytest.fixture(autouse=True)
+def release_hung_rewards():
+    HUNG.clear()
+    yield
+    HUNG.set()
+
+
+def hang(rollout):
+    HUNG.wait()
+    return 1.0
+
+
+def every_third_sample(bad):
+    """A reward that goes wrong (`bad`) on every third call, and varies otherwise."""
+    calls = itertools.count()
+
+    def reward(rollout):
+        n = next(calls)
+        return bad(rollout) if n % 3 == 0 else (n % 5) / 5
+
+    return reward
+
+
+def zero_division(rollout):
+    return 1 / 0
+
+
+@pytest.mark.parametrize("bad, error", [
+    (zero_division, r"raised ZeroDivisionError: division by zero"),
+    (lambda r: math.nan, r"is nan, outside \[0, 1\]"),
+    (lambda r: math.inf, r"is inf, outside \[0, 1\]"),
+    (lambda r: "good", r"is 'good', not a number"),
+    (lambda r: None, r"is None, not a number"),
+    (hang, r"took longer than orchestrator.reward_timeout_s = 0.2 s"),
 ])
-async def test_bad_rewards_stop_the_batch_with_a_clear_error(reward, message):
-    fleet, orch, _ = await make(env=Env(reward))
-    with pytest.raises(EnvError, match=r"env fake: reward of task t0-\d+ " + message.replace("(", r"\(").replace("[", r"\[")):
+async def test_a_failed_reward_drops_its_sample_and_the_batch_goes_on(bad, error):
+    logged = []
+    fleet, orch, _ = await make(env=Env(every_third_sample(bad)), log=logged.append, reward_timeout_s=0.2)
+    batch = await orch.make_batch(1)
+    written = records(orch, 1)
+    failed = [r for r in written if r["drop_reason"] == "reward_failed"]
+    assert len(failed) == 4 and batch.meta["reward_failed"] == 4 and len(batch.samples) == 8
+    for r in failed:
+        assert not r["trained"] and r["reward"] is None and r["advantage"] is None
+        assert re.fullmatch(f"env fake: reward of task {r['task']} {error}", r["reward_error"])
+    # Advantages are relative to the samples of the group that have a reward.
+    for g in {s.group for s in batch.samples}:
+        assert abs(sum(s.advantage for s in batch.samples if s.group == g)) < 1e-6
+    assert batch.meta["reward_mean"] == pytest.approx(sum(s.reward for s in batch.samples) / 8)
+    (line,) = [m for m in logged if "reward failed" in m]  # once per batch
+    assert line.startswith("fleetrl: batch 1: dropped 4 sample(s) whose reward failed (the first: env fake: reward of task")
+    await fleet.close()
+
+
+async def test_a_batch_whose_rewards_all_fail_is_an_error_naming_the_first_failure():
+    fleet, orch, _ = await make(env=Env(zero_division))
+    with pytest.raises(FleetrlError, match=r"^batch 1 is empty: of 12 samples 0 exceeded .*, 12 had a failed reward "
+                                           r"and 0 were empty \(the first failed reward: env fake: reward of task "
+                                           r"t0-\d raised ZeroDivisionError: division by zero\)$"):
         await orch.make_batch(1)
+    await fleet.close()
+
+
+async def test_rewards_run_off_the_event_loop():
+    """A slow reward (0.1 s per sample) runs in its own thread: the loop that drives the fleet
+    keeps running meanwhile, and the batch's rewards overlap."""
+    def slow(rollout):
+        time.sleep(0.1)
+        return 0.5
+
+    fleet, orch, _ = await make(env=Env(slow))
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    started = time.monotonic()
+    batch = await orch.make_batch(1)
+    elapsed = time.monotonic() - started
+    ticker.cancel()
+    assert len(batch.samples) == 12
+    assert elapsed < 0.6  # 12 rewards one after another would take 1.2 s
+    assert ticks > elapsed / 0.005 / 4  # the loop was never held for long
+    await fleet.close()
+
+
+async def test_an_empty_completion_is_dropped_and_counted(monkeypatch):
+    logged = []
+    fleet, orch, _ = await make(log=logged.append)
+    generate = fleet.generate
+
+    async def first_completion_empty(request):
+        first, *others = await generate(request)
+        return [dataclasses.replace(first, token_ids=[], logprobs=[], spans=[]), *others]
+
+    monkeypatch.setattr(fleet, "generate", first_completion_empty)
+    batch = await orch.make_batch(1)
+    empty = [r for r in records(orch, 1) if r["drop_reason"] == "empty"]
+    assert len(empty) == 3 and batch.meta["empty"] == 3 and len(batch.samples) == 9
+    assert all(not r["trained"] and r["completion"] == "" and r["distance"] is None for r in empty)
+    assert "fleetrl: batch 1: dropped 3 empty completion(s)" in logged
     await fleet.close()
 
 

@@ -1,9 +1,14 @@
 """`fleetrl verify` on synthetic run directories: a good run passes, each violation is caught."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
+from fleetrl import files
 from fleetrl.batch import Batch, Sample
 from fleetrl.config import load_config, to_toml
 from fleetrl.errors import FleetrlError
@@ -104,9 +109,134 @@ def test_a_resumed_run_drops_the_steps_after_its_checkpoint(tmp_path):
     assert [m["step"] for m in run.read_metrics()] == [1, 2]
     assert sorted(p.name for p in run.batches_dir.iterdir()) == [step_name(1) + ".json", step_name(2) + ".json"]
     assert not run.rollouts_path(3).exists() and not run.manifest_path.exists()
+    run.close()
 
 
 def test_a_finished_run_without_a_checkpoint_is_not_overwritten(tmp_path):
     run = RunDir(make_run(tmp_path))
     with pytest.raises(FleetrlError, match="holds a run without a checkpoint to resume from"):
         run.start(load_config([run.config_path], []), resume=0)
+
+
+# -- one run at a time --------------------------------------------------------------------------
+
+HOLD = """
+import sys
+from fleetrl.config import load_config
+from fleetrl.rundir import RunDir
+RunDir(sys.argv[1]).start(load_config([], []), resume=0)
+print("locked", flush=True)
+sys.stdin.read()  # holds the run directory until the test ends this process
+"""
+
+
+def test_a_second_run_on_the_same_directory_is_refused_naming_the_first_ones_pid(tmp_path):
+    run = RunDir(tmp_path / "run")
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(run.root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert first.stdout.readline() == "locked\n"
+        with pytest.raises(FleetrlError, match=rf"^run.dir {run.root} is in use by fleetrl pid {first.pid}; "):
+            run.start(load_config([], []), resume=0)
+    finally:
+        first.kill()  # dies without a word: the kernel lets go of its lock
+        first.wait()
+    run.start(load_config([], []), resume=0)
+    run.close()
+
+
+def test_close_lets_go_of_the_directory(tmp_path):
+    run, other = RunDir(tmp_path / "run"), RunDir(tmp_path / "run")
+    run.start(load_config([], []), resume=0)
+    with pytest.raises(FleetrlError, match=rf"in use by fleetrl pid {os.getpid()}"):
+        other.start(load_config([], []), resume=0)
+    run.close()
+    other.start(load_config([], []), resume=0)
+    other.close()
+    assert run.lock_path.exists() and run.lock_path not in run.artifacts()  # never in the manifest
+
+
+# -- a resume keeps what the run means ----------------------------------------------------------
+
+def contents(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("orchestrator.env", "arithmetic", "orchestrator.env 'arithmetic' but the run was started with 'reverse_text'"),
+    ("orchestrator.env_options", "{max_len = 8}", "orchestrator.env_options {'max_len': 8} but the run was started with {}"),
+    ("run.seed", "7", "run.seed 7 but the run was started with 0"),
+    ("trainer.clip_high", "0.5", "trainer.clip_high 0.5 but the run was started with 0.28"),
+    ("orchestrator.max_off_policy_steps", "0", "orchestrator.max_off_policy_steps 0 but the run was started with 1"),
+    ("model.path", "/models/other", "model.path '/models/other' but the run was started with None"),
+])
+def test_a_resume_that_changes_what_the_run_means_is_refused_and_changes_nothing(tmp_path, field, value, message):
+    run = RunDir(make_run(tmp_path))
+    run.write_rollouts(3, [{"step": 3}])
+    before = contents(run.root)
+    changed = load_config([run.config_path], [(field, value)])
+    with pytest.raises(FleetrlError, match=rf"^run.dir {run.root}: resume with {re.escape(message)}; a resumed run "
+                                           rf"must keep what the run means \(start a new run.dir\)$"):
+        run.start(changed, resume=2)
+    assert contents(run.root) == before
+    again = RunDir(run.root)
+    again.start(load_config([run.config_path], []), resume=2)  # the refusal held no lock
+    again.close()
+
+
+def test_a_resume_may_change_what_does_not_define_the_run(tmp_path):
+    run = RunDir(make_run(tmp_path))
+    changed = load_config([run.config_path], [("run.max_steps", "20"), ("trainer.lr", "1e-5"),
+                                              ("inference.workers", "3"), ("orchestrator.reward_timeout_s", "5")])
+    run.start(changed, resume=2)
+    assert load_config([run.config_path], []).run.max_steps == 20
+    run.close()
+
+
+# -- appends survive a kill -----------------------------------------------------------------------
+
+def test_metric_lines_are_synced_to_disk_as_they_are_appended(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(files.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    run = RunDir(tmp_path)
+    run.append_metrics({"step": 1})
+    assert synced == [str(run.metrics_path)] and run.read_metrics() == [{"step": 1}]
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_by_the_resume(tmp_path):
+    warnings = []
+    run = RunDir(make_run(tmp_path), log=warnings.append)
+    with open(run.metrics_path, "a") as f:
+        f.write('{"step": 4, "distance_m')  # killed mid-append
+    assert [m["step"] for m in run.read_metrics()] == [1, 2, 3]
+    assert warnings == [f"fleetrl: {run.metrics_path}: dropped its last line 4, torn by a kill mid-write"]
+    run.start(load_config([run.config_path], []), resume=3)
+    assert run.metrics_path.read_text().endswith("}\n") and [m["step"] for m in run.read_metrics()] == [1, 2, 3]
+    run.append_metrics({"step": 4})
+    assert [m["step"] for m in run.read_metrics()] == [1, 2, 3, 4]
+
+
+def test_a_bad_metrics_line_before_the_last_is_an_error_naming_it(tmp_path):
+    run = RunDir(make_run(tmp_path))
+    lines = run.metrics_path.read_text().splitlines()
+    lines[1] = lines[1][:10]
+    run.metrics_path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(FleetrlError, match=rf"^{run.metrics_path}: line 2 is not JSON .*only the last line may be torn"):
+        run.read_metrics()
+
+
+def episode(step):
+    """The part of a verifiers episode record the resume reads: its run stamp."""
+    return {"env": {"id": "x"}, "run": {"type": "train", "id": "run", "work": {"type": "train", "step": step}}}
+
+
+def test_a_resume_drops_the_verifiers_episodes_of_the_steps_it_redoes(tmp_path):
+    run = RunDir(make_run(tmp_path), log=lambda *_: None)
+    for step in (1, 2, 2, 3):
+        files.append_line(run.verifiers_episodes_path, json.dumps(episode(step)))
+    with open(run.verifiers_episodes_path, "a") as f:
+        f.write('{"env": {"id"')  # torn
+    run.start(load_config([run.config_path], []), resume=2)
+    kept = [json.loads(line) for line in run.verifiers_episodes_path.read_text().splitlines()]
+    assert kept == [episode(1), episode(2), episode(2)]
+    run.close()

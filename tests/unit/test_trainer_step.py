@@ -16,7 +16,7 @@ from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, loop, step
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.loop import Hooks
-from fleetrl.trainer.model import load_policy, named_tensors
+from fleetrl.trainer.model import load_policy, named_tensors, prompt_logprobs
 from fleetrl.trainer.step import (StepConfig, build_optimizer, finite_or_none, micro_batches, rank_samples,
                                   train_step)
 from fleetrl.versions import VersionSpan
@@ -227,12 +227,14 @@ class Run:
         for s in poisoned_steps:
             self.batches[s] = poisoned(self.batches[s])
         self.published: dict[int, dict[str, torch.Tensor]] = {}
+        self.probes: dict[int, tuple[list[int], list[float]]] = {}
         self.metrics = []
         self.lines = []
         self.checkpointed_at_on_step = []
 
-    def publish(self, version, weights):
+    def publish(self, version, weights, probe_ids, reference):
         self.published[version] = weights
+        self.probes[version] = (probe_ids, reference)
         return f"report {version}"
 
     def on_step(self, batch, metrics, report, started, finished):
@@ -290,3 +292,18 @@ def test_weights_that_are_not_finite_are_never_published(model_dir, tmp_path, mo
         run.train()
     assert not run.published and not run.metrics
     assert checkpoint.latest(run.run_dir.checkpoints_dir) is None
+
+
+def test_the_agreement_probe_goes_out_with_the_logprobs_of_the_published_weights(model_dir, tmp_path):
+    """What each worker's probe is compared with after a publish: the logprobs of exactly the
+    weights published as that version (a worker holding them agrees to float precision)."""
+    run = Run(model_dir, tmp_path)
+    run.train()
+    assert sorted(run.probes) == [1, 2, 3]
+    served = load_policy(model_dir, CPU)
+    for version in (1, 3):
+        probe_ids, reference = run.probes[version]
+        assert len(probe_ids) > 5 and len(reference) == len(probe_ids) - 1
+        served.load_state_dict(run.published[version], strict=False)
+        assert prompt_logprobs(served, probe_ids, CPU) == pytest.approx(reference, abs=1e-5)
+    assert run.probes[1][1] != pytest.approx(run.probes[3][1], abs=1e-6)  # training moved them

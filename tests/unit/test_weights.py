@@ -15,6 +15,7 @@ from fleetrl.weights import group as broadcast_group
 from fleetrl.weights.buckets import ALIGN, TensorMeta, iter_buckets, layout, pack_bucket, unpack_bucket
 from fleetrl.weights.manifest import (
     MANIFEST,
+    MARKER,
     READY,
     ManifestError,
     collect_garbage,
@@ -210,9 +211,28 @@ def test_manifest_disagreeing_with_shard_header_is_refused(tmp_path):
 def test_garbage_collection_keeps_the_newest_versions(tmp_path):
     for version in (1, 2, 3, 10):
         write_version(tmp_path, version, iter(sample_tensors()), shard_bytes=1 << 20)
-    (tmp_path / ".v11.tmp").mkdir()  # a writer killed mid-write
+    (tmp_path / ".v11.tmp").mkdir()  # a writer killed mid-write, after its first file
+    (tmp_path / ".v11.tmp" / MARKER).write_text("fleetrl-weights/1")
     collect_garbage(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v10", "v3"]
+
+
+def test_folders_fleetrl_did_not_write_are_never_deleted(tmp_path):
+    """A weights dir shared with other things: someone's own v3/ (and v99/, .v6.tmp/) stay, and
+    do not count among the versions kept."""
+    for name in ("v3", "v99", ".v6.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "theirs.bin").write_bytes(b"keep me")
+    for version in (1, 2, 4, 5):
+        write_version(tmp_path, version, iter(sample_tensors()), shard_bytes=1 << 20)
+    assert all((version_dir(tmp_path, v) / MARKER).is_file() for v in (1, 2, 4, 5))
+    assert collect_garbage(tmp_path, keep=2) == [tmp_path / "v1", tmp_path / "v2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".v6.tmp", "v3", "v4", "v5", "v99"]
+    assert (tmp_path / "v3" / "theirs.bin").read_bytes() == b"keep me"
+    with pytest.raises(ManifestError, match=rf"^{tmp_path / 'v3'} was not written by fleetrl \(it holds no "
+                                            rf"{MARKER}\), so fleetrl will not replace it"):
+        write_version(tmp_path, 3, iter(sample_tensors()), shard_bytes=1 << 20)
+    assert sorted(p.name for p in (tmp_path / "v3").iterdir()) == ["theirs.bin"]
 
 
 def test_rewriting_a_version_replaces_it(tmp_path):

@@ -48,5 +48,5 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
     if args.command == "status":
         from fleetrl.app.status import run_status
 
-        return asyncio.run(run_status(config))
+        return asyncio.run(run_status(config, args.run_dir))
     raise AssertionError(args.command)

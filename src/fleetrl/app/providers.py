@@ -1,17 +1,22 @@
-"""Inference providers by name (`inference.provider`), and the fleet coordinator on one.
+"""Inference providers by name (`inference.provider`), the run's tokens, and the fleet
+coordinator on one.
 
 Each entry says how to build the provider and what a config needs to attach to a fleet that
-is already running (`fleetrl status` only queries; it never launches one).
+is already running (`fleetrl status` only queries; it never launches one). A run records its
+running fleet in its directory (`start_recorded`), so `fleetrl status RUN_DIR` attaches with
+nothing else given (`attached_to_run`).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetrl.config import Config, InferenceConfig
+from fleetrl.config import Config, ConfigError, InferenceConfig, secret_fields
+from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.provider import InferenceProvider
@@ -21,33 +26,66 @@ from fleetrl.rundir import RunDir
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """The bearer tokens of native vLLM workers (engine/admin_auth.py); None: not known."""
+
+    admin: str | None  # every route: pause, weights, versions, sampling
+    data: str | None  # sampling only
+
+
+def resolve_tokens(inference: InferenceConfig, *, draw_missing: bool,
+                   environ: Mapping[str, str] = os.environ) -> Tokens:
+    """Each token from its config field, else its environment variable, else — for a fleet that
+    this process starts (`draw_missing`) — a fresh random one. Launched servers get them by
+    environment only (vllm/launcher.py); attached servers must have been started with them."""
+    def resolve(field: str, variable: str) -> str | None:
+        token = getattr(inference, field) or environ.get(variable) or None
+        return secrets.token_urlsafe(24) if token is None and draw_missing else token
+
+    tokens = Tokens(admin=resolve("admin_token", ADMIN_TOKEN_ENV), data=resolve("data_token", DATA_TOKEN_ENV))
+    if tokens.admin is not None and tokens.admin == tokens.data:
+        raise ConfigError("the admin and data tokens are the same (inference.admin_token, inference.data_token or "
+                          f"${ADMIN_TOKEN_ENV}, ${DATA_TOKEN_ENV}): whoever samples could then pause the workers "
+                          "and replace their weights")
+    return tokens
+
+
+@dataclass(frozen=True)
 class ProviderEntry:
-    # (config, run directory, model folder — None when only attaching —, admin token) -> provider
-    build: Callable[[Config, RunDir, Path | None, str | None], InferenceProvider]
+    # (config, run directory, model folder — None when only attaching —, tokens) -> provider
+    build: Callable[[Config, RunDir, Path | None, Tokens], InferenceProvider]
     # What the config lacks to attach to a running fleet, as "fleetrl status needs ..." ends; None: nothing.
     missing_to_attach: Callable[[InferenceConfig], str | None]
 
 
-def _vllm(config: Config, run_dir: RunDir, model_dir: Path | None, token: str | None) -> VllmProvider:
-    return VllmProvider(config.inference, model_dir, run_dir.logs_dir, token)
+def _vllm(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens) -> VllmProvider:
+    return VllmProvider(config.inference, model_dir, run_dir.logs_dir, tokens.admin, tokens.data)
 
 
 def _vllm_missing(inference: InferenceConfig) -> str | None:
     if not inference.urls:
-        return "inference.urls (the workers to query) and inference.admin_token"
-    if not inference.admin_token:
-        return "inference.admin_token (printed in the run's logs)"
+        return "a run directory (fleetrl status RUN_DIR) or inference.urls (the workers to query)"
+    if resolve_tokens(inference, draw_missing=False).admin is None:
+        return (f"inference.admin_token or ${ADMIN_TOKEN_ENV}, the token the workers were started with "
+                "(a run that fleetrl launched keeps it in RUN_DIR/tokens.json: fleetrl status RUN_DIR)")
     return None
 
 
-def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, token: str | None) -> DynamoProvider:
-    # No token: Dynamo's admin routes are the workers' own system ports, which take none.
+def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens) -> DynamoProvider:
+    # Dynamo's frontend and its workers' system ports (the RL admin routes) take no token: a
+    # token set for them would protect nothing, and saying nothing would let the user think so.
+    given = [f"inference.{name}" for name in ("admin_token", "data_token") if getattr(config.inference, name)]
+    if given:
+        raise ConfigError(f"{' and '.join(given)} set with inference.provider = 'dynamo', whose frontend and "
+                          "workers take no token: unset it, and protect the workers' system ports with the "
+                          "network (docs/dynamo.md, \"Protecting the system port\")")
     return DynamoProvider(config.inference, model_dir, run_dir.root)
 
 
 def _dynamo_missing(inference: InferenceConfig) -> str | None:
     if not inference.dynamo.frontend_url:
-        return "inference.dynamo.frontend_url and inference.dynamo.rl_url (the deployment to query)"
+        return ("a run directory (fleetrl status RUN_DIR) or inference.dynamo.frontend_url and "
+                "inference.dynamo.rl_url (the deployment to query)")
     return None
 
 
@@ -57,15 +95,39 @@ PROVIDERS: dict[str, ProviderEntry] = {
 }
 
 
-def build_provider(config: Config, model_dir: Path | None, token: str | None) -> InferenceProvider:
-    return PROVIDERS[config.inference.provider].build(config, RunDir(config.run.dir), model_dir, token)
+def build_provider(config: Config, model_dir: Path | None, tokens: Tokens) -> InferenceProvider:
+    return PROVIDERS[config.inference.provider].build(config, RunDir(config.run.dir), model_dir, tokens)
 
 
 def build_fleet(config: Config) -> tuple[Fleet, Path]:
-    """The fleet coordinator on the configured provider, and the model folder it serves. The
-    admin token is `inference.admin_token`, or a fresh random one for this run."""
+    """The fleet coordinator on the configured provider, and the model folder it serves."""
     model_dir = resolve_model(config.model)
-    token = config.inference.admin_token or secrets.token_urlsafe(24)
-    fleet = Fleet(build_provider(config, model_dir, token), pause_mode=config.inference.resolved_pause_mode(),
-                  discovery_interval_s=config.inference.discovery_interval_s)
+    tokens = resolve_tokens(config.inference, draw_missing=True)
+    inference = config.inference
+    fleet = Fleet(build_provider(config, model_dir, tokens), pause_mode=inference.resolved_pause_mode(),
+                  discovery_interval_s=inference.discovery_interval_s, health_timeout_s=inference.health_timeout_s,
+                  no_worker_timeout_s=inference.no_worker_timeout_s, probe_tolerance=inference.probe_tolerance)
     return fleet, model_dir
+
+
+async def start_recorded(fleet: Fleet, run_dir: RunDir) -> None:
+    """Start the fleet, then record in the run directory how to attach to it: where it runs
+    (fleet.json) and its tokens (tokens.json, readable by this user alone). The run removes
+    both when its fleet stops (`RunDir.forget_fleet`)."""
+    await fleet.start()
+    settings = fleet.provider.attach_settings()
+    secret = secret_fields(InferenceConfig)
+    run_dir.record_fleet({k: v for k, v in settings.items() if k not in secret},
+                         {k: v for k, v in settings.items() if k in secret and v})
+
+
+def attached_to_run(config: Config, run_dir: RunDir) -> Config:
+    """`config`, attached to the fleet that the run in `run_dir` recorded (`start_recorded`)."""
+    inference = InferenceConfig.model_validate(_merged(config.inference.model_dump(), run_dir.recorded_fleet()))
+    return config.model_copy(update={"inference": inference})
+
+
+def _merged(base: dict, update: dict) -> dict:
+    """`base` with `update`'s values; a table in both (inference.dynamo) is merged key by key."""
+    return {**base, **{key: _merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict)
+                       else value for key, value in update.items()}}

@@ -24,12 +24,12 @@ from concurrent.futures import Future
 
 import torch
 
-from fleetrl.app.providers import build_fleet
+from fleetrl.app.providers import build_fleet, start_recorded
 from fleetrl.batch import Batch
 from fleetrl.config import Config, ConfigError
 from fleetrl.envs import Environment, EnvError, get_environment, task_stream
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.fleet import Fleet, PublishReport
+from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.orchestrator.rollouts import Orchestrator
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
@@ -152,7 +152,7 @@ class RLRun:
         self.orchestrator = Orchestrator(fleet, env, self.tokenizer, config.orchestrator, self.run_dir,
                                          config.run.seed, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
-        self.fleet_started = self.control.submit(fleet.start())
+        self.fleet_started = self.control.submit(start_recorded(fleet, self.run_dir))
 
     def start_ranks(self) -> None:
         """Ranks 1..N-1 as children; this process joins the same group as rank 0."""
@@ -196,6 +196,7 @@ class RLRun:
             future.cancel()
         if self.fleet is not None:
             self.control.run(_close(self.fleet, self.transport))
+            self.run_dir.forget_fleet()
         self.control.stop()
         distributed.destroy()
         for rank in self.ranks:
@@ -210,9 +211,10 @@ class RLRun:
         self.wait_fleet()
         self.rollouts.append(self.control.submit(self.orchestrator.run(start + 1, self.config.run.max_steps)))
 
-    def publish(self, step: int, weights: Snapshot) -> PublishReport:
+    def publish(self, step: int, weights: Snapshot, probe_ids: list[int], reference: list[float]) -> PublishReport:
         self.wait_fleet()
-        report = self.control.run(self.fleet.publish(step, self.transport, lambda: iter(weights.items())))
+        probe = AgreementProbe(probe_ids, reference)
+        report = self.control.run(self.fleet.publish(step, self.transport, lambda: iter(weights.items()), probe))
         if not report.ready:
             raise FleetrlError(f"publish v{step} reached no worker")
         return report
@@ -236,6 +238,7 @@ class RLRun:
             "checksum": report.checksum,
             "worker_versions": self.control.run(ready_versions(self.fleet)),
             "failed_workers": report.failed,
+            "probe_max_abs_diff": report.probe,
             "rollout_started": batch.meta["rollout_started"],
             "rollout_finished": batch.meta["rollout_finished"],
             "train_started": started,

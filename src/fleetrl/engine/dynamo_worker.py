@@ -16,6 +16,9 @@ one that runs on a CPU here): it is entered in Dynamo's registry of PD connector
 Dynamo's extension point for a new connector, as cache-mediated like LMCache (the decode
 worker finds the prefill's KV by prompt tokens; nothing per request crosses over).
 
+Both worker kinds answer fleetrl's weight check with the checksum every rank computed
+(`_answering_checksums`): Dynamo's weight-update route returns no results of its own.
+
 With `--fleetrl-token-versions` it is fleetrl's worker kind (`inference.dynamo.worker =
 "fleetrl"`): the same worker plus what it lacks for exact per-token versions (see
 `_report_token_versions`).
@@ -27,7 +30,7 @@ import importlib
 import importlib.util
 import sys
 
-from fleetrl.contract import TOKEN_VERSIONS_FLAG
+from fleetrl.contract import TOKEN_VERSIONS_FLAG, WEIGHT_CHECKSUM_METHOD
 
 
 def _apply_import_fixes() -> None:
@@ -45,6 +48,34 @@ def _register_shared_storage_connector() -> None:
     from dynamo.vllm import kv_connector_protocols as protocols
 
     protocols.KV_CONNECTOR_PROTOCOLS.setdefault("ExampleConnector", protocols.LMCacheMPConnectorProtocol)
+
+
+def _answering_checksums(route):
+    """Dynamo's `update_weights_from_distributed` route, answering fleetrl's checksum method
+    (`contract.WEIGHT_CHECKSUM_METHOD`) with each rank's result, as vLLM's /collective_rpc does.
+
+    Dynamo's route runs an engine method on every rank but returns only "ok": a check whose
+    expected value went in could pass without the worker holding anything. With each rank's
+    checksum, computed by its receiver from the bytes it got, the coordinator compares them
+    with the sender's itself. The method only reads, so it runs paused or not, like the
+    route's own `allow_unpaused` calls; every other call goes to Dynamo's route unchanged."""
+    async def update_weights_from_distributed(self, body):
+        if not (isinstance(body, dict) and body.get("engine_rpc") == WEIGHT_CHECKSUM_METHOD):
+            return await route(self, body)
+        try:
+            results = await self.engine_client.collective_rpc(WEIGHT_CHECKSUM_METHOD)
+        except Exception as e:  # answered as Dynamo's routes answer a failed call
+            return {"status": "error", "message": f"{WEIGHT_CHECKSUM_METHOD}: {type(e).__name__}: {e}"}
+        return {"status": "ok", "results": list(results)}
+
+    return update_weights_from_distributed
+
+
+def _report_weight_checksums() -> None:
+    from dynamo.vllm.handlers import BaseWorkerHandler
+
+    BaseWorkerHandler.update_weights_from_distributed = _answering_checksums(
+        BaseWorkerHandler.update_weights_from_distributed)
 
 
 def _report_token_versions() -> None:
@@ -122,6 +153,7 @@ def _report_token_versions() -> None:
 def main() -> None:
     _apply_import_fixes()
     _register_shared_storage_connector()
+    _report_weight_checksums()
     if TOKEN_VERSIONS_FLAG in sys.argv:
         sys.argv.remove(TOKEN_VERSIONS_FLAG)
         _report_token_versions()

@@ -5,8 +5,10 @@ vLLM imports this module in every worker process before it builds the worker's
 weight-transfer engine, so importing it is what registers the `fleetrl` backend
 (`--weight-transfer-config '{"backend": "fleetrl"}'`). The methods below are reachable
 through `/collective_rpc`, which returns one result per rank, or through a Dynamo worker's
-`engine_rpc` routes, which return none: the `fleetrl_verify_*` checks raise instead. Every name starts with
-`fleetrl_`: vLLM refuses an extension whose attribute names clash with the worker's.
+`engine_rpc` routes, which return none: fleetrl's Dynamo worker entry returns the checksum
+method's results itself (engine/dynamo_worker.py), and `fleetrl_verify_broadcast_group`
+raises instead. Every name starts with `fleetrl_`: vLLM refuses an extension whose attribute
+names clash with the worker's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class FleetrlWorkerExtension:
         return engine if isinstance(engine, FleetrlWeightReceiver) else None
 
     def fleetrl_weight_checksum(self) -> str | None:
-        """fleetrl checksum of the weights this rank last received in full; None if none."""
+        """fleetrl checksum of the weights this rank last received in full, computed by its
+        receiver from the bytes it got; None if none. Named in contract.WEIGHT_CHECKSUM_METHOD."""
         receiver = self._fleetrl_receiver()
         return receiver.checksum if receiver else None
 
@@ -42,11 +45,6 @@ class FleetrlWorkerExtension:
         the group when any rank of any worker is not in its current one (a restarted worker)."""
         receiver = self._fleetrl_receiver()
         return receiver.group.name if receiver and receiver.group else ""
-
-    def fleetrl_verify_weights(self, checksum: str) -> None:
-        held = self.fleetrl_weight_checksum()
-        if held != checksum:
-            raise RuntimeError(f"rank {self.rank}: weight checksum {held} != sender's {checksum}")
 
     def fleetrl_verify_broadcast_group(self, group_name: str) -> None:
         joined = self.fleetrl_broadcast_group()

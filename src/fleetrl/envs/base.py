@@ -10,8 +10,10 @@ is generated for), so an environment that keeps its own records (the `verifiers`
 say which policy produced what. Built-in environments only read the task and the text.
 
 Environments are user code: `score` and `task_stream` turn anything they raise, and any reward
-that is not a finite number in [0, 1], into an `EnvError` naming the environment and the task,
-so one bad reward function stops the run with a clear line instead of a NaN in the loss.
+that is not a finite number in [0, 1], into an `EnvError` naming the environment and the task.
+The orchestrator calls `score` in a thread of its own, with a time limit: a reward that fails
+or hangs drops its sample (counted, and recorded with the reason), so it never reaches the loss
+as a NaN and never stalls the run; a task stream that raises ends the run with that line.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ own trainers stamp it: `TrainRunInfo(id, name, work=TrainWorkInfo(step, policy=P
 start, end)))`, with `start`/`end` the oldest and newest policy version that produced the
 completion. The exact per-token version spans go to `trace.info["fleetrl"]`. With
 `episodes_path` set, each episode is appended there as one JSON line (`Episode.to_record()`),
-readable with `verifiers.v1.WireEpisode.model_validate`.
+readable with `verifiers.v1.WireEpisode.model_validate`, and synced to disk as it is written (a
+resumed `fleetrl rl` drops the episodes of the steps it redoes, by their run stamp's step).
 
 Not supported, and refused with a clear error: tasks that need a container or tool servers,
 prompt-less tasks (the user opens the conversation), and rewards that need a runtime; they
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from fleetrl.envs.base import EnvError, Rollout, Task, one_line
+from fleetrl.files import append_line
 
 if TYPE_CHECKING:
     import verifiers.v1 as vf
@@ -89,7 +91,7 @@ class VerifiersEnvironment:
         # own event loop, where `asyncio.run` is refused. One private loop thread serves both.
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name=f"{self.name} scoring", daemon=True).start()
-        self._write_lock = threading.Lock()
+        self._write_lock = threading.Lock()  # rewards are scored in threads: one line at a time
 
     def tasks(self, seed: int) -> Iterator[Task]:
         """A finite taskset is reshuffled every pass (seeded); an infinite one is its own
@@ -109,8 +111,8 @@ class VerifiersEnvironment:
         episode = self.episode(rollout)
         if self.episodes_path is not None:
             line = json.dumps(episode.to_record())
-            with self._write_lock, self.episodes_path.open("a") as f:
-                f.write(line + "\n")
+            with self._write_lock:
+                append_line(self.episodes_path, line)
         return episode.traces[0].reward
 
     def episode(self, rollout: Rollout) -> vf.Episode:

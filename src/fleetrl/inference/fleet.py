@@ -47,6 +47,19 @@ class PublishReport:
     checksum: str
     ready: list[str]  # workers verified at `version` and resumed
     failed: dict[str, str] = field(default_factory=dict)  # worker id -> why it is dead or stale
+    probe: dict[str, float] = field(default_factory=dict)  # worker id -> max |delta logprob| on the probe
+
+
+@dataclass(frozen=True)
+class AgreementProbe:
+    """A token sequence and the trainer's logprobs of it under the weights being published.
+
+    A checksum proves which bytes a worker received; only its own scoring of the probe proves
+    the engine installed them as the trainer holds them (a reload that broke a tied embedding
+    passed every checksum)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
 
 
 @dataclass
@@ -56,17 +69,19 @@ class _WeightSource:
     transport: WeightTransport
     named_tensors: NamedTensors
     checksum: str
+    probe: AgreementProbe | None
 
 
 class Fleet:
     def __init__(self, provider: InferenceProvider, pause_mode: PauseMode = "keep",
                  discovery_interval_s: float = 5.0, health_timeout_s: float = 10.0,
-                 no_worker_timeout_s: float = 600.0, log=print) -> None:
+                 no_worker_timeout_s: float = 600.0, probe_tolerance: float = 0.1, log=print) -> None:
         self.provider = provider
         self.pause_mode = pause_mode
         self.discovery_interval_s = discovery_interval_s
         self.health_timeout_s = health_timeout_s
         self.no_worker_timeout_s = no_worker_timeout_s
+        self.probe_tolerance = probe_tolerance
         self.log = log
         self.transient_errors = 0  # requests sent again after a healthy worker failed them
         self.version = 0
@@ -184,6 +199,8 @@ class Fleet:
                 checksum = await self._source.transport.transfer([admin], self._source.named_tensors, self.version)
                 await self._verify(worker, self.version, checksum)
             await admin.resume()
+            if self._source is not None and self._source.probe is not None:
+                await self._agrees(worker, self._source.probe, self.ready_prefill_workers())
         except Exception as e:
             self._mark(worker, WorkerState.STALE, f"refit to v{self.version} failed: {e}")
             return
@@ -199,10 +216,28 @@ class Fleet:
             raise FleetrlError(f"reports version {reported}, expected v{version}")
         await admin.verify_weights(checksum)
 
+    async def _agrees(self, worker: WorkerInfo, probe: AgreementProbe, prefills: list[WorkerInfo],
+                      deltas: dict[str, float] | None = None) -> None:
+        """The worker scores the probe; more than `probe_tolerance` from the trainer's logprobs
+        raises. Prefill workers only prefill (their scoring is a decode worker's): they are
+        held to the checksum alone, and score through one of them where the fleet has some."""
+        if worker.role == WorkerRole.PREFILL:
+            return
+        served = await self.provider.prompt_logprobs(worker, probe.token_ids, prefills[0] if prefills else None)
+        delta = max(abs(a - b) for a, b in zip(served, probe.logprobs, strict=True))
+        if deltas is not None:
+            deltas[worker.id] = delta
+        if not delta <= self.probe_tolerance:  # a NaN disagrees too
+            raise FleetrlError(f"agreement probe: logprobs differ from the trainer's by up to {delta:.3g} "
+                               f"> inference.probe_tolerance = {self.probe_tolerance:g} (weights received but "
+                               f"not installed as sent)")
+
     # -- publish ---------------------------------------------------------------------------
 
-    async def publish(self, version: int, transport: WeightTransport, named_tensors: NamedTensors) -> PublishReport:
-        """Fence: pause all -> transfer -> verify version + checksum on all -> resume all.
+    async def publish(self, version: int, transport: WeightTransport, named_tensors: NamedTensors,
+                      probe: AgreementProbe | None = None) -> PublishReport:
+        """Fence: pause all -> transfer -> verify version + checksum on all -> resume all ->
+        each scores the agreement probe (when given) before it takes traffic.
 
         Workers that fail are excluded (dead or stale, with the reason in the report) and the
         others complete the publish; if none completes, PublishError and nothing resumes.
@@ -230,15 +265,21 @@ class Fleet:
                 raise PublishError(f"publish v{version} completed on no worker: {self._format(failed)}")
             # From here on only workers verified at `version` take traffic: stale ones stay paused.
             self.version = version
-            self._source = _WeightSource(transport, named_tensors, checksum)
+            self._source = _WeightSource(transport, named_tensors, checksum, probe)
             resumed = await self._each(verified, lambda w: admin(w).resume(), failed, WorkerState.DEAD)
+            deltas: dict[str, float] = {}
+            if probe is not None:  # still UPDATING here: a worker that disagrees never takes a request
+                prefills = [w for w in resumed if w.role == WorkerRole.PREFILL]
+                agree = await self._each(resumed, lambda w: self._agrees(w, probe, prefills, deltas), failed,
+                                         WorkerState.STALE)
+                resumed = [w for w in resumed if w in agree]
             for worker in resumed:
                 worker.version = version
                 self._mark(worker, WorkerState.READY)
         await self._notify()
         if failed:
             self.log(f"fleetrl: publish v{version} excluded {self._format(failed)}")
-        return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed)
+        return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed, deltas)
 
     async def _transfer(self, workers: list[WorkerInfo], transport: WeightTransport,
                         named_tensors: NamedTensors, version: int,

@@ -1,6 +1,6 @@
 """The HTTP machinery both providers share: the retrying admin call, the cleanup after a
-failed weight transfer, the readiness wait of a launch, and what the workers' OpenAI-style
-API is asked and answers (the served model name, prompt logprobs).
+failed weight transfer, the per-rank checksum check, the readiness wait of a launch, and what
+the workers' OpenAI-style API is asked and answers (the served model name, prompt logprobs).
 """
 
 from __future__ import annotations
@@ -84,6 +84,15 @@ async def abandon_weight_update(close_update: Callable[[], Awaitable[object]],
             await step()
         except FleetrlError:
             pass
+
+
+def check_rank_checksums(worker_id: str, checksums: list, sender_checksum: str) -> None:
+    """A worker holds the published weights only if every one of its ranks reports the sender's
+    checksum (`checksums`: one per rank, each computed by the rank from the bytes it received)."""
+    held = set(map(str, checksums))
+    if held != {sender_checksum}:
+        raise WorkerCallError(worker_id, "weight check",
+                              f"weight checksum {sorted(held)} != sender's {sender_checksum}")
 
 
 async def wait_until_ready(what: str, processes: Sequence[ManagedProcess], not_ready: Callable[[], Awaitable[str | None]],

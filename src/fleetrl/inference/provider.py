@@ -119,5 +119,9 @@ class InferenceProvider(Protocol):
 
     def admin(self, worker: WorkerInfo) -> WorkerAdmin: ...
 
+    def attach_settings(self) -> dict:
+        """The `[inference]` settings with which `fleetrl status` attaches to this running fleet,
+        its tokens included (the run writes them apart, to RUN_DIR/tokens.json, mode 0600)."""
+
     async def close(self) -> None:
         """Close clients and stop every process the provider launched."""

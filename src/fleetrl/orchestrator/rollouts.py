@@ -11,18 +11,32 @@ Off-policy control, with k = `max_off_policy_steps`:
 - a sample whose spans name versions the fleet never served while it ran (a worker at the
   wrong version) is rejected and counted (`misversioned`), and left out of its group's
   advantage baseline.
+
+The same holds for an empty completion (`empty`: nothing to train on) and for a sample whose
+reward failed (`reward_failed`): the reward raised, was not a number in [0, 1], or took longer
+than `reward_timeout_s`. Rewards are user code, so each runs in a thread of its own, off the
+event loop that also drives the fleet. Every sample, trained or not, is recorded in the batch's
+rollouts file with the reason it was not trained (`drop_reason`).
+
+Batch n trains on tasks (n - 1) * batch_prompts onwards of the seeded task stream, so a run
+resumed after step s draws, for each step, the tasks an uninterrupted run would have: none of
+steps 1..s again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fleetrl.batch import Batch, Sample
 from fleetrl.config import OrchestratorConfig
-from fleetrl.envs import Environment, Rollout, Task, score, task_stream
+from fleetrl.envs import Environment, EnvError, Rollout, Task, score, task_stream
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams
@@ -31,13 +45,20 @@ from fleetrl.rundir import RunDir
 from fleetrl.versions import off_policy_distance
 
 
+# Rewards scored at once, at most: a thread each, whose slot is given back when the reward
+# returns or times out. Enough that slow rewards do not hold up the others; more would not
+# score faster (rewards are mostly Python, holding the GIL).
+REWARD_THREADS = 32
+
+
 @dataclass
 class Scored:
     task: Task
     prompt_ids: list[int]
     completion: GenerateResponse
     text: str
-    reward: float
+    reward: float | None  # None: not scored (an empty completion), or its reward failed
+    reward_error: str | None = None  # why the reward failed, naming the env and the task
 
 
 class Orchestrator:
@@ -50,6 +71,8 @@ class Orchestrator:
         self.run_dir = run_dir
         self.log = log
         self._tasks = task_stream(env, seed)
+        self._drawn = 0  # tasks taken from the stream so far (used or skipped)
+        self._reward_slots = asyncio.Semaphore(REWARD_THREADS)
         self.sampling = SamplingParams(
             temperature=config.temperature,
             top_p=config.top_p,
@@ -69,43 +92,49 @@ class Orchestrator:
         await self.fleet.wait_for_version(admitted)
         started = time.time()
         dispatch_version = self.fleet.version
-        tasks = [next(self._tasks) for _ in range(self.config.batch_prompts)]
+        tasks = self._tasks_of(step)
         groups = await asyncio.gather(*(self._sample_group(step, i, task) for i, task in enumerate(tasks)))
         finished = time.time()
 
-        samples, records, dropped, misversioned = [], [], 0, 0
+        samples, records = [], []
+        drops = Counter()  # samples not trained on, by drop_reason
         for group_index, group in enumerate(groups):
-            rejected = [s for s in group if s.completion.version_error]
-            misversioned += len(rejected)
-            group = [s for s in group if not s.completion.version_error]
-            for scored in rejected:
-                records.append(self._record(step, group_index, scored, None, trained=False))
-            if not group:
-                continue
-            advantages = group_advantages([s.reward for s in group], self.config.normalize_advantages_std)
-            for scored, advantage in zip(group, advantages):
-                c = scored.completion
-                kept = off_policy_distance(step, c.spans) <= k
-                if kept:
-                    samples.append(Sample(
-                        prompt_ids=scored.prompt_ids,
-                        completion_ids=c.token_ids,
-                        inference_logprobs=c.logprobs,
-                        spans=c.spans,
-                        reward=scored.reward,
-                        advantage=advantage,
-                        group=group_index,
-                    ))
+            usable = []
+            for scored in group:
+                if reason := self._unusable(scored):
+                    drops[reason] += 1
+                    records.append(self._record(step, group_index, scored, None, reason))
                 else:
-                    dropped += 1
-                records.append(self._record(step, group_index, scored, advantage, trained=kept))
+                    usable.append(scored)
+            if not usable:
+                continue
+            advantages = group_advantages([s.reward for s in usable], self.config.normalize_advantages_std)
+            for scored, advantage in zip(usable, advantages):
+                c = scored.completion
+                if off_policy_distance(step, c.spans) > k:
+                    drops["off_policy"] += 1
+                    records.append(self._record(step, group_index, scored, advantage, "off_policy"))
+                    continue
+                samples.append(Sample(
+                    prompt_ids=scored.prompt_ids,
+                    completion_ids=c.token_ids,
+                    inference_logprobs=c.logprobs,
+                    spans=c.spans,
+                    reward=scored.reward,
+                    advantage=advantage,
+                    group=group_index,
+                ))
+                records.append(self._record(step, group_index, scored, advantage, None))
         self.run_dir.write_rollouts(step, records)
-        if misversioned:
-            self.log(f"fleetrl: batch {step}: rejected {misversioned} sample(s) from a worker at the wrong version")
+        reward_errors = [r["reward_error"] for r in records if r["drop_reason"] == "reward_failed"]
+        self._log_drops(step, drops, reward_errors)
         if not samples:
-            raise FleetrlError(f"batch {step} is empty: of {len(records)} samples {dropped} exceeded "
-                               f"orchestrator.max_off_policy_steps = {k} and {misversioned} were misversioned")
-        rewards = [r["reward"] for r in records]
+            raise FleetrlError(
+                f"batch {step} is empty: of {len(records)} samples {drops['off_policy']} exceeded "
+                f"orchestrator.max_off_policy_steps = {k}, {drops['misversioned']} were misversioned, "
+                f"{drops['reward_failed']} had a failed reward and {drops['empty']} were empty"
+                + (f" (the first failed reward: {reward_errors[0]})" if reward_errors else ""))
+        rewards = [r["reward"] for r in records if r["reward"] is not None]
         distances = [off_policy_distance(step, s.spans) for s in samples]
         mean = sum(rewards) / len(rewards)
         meta = {
@@ -118,9 +147,33 @@ class Orchestrator:
             "distance_max": max(distances),
             "distance_mean": sum(distances) / len(distances),
             "max_off_policy_steps": k,
-            "misversioned": misversioned,
+            "misversioned": drops["misversioned"],
+            "reward_failed": drops["reward_failed"],
+            "empty": drops["empty"],
         }
-        return Batch(step=step, samples=samples, dropped=dropped, meta=meta)
+        return Batch(step=step, samples=samples, dropped=drops["off_policy"], meta=meta)
+
+    def _log_drops(self, step: int, drops: Counter, reward_errors: list[str]) -> None:
+        """One line per kind of fault in the batch (off-policy drops are the step line's)."""
+        if drops["misversioned"]:
+            self.log(f"fleetrl: batch {step}: rejected {drops['misversioned']} sample(s) from a worker at the wrong version")
+        if drops["reward_failed"]:
+            self.log(f"fleetrl: batch {step}: dropped {drops['reward_failed']} sample(s) whose reward failed "
+                     f"(the first: {reward_errors[0]})")
+        if drops["empty"]:
+            self.log(f"fleetrl: batch {step}: dropped {drops['empty']} empty completion(s)")
+
+    def _tasks_of(self, step: int) -> list[Task]:
+        """Tasks (step - 1) * batch_prompts onwards of the stream, skipping those of the steps
+        before that this orchestrator did not make (a resumed run's). Steps come in order."""
+        first = (step - 1) * self.config.batch_prompts
+        skip = first - self._drawn
+        tasks = list(itertools.islice(self._tasks, skip, skip + self.config.batch_prompts))
+        self._drawn = first + len(tasks)
+        if len(tasks) < self.config.batch_prompts:
+            raise EnvError(f"env {self.env.name}: its task stream ended after {self._drawn} tasks "
+                           f"(batch {step} needs tasks {first}..{first + self.config.batch_prompts - 1})")
+        return tasks
 
     async def _sample_group(self, step: int, index: int, task: Task) -> list[Scored]:
         prompt_ids = self.tokenizer.apply_chat_template(task.messages, add_generation_prompt=True,
@@ -128,19 +181,79 @@ class Orchestrator:
         request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=self.sampling, n=self.config.group_size,
                                   session_id=f"step{step}-group{index}")
         completions = await self.fleet.generate(request)
-        scored = []
-        for completion in completions:
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            reward = score(self.env, Rollout(task=task, completion=text, spans=completion.spans, step=step))
-            scored.append(Scored(task=task, prompt_ids=prompt_ids, completion=completion, text=text, reward=reward))
+        return list(await asyncio.gather(*(self._score(step, task, prompt_ids, c) for c in completions)))
+
+    async def _score(self, step: int, task: Task, prompt_ids: list[int], completion: GenerateResponse) -> Scored:
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        scored = Scored(task=task, prompt_ids=prompt_ids, completion=completion, text=text, reward=None)
+        if not completion.token_ids:  # dropped unscored: there is nothing to train on
+            return scored
+        rollout = Rollout(task=task, completion=text, spans=completion.spans, step=step)
+        limit = self.config.reward_timeout_s
+        # A reward past the limit is given up on, not stopped: Python cannot kill a thread, so a
+        # hung reward's thread runs on (a daemon) until it returns or the process ends.
+        async with self._reward_slots:
+            try:
+                scored.reward = await asyncio.wait_for(in_daemon_thread(score, self.env, rollout), limit)
+            except EnvError as e:
+                scored.reward_error = str(e)
+            except TimeoutError:
+                scored.reward_error = (f"env {self.env.name}: reward of task {task.id} took longer than "
+                                       f"orchestrator.reward_timeout_s = {limit:g} s")
         return scored
 
     @staticmethod
-    def _record(step: int, group: int, scored: Scored, advantage: float | None, trained: bool) -> dict:
+    def _unusable(scored: Scored) -> str | None:
+        """Why a sample can neither be trained on nor stand in its group's baseline, if so."""
+        if scored.completion.version_error:
+            return "misversioned"
+        if not scored.completion.token_ids:
+            return "empty"
+        if scored.reward is None:
+            return "reward_failed"
+        return None
+
+    @staticmethod
+    def _record(step: int, group: int, scored: Scored, advantage: float | None, drop_reason: str | None) -> dict:
         c = scored.completion
         return {
             "step": step, "group": group, "task": scored.task.id, "completion": scored.text,
             "reward": scored.reward, "advantage": advantage, "worker": c.worker_id,
-            "prefill_worker": c.prefill_worker_id, "spans": [[s.version, s.start] for s in c.spans], "distance": off_policy_distance(step, c.spans),
-            "trained": trained, "version_error": c.version_error,
+            "prefill_worker": c.prefill_worker_id, "spans": [[s.version, s.start] for s in c.spans],
+            "distance": off_policy_distance(step, c.spans) if c.spans else None,
+            "trained": drop_reason is None, "drop_reason": drop_reason, "reward_error": scored.reward_error,
+            "version_error": c.version_error,
         }
+
+
+def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
+    """`fn(*args)` in a new daemon thread, as a future of the running event loop.
+
+    Not an executor's thread: Python cannot stop a thread, so a reward that never returns holds
+    its thread until the process ends, and `concurrent.futures` joins its threads at exit, so
+    fleetrl could never exit. A daemon thread given up on (the caller stopped waiting) is left
+    to finish or to die with the process; its result is dropped.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if future.done():  # cancelled: the caller stopped waiting
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome = True, fn(*args)
+        except BaseException as e:  # the caller decides what an exception means
+            outcome = False, e
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name="fleetrl-reward", daemon=True).start()
+    return future

@@ -33,7 +33,7 @@ from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.loss import LossConfig
-from fleetrl.trainer.model import first_nonfinite, load_policy, named_tensors
+from fleetrl.trainer.model import agreement_probe, first_nonfinite, load_policy, named_tensors, prompt_logprobs
 from fleetrl.trainer.step import StepConfig, StepMetrics, build_optimizer, train_step
 
 Snapshot = dict[str, torch.Tensor]
@@ -54,7 +54,8 @@ class Hooks:
 
     wait_batch: Callable[[int], Batch]
     start_rollouts: Callable[[int], None] = lambda start: None  # after the refit, from step `start` + 1
-    publish: Callable[[int, Snapshot], object] | None = None  # rank 0 only
+    # rank 0 only: (version, weights, probe token ids, the trainer's logprobs of them)
+    publish: Callable[[int, Snapshot, list[int], list[float]], object] | None = None
     on_step: Callable[[Batch, StepMetrics, object, float, float], None] = lambda *a: None
 
 
@@ -67,16 +68,18 @@ def snapshot(model: torch.nn.Module, rank: int) -> Snapshot:
     return tensors
 
 
-def publish(step: int, model: torch.nn.Module, rank: int, hooks: Hooks) -> object:
-    """Publishes the model as version `step` through `hooks.publish` (rank 0); every rank must
-    call this, in step. Raises FleetrlError, publishing nothing, when a weight is not finite."""
-    weights = snapshot(model, rank)
+def publish(step: int, model: torch.nn.Module, world: World, probe_ids: list[int], hooks: Hooks) -> object:
+    """Publishes the model as version `step` through `hooks.publish` (rank 0), with the
+    trainer's logprobs of the agreement probe; every rank must call this, in step. Raises
+    FleetrlError, publishing nothing, when a weight is not finite."""
+    weights = snapshot(model, world.rank)
+    reference = prompt_logprobs(model, probe_ids, world.device)
     if not hooks.publish:
         return None
     bad = first_nonfinite(weights.items())
     if bad is not None:
         raise FleetrlError(f"step {step}: weight {bad} is not finite; version {step} not published")
-    return hooks.publish(step, weights)
+    return hooks.publish(step, weights, probe_ids, reference)
 
 
 def nonfinite_step(metrics: StepMetrics) -> str:
@@ -89,11 +92,12 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
     cfg = step_config(config)
     model = load_policy(model_dir, world.device)
     optimizer = build_optimizer(model, cfg)
+    probe_ids = agreement_probe(model)
     start = checkpoint.load(run_dir.checkpoints_dir, model, optimizer, log=log) or 0
     if start:
         log(f"fleetrl: resumed from checkpoint step {start}")
         # The fleet must serve the checkpoint's version before any rollout.
-        publish(start, model, world.rank, hooks)
+        publish(start, model, world, probe_ids, hooks)
     hooks.start_rollouts(start)
     interval = config.trainer.checkpoint_interval
     for step in range(start + 1, config.run.max_steps + 1):
@@ -107,7 +111,7 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
                                    f"(to skip such steps and go on: trainer.on_nonfinite = skip)")
             log(f"fleetrl: step {step}: {nonfinite_step(metrics)}; the update was skipped: version {step} "
                 f"repeats the weights of version {step - 1}")
-        report = publish(step, model, world.rank, hooks)
+        report = publish(step, model, world, probe_ids, hooks)
         hooks.on_step(batch, metrics, report, started, finished)
         if interval and (step % interval == 0 or step == config.run.max_steps):
             checkpoint.save(run_dir.checkpoints_dir, step, model, optimizer, keep=config.trainer.keep_checkpoints)

@@ -120,3 +120,26 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]], across_ranks: boo
         dist.all_reduce(flags)
     hits = flags.nonzero()
     return names[hits[0].item()] if len(hits) else None
+
+
+def agreement_probe(model: nn.Module, length: int = 24) -> list[int]:
+    """The token ids of the agreement probe: after every step the trainer scores them, and after
+    every publish each worker does too; a worker whose logprobs differ serves other weights than
+    it was sent, whatever the checksum of the bytes it received says (an install bug, say).
+
+    Ids spread over the vocabulary (a prime stride), not a text: every rank computes them from
+    the model alone, with no tokenizer; the logits of every position cover the whole output
+    layer (the tied embedding included) anyway.
+    """
+    vocab = model.config.vocab_size
+    return [(i * 7919) % vocab for i in range(1, length + 1)]
+
+
+@torch.no_grad()
+def prompt_logprobs(model: nn.Module, token_ids: list[int], device: torch.device) -> list[float]:
+    """log p(token_i | tokens_<i) for i >= 1 under the model; on a sharded model every rank
+    must call this, in step (the forward is a collective)."""
+    ids = torch.tensor([token_ids], device=device)
+    with compute_precision(model, device):
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()

@@ -1,7 +1,8 @@
 """Filesystem transport, sender side: the trainer writes the version as safetensors shards
 + manifest on storage every worker can read (at the same path), then each worker verifies
 and loads it. Slower than a broadcast, but needs no network path from workers to the
-trainer, and leaves a verifiable copy of every recent version behind.
+trainer, and leaves a verifiable copy of every recent version behind. Older versions are
+deleted as new ones are published, only folders fleetrl wrote (`manifest.collect_garbage`).
 """
 
 from __future__ import annotations

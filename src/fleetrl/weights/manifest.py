@@ -5,6 +5,7 @@
         manifest.json                version, fleetrl checksum, and per shard: file, size,
                                      sha256 and the (name, dtype, shape) of every tensor
         READY                        sha256 of manifest.json, written last
+        WRITTEN_BY_FLEETRL           marks the folder as fleetrl's, written first
 
 Errors name files relative to storage_dir ("v3/READY"): vLLM blanks absolute paths out of
 the HTTP error a failed worker call returns (the worker's log has them in full).
@@ -12,7 +13,9 @@ the HTTP error a failed worker call returns (the worker's log has them in full).
 A version is built in a scratch folder and renamed into place; READY is written after the
 rename. A reader trusts nothing without READY, and nothing whose READY, manifest or shard
 hashes disagree, so a half-written or corrupted version is refused before anything loads.
-One process (trainer rank 0) writes into a storage folder.
+One process (trainer rank 0) writes into a storage folder. The storage folder may be shared with
+other things (inference.weights.dir), so fleetrl deletes or replaces only folders holding its
+WRITTEN_BY_FLEETRL marker: a `v3/` of anyone else's is never touched.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from fleetrl.weights.checksum import WeightsHasher
 FORMAT = "fleetrl-weights/1"
 MANIFEST = "manifest.json"
 READY = "READY"
+MARKER = "WRITTEN_BY_FLEETRL"
 
 
 class ManifestError(FleetrlError):
@@ -74,8 +78,9 @@ def write_version(storage_dir: Path, version: int, named: Iterable[tuple[str, to
     storage_dir.mkdir(parents=True, exist_ok=True)
     target = version_dir(storage_dir, version)
     scratch = _scratch_dir(storage_dir, version)
-    shutil.rmtree(scratch, ignore_errors=True)
+    _remove_ours(scratch)  # a killed writer's
     scratch.mkdir()
+    (scratch / MARKER).write_text(FORMAT)  # first: a killed writer's scratch is recognisably ours too
     hasher = WeightsHasher()
     shards = []
     try:
@@ -93,7 +98,7 @@ def write_version(storage_dir: Path, version: int, named: Iterable[tuple[str, to
         manifest_bytes = json.dumps(_to_json(manifest), indent=1).encode()
         atomic_write(scratch / MANIFEST, manifest_bytes, durable=True)
         # An earlier attempt at this version (a failed or retried publish) is replaced.
-        shutil.rmtree(target, ignore_errors=True)
+        _remove_ours(target)
         os.rename(scratch, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -104,6 +109,20 @@ def write_version(storage_dir: Path, version: int, named: Iterable[tuple[str, to
 
 def _scratch_dir(storage_dir: Path, version: int) -> Path:
     return storage_dir / f".v{version}.tmp"
+
+
+def _ours(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def _remove_ours(folder: Path) -> None:
+    """Delete `folder` (if there is one) when fleetrl wrote it; refuse when someone else did."""
+    if not folder.exists():
+        return
+    if not _ours(folder):
+        raise ManifestError(f"{folder} was not written by fleetrl (it holds no {MARKER}), so fleetrl will not "
+                            f"replace it; give inference.weights.dir a folder of fleetrl's own")
+    shutil.rmtree(folder)
 
 
 def _to_json(manifest: Manifest) -> dict:
@@ -204,12 +223,11 @@ def iter_tensors(manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
 
 def collect_garbage(storage_dir: Path, keep: int) -> list[Path]:
     """Removes all but the `keep` newest versions, and scratch folders a killed writer left
-    behind; returns what it removed. Call it between writes (there is a single writer)."""
-    versions = sorted(
-        (int(p.name[1:]), p) for p in storage_dir.glob("v*") if p.is_dir() and p.name[1:].isdigit()
-    )
+    behind, of those fleetrl wrote (marked); returns what it removed. Call it between writes
+    (there is a single writer)."""
+    versions = sorted((int(p.name[1:]), p) for p in storage_dir.glob("v*") if p.name[1:].isdigit() and _ours(p))
     doomed = [p for _, p in versions[:max(len(versions) - keep, 0)]]
-    doomed += sorted(storage_dir.glob(".v*.tmp"))
+    doomed += sorted(p for p in storage_dir.glob(".v*.tmp") if _ours(p))
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

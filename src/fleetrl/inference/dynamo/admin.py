@@ -10,9 +10,12 @@ weight-transfer backend (engine arguments Dynamo passes through to vLLM), and tw
 routes run any engine method on every rank by name (`engine_rpc`): `init_weights_update_group`
 and `update_weights_from_distributed` (the latter only while paused; with `weight_version`
 it also labels the worker). The client names vLLM's own weight-transfer steps through them,
-so the engine side is the same as the native provider's. Neither route returns the ranks'
-results, so checks run the other way: the expected value goes in, and a rank that holds
-another raises, which the route reports as an error.
+so the engine side is the same as the native provider's. Dynamo's routes return none of the
+ranks' results, so the broadcast-group check runs the other way (the expected name goes in,
+and a rank in another group raises, which the route reports as an error). The weight check
+does not: a worker must prove it holds the published bytes, and a bare "ok" would prove
+nothing, so fleetrl's worker entry (engine/dynamo_worker.py) answers the checksum method with
+the checksum each rank computed itself, which the coordinator compares with the sender's.
 
 The client also keeps the worker's fence record (attribution.py): for Dynamo's own worker,
 which reports no weight version with its tokens, the provider derives each completion's
@@ -25,8 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 from fleetrl.config import pause_modes
+from fleetrl.contract import DYNAMO_WORKER_MODULE, WEIGHT_CHECKSUM_METHOD
 from fleetrl.inference.dynamo.attribution import FenceRecord
-from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update
+from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update, check_rank_checksums
 from fleetrl.inference.provider import PauseMode, WorkerCallError
 from fleetrl.versions import incomplete_version_name, parse_version, version_name
 
@@ -113,7 +117,12 @@ class DynamoAdminClient:
         self.fence = self.fence.at_version(version)
 
     async def verify_weights(self, checksum: str) -> None:
-        await self._on_ranks("fleetrl_verify_weights", {"checksum": checksum}, reads_only=True)
+        result = await self._on_ranks(WEIGHT_CHECKSUM_METHOD, {}, reads_only=True)
+        if not isinstance(result.get("results"), list):
+            raise WorkerCallError(self.worker_id, "weight check",
+                                  "the worker answered without its ranks' checksums, which proves nothing: run it "
+                                  f"with `python -m {DYNAMO_WORKER_MODULE}` (docs/dynamo.md)")
+        check_rank_checksums(self.worker_id, result["results"], checksum)
 
     # -- weight transfer (see the module docstring) -------------------------------------------
 
@@ -151,10 +160,10 @@ class DynamoAdminClient:
         )
 
     async def _on_ranks(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None,
-                        reads_only: bool = False) -> None:
-        """Run engine method `method` on every rank. The route refuses a worker that is not
-        paused unless told the call changes nothing (`reads_only`: a check)."""
+                        reads_only: bool = False) -> dict[str, Any]:
+        """Run engine method `method` on every rank; the route's answer. The route refuses a
+        worker that is not paused unless told the call changes nothing (`reads_only`: a check)."""
         body = {"engine_rpc": method, **kwargs, "reset_prefix_cache": False}
         if reads_only:
             body["allow_unpaused"] = True
-        await self.call("update_weights_from_distributed", body, timeout_s=timeout_s, retry=reads_only)
+        return await self.call("update_weights_from_distributed", body, timeout_s=timeout_s, retry=reads_only)

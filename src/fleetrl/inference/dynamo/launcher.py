@@ -4,8 +4,9 @@ By default no etcd or NATS: discovery is a folder of files (`DYN_DISCOVERY_BACKE
 entries refreshed by their owner and dropped 10 s after it stops); `inference.dynamo.discovery`
 switches to etcd or Kubernetes. Requests travel over TCP and events over ZMQ. Every listener
 Dynamo opens binds `inference.host` (loopback by default) through its `DYN_*_HOST`
-variables, because the workers' system ports carry admin routes (pause, weight updates)
-that have no authentication of their own.
+variables. The workers' system ports carry admin routes (pause, weight updates) that have no
+authentication of their own, so fleetrl launches no worker whose system port would leave
+loopback unless `inference.dynamo.allow_unauthenticated_admin` says the network protects it.
 
 The frontend serves the OpenAI API on its HTTP port and lists the RL workers (`--enable-rl`
 workers of `DYN_NAMESPACE`/`DYN_RL_COMPONENT`) at `GET :DYN_RL_PORT/v1/rl/workers`; each
@@ -14,6 +15,7 @@ worker serves its RL admin routes on its own `DYN_SYSTEM_PORT`.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 from dataclasses import dataclass
@@ -67,6 +69,27 @@ class DynamoDeployment:
 def file_discovery_dir(run_dir: Path) -> Path:
     """Where file discovery keeps its entries (unused by the etcd and Kubernetes backends)."""
     return run_dir / "dynamo-discovery"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def check_system_host(config: InferenceConfig, env: dict[str, str]) -> None:
+    """Refuse to launch workers whose system port (`env`'s DYN_SYSTEM_HOST: inference.host, or
+    inference.dynamo.env's) would take admin calls from beyond this machine, unless the config
+    says the network protects it: anyone who reaches that port can pause the workers and
+    replace their weights, and Dynamo asks for no token."""
+    host = env["DYN_SYSTEM_HOST"]
+    if not is_loopback(host) and not config.dynamo.allow_unauthenticated_admin:
+        raise FleetrlError(
+            f"launched Dynamo workers would serve their RL admin routes (pause, weight updates), which take "
+            f"no token, on {host}: set inference.host to a loopback address, or set "
+            "inference.dynamo.allow_unauthenticated_admin = true once a network policy lets only this "
+            "trainer reach the workers' system ports (docs/dynamo.md, \"Protecting the system port\")")
 
 
 def deployment_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
@@ -161,6 +184,8 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
     """Start the frontend, `count` workers and `config.dynamo.prefill_workers` prefill workers;
     return once the frontend lists them all as RL workers and serves completions on each.
     Everything started is stopped again if that does not happen."""
+    # Before anything starts; every worker, added later ones included, shares this environment.
+    check_system_host(config, deployment_env(config, file_discovery_dir(run_dir)))
     file_discovery_dir(run_dir).mkdir(parents=True, exist_ok=True)
     log_dir = run_dir / "logs"
     http_port, rl_port = free_port(config.host), free_port(config.host)

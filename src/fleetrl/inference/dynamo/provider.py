@@ -60,6 +60,12 @@ class DynamoProvider:
             model_name = SERVED_MODEL_NAME
         self._data = DynamoDataClient(self._frontend_url, model_name, self.config.request_timeout_s)
 
+    def attach_settings(self) -> dict:
+        """The inference settings with which another fleetrl attaches to this deployment while it
+        runs (`fleetrl status RUN_DIR`): the frontend and its RL discovery. No tokens: Dynamo
+        takes none."""
+        return {"provider": self.name, "dynamo": {"frontend_url": self._frontend_url, "rl_url": self._rl_url}}
+
     async def discover(self) -> list[WorkerInfo]:
         if self._rl_url is None:
             raise FleetrlError("the Dynamo provider was used before start()")

@@ -1,23 +1,26 @@
 """Control plane of one native vLLM worker: pause, resume, versions, weight transfer.
 
 Every call goes straight to the worker (never through a router), carries the run's admin
-token, has a timeout, and is retried a bounded number of times where that is safe: idempotent
-calls on any transport error, the others only when the connection was never made.
+token (the only one its admin routes take), has a timeout, and is retried a bounded number of
+times where that is safe: idempotent calls on any transport error, the others only when the
+connection was never made.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update
-from fleetrl.inference.provider import PauseMode, WorkerCallError
+from fleetrl.contract import WEIGHT_CHECKSUM_METHOD
+from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update, check_rank_checksums
+from fleetrl.inference.provider import PauseMode
 from fleetrl.versions import incomplete_version_name, parse_version, version_name
 
 
 class VllmAdminClient:
-    def __init__(self, worker_id: str, url: str, token: str, timeout_s: float, retries: int) -> None:
+    def __init__(self, worker_id: str, url: str, admin_token: str, timeout_s: float, retries: int) -> None:
         self.worker_id = worker_id
-        self._http = AdminHttp(worker_id, url, timeout_s, retries, headers={"Authorization": f"Bearer {token}"})
+        self._http = AdminHttp(worker_id, url, timeout_s, retries,
+                               headers={"Authorization": f"Bearer {admin_token}"})
 
     async def close(self) -> None:
         await self._http.close()
@@ -57,10 +60,7 @@ class VllmAdminClient:
         return result["results"]
 
     async def verify_weights(self, checksum: str) -> None:
-        sums = await self.collective_rpc("fleetrl_weight_checksum")
-        if set(sums) != {checksum}:
-            raise WorkerCallError(self.worker_id, "weight check",
-                                  f"checksum {sorted(map(str, set(sums)))} != sender's {checksum}")
+        check_rank_checksums(self.worker_id, await self.collective_rpc(WEIGHT_CHECKSUM_METHOD), checksum)
 
     # -- weight transfer: vLLM's protocol, into fleetrl's backend on every rank ---------------
     # None of these calls is retried: each blocks in a collective or changes weights.

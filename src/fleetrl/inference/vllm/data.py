@@ -2,7 +2,8 @@
 
 Uses vLLM's `/inference/v1/generate` (enabled by `--enable-scale-out`), whose choices carry
 `weight_versions`: the engine's own record of which weight version produced which tokens.
-fleetrl checks that record, it never reconstructs it.
+fleetrl checks that record, it never reconstructs it. Requests carry the run's data token,
+which opens sampling and nothing else (engine/admin_auth.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_sp
 
 
 class VllmDataClient:
-    def __init__(self, token: str, timeout_s: float, max_connections: int = 256) -> None:
+    def __init__(self, data_token: str | None, timeout_s: float, max_connections: int = 256) -> None:
+        # No token: a coordinator that only reads the workers' state (`fleetrl status`).
         self._http = httpx.AsyncClient(
             timeout=timeout_s,
-            headers={"Authorization": f"Bearer {token}"},
+            headers={"Authorization": f"Bearer {data_token}"} if data_token else None,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 

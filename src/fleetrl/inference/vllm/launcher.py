@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from fleetrl.config import InferenceConfig
-from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, ENGINE_ARGS, NATIVE_SERVER_MODULE
+from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV, ENGINE_ARGS, NATIVE_SERVER_MODULE
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.processes import ManagedProcess, free_port, start_process
 
@@ -27,6 +27,8 @@ class LaunchedServer:
 
 
 def server_argv(model_dir: Path, config: InferenceConfig, port: int) -> list[str]:
+    """The server's command line: no secrets (any local user can read it in /proc); the tokens
+    go by environment (`server_env`)."""
     return [
         # vLLM's API server, wrapped so that its engine processes die with fleetrl too.
         sys.executable, "-m", NATIVE_SERVER_MODULE,
@@ -47,24 +49,26 @@ def server_argv(model_dir: Path, config: InferenceConfig, port: int) -> list[str
     ]
 
 
-def server_env(config: InferenceConfig, token: str) -> dict[str, str]:
+def server_env(config: InferenceConfig, admin_token: str, data_token: str) -> dict[str, str]:
     return {
         "VLLM_SERVER_DEV_MODE": "1",  # the admin routes: pause, resume, weight transfer, versions
         "VLLM_CPU_KVCACHE_SPACE": str(config.vllm.kv_cache_gib),
         "HF_HUB_OFFLINE": "1",
-        ADMIN_TOKEN_ENV: token,
+        # Read by fleetrl's middleware (ADMIN_MIDDLEWARE) in the server.
+        ADMIN_TOKEN_ENV: admin_token,
+        DATA_TOKEN_ENV: data_token,
     }
 
 
 async def launch_vllm_servers(model_dir: Path, config: InferenceConfig, count: int, log_dir: Path,
-                              token: str, log=print) -> list[LaunchedServer]:
+                              admin_token: str, data_token: str, log=print) -> list[LaunchedServer]:
     servers = []
     for i in range(count):
         port = free_port(config.host)
         name = f"vllm-{i}"
         process = start_process(
             name, server_argv(model_dir, config, port), log_dir / f"{name}.log",
-            env=server_env(config, token), watches_parent=True,
+            env=server_env(config, admin_token, data_token), watches_parent=True,
         )
         servers.append(LaunchedServer(name=name, url=f"http://{config.host}:{port}", process=process))
     log(f"fleetrl: starting {count} vLLM worker(s) on {model_dir.name} (logs in {log_dir})")

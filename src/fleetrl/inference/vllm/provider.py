@@ -3,6 +3,10 @@
 A native vLLM server is one worker: it serves the data plane and its own admin routes on one
 port, so discovery is the list of servers. A worker's id is stable across re-discovery: the
 launch name for launched servers, the URL for attached ones.
+
+Two tokens (engine/admin_auth.py): the data client sends the data token, the admin clients
+the admin token. An attached server must guard its admin routes with fleetrl's middleware and
+hold the same tokens; `start` checks both before the fleet uses it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
+
 from fleetrl.config import InferenceConfig
+from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 from fleetrl.inference.vllm.admin import VllmAdminClient
@@ -18,31 +25,74 @@ from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers
 
 
+# What an attached server is asked at start: an admin route that only reads (and must refuse a
+# caller without the admin token), and a data route that only reads.
+ADMIN_CHECK_PATH = "/is_paused"
+DATA_CHECK_PATH = "/v1/models"
+REFUSED = (401, 403)
+
+
 class VllmProvider:
     name = "vllm"
 
-    def __init__(self, config: InferenceConfig, model_dir: Path, log_dir: Path, token: str,
-                 log=print) -> None:
+    def __init__(self, config: InferenceConfig, model_dir: Path | None, log_dir: Path, admin_token: str,
+                 data_token: str | None, log=print) -> None:
+        """`data_token` None: a provider that only reads the workers' state (`fleetrl status`)."""
         self.config = config
         self.model_dir = model_dir
         self.log_dir = log_dir
-        self.token = token
+        self.admin_token = admin_token
+        self.data_token = data_token
         self.log = log
         self.launched: list[LaunchedServer] = []
         self._admins: dict[str, VllmAdminClient] = {}
-        self._data = VllmDataClient(token, config.request_timeout_s)
+        self._data = VllmDataClient(data_token, config.request_timeout_s)
 
     async def start(self) -> None:
         if self.config.urls:
             workers = await self.discover()
-            healthy = await asyncio.gather(*(self.admin(w).health() for w in workers))
-            down = [w.admin_url for w, ok in zip(workers, healthy) if not ok]
-            if down:
-                raise FleetrlError(f"inference.urls: cannot reach {', '.join(down)} (no answer on /health)")
+            async with httpx.AsyncClient(timeout=self.config.admin_timeout_s) as client:
+                refusals = await asyncio.gather(*(self._why_unusable(client, w.admin_url) for w in workers))
+            for refusal in refusals:
+                if refusal:
+                    raise FleetrlError(f"inference.urls: {refusal}")
             return
         self.launched = await launch_vllm_servers(
-            self.model_dir, self.config, self.config.workers, self.log_dir, self.token, self.log
+            self.model_dir, self.config, self.config.workers, self.log_dir, self.admin_token, self.data_token,
+            self.log,
         )
+
+    async def _why_unusable(self, client: httpx.AsyncClient, url: str) -> str | None:
+        """Why the server at `url`, started elsewhere, cannot join the fleet; None if it can.
+        fleetrl hands it the run's tokens and trusts what it reports about its weights, so a
+        server that would obey a caller without the admin token is refused, not merely warned
+        about."""
+        async def status(path: str, token: str | None = None) -> int:
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            return (await client.get(f"{url}{path}", headers=headers)).status_code
+
+        try:
+            if await status("/health") != 200:
+                return f"cannot reach {url} (no answer on /health)"
+            if await status(ADMIN_CHECK_PATH) not in REFUSED:
+                return (f"worker {url} accepts admin calls without a token: start it with fleetrl's admin "
+                        f"middleware (--middleware {ADMIN_MIDDLEWARE}, tokens in ${ADMIN_TOKEN_ENV} and "
+                        f"${DATA_TOKEN_ENV})")
+            if await status(ADMIN_CHECK_PATH, self.admin_token) in REFUSED:
+                return (f"worker {url} refused the admin token: set inference.admin_token (or "
+                        f"${ADMIN_TOKEN_ENV}) to the one it was started with")
+            if await status(DATA_CHECK_PATH, self.data_token) in REFUSED:
+                return (f"worker {url} refused the data token: set inference.data_token (or "
+                        f"${DATA_TOKEN_ENV}) to the one it was started with")
+        except httpx.TransportError:
+            return f"cannot reach {url} (no answer on /health)"
+        return None
+
+    def attach_settings(self) -> dict:
+        """The inference settings with which another fleetrl attaches to these servers while
+        they run (`fleetrl status RUN_DIR`): their URLs, and the tokens (secret fields)."""
+        return {"provider": self.name, "urls": self.config.urls or [s.url for s in self.launched],
+                "admin_token": self.admin_token, "data_token": self.data_token}
 
     async def discover(self) -> list[WorkerInfo]:
         if self.config.urls:
@@ -65,7 +115,7 @@ class VllmProvider:
     def admin(self, worker: WorkerInfo) -> VllmAdminClient:
         if worker.id not in self._admins:
             self._admins[worker.id] = VllmAdminClient(
-                worker.id, worker.admin_url, self.token, self.config.admin_timeout_s, self.config.admin_retries
+                worker.id, worker.admin_url, self.admin_token, self.config.admin_timeout_s, self.config.admin_retries
             )
         return self._admins[worker.id]
 

@@ -1,0 +1,155 @@
+"""Faults against a real `fleetrl rl` (issue 10), several packed into one run where that is
+sound, to keep CI time flat:
+
+1. a worker hung (SIGSTOP of its whole process group: server and engine core) is detected
+   within a bounded time, leaves the publish fence, and the run goes on with the other;
+2. the same worker, continued (SIGCONT), is refitted and readmitted;
+3. SIGTERM of `fleetrl rl` (one trainer rank: every process starts on the control loop's
+   thread) leaves no process behind within 10 s;
+4. the same command resumes from the last checkpoint: no step duplicated or missing,
+   `fleetrl verify` passes, no process left.
+
+Every assertion on samples is the version promise: no trained sample is off-policy beyond k
+and no worker ends at another version than the last.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fleetrl.trainer import checkpoint
+
+from .conftest import _term_with_parent, alive_in, child_groups
+
+pytestmark = pytest.mark.chaos
+
+STEPS = 6
+CONFIG = """
+[inference]
+workers = 2
+request_timeout_s = 45
+health_timeout_s = 3
+admin_timeout_s = 15
+admin_retries = 1
+discovery_interval_s = 2
+
+[inference.vllm]
+max_model_len = 512
+
+[orchestrator]
+env = "reverse_text"
+batch_prompts = 2
+group_size = 2
+max_tokens = 8
+max_off_policy_steps = 0
+
+[trainer]
+lr = 1e-5
+checkpoint_interval = 2
+
+[run]
+max_steps = 6
+"""
+
+
+def start_rl(tmp_path, log_name):
+    config = tmp_path / "rl.toml"
+    config.write_text(CONFIG)
+    log = open(tmp_path / log_name, "w")
+    return subprocess.Popen([sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir", str(tmp_path / "run")],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=_term_with_parent)
+
+
+def metrics(run_dir):
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until(proc, what, predicate, timeout_s, log_path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.monotonic()
+        if proc.poll() is not None:
+            pytest.fail(f"fleetrl rl exited ({proc.returncode}) while waiting for {what}: "
+                        f"{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}: {log_path.read_text()[-3000:]}")
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_hung_worker_then_sigterm_then_resume(tmp_path):
+    run_dir, log_path = tmp_path / "run", tmp_path / "first.log"
+    proc = start_rl(tmp_path, "first.log")
+    groups: set[int] = set()
+    try:
+        wait_until(proc, "step 1", lambda: metrics(run_dir), 600, log_path)
+        groups = child_groups(proc.pid)
+        assert len(groups) == 2, groups  # the two vLLM servers (one rank: no trainer child)
+        hung = min(groups)
+        os.killpg(hung, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        detected_at = wait_until(proc, "the hung worker to be found dead",
+                                 lambda: " is dead: " in log_path.read_text(), 120, log_path)
+        # The run goes on without it: a step is published to the other worker alone.
+        steps_before = len(metrics(run_dir))
+        wait_until(proc, "a step without the hung worker",
+                   lambda: len(metrics(run_dir)) > steps_before and len(metrics(run_dir)[-1]["worker_versions"]) == 1,
+                   300, log_path)
+        os.killpg(hung, signal.SIGCONT)
+        continued_at = time.monotonic()
+        readmitted_at = wait_until(proc, "the continued worker to be readmitted",
+                                   lambda: len(metrics(run_dir)[-1]["worker_versions"]) == 2, 300, log_path)
+        wait_until(proc, "a checkpoint", lambda: checkpoint.latest(run_dir / "checkpoints") is not None, 600, log_path)
+        groups |= child_groups(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        terminated_at = time.monotonic()
+        while (alive_in(groups) or proc.poll() is None) and time.monotonic() < terminated_at + 10:
+            time.sleep(0.1)
+        gone_after = time.monotonic() - terminated_at
+        assert proc.poll() is not None and not alive_in(groups), f"left 10 s after SIGTERM: {alive_in(groups)}"
+    finally:
+        stop(proc)
+        for group in groups:  # nothing may outlive the test, even when it failed
+            try:
+                os.killpg(group, signal.SIGCONT)
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print(f"\nchaos: hung worker detected after {detected_at - stopped_at:.1f} s, readmitted "
+          f"{readmitted_at - continued_at:.1f} s after SIGCONT; all processes gone {gone_after:.1f} s after SIGTERM")
+    assert proc.returncode != 0
+    done = metrics(run_dir)
+    resume_step = checkpoint.latest(run_dir / "checkpoints")[0]
+    assert [m["step"] for m in done][:resume_step] == list(range(1, resume_step + 1))
+
+    # The same command again: it resumes after the checkpoint and finishes the run.
+    log_path = tmp_path / "second.log"
+    proc = start_rl(tmp_path, "second.log")
+    try:
+        groups = set()
+        while proc.poll() is None:
+            groups |= child_groups(proc.pid)
+            time.sleep(0.3)
+    finally:
+        stop(proc)
+    out = log_path.read_text()
+    assert proc.returncode == 0, out[-3000:]
+    assert f"resuming after step {resume_step}" in out
+    assert [m["step"] for m in metrics(run_dir)] == list(range(1, STEPS + 1))  # none twice, none missing
+    assert all(m["distance_max"] == 0 for m in metrics(run_dir))
+    final = json.loads((run_dir / "final.json").read_text())
+    assert {w["version"] for w in final["workers"].values()} == {STEPS} and len(final["workers"]) == 2
+    assert not alive_in(groups)
+    verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stderr

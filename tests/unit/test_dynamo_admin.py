@@ -1,0 +1,125 @@
+"""Hermetic checks of how fleetrl guards a Dynamo deployment's admin plane, which has no
+authentication of its own: launched workers' system ports stay on loopback unless the config
+says the network protects them, a token set for Dynamo is refused rather than ignored, and a
+worker proves its weights by the checksums its ranks computed, not by a bare "ok"."""
+
+import json
+
+import httpx
+import pytest
+
+from fleetrl.app.providers import Tokens, build_provider
+from fleetrl.config import Config, ConfigError, DynamoConfig, InferenceConfig, RunConfig
+from fleetrl.contract import WEIGHT_CHECKSUM_METHOD
+from fleetrl.engine.dynamo_worker import _answering_checksums
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo import launcher
+from fleetrl.inference.dynamo.admin import DynamoAdminClient
+
+
+class Started(Exception):
+    """What the fake start_process raises: the launch got past its checks."""
+
+
+@pytest.fixture
+def start_process(monkeypatch):
+    def started(name, argv, log_path, env=None, **_):
+        raise Started(env["DYN_SYSTEM_HOST"])
+    monkeypatch.setattr(launcher, "start_process", started)
+
+
+async def launch(tmp_path, **inference):
+    await launcher.launch_dynamo(tmp_path, InferenceConfig(provider="dynamo", **inference), 1, tmp_path)
+
+
+@pytest.mark.parametrize("inference", [
+    dict(host="0.0.0.0"),
+    dict(host="10.0.3.17"),
+    dict(host="worker-0.cluster.local"),  # a name may resolve to any interface
+    dict(dynamo=DynamoConfig(env={"DYN_SYSTEM_HOST": "0.0.0.0"})),  # overridden by inference.dynamo.env
+])
+async def test_workers_whose_system_port_would_leave_loopback_are_not_launched(tmp_path, start_process, inference):
+    with pytest.raises(FleetrlError, match="take no token, on .*: set inference.host to a loopback address, or set "
+                                           "inference.dynamo.allow_unauthenticated_admin = true"):
+        await launch(tmp_path, **inference)  # raises before any process starts (start_process would say Started)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "127.0.0.2"])
+async def test_loopback_system_ports_are_launched(tmp_path, start_process, host):
+    with pytest.raises(Started, match=host):
+        await launch(tmp_path, host=host)
+
+
+async def test_allow_unauthenticated_admin_launches_on_any_host(tmp_path, start_process):
+    with pytest.raises(Started, match="0.0.0.0"):
+        await launch(tmp_path, host="0.0.0.0", dynamo=DynamoConfig(allow_unauthenticated_admin=True))
+
+
+@pytest.mark.parametrize("field", ["admin_token", "data_token"])
+def test_a_token_set_for_dynamo_is_refused_naming_the_field(tmp_path, field):
+    config = Config(inference=InferenceConfig(provider="dynamo", **{field: "secret"}), run=RunConfig(dir=tmp_path))
+    with pytest.raises(ConfigError, match=f"inference.{field} set with inference.provider = 'dynamo'"):
+        build_provider(config, None, Tokens(None, None))
+
+
+def admin_answering(answer: dict) -> DynamoAdminClient:
+    """A Dynamo admin client whose worker answers fleetrl's checksum call with `answer`."""
+    def worker(request):
+        body = json.loads(request.content)
+        assert request.url.path == "/engine/update_weights_from_distributed"
+        assert body == {"engine_rpc": WEIGHT_CHECKSUM_METHOD, "reset_prefix_cache": False, "allow_unpaused": True}
+        return httpx.Response(200, json=answer)
+    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=2, timeout_s=1, retries=0)
+    admin._http._http = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(worker))
+    return admin
+
+
+async def test_a_bare_ok_does_not_verify_a_workers_weights():
+    admin = admin_answering({"status": "ok", "version": "unknown"})  # what Dynamo's own route answers
+    with pytest.raises(FleetrlError, match="worker 7: weight check failed: the worker answered without its ranks' "
+                                           "checksums"):
+        await admin.verify_weights("abc")
+    await admin.close()
+
+
+@pytest.mark.parametrize("results, ok", [(["abc", "abc"], True), (["abc", "other"], False), ([None, None], False),
+                                         ([], False)])
+async def test_every_rank_must_report_the_senders_checksum(results, ok):
+    admin = admin_answering({"status": "ok", "results": results})
+    if ok:
+        await admin.verify_weights("abc")
+    else:
+        with pytest.raises(FleetrlError, match="weight checksum .* != sender's abc"):
+            await admin.verify_weights("abc")
+    await admin.close()
+
+
+class FakeEngineClient:
+    def __init__(self, results=None, error=None):
+        self.results, self.error = results, error
+
+    async def collective_rpc(self, method):
+        assert method == WEIGHT_CHECKSUM_METHOD
+        if self.error:
+            raise self.error
+        return self.results
+
+
+class FakeHandler:
+    def __init__(self, engine_client):
+        self.engine_client = engine_client
+
+
+async def test_the_worker_entry_answers_the_checksum_method_with_each_ranks_result():
+    async def dynamos_route(self, body):
+        return {"status": "ok", "version": "unknown", "by": "dynamo"}
+
+    route = _answering_checksums(dynamos_route)
+    handler = FakeHandler(FakeEngineClient(results=["abc", "def"]))
+    body = {"engine_rpc": WEIGHT_CHECKSUM_METHOD, "allow_unpaused": True, "reset_prefix_cache": False}
+    assert await route(handler, body) == {"status": "ok", "results": ["abc", "def"]}
+    # Every other call is Dynamo's.
+    assert (await route(handler, {"engine_rpc": "update_weights"}))["by"] == "dynamo"
+    failing = FakeHandler(FakeEngineClient(error=RuntimeError("engine gone")))
+    assert await route(failing, body) == {"status": "error",
+                                          "message": f"{WEIGHT_CHECKSUM_METHOD}: RuntimeError: engine gone"}

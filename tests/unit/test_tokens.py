@@ -1,0 +1,183 @@
+"""The native workers' two tokens: which routes each opens, where they come from, how they
+reach launched servers (environment only), how a run records them, and what an attached
+server must prove before the fleet uses it."""
+
+import os
+import stat
+
+import httpx
+import pytest
+
+from fleetrl.app.providers import Tokens, attached_to_run, resolve_tokens, start_recorded
+from fleetrl.config import Config, ConfigError, DynamoConfig, InferenceConfig
+from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
+from fleetrl.engine.admin_auth import AdminTokenMiddleware
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.vllm import launcher
+from fleetrl.inference.vllm.provider import VllmProvider
+from fleetrl.rundir import RunDir
+
+from .asgi_server import answering, serving
+
+ADMIN, DATA = "admin-secret", "data-secret"
+
+
+@pytest.fixture(autouse=True)
+def no_tokens_in_the_environment(monkeypatch):
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(DATA_TOKEN_ENV, raising=False)
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+    """A server behind fleetrl's middleware, started with ADMIN and DATA (as a launched one is)."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
+    with serving(AdminTokenMiddleware(answering({"is_paused": False}))) as url:
+        yield url
+
+
+def bearer(token):
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+# -- which routes each token opens --------------------------------------------------------------
+
+ADMIN_ROUTES = [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/collective_rpc"),
+                ("GET", "/weight_info"), ("POST", "/update_weight_version"), ("POST", "/v1/load_lora_adapter"),
+                ("POST", "/inference/v1/abort_requests"), ("GET", "/v1/completionsX")]
+DATA_ROUTES = [("POST", "/inference/v1/generate"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+               ("GET", "/v1/models"), ("GET", "/v1/responses/abc")]
+
+
+@pytest.mark.parametrize("method, path", ADMIN_ROUTES + DATA_ROUTES)
+def test_no_token_or_a_wrong_one_opens_nothing_but_the_probes(guarded, method, path):
+    for headers in ({}, bearer("wrong"), {"Authorization": f"Basic {ADMIN}"}):
+        assert httpx.request(method, guarded + path, headers=headers).status_code == 401, (path, headers)
+    assert httpx.get(guarded + "/health").status_code == 200
+    assert httpx.get(guarded + "/ping").status_code == 200
+
+
+@pytest.mark.parametrize("method, path", ADMIN_ROUTES)
+def test_admin_routes_take_the_admin_token_only(guarded, method, path):
+    assert httpx.request(method, guarded + path, headers=bearer(DATA)).status_code == 401
+    assert httpx.request(method, guarded + path, headers=bearer(ADMIN)).status_code == 200
+
+
+@pytest.mark.parametrize("method, path", DATA_ROUTES)
+def test_data_routes_take_the_data_token_and_the_admin_token(guarded, method, path):
+    assert httpx.request(method, guarded + path, headers=bearer(DATA)).status_code == 200
+    assert httpx.request(method, guarded + path, headers=bearer(ADMIN)).status_code == 200
+
+
+@pytest.mark.parametrize("unset", [ADMIN_TOKEN_ENV, DATA_TOKEN_ENV])
+def test_the_middleware_refuses_to_serve_without_both_tokens(monkeypatch, unset):
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
+    monkeypatch.delenv(unset)
+    with pytest.raises(RuntimeError, match=f"{unset} is not set"):
+        AdminTokenMiddleware(answering({}))
+
+
+# -- where the tokens come from -----------------------------------------------------------------
+
+def test_tokens_come_from_the_config_then_the_environment_then_fresh():
+    env = {ADMIN_TOKEN_ENV: "env-admin", DATA_TOKEN_ENV: "env-data"}
+    assert resolve_tokens(InferenceConfig(admin_token="a", data_token="d"), draw_missing=True, environ=env) == \
+        Tokens("a", "d")
+    assert resolve_tokens(InferenceConfig(), draw_missing=True, environ=env) == Tokens("env-admin", "env-data")
+    fresh = resolve_tokens(InferenceConfig(), draw_missing=True, environ={})
+    assert len(fresh.admin) >= 32 and len(fresh.data) >= 32 and fresh.admin != fresh.data
+    assert resolve_tokens(InferenceConfig(), draw_missing=True, environ={}).admin != fresh.admin
+    # Only attaching (fleetrl status): a fresh token would open nothing.
+    assert resolve_tokens(InferenceConfig(), draw_missing=False, environ={}) == Tokens(None, None)
+
+
+def test_one_token_for_both_planes_is_refused():
+    with pytest.raises(ConfigError, match="the admin and data tokens are the same"):
+        resolve_tokens(InferenceConfig(admin_token="same"), draw_missing=True, environ={DATA_TOKEN_ENV: "same"})
+
+
+async def test_launched_servers_get_the_tokens_by_environment_never_on_the_command_line(monkeypatch, tmp_path):
+    started = {}
+
+    def start_process(name, argv, log_path, env=None, watches_parent=False):
+        started.update(argv=argv, env=env)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(launcher, "start_process", start_process)
+    with pytest.raises(RuntimeError, match="stop here"):
+        await launcher.launch_vllm_servers(tmp_path, InferenceConfig(), 1, tmp_path, ADMIN, DATA, log=print)
+    assert started["env"][ADMIN_TOKEN_ENV] == ADMIN and started["env"][DATA_TOKEN_ENV] == DATA
+    assert not any(ADMIN in arg or DATA in arg for arg in started["argv"])
+
+
+# -- what a run records for `fleetrl status RUN_DIR` --------------------------------------------
+
+def test_the_token_file_is_created_for_this_user_alone(tmp_path):
+    tmp_path = tmp_path / "run"  # not made yet: the record makes it
+    old = os.umask(0)  # the mode must come from the creation itself, not from a umask
+    try:
+        RunDir(tmp_path).record_fleet({"provider": "vllm", "urls": ["http://h:1"]}, {"admin_token": ADMIN})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "tokens.json").stat().st_mode) == 0o600
+    assert ADMIN not in (tmp_path / "fleet.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.json", "tokens.json"]  # no temporary left
+    assert RunDir(tmp_path).recorded_fleet() == {"provider": "vllm", "urls": ["http://h:1"], "admin_token": ADMIN}
+    RunDir(tmp_path).forget_fleet()
+    assert not list(tmp_path.iterdir())
+
+
+async def test_a_started_fleet_records_where_it_runs_and_its_tokens_apart(tmp_path):
+    class Started:
+        class provider:
+            @staticmethod
+            def attach_settings():
+                return {"provider": "vllm", "urls": ["http://h:1"], "admin_token": ADMIN, "data_token": DATA}
+
+        async def start(self):
+            pass
+
+    await start_recorded(Started(), RunDir(tmp_path))
+    assert ADMIN not in (tmp_path / "fleet.json").read_text() and DATA not in (tmp_path / "fleet.json").read_text()
+    assert RunDir(tmp_path).recorded_fleet() == Started.provider.attach_settings()
+
+
+# -- what an attached server must prove ---------------------------------------------------------
+
+async def attach(url: str, admin: str = ADMIN, data: str = DATA) -> None:
+    provider = VllmProvider(InferenceConfig(urls=[url]), None, None, admin, data)
+    try:
+        await provider.start()
+    finally:
+        await provider.close()
+
+
+async def test_an_attached_worker_that_obeys_admin_calls_without_a_token_is_refused():
+    with serving(answering({"is_paused": False})) as url:
+        with pytest.raises(FleetrlError, match=f"worker {url} accepts admin calls without a token: start it "
+                                               "with fleetrl's admin middleware"):
+            await attach(url)
+
+
+async def test_an_attached_worker_behind_the_middleware_with_the_runs_tokens_is_accepted(guarded):
+    await attach(guarded)
+
+
+@pytest.mark.parametrize("admin, data, refused", [("wrong", DATA, "admin"), (ADMIN, "wrong", "data")])
+async def test_an_attached_worker_that_holds_other_tokens_is_refused_naming_the_token(guarded, admin, data, refused):
+    with pytest.raises(FleetrlError, match=f"worker {guarded} refused the {refused} token: set "
+                                           f"inference.{refused}_token"):
+        await attach(guarded, admin, data)
+
+
+def test_a_recorded_dynamo_deployment_is_attached_to_by_its_frontend(tmp_path):
+    where = {"provider": "dynamo", "dynamo": {"frontend_url": "http://f:1", "rl_url": "http://f:2"}}
+    RunDir(tmp_path).record_fleet(where, {})
+    assert not (tmp_path / "tokens.json").exists()  # Dynamo has no tokens
+    config = Config(inference=InferenceConfig(admin_timeout_s=7, dynamo=DynamoConfig(worker="fleetrl")))
+    attached = attached_to_run(config, RunDir(tmp_path)).inference
+    assert (attached.provider, attached.dynamo.frontend_url, attached.dynamo.rl_url) == \
+        ("dynamo", "http://f:1", "http://f:2")
+    assert attached.admin_timeout_s == 7 and attached.dynamo.worker == "fleetrl"  # the rest stays the config's
