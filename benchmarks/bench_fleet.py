@@ -7,7 +7,12 @@
    receiver processes (the transport floor), and against the filesystem transport;
 2. data plane: completion tokens/s at 16 and 64 concurrent requests through fleetrl, against
    a plain OpenAI client sending the same requests straight to the same vLLM servers;
-3. fence overhead: pause + version check + resume with no transfer, for 1 and for all workers.
+3. fence overhead: pause + version check + resume with no transfer, for 1 and for all workers;
+4. the agreement probe: a broadcast publish with the production probe (every worker scores it
+   before it serves) against the same publish without, and the trainer's side of it (one
+   forward of the probe).
+
+    .venv/bin/python benchmarks/bench_fleet.py --sections probe   # one section alone
 
 Results go to docs/benchmarks.md with the command line that produced them.
 """
@@ -26,12 +31,13 @@ from pathlib import Path
 import torch
 
 from fleetrl.config import InferenceConfig, ModelConfig, VllmConfig
-from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.fleet import AgreementProbe, Fleet
 from fleetrl.inference.http import SERVED_MODEL_NAME
 from fleetrl.inference.provider import WeightTransport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
+from fleetrl.trainer.model import agreement_probe, prompt_logprobs
 from fleetrl.weights import group as bgroup
 from fleetrl.weights.factory import make_transport
 
@@ -78,30 +84,48 @@ def floor_broadcast(total_bytes: int, receivers: int, reps: int) -> list[float]:
 
 # -- publish ---------------------------------------------------------------------------------
 
-async def interleaved_publishes(cases: dict[str, tuple[Fleet, WeightTransport]], model: torch.nn.Module,
-                                reps: int) -> dict[str, list[float]]:
-    """Seconds per publish of `model`'s weights for each (fleet, transport) case, the cases
-    interleaved so drift in machine load hits all alike. Closes the transports."""
+async def interleaved_publishes(cases: dict[str, tuple[Fleet, WeightTransport, AgreementProbe | None]],
+                                model: torch.nn.Module, reps: int) -> dict[str, list[float]]:
+    """Seconds per publish of `model`'s weights for each (fleet, transport, probe) case, the
+    cases interleaved so drift in machine load hits all alike. Closes the transports."""
     def weights():
         return ((n, p.detach()) for n, p in model.named_parameters())
 
     results: dict[str, list[float]] = {name: [] for name in cases}
     try:
         for _ in range(reps):
-            for name, (fleet, transport) in cases.items():
-                report = await fleet.publish(fleet.version + 1, transport, weights)
+            for name, (fleet, transport, probe) in cases.items():
+                report = await fleet.publish(fleet.version + 1, transport, weights, probe)
                 assert not report.failed, report.failed
                 results[name].append(report.seconds)
     finally:
-        for _, transport in cases.values():
+        for transport in {id(t): t for _, t, _ in cases.values()}.values():
             await transport.close()
     return results
 
 
 async def bench_publish(fleet: Fleet, model: torch.nn.Module, reps: int, storage: Path) -> dict[str, list[float]]:
     return await interleaved_publishes(
-        {kind: (fleet, make_transport(kind, host="127.0.0.1", bucket_bytes=BUCKET_BYTES, storage_dir=storage / kind))
+        {kind: (fleet, make_transport(kind, host="127.0.0.1", bucket_bytes=BUCKET_BYTES, storage_dir=storage / kind), None)
          for kind in ("broadcast", "filesystem")}, model, reps)
+
+
+async def bench_probe(fleet: Fleet, model: torch.nn.Module, reps: int) -> None:
+    """The production agreement probe's cost per publish, and the trainer's forward for it."""
+    ids = agreement_probe(model)
+    forward = []
+    for _ in range(reps * 3):
+        started = time.perf_counter()
+        reference = prompt_logprobs(model, ids, torch.device("cpu"))
+        forward.append(time.perf_counter() - started)
+    transport = make_transport("broadcast", host="127.0.0.1", bucket_bytes=BUCKET_BYTES, storage_dir=None)
+    publish = await interleaved_publishes(
+        {"plain": (fleet, transport, None), "probed": (fleet, transport, AgreementProbe(ids, reference))}, model, reps)
+    plain, probed = statistics.median(publish["plain"]), statistics.median(publish["probed"])
+    print(f"\npublish by broadcast, no probe:         {median_time(publish['plain'])}")
+    print(f"publish by broadcast, agreement probe:  {median_time(publish['probed'])}")
+    print(f"  probe cost per publish: {probed - plain:+.3f} s, ratio probed / plain {probed / plain:.2f}")
+    print(f"trainer forward of the {len(ids)}-token probe: {median_time(forward)}")
 
 
 # -- data plane ------------------------------------------------------------------------------
@@ -171,6 +195,10 @@ async def main(args) -> None:
             print(f"\n# fleetrl native benchmarks: {args.workers} vLLM CPU workers, SmolLM2-135M fp32 "
                   f"({total_bytes / 2**20:.0f} MiB of weights), {args.reps} reps\n")
 
+            if "probe" in args.sections:
+                await bench_probe(fleet, model, args.reps)
+            if "fence" not in args.sections:
+                return
             fence = {n: [await fence_once(fleet, n) for _ in range(args.reps * 3)] for n in (1, args.workers)}
             print(f"fence, 1 worker:  {median_time(fence[1])}")
             print(f"fence, {args.workers} workers: {median_time(fence[args.workers])}")
@@ -208,4 +236,6 @@ if __name__ == "__main__":
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--sections", default="probe,fence", help="probe: the agreement probe alone; "
+                        "fence: fence, publish and data plane (the default runs both)")
     asyncio.run(main(parser.parse_args()))

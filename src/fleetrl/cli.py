@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fleetrl.app.commands import run_command
+from fleetrl.app.commands import check_command, run_command
 from fleetrl.config import ConfigError, field_docs, load_config, to_toml
 from fleetrl.errors import FleetrlError
 
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides += unknown_dotted_flags(unknown, parser)
         config = load_config(files, overrides)
         if args.dry_run:
+            check_command(args, config)
             print(to_toml(config), end="")
             return 0
         return run_command(args, config)

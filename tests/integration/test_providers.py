@@ -28,8 +28,8 @@ from fleetrl.config import Config, DynamoConfig, InferenceConfig, RunConfig, Vll
 from fleetrl.contract import ADMIN_TOKEN_ENV
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.launcher import wait_ready
-from fleetrl.inference.fleet import Fleet
-from fleetrl.inference.probe import probe_fleet
+from fleetrl.inference.fleet import AgreementProbe, Fleet
+from fleetrl.inference.probe import probe_fleet, reference_logprobs
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.rundir import RunDir
@@ -251,6 +251,37 @@ async def test_publish_two_versions(fleet, base_weights, probe, tokenizer, tmp_p
                 assert r.mean_abs_diff > 0.05, r
             (out,) = await fleet.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
             assert out.spans == [VersionSpan(version, 0)]
+    finally:
+        await transport.close()
+
+
+async def test_the_agreement_probe_passes_the_installed_weights_and_catches_others(fleet, base_weights, probe,
+                                                                                  tmp_path_factory):
+    """The production probe after a publish: every worker's max |delta logprob| is reported,
+    and one whose served logprobs are not those of the weights sent (here: a reference from
+    other weights, as an install bug that passes the checksum of the received bytes would
+    look) is marked stale and takes no traffic until a publish it agrees with."""
+    transport = transport_for("broadcast", tmp_path_factory)
+    ids = probe[0]
+    try:
+        version = fleet.version + 1
+        weights = perturbed(base_weights, seed=version)
+        right = AgreementProbe(ids, reference_logprobs(model_with(base_weights, weights), ids))
+        report = await fleet.publish(version, transport, weights, right)
+        scored = sorted(fleet.workers) if not fleet.ready_prefill_workers() else [w.id for w in fleet.routable_workers()]
+        assert sorted(report.probe) == scored and all(d < 2e-3 for d in report.probe.values()), report.probe
+
+        wrong = AgreementProbe(ids, reference_logprobs(base_weights, ids))
+        report = await fleet.publish(version + 1, transport, perturbed(base_weights, seed=version + 1), wrong)
+        assert all(d > fleet.probe_tolerance for d in report.probe.values()), report.probe
+        assert all(fleet.workers[w].state == WorkerState.STALE and "agreement probe" in report.failed[w]
+                   for w in report.probe), report
+        assert not fleet.routable_workers()
+
+        weights = perturbed(base_weights, seed=version + 2)
+        right = AgreementProbe(ids, reference_logprobs(model_with(base_weights, weights), ids))
+        report = await fleet.publish(version + 2, transport, weights, right)
+        assert sorted(report.ready) == sorted(fleet.workers) and not report.failed, report
     finally:
         await transport.close()
 

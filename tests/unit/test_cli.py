@@ -6,9 +6,10 @@ import pytest
 from fleetrl.app.providers import PROVIDERS, ProviderEntry
 from fleetrl.cli import main
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
-from fleetrl.rundir import RunDir
+from fleetrl.rundir import RunDir, verify_run
 
 from .fake_fleet import FakeProvider
+from .test_rundir import make_run
 
 
 @pytest.fixture(autouse=True)
@@ -175,3 +176,21 @@ def test_a_dotted_flag_without_a_value_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["rl", "--inference.wokers"])
     assert "--inference.wokers: expected one argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, field", [
+    (["--orchestrator.env", "bogus"], "orchestrator.env: unknown environment 'bogus'"),
+    (["--orchestrator.env_options", "{bogus = 1}"], "orchestrator.env: env reverse_text: unknown option 'bogus'"),
+    (["--orchestrator.group_size", "1"], "orchestrator.group_size"),
+    (["--trainer.lr", "nan"], "trainer.lr"),
+])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_refused_command_leaves_a_finished_run_as_it_was(tmp_path, capsys, flags, field, dry_run):
+    """Checked before the run directory is touched: the finished run still verifies."""
+    run = make_run(tmp_path)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert main(["rl", "--run.dir", str(run), *flags, *(["--dry-run"] if dry_run else [])]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fleetrl: error: ") and field in err and err.count("\n") == 1
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    verify_run(run)

@@ -307,3 +307,16 @@ def test_the_agreement_probe_goes_out_with_the_logprobs_of_the_published_weights
         served.load_state_dict(run.published[version], strict=False)
         assert prompt_logprobs(served, probe_ids, CPU) == pytest.approx(reference, abs=1e-5)
     assert run.probes[1][1] != pytest.approx(run.probes[3][1], abs=1e-6)  # training moved them
+
+
+def test_the_collective_timeout_covers_the_longest_legal_publish():
+    """Not a fixed 600 s: a rank waits for rank 0's fleet start, one publish (admin calls with
+    their retries, transfer steps) and a train step, whatever the config makes of them."""
+    from fleetrl.trainer.distributed import TRAIN_STEP_BOUND_S, collective_timeout_s
+
+    default = load_config([], [])
+    slow = load_config([], [("inference.weights.transfer_timeout_s", "3600"), ("inference.admin_retries", "5")])
+    i = default.inference
+    assert collective_timeout_s(default) == (i.startup_timeout_s + 3 * i.admin_timeout_s * (i.admin_retries + 1)
+                                             + 4 * i.weights.transfer_timeout_s + TRAIN_STEP_BOUND_S)
+    assert collective_timeout_s(slow) > collective_timeout_s(default) + 4 * (3600 - 600)

@@ -17,6 +17,14 @@ from fleetrl.processes import stop_all
 NOT_BUILT = {"bench"}
 
 
+def check_command(args: argparse.Namespace, config: Config) -> None:
+    """What a command refuses before it starts anything; `--dry-run` runs it too."""
+    if args.command == "rl":
+        from fleetrl.app.checks import check_config
+
+        check_config(config)
+
+
 def run_command(args: argparse.Namespace, config: Config) -> int:
     """Runs `args.command`; every process it started is stopped on the way out, however it ends."""
     try:

@@ -1,0 +1,49 @@
+"""What `fleetrl rl` refuses before it starts anything or touches the run directory: the
+checks its --dry-run runs too. Light imports only (no torch), so --dry-run stays fast."""
+
+from __future__ import annotations
+
+from fleetrl.config import Config, ConfigError
+from fleetrl.envs import Environment, EnvError, get_environment, task_stream
+from fleetrl.rundir import RunDir
+
+
+def check_config(config: Config) -> Environment:
+    """What `fleetrl rl` (and its --dry-run) refuses in a config before anything starts; the
+    environment, built to check it."""
+    o = config.orchestrator
+    # vLLM reports logprobs of the untempered distribution; the importance ratio is only
+    # right if the samples came from that same distribution.
+    if o.temperature != 1.0 or o.top_p != 1.0:
+        raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
+                          "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
+    return make_environment(config, RunDir(config.run.dir))
+
+
+def make_environment(config: Config, run_dir: RunDir) -> Environment:
+    """The configured environment; a name or an option it does not know is a ConfigError."""
+    options = dict(config.orchestrator.env_options)
+    if config.orchestrator.env.startswith("verifiers:"):
+        # verifiers users see each rollout's policy provenance in the episodes file.
+        options.setdefault("episodes_path", run_dir.verifiers_episodes_path)
+        options.setdefault("run_id", run_dir.root.name)
+    try:
+        return get_environment(config.orchestrator.env, **options)
+    except EnvError as e:
+        raise ConfigError(f"orchestrator.env: {e}") from None
+
+
+def render_prompt(tokenizer, task) -> list[int]:
+    return tokenizer.apply_chat_template(task.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def check_prompts_fit(config: Config, env: Environment, tokenizer) -> None:
+    """Every prompt the run will draw, plus orchestrator.max_tokens, fits the engine's
+    max_model_len; otherwise vLLM would refuse the request in the middle of the run."""
+    o, limit = config.orchestrator, config.inference.vllm.max_model_len
+    tasks = task_stream(env, config.run.seed)
+    longest = max((len(render_prompt(tokenizer, next(tasks))), i)
+                  for i in range(config.run.max_steps * o.batch_prompts))
+    if longest[0] + o.max_tokens > limit:
+        raise ConfigError(f"orchestrator.max_tokens = {o.max_tokens} + the longest prompt of the run "
+                          f"({longest[0]} tokens, task {longest[1]}) > inference.vllm.max_model_len = {limit}")
