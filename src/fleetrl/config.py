@@ -227,6 +227,11 @@ class InferenceConfig(Section):
         description="Timeout of one health check: a worker that does not answer in time (hung, "
         "not dead) is taken out of routing and of the next publish fence.",
     )
+    max_restarts: int = Field(
+        3, ge=0,
+        description="Restarts of launched native workers that died or hung, over the whole run (a "
+        "Dynamo worker is not restarted); a restarted worker is refitted and verified before it serves.",
+    )
     no_worker_timeout_s: float = Field(
         600.0, gt=0,
         description="The run stops, naming each worker and its last error, when no worker has "

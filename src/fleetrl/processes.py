@@ -19,12 +19,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetrl.errors import FleetrlError
+
 _PR_SET_PDEATHSIG = 1
 # How long a child may take to exit after SIGTERM before it is killed: every process fleetrl
 # started must be gone within 10 s of a signal to fleetrl, and a vLLM server exits in 1-3 s.
 STOP_GRACE_S = 5.0
 _live: list["ManagedProcess"] = []
 _lock = threading.Lock()
+# Set when fleetrl exits or is told to (SIGTERM): from then on nothing starts, so a thread that
+# reacts to the stopping (a fleet restarting the workers it sees die) cannot leave a process behind.
+_stopping = threading.Event()
 
 
 @dataclass
@@ -95,6 +100,8 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
     then takes its own group down when fleetrl dies, children included), the kernel kills it
     when fleetrl dies."""
     install_signal_handlers()
+    if _stopping.is_set():
+        raise FleetrlError(f"not starting {name}: fleetrl is stopping")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     try:
@@ -113,6 +120,10 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
     proc = ManagedProcess(name=name, popen=popen, log_path=log_path)
     with _lock:
         _live.append(proc)
+        started_while_stopping = _stopping.is_set()
+    if started_while_stopping:  # stop_all began between the check above and now
+        proc.stop(grace_s=0)
+        raise FleetrlError(f"not starting {name}: fleetrl is stopping")
     return proc
 
 
@@ -132,6 +143,12 @@ def stop_all() -> None:
 _handlers_installed = False
 
 
+def _stop_for_good() -> None:
+    """fleetrl is ending: stop every child, and start none after."""
+    _stopping.set()
+    stop_all()
+
+
 def install_signal_handlers() -> None:
     """At exit and on SIGTERM, stop every child. Signal handlers can only be set from the main
     thread: a caller that starts processes from another thread calls this first, from main."""
@@ -139,11 +156,11 @@ def install_signal_handlers() -> None:
     if _handlers_installed or threading.current_thread() is not threading.main_thread():
         return
     _handlers_installed = True
-    atexit.register(stop_all)
+    atexit.register(_stop_for_good)
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):
-        stop_all()
+        _stop_for_good()
         if callable(previous):
             previous(signum, frame)
         raise SystemExit(128 + signum)

@@ -194,3 +194,21 @@ def test_a_refused_command_leaves_a_finished_run_as_it_was(tmp_path, capsys, fla
     assert err.startswith("fleetrl: error: ") and field in err and err.count("\n") == 1
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     verify_run(run)
+
+
+def test_max_tokens_and_the_longest_prompt_must_fit_the_engine():
+    from fleetrl.app.checks import check_prompts_fit
+    from fleetrl.config import ConfigError, load_config
+    from fleetrl.envs import get_environment
+
+    class CharTokenizer:  # one token per character of the messages
+        def apply_chat_template(self, messages, **_):
+            return [0] * sum(len(m["content"]) for m in messages)
+
+    env = get_environment("reverse_text")
+    fits = load_config([], [("orchestrator.max_tokens", "16"), ("inference.vllm.max_model_len", "1024")])
+    check_prompts_fit(fits, env, CharTokenizer())
+    tight = load_config([], [("orchestrator.max_tokens", "16"), ("inference.vllm.max_model_len", "40")])
+    with pytest.raises(ConfigError, match=r"^orchestrator.max_tokens = 16 \+ the longest prompt of the run "
+                                          r"\(\d+ tokens, task \d+\) > inference.vllm.max_model_len = 40$"):
+        check_prompts_fit(tight, env, CharTokenizer())

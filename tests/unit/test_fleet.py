@@ -329,3 +329,55 @@ def test_no_ready_worker_for_too_long_ends_the_wait_naming_each_worker():
         await fleet.close()
 
     asyncio.run(scenario())
+
+
+def test_a_dead_launched_worker_is_restarted_within_the_budget_and_refitted():
+    async def scenario():
+        provider = FakeProvider("a", "b")
+        fleet = Fleet(provider, discovery_interval_s=3600, max_restarts=1, log=lambda *_: None)
+        await fleet.start()
+        transport = FakeTransport(provider)
+        await fleet.publish(1, transport, weights)
+        restarted = []
+
+        async def restart(worker):
+            restarted.append(worker.id)
+            provider.engines[worker.id] = type(provider.engines[worker.id])(worker.id)  # base weights, no version
+            return True
+
+        provider.restart = restart
+        provider.engines["b"].alive = False
+        await fleet.refresh()  # gone from discovery: dead, and restarted
+        await asyncio.sleep(0)
+        assert restarted == ["b"] and fleet.restarts_left == 0
+        await fleet.refresh()  # back: refitted to v1 before it serves
+        assert fleet.workers["b"].state == WorkerState.READY and provider.engines["b"].version == 1
+        assert transport.transfers[-1] == (["b"], 1)
+        provider.engines["b"].alive = False
+        await fleet.refresh()
+        await asyncio.sleep(0)
+        assert restarted == ["b"] and fleet.workers["b"].state == WorkerState.DEAD  # the budget is spent
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_no_worker_is_restarted_once_the_fleet_closes():
+    async def scenario():
+        provider = FakeProvider("a")
+        fleet = Fleet(provider, discovery_interval_s=3600, max_restarts=3, log=lambda *_: None)
+        await fleet.start()
+        restarted = []
+
+        async def restart(worker):
+            restarted.append(worker.id)
+            return True
+
+        provider.restart = restart
+        await fleet.close()
+        provider.engines["a"].alive = False  # its process stopped with the fleet
+        fleet._mark(fleet.workers["a"], WorkerState.DEAD, "gone")
+        await asyncio.sleep(0)
+        assert restarted == []
+
+    asyncio.run(scenario())

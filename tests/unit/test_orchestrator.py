@@ -237,7 +237,7 @@ async def test_rewards_run_off_the_event_loop():
     elapsed = time.monotonic() - started
     ticker.cancel()
     assert len(batch.samples) == 12
-    assert elapsed < 0.6  # 12 rewards one after another would take 1.2 s
+    assert elapsed < 0.8  # 12 rewards one after another would take 1.2 s
     assert ticks > elapsed / 0.005 / 4  # the loop was never held for long
     await fleet.close()
 

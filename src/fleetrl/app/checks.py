@@ -3,8 +3,11 @@ checks its --dry-run runs too. Light imports only (no torch), so --dry-run stays
 
 from __future__ import annotations
 
+from itertools import islice
+
 from fleetrl.config import Config, ConfigError
 from fleetrl.envs import Environment, EnvError, get_environment, task_stream
+from fleetrl.orchestrator.rollouts import render_prompt
 from fleetrl.rundir import RunDir
 
 
@@ -33,17 +36,18 @@ def make_environment(config: Config, run_dir: RunDir) -> Environment:
         raise ConfigError(f"orchestrator.env: {e}") from None
 
 
-def render_prompt(tokenizer, task) -> list[int]:
-    return tokenizer.apply_chat_template(task.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+# The most prompts rendered to check their length: a long run's later prompts are left to the
+# engine, which refuses a request that does not fit (a few seconds of start-up at most here).
+PROMPTS_CHECKED = 4096
 
 
 def check_prompts_fit(config: Config, env: Environment, tokenizer) -> None:
-    """Every prompt the run will draw, plus orchestrator.max_tokens, fits the engine's
-    max_model_len; otherwise vLLM would refuse the request in the middle of the run."""
+    """The prompts the run will draw (the first PROMPTS_CHECKED), each plus
+    orchestrator.max_tokens, fit the engine's max_model_len; otherwise vLLM would refuse
+    their requests in the middle of the run."""
     o, limit = config.orchestrator, config.inference.vllm.max_model_len
-    tasks = task_stream(env, config.run.seed)
-    longest = max((len(render_prompt(tokenizer, next(tasks))), i)
-                  for i in range(config.run.max_steps * o.batch_prompts))
+    tasks = islice(task_stream(env, config.run.seed), min(config.run.max_steps * o.batch_prompts, PROMPTS_CHECKED))
+    longest = max((len(render_prompt(tokenizer, task)), i) for i, task in enumerate(tasks))
     if longest[0] + o.max_tokens > limit:
         raise ConfigError(f"orchestrator.max_tokens = {o.max_tokens} + the longest prompt of the run "
                           f"({longest[0]} tokens, task {longest[1]}) > inference.vllm.max_model_len = {limit}")

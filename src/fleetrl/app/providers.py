@@ -106,7 +106,8 @@ def build_fleet(config: Config) -> tuple[Fleet, Path]:
     inference = config.inference
     fleet = Fleet(build_provider(config, model_dir, tokens), pause_mode=inference.resolved_pause_mode(),
                   discovery_interval_s=inference.discovery_interval_s, health_timeout_s=inference.health_timeout_s,
-                  no_worker_timeout_s=inference.no_worker_timeout_s, probe_tolerance=inference.probe_tolerance)
+                  no_worker_timeout_s=inference.no_worker_timeout_s, probe_tolerance=inference.probe_tolerance,
+                  max_restarts=inference.max_restarts)
     return fleet, model_dir
 
 

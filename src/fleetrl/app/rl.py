@@ -67,7 +67,7 @@ class RLRun:
     def __init__(self, config: Config, log=print) -> None:
         self.config = config
         self.log = log
-        self.run_dir = RunDir(config.run.dir)
+        self.run_dir = RunDir(config.run.dir, log=log)
         latest = checkpoint.latest(self.run_dir.checkpoints_dir, log=log)
         self.resume = latest[0] if latest else 0  # the step of the checkpoint to resume from
         self.control = ControlLoop()
@@ -161,6 +161,7 @@ class RLRun:
         distributed.destroy()
         for rank in self.ranks:
             rank.stop()
+        self.run_dir.close()  # last: the directory is this run's until everything it started is gone
 
     # -- what the training loop calls ------------------------------------------------------
 
@@ -186,6 +187,8 @@ class RLRun:
             **{k: batch.meta[k] for k in ("reward_mean", "reward_std", "distance_max", "distance_mean")},
             "dropped": batch.dropped,
             "misversioned": batch.meta["misversioned"],
+            "reward_failed": batch.meta["reward_failed"],
+            "empty": batch.meta["empty"],
             "skipped": metrics.skipped,
             "samples": metrics.samples,
             "completion_tokens": metrics.completion_tokens,
@@ -207,7 +210,7 @@ class RLRun:
         self.run_dir.append_metrics(line)
         self.log(f"step {batch.step}/{self.config.run.max_steps}  reward {line['reward_mean']:.3f}±{line['reward_std']:.3f}  "
                  f"off-policy max {line['distance_max']} mean {line['distance_mean']:.2f}  dropped {batch.dropped}  "
-                 f"misversioned {line['misversioned']}  loss {metrics.loss:+.4f}  kl {metrics.mismatch_kl:.2e}  "
+                 f"misversioned {line['misversioned']}  reward failed {line['reward_failed']}  empty {line['empty']}  loss {metrics.loss:+.4f}  kl {metrics.mismatch_kl:.2e}  "
                  f"train {finished - started:.1f}s  publish {report.seconds:.1f}s  "
                  f"workers at {sorted(set(line['worker_versions'].values()))}")
 

@@ -75,13 +75,16 @@ class _WeightSource:
 class Fleet:
     def __init__(self, provider: InferenceProvider, pause_mode: PauseMode = "keep",
                  discovery_interval_s: float = 5.0, health_timeout_s: float = 10.0,
-                 no_worker_timeout_s: float = 600.0, probe_tolerance: float = 0.1, log=print) -> None:
+                 no_worker_timeout_s: float = 600.0, probe_tolerance: float = 0.1, max_restarts: int = 0,
+                 log=print) -> None:
         self.provider = provider
         self.pause_mode = pause_mode
         self.discovery_interval_s = discovery_interval_s
         self.health_timeout_s = health_timeout_s
         self.no_worker_timeout_s = no_worker_timeout_s
         self.probe_tolerance = probe_tolerance
+        self.restarts_left = max_restarts  # over the whole run, all workers together
+        self._restarts: set[asyncio.Task] = set()
         self.log = log
         self.transient_errors = 0  # requests sent again after a healthy worker failed them
         self.version = 0
@@ -109,9 +112,11 @@ class Fleet:
         self._discovery = asyncio.create_task(self._discovery_loop())
 
     async def close(self) -> None:
-        if self._discovery:
-            self._discovery.cancel()
-            await asyncio.gather(self._discovery, return_exceptions=True)
+        self.restarts_left = 0  # a worker that dies as the fleet stops is not started again
+        for task in [self._discovery, *self._restarts]:
+            if task:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.provider.close()
 
     async def _discovery_loop(self) -> None:
@@ -467,8 +472,25 @@ class Fleet:
     def _mark(self, worker: WorkerInfo, state: WorkerState, error: str | None = None) -> None:
         if state in (WorkerState.DEAD, WorkerState.STALE) and worker.state != state:
             self.log(f"fleetrl: worker {worker.id} is {state.value}: {error}")
+            if state == WorkerState.DEAD and self.restarts_left > 0:
+                task = asyncio.get_running_loop().create_task(self._restart(worker))
+                self._restarts.add(task)
+                task.add_done_callback(self._restarts.discard)
         worker.state = state
         worker.error = error
+
+    async def _restart(self, worker: WorkerInfo) -> None:
+        """A dead (or hung) launched worker is started again; the discovery loop refits it once
+        it answers its health check, and only then does it serve."""
+        try:
+            if self.restarts_left <= 0 or not await self.provider.restart(worker):
+                return
+        except FleetrlError as e:  # fleetrl is stopping, say
+            self.log(f"fleetrl: worker {worker.id} not restarted: {e}")
+            return
+        self.restarts_left -= 1
+        self.log(f"fleetrl: worker {worker.id} restarted ({self.restarts_left} restart(s) left, "
+                 f"inference.max_restarts); it serves again once refitted")
 
     async def _notify(self) -> None:
         async with self._changed:

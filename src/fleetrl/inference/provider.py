@@ -119,6 +119,10 @@ class InferenceProvider(Protocol):
 
     def admin(self, worker: WorkerInfo) -> WorkerAdmin: ...
 
+    async def restart(self, worker: WorkerInfo) -> bool:
+        """Start a worker this provider launched again, after it died or hung; False when it
+        cannot (an attached worker). The coordinator refits it once it answers again."""
+
     def attach_settings(self) -> dict:
         """The `[inference]` settings with which `fleetrl status` attaches to this running fleet,
         its tokens included (the run writes them apart, to RUN_DIR/tokens.json, mode 0600)."""

@@ -176,8 +176,7 @@ class Orchestrator:
         return tasks
 
     async def _sample_group(self, step: int, index: int, task: Task) -> list[Scored]:
-        prompt_ids = self.tokenizer.apply_chat_template(task.messages, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)
+        prompt_ids = render_prompt(self.tokenizer, task)
         request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=self.sampling, n=self.config.group_size,
                                   session_id=f"step{step}-group{index}")
         completions = await self.fleet.generate(request)
@@ -194,7 +193,10 @@ class Orchestrator:
         # hung reward's thread runs on (a daemon) until it returns or the process ends.
         async with self._reward_slots:
             try:
-                scored.reward = await asyncio.wait_for(in_daemon_thread(score, self.env, rollout), limit)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+                # that arrives as the reward completes, and the run could then not stop.
+                async with asyncio.timeout(limit):
+                    scored.reward = await in_daemon_thread(score, self.env, rollout)
             except EnvError as e:
                 scored.reward_error = str(e)
             except TimeoutError:
@@ -224,6 +226,11 @@ class Orchestrator:
             "trained": drop_reason is None, "drop_reason": drop_reason, "reward_error": scored.reward_error,
             "version_error": c.version_error,
         }
+
+
+def render_prompt(tokenizer, task: Task) -> list[int]:
+    """The prompt's token ids: the task's messages in the policy's chat template."""
+    return tokenizer.apply_chat_template(task.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
 def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:

@@ -2,7 +2,8 @@
 + manifest on storage every worker can read (at the same path), then each worker verifies
 and loads it. Slower than a broadcast, but needs no network path from workers to the
 trainer, and leaves a verifiable copy of every recent version behind. Older versions are
-deleted as new ones are published, only folders fleetrl wrote (`manifest.collect_garbage`).
+deleted as new ones are published, but only folders fleetrl wrote: the storage may be shared
+(`manifest.collect_garbage`).
 """
 
 from __future__ import annotations

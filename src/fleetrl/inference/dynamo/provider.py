@@ -104,6 +104,11 @@ class DynamoProvider:
         # A frontend with prefill workers refuses a pinned request without its prefill pin.
         return await self._started_data().prompt_logprobs(worker.id, token_ids, prefill.id if prefill else None)
 
+    async def restart(self, worker: WorkerInfo) -> bool:
+        """Not done for Dynamo workers: discovery names an instance, not the process fleetrl
+        launched for it, so a hung one could not be told apart from its peers to be stopped."""
+        return False
+
     def admin(self, worker: WorkerInfo) -> DynamoAdminClient:
         known = self._admins.get(worker.id)
         if known is None or known.admin_url != worker.admin_url:

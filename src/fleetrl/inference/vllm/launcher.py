@@ -60,16 +60,22 @@ def server_env(config: InferenceConfig, admin_token: str, data_token: str) -> di
     }
 
 
+def start_server(model_dir: Path, config: InferenceConfig, name: str, port: int, log_dir: Path,
+                 admin_token: str, data_token: str) -> ManagedProcess:
+    """One server process (the first, or a restart at the same port); its log is appended to."""
+    return start_process(
+        name, server_argv(model_dir, config, port), log_dir / f"{name}.log",
+        env=server_env(config, admin_token, data_token), watches_parent=True,
+    )
+
+
 async def launch_vllm_servers(model_dir: Path, config: InferenceConfig, count: int, log_dir: Path,
                               admin_token: str, data_token: str, log=print) -> list[LaunchedServer]:
     servers = []
     for i in range(count):
         port = free_port(config.host)
         name = f"vllm-{i}"
-        process = start_process(
-            name, server_argv(model_dir, config, port), log_dir / f"{name}.log",
-            env=server_env(config, admin_token, data_token), watches_parent=True,
-        )
+        process = start_server(model_dir, config, name, port, log_dir, admin_token, data_token)
         servers.append(LaunchedServer(name=name, url=f"http://{config.host}:{port}", process=process))
     log(f"fleetrl: starting {count} vLLM worker(s) on {model_dir.name} (logs in {log_dir})")
     await wait_healthy(servers, config.startup_timeout_s, log)

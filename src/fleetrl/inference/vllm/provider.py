@@ -22,7 +22,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.data import VllmDataClient
-from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers
+from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers, start_server
 
 
 # What an attached server is asked at start: an admin route that only reads (and must refuse a
@@ -118,6 +118,18 @@ class VllmProvider:
                 worker.id, worker.admin_url, self.admin_token, self.config.admin_timeout_s, self.config.admin_retries
             )
         return self._admins[worker.id]
+
+    async def restart(self, worker: WorkerInfo) -> bool:
+        """Start a launched server again at its address, after stopping what is left of it (a
+        hung one is killed). It serves nothing until the fleet has refitted it."""
+        server = next((s for s in self.launched if s.name == worker.id), None)
+        if server is None:
+            return False  # attached: started elsewhere, restarted elsewhere
+        server.process.stop(grace_s=0)
+        port = int(server.url.rsplit(":", 1)[1])
+        server.process = start_server(self.model_dir, self.config, server.name, port, self.log_dir,
+                                      self.admin_token, self.data_token)
+        return True
 
     def stop_worker(self, worker_id: str) -> None:
         """Stop one launched server at once (a worker that misbehaves; failure tests)."""
