@@ -10,7 +10,7 @@ from fleetrl.inference.fleet import Fleet, PublishError, join_completions
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState
 from fleetrl.versions import VersionSpan
 
-from .fake_fleet import FakeProvider, FakeTransport
+from .fake_fleet import FakeEngine, FakeProvider, FakeTransport
 
 
 def weights():
@@ -342,7 +342,7 @@ def test_a_dead_launched_worker_is_restarted_within_the_budget_and_refitted():
 
         async def restart(worker):
             restarted.append(worker.id)
-            provider.engines[worker.id] = type(provider.engines[worker.id])(worker.id)  # base weights, no version
+            provider.engines[worker.id] = FakeEngine(worker.id)  # base weights, no version
             return True
 
         provider.restart = restart
@@ -379,5 +379,28 @@ def test_no_worker_is_restarted_once_the_fleet_closes():
         fleet._mark(fleet.workers["a"], WorkerState.DEAD, "gone")
         await asyncio.sleep(0)
         assert restarted == []
+
+    asyncio.run(scenario())
+
+
+def test_workers_that_die_together_share_the_restart_budget():
+    async def scenario():
+        provider = FakeProvider("a", "b")
+        fleet = Fleet(provider, discovery_interval_s=3600, max_restarts=1, log=lambda *_: None)
+        await fleet.start()
+        restarted = []
+
+        async def restart(worker):
+            await asyncio.sleep(0.01)  # a process start takes a while: both deaths are seen first
+            restarted.append(worker.id)
+            return True
+
+        provider.restart = restart
+        for engine in provider.engines.values():
+            engine.alive = False
+        await fleet.refresh()
+        await asyncio.sleep(0.05)
+        assert len(restarted) == 1 and fleet.restarts_left == 0
+        await fleet.close()
 
     asyncio.run(scenario())

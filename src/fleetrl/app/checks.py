@@ -47,7 +47,7 @@ def check_prompts_fit(config: Config, env: Environment, tokenizer) -> None:
     their requests in the middle of the run."""
     o, limit = config.orchestrator, config.inference.vllm.max_model_len
     tasks = islice(task_stream(env, config.run.seed), min(config.run.max_steps * o.batch_prompts, PROMPTS_CHECKED))
-    longest = max((len(render_prompt(tokenizer, task)), i) for i, task in enumerate(tasks))
+    longest = max((len(render_prompt(tokenizer, task.messages)), i) for i, task in enumerate(tasks))
     if longest[0] + o.max_tokens > limit:
         raise ConfigError(f"orchestrator.max_tokens = {o.max_tokens} + the longest prompt of the run "
                           f"({longest[0]} tokens, task {longest[1]}) > inference.vllm.max_model_len = {limit}")

@@ -7,6 +7,7 @@ import asyncio
 from fleetrl.app.providers import build_fleet
 from fleetrl.config import Config
 from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.orchestrator.rollouts import render_prompt
 from fleetrl.versions import version_name
 
 DEFAULT_PROMPTS = ["Name three primary colors.", "What is 7 + 5?", "Write the word 'fleet' backwards."]
@@ -27,9 +28,7 @@ async def run_inference(config: Config, prompts: list[str]) -> int:
         )
         requests = [
             GenerateRequest(
-                prompt_token_ids=tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
-                ),
+                prompt_token_ids=render_prompt(tokenizer, [{"role": "user", "content": p}]),
                 sampling=sampling,
             )
             for p in prompts

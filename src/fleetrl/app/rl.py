@@ -32,7 +32,7 @@ from fleetrl.envs import Environment
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
-from fleetrl.orchestrator.rollouts import Orchestrator
+from fleetrl.orchestrator.rollouts import Orchestrator, render_prompt
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, distributed
@@ -241,8 +241,7 @@ async def ready_versions(fleet: Fleet) -> dict[str, int]:
 async def final_generation(fleet: Fleet, tokenizer) -> dict:
     """A 16-token greedy sample from the final policy, and every worker's version; each
     worker checks that all its ranks hold the weights of the trainer's last checksum."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write one sentence about the sea."}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "Write one sentence about the sea."}])
     (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)))
     workers = {}
     for worker in fleet.ready_workers():

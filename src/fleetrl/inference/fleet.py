@@ -482,13 +482,17 @@ class Fleet:
     async def _restart(self, worker: WorkerInfo) -> None:
         """A dead (or hung) launched worker is started again; the discovery loop refits it once
         it answers its health check, and only then does it serve."""
+        if self.restarts_left <= 0:
+            return
+        self.restarts_left -= 1  # taken before the await: workers that die together cannot overspend it
         try:
-            if self.restarts_left <= 0 or not await self.provider.restart(worker):
-                return
+            restarted = await self.provider.restart(worker)
         except FleetrlError as e:  # fleetrl is stopping, say
             self.log(f"fleetrl: worker {worker.id} not restarted: {e}")
+            restarted = False
+        if not restarted:
+            self.restarts_left += 1
             return
-        self.restarts_left -= 1
         self.log(f"fleetrl: worker {worker.id} restarted ({self.restarts_left} restart(s) left, "
                  f"inference.max_restarts); it serves again once refitted")
 

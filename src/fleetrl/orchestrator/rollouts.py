@@ -176,7 +176,7 @@ class Orchestrator:
         return tasks
 
     async def _sample_group(self, step: int, index: int, task: Task) -> list[Scored]:
-        prompt_ids = render_prompt(self.tokenizer, task)
+        prompt_ids = render_prompt(self.tokenizer, task.messages)
         request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=self.sampling, n=self.config.group_size,
                                   session_id=f"step{step}-group{index}")
         completions = await self.fleet.generate(request)
@@ -228,9 +228,9 @@ class Orchestrator:
         }
 
 
-def render_prompt(tokenizer, task: Task) -> list[int]:
-    """The prompt's token ids: the task's messages in the policy's chat template."""
-    return tokenizer.apply_chat_template(task.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """A prompt's token ids: chat messages in the policy's chat template, ready for its reply."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
 def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
