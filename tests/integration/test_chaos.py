@@ -7,7 +7,11 @@ sound, to keep CI time flat:
 3. SIGTERM of `fleetrl rl` (one trainer rank: every process starts on the control loop's
    thread) leaves no process behind within 10 s;
 4. the same command resumes from the last checkpoint: no step duplicated or missing,
-   `fleetrl verify` passes, no process left.
+   `fleetrl verify` passes, no process left;
+
+and, on Dynamo, SIGKILL of `fleetrl rl` mid-run: the frontend, the worker and its engine-core
+grandchildren end by themselves within 10 s. (Every point of a step, SIGINT, and two trainer
+ranks: test_kill_points.py.)
 
 Every assertion on samples is the version promise: no trained sample is off-policy beyond k
 and no worker ends at another version than the last.
@@ -57,12 +61,13 @@ max_steps = 10
 """
 
 
-def start_rl(tmp_path, log_name):
+def start_rl(tmp_path, log_name, *flags):
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG)
-    log = open(tmp_path / log_name, "w")
-    return subprocess.Popen([sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir", str(tmp_path / "run")],
-                            stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=_term_with_parent)
+    with open(tmp_path / log_name, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir",
+                                 str(tmp_path / "run"), *flags],
+                                stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=_term_with_parent)
 
 
 def metrics(run_dir):
@@ -155,3 +160,31 @@ def test_hung_worker_then_sigterm_then_resume(tmp_path):
     assert not alive_in(groups)
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
+
+
+def test_sigkill_on_dynamo_leaves_no_process(tmp_path):
+    """SIGKILL leaves fleetrl no chance to clean up: the Dynamo frontend dies with it (the
+    kernel's parent-death signal), the worker takes its process group, engine core included,
+    down with it (engine/orphan.py)."""
+    log_path = tmp_path / "dynamo.log"
+    proc = start_rl(tmp_path, "dynamo.log", "--inference.provider", "dynamo", "--inference.workers", "1")
+    groups: set[int] = set()
+    try:
+        wait_until(proc, "step 1", lambda: metrics(tmp_path / "run"), 900, log_path)
+        groups = child_groups(proc.pid)
+        assert len(groups) == 2, groups  # the frontend and the worker, each leading its group
+        assert len(alive_in(groups)) >= 3, alive_in(groups)  # and the worker's engine core
+        proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        while alive_in(groups) and time.monotonic() < killed_at + 10:
+            time.sleep(0.1)
+        gone_after = time.monotonic() - killed_at
+        assert not alive_in(groups), f"left 10 s after SIGKILL: {alive_in(groups)}"
+    finally:
+        stop(proc)
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    print(f"\nchaos: Dynamo frontend, worker and engine core gone {gone_after:.1f} s after SIGKILL of fleetrl rl")

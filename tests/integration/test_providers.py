@@ -24,6 +24,7 @@ import pytest
 import pytest_asyncio
 
 from fleetrl.app.providers import Tokens, build_provider, start_recorded
+from fleetrl.app.providers import base_weights as base_weights_of
 from fleetrl.config import Config, DynamoConfig, InferenceConfig, RunConfig, VllmConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV
 from fleetrl.errors import FleetrlError
@@ -160,18 +161,25 @@ def fleetrl_status(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @only("vllm")
-async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, model_dir, tmp_path):
+async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, model_dir, tmp_path, tmp_path_factory):
     """A second coordinator attached by URL (servers started elsewhere) serves at v0 too, and
     `fleetrl status` finds the workers from the run directory it recorded, or from flags."""
     urls = [w.admin_url for w in fleet.workers.values()]
     assert sorted(fleet.provider.attach_settings()["urls"]) == sorted(urls)
     config = InferenceConfig(urls=urls)
-    attached = Fleet(VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN), discovery_interval_s=3600,
-                     log=lambda *_: None)
+    provider = VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN)
+    logs = []
+    attached = Fleet(provider, discovery_interval_s=3600, log=logs.append)
     run_dir = RunDir(tmp_path / "run")
-    await start_recorded(attached, run_dir)
+    transport = transport_for("broadcast", tmp_path_factory)
+    await start_recorded(attached, run_dir, base_weights_of(provider, model_dir, transport))
     try:
         assert sorted(w.id for w in attached.ready_workers()) == sorted(urls)
+        # Launched by someone else, they received no weights: fleetrl cannot know what they
+        # loaded, so each got the base weights before being labelled v0.
+        assert sum("reports version 0" in line or "holds other weights" in line for line in logs) == 2, logs
+        for worker in attached.workers.values():
+            await attached.provider.admin(worker).verify_weights(attached.checksum)
         (out,) = await attached.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
         assert out.worker_id in urls and out.spans == [VersionSpan(0, 0)]
         # The run directory alone: where the fleet is, and its admin token.
@@ -179,6 +187,7 @@ async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, mod
         assert status.returncode == 0, status.stderr
         assert status.stdout.count("up  version=v0  serving") == 2
     finally:
+        await transport.close()
         await attached.close()
         run_dir.forget_fleet()
     assert not attached.provider.launched  # attaching starts nothing, and closing stops nothing
@@ -189,7 +198,7 @@ async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, mod
     # A coordinator with other tokens is refused at start, naming the token.
     other = Fleet(VllmProvider(config, model_dir, tmp_path, TOKEN, "not-the-data-token"), log=lambda *_: None)
     with pytest.raises(FleetrlError, match="refused the data token"):
-        await other.start()
+        await other.start(base_weights_of(other.provider, model_dir, None))
     await other.close()
 
 
@@ -251,6 +260,40 @@ async def test_publish_two_versions(fleet, base_weights, probe, tokenizer, tmp_p
                 assert r.mean_abs_diff > 0.05, r
             (out,) = await fleet.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
             assert out.spans == [VersionSpan(version, 0)]
+    finally:
+        await transport.close()
+
+
+@only("vllm")
+async def test_attached_workers_a_previous_run_left_at_vn_are_refitted_with_the_base(fleet, base_weights, probe,
+                                                                                   model_dir, tokenizer, tmp_path,
+                                                                                   tmp_path_factory):
+    """A second run attached to workers that the first left at vN: neither is labelled v0 until
+    it holds the base weights (checksum of every rank, then the agreement probe)."""
+    assert fleet.version > 0 and all(w.version == fleet.version for w in fleet.workers.values())
+    urls = [w.admin_url for w in fleet.workers.values()]
+    provider = VllmProvider(InferenceConfig(urls=urls), model_dir, tmp_path, TOKEN, DATA_TOKEN)
+    logs = []
+    attached = Fleet(provider, discovery_interval_s=3600, log=logs.append)
+    transport = transport_for("broadcast", tmp_path_factory)
+    try:
+        await attached.start(base_weights_of(provider, model_dir, transport))
+        assert sum(f"reports version {fleet.version}, not v0: refitting it" in line for line in logs) == 2, logs
+        for worker in attached.workers.values():
+            assert worker.state == WorkerState.READY and worker.version == 0
+            await attached.provider.admin(worker).verify_weights(attached.checksum)
+        for r in await probe_fleet(attached, base_weights, probe):
+            assert r.max_abs_diff < 2e-3, r
+        (out,) = await attached.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
+        assert out.spans == [VersionSpan(0, 0)]
+    finally:
+        await transport.close()
+        await attached.close()
+    # The module's fleet publishes again, so its workers and its record agree for what follows.
+    transport = transport_for("broadcast", tmp_path_factory)
+    try:
+        report = await fleet.publish(fleet.version + 1, transport, perturbed(base_weights, seed=fleet.version + 1))
+        assert sorted(report.ready) == sorted(fleet.workers), report
     finally:
         await transport.close()
 

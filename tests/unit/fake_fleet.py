@@ -20,7 +20,7 @@ from fleetrl.versions import VersionSpan
 class FakeEngine:
     id: str
     version: int | None = None  # None: never given a fleetrl version
-    checksum: str = ""
+    checksum: str | None = None  # None: received no weights since it started
     paused: bool = False
     pause_mode: str = "keep"
     alive: bool = True
@@ -29,6 +29,7 @@ class FakeEngine:
     served: int = 0
     role: WorkerRole = WorkerRole.AGGREGATED
     prefilled: int = 0  # prompts it prefilled for another worker (role PREFILL)
+    abandoned: int = 0  # updates it was told to close (one another coordinator may have left open)
 
     def __post_init__(self) -> None:
         self.unpaused.set()
@@ -70,7 +71,11 @@ class FakeAdmin:
         self._check("set_version")
         self.engine.version = version
 
-    async def verify_weights(self, checksum: str) -> None:
+    async def abandon_weight_update(self, version: int) -> None:
+        self._check("abandon_weight_update")
+        self.engine.abandoned += 1
+
+    async def verify_weights(self, checksum: str | None) -> None:
         self._check("verify_weights")
         if self.engine.checksum != checksum:
             raise FleetrlError(f"worker {self.worker_id}: checksum {self.engine.checksum} != sender's {checksum}")
@@ -82,8 +87,9 @@ class FakeAdmin:
 class FakeProvider:
     name = "fake"
 
-    def __init__(self, *ids: str, step_s: float = 0.002) -> None:
+    def __init__(self, *ids: str, step_s: float = 0.002, launches_workers: bool = True) -> None:
         self.engines = {i: FakeEngine(i) for i in ids}
+        self.launches_workers = launches_workers  # False: attached, held to the base checksum
         self.step_s = step_s
         self._admins: dict[str, FakeAdmin] = {}
 

@@ -6,7 +6,7 @@ import pytest
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference import fleet as fleet_module
-from fleetrl.inference.fleet import Fleet, PublishError, join_completions
+from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightSource, join_completions
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState
 from fleetrl.versions import VersionSpan
 
@@ -45,6 +45,63 @@ async def test_start_brings_every_worker_to_v0():
     assert all(e.version == 0 and not e.paused for e in provider.engines.values())
     (out,) = await fleet.generate(request(max_tokens=4))
     assert out.spans == [VersionSpan(0, 0)] and len(out.token_ids) == 4
+    await fleet.close()
+
+
+async def test_a_response_that_arrives_while_its_worker_is_resumed_is_no_fault():
+    """Between resume and readmission the worker scores the agreement probe; a request that
+    was in flight across the publish completes meanwhile. It is a good response (spans v0 then
+    v1, both within what the fleet published while it ran), not a misversioned one, not a
+    transient error, and the worker is readmitted."""
+    fleet, provider, transport = await started("a")
+    scoring = asyncio.Event()
+
+    async def slow_probe(worker, ids, prefill=None):
+        scoring.set()
+        await asyncio.sleep(0.2)  # the in-flight request finishes while the worker is UPDATING
+        return [-1.0]
+
+    provider.prompt_logprobs = slow_probe
+    task = asyncio.create_task(fleet.generate(request(max_tokens=40, n=1)))
+    await asyncio.sleep(0.02)
+    publish = asyncio.create_task(fleet.publish(1, transport, weights, AgreementProbe([1, 2], [-1.0])))
+    await scoring.wait()
+    (out,) = await task
+    assert fleet.workers["a"].state == WorkerState.UPDATING  # answered during the resume
+    report = await publish
+    assert out.version_error is None and [s.version for s in out.spans] == [0, 1]
+    assert report.ready == ["a"] and not report.failed and fleet.transient_errors == 0
+    assert fleet.workers["a"].state == WorkerState.READY
+    await fleet.close()
+
+
+async def test_attached_workers_are_held_to_the_base_checksum_before_they_are_v0():
+    """Attached workers (started by someone else) are labelled v0 only once they hold the base
+    weights: one a previous run left at v5, or one that never received any (fleetrl cannot know
+    what it loaded), is refitted with them; one at the base already is not sent them again."""
+    provider = FakeProvider("left-at-v5", "fresh", "at-base", launches_workers=False)
+    provider.engines["left-at-v5"].version, provider.engines["left-at-v5"].checksum = 5, "sum-v5"
+    provider.engines["at-base"].version, provider.engines["at-base"].checksum = 0, "sum-v0"
+    logs = []
+    fleet = Fleet(provider, discovery_interval_s=3600, log=logs.append)
+    with pytest.raises(FleetrlError, match="needs the run's base weights"):
+        await fleet.start()
+    transport = FakeTransport(provider)
+    await fleet.start(lambda: WeightSource(transport, weights, "sum-v0", None))
+    assert sorted(ids for ids, _ in transport.transfers) == [["fresh"], ["left-at-v5"]]
+    assert {i: e.abandoned for i, e in provider.engines.items()} == {"left-at-v5": 1, "fresh": 1, "at-base": 0}
+    assert all(e.version == 0 and e.checksum == "sum-v0" and not e.paused for e in provider.engines.values())
+    assert all(w.state == WorkerState.READY and w.version == 0 for w in fleet.workers.values())
+    assert fleet.checksum == "sum-v0"
+    assert any("left-at-v5 reports version 5, not v0: refitting it" in line for line in logs), logs
+    # A wrong install of the base weights (checksum right, logprobs not) never serves.
+    provider.add("wrong-install").version = 0
+    provider.engines["wrong-install"].checksum = "sum-v0"
+    fleet._source.probe = AgreementProbe([1, 2], [-1.0])
+    provider.prompt_logprobs = lambda worker, ids, prefill=None: asyncio.sleep(0, [-1.0 if worker.id != "wrong-install" else -3.0])
+    await fleet.refresh()
+    assert fleet.workers["wrong-install"].state == WorkerState.STALE
+    assert "agreement probe" in fleet.workers["wrong-install"].error
     await fleet.close()
 
 
@@ -258,7 +315,7 @@ def test_a_worker_restarted_with_base_weights_is_found_stale_and_refitted():
     async def scenario():
         fleet, provider, transport = await started("a", "b")
         await fleet.publish(1, transport, weights)
-        provider.engines["b"].version, provider.engines["b"].checksum = 0, ""  # restarted at the same URL
+        provider.engines["b"].version, provider.engines["b"].checksum = 0, None  # restarted at the same URL
         await fleet.refresh()
         assert fleet.workers["b"].state == WorkerState.STALE
         assert "reports version 0 but was verified at v1" in fleet.workers["b"].error

@@ -136,10 +136,10 @@ async def test_a_started_fleet_records_where_it_runs_and_its_tokens_apart(tmp_pa
             def attach_settings():
                 return {"provider": "vllm", "urls": ["http://h:1"], "admin_token": ADMIN, "data_token": DATA}
 
-        async def start(self):
+        async def start(self, base):
             pass
 
-    await start_recorded(Started(), RunDir(tmp_path))
+    await start_recorded(Started(), RunDir(tmp_path), None)
     assert ADMIN not in (tmp_path / "fleet.json").read_text() and DATA not in (tmp_path / "fleet.json").read_text()
     assert RunDir(tmp_path).recorded_fleet() == Started.provider.attach_settings()
 

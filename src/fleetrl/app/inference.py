@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from fleetrl.app.providers import build_fleet
+from fleetrl.app.providers import base_weights, build_fleet, build_transport
 from fleetrl.config import Config
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.orchestrator.rollouts import render_prompt
+from fleetrl.rundir import RunDir
 from fleetrl.versions import version_name
 
 DEFAULT_PROMPTS = ["Name three primary colors.", "What is 7 + 5?", "Write the word 'fleet' backwards."]
@@ -17,8 +18,10 @@ async def run_inference(config: Config, prompts: list[str]) -> int:
     from transformers import AutoTokenizer
 
     fleet, model_dir = build_fleet(config)
+    transport = build_transport(config, RunDir(config.run.dir))
     try:
-        await fleet.start()
+        # Attached workers are labelled v0 only once they hold the base weights.
+        await fleet.start(base_weights(fleet.provider, model_dir, transport))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         sampling = SamplingParams(
             temperature=config.orchestrator.temperature,
@@ -40,5 +43,6 @@ async def run_inference(config: Config, prompts: list[str]) -> int:
             print(f"\n> {prompt}\n{text}\n  [{len(completion.token_ids)} tokens, worker {completion.worker_id}, "
                   f"versions {spans}, finish {completion.finish_reason}]")
     finally:
+        await transport.close()
         await fleet.close()
     return 0

@@ -9,6 +9,7 @@ nothing else given (`attached_to_run`).
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 from collections.abc import Callable, Mapping
@@ -18,11 +19,13 @@ from pathlib import Path
 from fleetrl.config import Config, ConfigError, InferenceConfig, secret_fields
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.inference.dynamo.provider import DynamoProvider
-from fleetrl.inference.fleet import Fleet
-from fleetrl.inference.provider import InferenceProvider
+from fleetrl.inference.fleet import AgreementProbe, Fleet, WeightSource
+from fleetrl.inference.provider import InferenceProvider, WeightTransport
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir
+from fleetrl.weights.checksum import checksum_of
+from fleetrl.weights.factory import make_transport
 
 
 @dataclass(frozen=True)
@@ -111,11 +114,41 @@ def build_fleet(config: Config) -> tuple[Fleet, Path]:
     return fleet, model_dir
 
 
-async def start_recorded(fleet: Fleet, run_dir: RunDir) -> None:
-    """Start the fleet, then record in the run directory how to attach to it: where it runs
-    (fleet.json) and its tokens (tokens.json, readable by this user alone). The run removes
-    both when its fleet stops (`RunDir.forget_fleet`)."""
-    await fleet.start()
+def build_transport(config: Config, run_dir: RunDir) -> WeightTransport:
+    """The weight transport of `inference.weights` (rank 0 is its sender)."""
+    weights = config.inference.weights
+    return make_transport(weights.transport, host=weights.sender_host, bucket_bytes=weights.bucket_mb << 20,
+                          storage_dir=weights.dir or run_dir.weights_dir, timeout_s=weights.transfer_timeout_s)
+
+
+def base_weights(provider: InferenceProvider, model_dir: Path,
+                 transport: WeightTransport) -> Callable[[], WeightSource] | None:
+    """What attached workers are held to before they are labelled v0 (`Fleet.start` calls it
+    once they answered): the base model's weights as the trainer publishes them, their
+    checksum, and their logprobs of the agreement probe. None where the provider launches its
+    workers from `model_dir` itself."""
+    return None if provider.launches_workers else functools.partial(_load_base_weights, model_dir, transport)
+
+
+def _load_base_weights(model_dir: Path, transport: WeightTransport) -> WeightSource:
+    """Loaded on the CPU, unsharded, and kept until the first publish replaces them: the same
+    memory as the snapshot that every later publish keeps."""
+    import torch
+
+    from fleetrl.trainer.model import agreement_probe, load_policy, named_tensors, prompt_logprobs
+
+    model = load_policy(model_dir, torch.device("cpu")).eval()
+    tensors = dict(named_tensors(model))
+    probe_ids = agreement_probe(model)
+    probe = AgreementProbe(probe_ids, prompt_logprobs(model, probe_ids, torch.device("cpu")))
+    return WeightSource(transport, lambda: iter(tensors.items()), checksum_of(tensors.items()), probe)
+
+
+async def start_recorded(fleet: Fleet, run_dir: RunDir, base: Callable[[], WeightSource] | None) -> None:
+    """Start the fleet (`base`: see `base_weights`), then record in the run directory how to
+    attach to it: where it runs (fleet.json) and its tokens (tokens.json, readable by this user
+    alone). The run removes both when its fleet stops (`RunDir.forget_fleet`)."""
+    await fleet.start(base)
     settings = fleet.provider.attach_settings()
     secret = secret_fields(InferenceConfig)
     run_dir.record_fleet({k: v for k, v in settings.items() if k not in secret},

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 import torch
 
 from fleetrl.app.checks import check_config, check_prompts_fit
-from fleetrl.app.providers import build_fleet, start_recorded
+from fleetrl.app.providers import base_weights, build_fleet, build_transport, start_recorded
 from fleetrl.batch import Batch
 from fleetrl.config import Config
 from fleetrl.envs import Environment
@@ -38,7 +38,6 @@ from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.loop import Hooks, Snapshot, train
 from fleetrl.trainer.step import StepMetrics, finite_or_none
-from fleetrl.weights.factory import make_transport
 
 
 class ControlLoop:
@@ -104,15 +103,12 @@ class RLRun:
         """Builds the weight transport and the orchestrator; the fleet starts on the control
         loop while the trainer ranks start here."""
         config = self.config
-        weights = config.inference.weights
-        self.transport = make_transport(
-            weights.transport, host=weights.sender_host, bucket_bytes=weights.bucket_mb << 20,
-            storage_dir=weights.dir or self.run_dir.weights_dir, timeout_s=weights.transfer_timeout_s,
-        )
+        self.transport = build_transport(config, self.run_dir)
         self.orchestrator = Orchestrator(fleet, env, self.tokenizer, config.orchestrator, self.run_dir,
                                          config.run.seed, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
-        self.fleet_started = self.control.submit(start_recorded(fleet, self.run_dir))
+        base = base_weights(fleet.provider, self.model_dir, self.transport)
+        self.fleet_started = self.control.submit(start_recorded(fleet, self.run_dir, base))
 
     def start_ranks(self) -> None:
         """Ranks 1..N-1 as children; this process joins the same group as rank 0."""
@@ -240,14 +236,14 @@ async def ready_versions(fleet: Fleet) -> dict[str, int]:
 
 async def final_generation(fleet: Fleet, tokenizer) -> dict:
     """A 16-token greedy sample from the final policy, and every worker's version; each
-    worker checks that all its ranks hold the weights of the trainer's last checksum."""
+    worker checks that all its ranks hold the weights of the trainer's last checksum (at the
+    base model of launched workers: that none has received any)."""
     prompt = render_prompt(tokenizer, [{"role": "user", "content": "Write one sentence about the sea."}])
     (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)))
     workers = {}
     for worker in fleet.ready_workers():
         admin = fleet.provider.admin(worker)
-        if fleet.checksum is not None:
-            await admin.verify_weights(fleet.checksum)
+        await admin.verify_weights(fleet.checksum)
         workers[worker.id] = {"role": worker.role.value, "version": await admin.version(), "checksum": fleet.checksum}
     return {"version": fleet.version, "tokens": out.token_ids, "text": tokenizer.decode(out.token_ids),
             "spans": [[s.version, s.start] for s in out.spans], "workers": workers}

@@ -19,6 +19,8 @@ worker finds the prefill's KV by prompt tokens; nothing per request crosses over
 Both worker kinds answer fleetrl's weight check with the checksum every rank computed
 (`_answering_checksums`): Dynamo's weight-update route returns no results of its own.
 
+It takes its process group (its engine core included) down if fleetrl dies (engine/orphan.py).
+
 With `--fleetrl-token-versions` it is fleetrl's worker kind (`inference.dynamo.worker =
 "fleetrl"`): the same worker plus what it lacks for exact per-token versions (see
 `_report_token_versions`).
@@ -31,6 +33,7 @@ import importlib.util
 import sys
 
 from fleetrl.contract import TOKEN_VERSIONS_FLAG, WEIGHT_CHECKSUM_METHOD
+from fleetrl.engine.orphan import die_with_parent
 
 
 def _apply_import_fixes() -> None:
@@ -151,6 +154,7 @@ def _report_token_versions() -> None:
 
 
 def main() -> None:
+    die_with_parent()  # its engine core is fleetrl's grandchild: see engine/orphan.py
     _apply_import_fixes()
     _register_shared_storage_connector()
     _report_weight_checksums()

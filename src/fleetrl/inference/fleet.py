@@ -63,8 +63,9 @@ class AgreementProbe:
 
 
 @dataclass
-class _WeightSource:
-    """What the last publish sent, so a joining or stale worker can be refitted to it."""
+class WeightSource:
+    """Weights a joining or stale worker is refitted to: what the last publish sent, or, before
+    any publish, the run's base weights where the workers are attached (`Fleet.start`)."""
 
     transport: WeightTransport
     named_tensors: NamedTensors
@@ -89,7 +90,7 @@ class Fleet:
         self.transient_errors = 0  # requests sent again after a healthy worker failed them
         self.version = 0
         self.workers: dict[str, WorkerInfo] = {}
-        self._source: _WeightSource | None = None
+        self._source: WeightSource | None = None
         self._inflight: dict[str, int] = {}
         self._sticky: OrderedDict[str, str] = OrderedDict()  # session id -> worker id
         self._changed = asyncio.Condition()  # notified whenever routability may have changed
@@ -101,11 +102,26 @@ class Fleet:
 
     @property
     def checksum(self) -> str | None:
-        """fleetrl checksum of the weights of the fleet's version; None at the base model."""
+        """fleetrl checksum of the weights of the fleet's version; None at the base model of
+        workers the provider launched (they received none)."""
         return self._source.checksum if self._source else None
 
-    async def start(self) -> None:
+    async def start(self, base: Callable[[], WeightSource] | None = None) -> None:
+        """Start the provider and bring its workers to v0 before any takes traffic.
+
+        Workers the provider launched from the run's model folder hold the base weights by
+        construction. Attached ones were started by someone else: a previous run may have left
+        them at vN, or they may serve another model. With `base` (the run's base weights and
+        the trainer's logprobs of the probe under them, loaded by `base()` once the provider has
+        started, off the event loop), a worker is labelled v0 only once its ranks report the base
+        checksum — one that reports another is refitted with them — and it scores the probe like
+        the trainer."""
+        if base is None and not self.provider.launches_workers:
+            raise FleetrlError(f"the {self.provider.name} fleet attaches to workers fleetrl did not launch: "
+                               "it needs the run's base weights to check them against before labelling them v0")
         await self.provider.start()
+        if base is not None:
+            self._source = await asyncio.to_thread(base)
         await self.refresh()
         if not self.routable_workers():
             raise FleetrlError("no inference worker became ready: " + self._describe_failures())
@@ -191,16 +207,24 @@ class Fleet:
     async def _refit(self, worker: WorkerInfo) -> None:
         """Give one worker the fleet's current version before it takes any request."""
         admin = self.provider.admin(worker)
+        first_sight = worker.state == WorkerState.JOINING
         self._mark(worker, WorkerState.SYNCING)
         try:
             await admin.pause(self.pause_mode)
             if self._source is None:
-                # Version 0 is the base model that every worker loaded at launch.
+                # Version 0 is the base model that the provider's workers loaded at launch.
                 await admin.set_version(0)
                 reported = await admin.version()
                 if reported != 0:
                     raise FleetrlError(f"reports version {reported} after being set to v0")
+            elif first_sight and (why := await self._unlike(worker, self.version, self._source.checksum)) is None:
+                pass  # it holds them already (an attached worker at the base, say); the probe still decides
             else:
+                if first_sight:
+                    self.log(f"fleetrl: worker {worker.id} {why}: refitting it with the weights of v{self.version}")
+                    # A coordinator that died mid-publish (a run killed, then run again on the same
+                    # attached workers) may have left an update open: the worker would refuse a new one.
+                    await admin.abandon_weight_update(self.version)
                 checksum = await self._source.transport.transfer([admin], self._source.named_tensors, self.version)
                 await self._verify(worker, self.version, checksum)
             await admin.resume()
@@ -212,6 +236,19 @@ class Fleet:
         worker.version = self.version
         self._mark(worker, WorkerState.READY)
         self.log(f"fleetrl: worker {worker.id} ready at v{self.version}")
+
+    async def _unlike(self, worker: WorkerInfo, version: int, checksum: str) -> str | None:
+        """How the weights the worker reports differ from `version`'s; None if they do not. A
+        worker seen for the first time is only sent what it lacks."""
+        admin = self.provider.admin(worker)
+        reported = await admin.version()
+        if reported != version:
+            return f"reports version {reported}, not v{version}"
+        try:
+            await admin.verify_weights(checksum)
+        except FleetrlError as e:
+            return f"holds other weights than v{version} ({e})"
+        return None
 
     async def _verify(self, worker: WorkerInfo, version: int, checksum: str) -> None:
         """The worker must report `version`, and every one of its ranks the sender's checksum."""
@@ -270,7 +307,7 @@ class Fleet:
                 raise PublishError(f"publish v{version} completed on no worker: {self._format(failed)}")
             # From here on only workers verified at `version` take traffic: stale ones stay paused.
             self.version = version
-            self._source = _WeightSource(transport, named_tensors, checksum, probe)
+            self._source = WeightSource(transport, named_tensors, checksum, probe)
             resumed = await self._each(verified, lambda w: admin(w).resume(), failed, WorkerState.DEAD)
             deltas: dict[str, float] = {}
             if probe is not None:  # still UPDATING here: a worker that disagrees never takes a request

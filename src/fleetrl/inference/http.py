@@ -86,13 +86,16 @@ async def abandon_weight_update(close_update: Callable[[], Awaitable[object]],
             pass
 
 
-def check_rank_checksums(worker_id: str, checksums: list, sender_checksum: str) -> None:
+def check_rank_checksums(worker_id: str, checksums: list, sender_checksum: str | None) -> None:
     """A worker holds the published weights only if every one of its ranks reports the sender's
-    checksum (`checksums`: one per rank, each computed by the rank from the bytes it received)."""
-    held = set(map(str, checksums))
+    checksum (`checksums`: one per rank, each computed by the rank from the bytes it received).
+    `sender_checksum` None: nothing was published, and no rank may have received anything."""
+    held = {None if c is None else str(c) for c in checksums}
     if held != {sender_checksum}:
+        expected = "none received (the weights it was launched with)" if sender_checksum is None \
+            else f"sender's {sender_checksum}"
         raise WorkerCallError(worker_id, "weight check",
-                              f"weight checksum {sorted(held)} != sender's {sender_checksum}")
+                              f"weight checksum {sorted(map(str, held))} != {expected}")
 
 
 async def wait_until_ready(what: str, processes: Sequence[ManagedProcess], not_ready: Callable[[], Awaitable[str | None]],

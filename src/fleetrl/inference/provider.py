@@ -51,8 +51,9 @@ class WorkerAdmin(Protocol):
 
     async def set_version(self, version: int) -> None: ...
 
-    async def verify_weights(self, checksum: str) -> None:
-        """Raise unless every rank holds weights whose fleetrl checksum is `checksum`."""
+    async def verify_weights(self, checksum: str | None) -> None:
+        """Raise unless every rank holds weights whose fleetrl checksum is `checksum`; None: the
+        weights it was launched with (no rank has received any since)."""
 
     # The worker side of a weight transfer (fleetrl's `fleetrl` weight-transfer backend in
     # every rank), driven by a WeightTransport on a paused worker. The infos are the wire
@@ -100,6 +101,10 @@ class WeightTransport(Protocol):
 
 class InferenceProvider(Protocol):
     name: str
+    # True when the provider starts its workers itself, from the run's model folder: they hold
+    # the base weights at v0 by construction. Attached workers (started by someone else) are
+    # held to the base weights' checksum before they take traffic (Fleet.start).
+    launches_workers: bool
 
     async def start(self) -> None:
         """Launch the fleet (or attach to an existing one) and wait until it answers."""

@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fleetrl import failpoints
 from fleetrl.batch import Batch, Sample
 from fleetrl.config import OrchestratorConfig
 from fleetrl.envs import Environment, EnvError, Rollout, Task, score, task_stream
@@ -94,6 +95,7 @@ class Orchestrator:
         dispatch_version = self.fleet.version
         tasks = self._tasks_of(step)
         groups = await asyncio.gather(*(self._sample_group(step, i, task) for i, task in enumerate(tasks)))
+        await failpoints.held("rollout", step)
         finished = time.time()
 
         samples, records = [], []

@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fleetrl import failpoints
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write, fsync_dir, sha256_file
 from fleetrl.rundir import STEP_PREFIX, step_name, step_of
@@ -79,6 +80,7 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     _barrier()  # every rank's shards are on disk
 
     if distributed.rank() == 0:
+        failpoints.hold("checkpoint", step)
         files = {path.relative_to(tmp).as_posix(): {"size": path.stat().st_size, "sha256": sha256_file(path)}
                  for path in sorted(tmp.rglob("*")) if path.is_file()}
         record = {"step": step, "world_size": distributed.world_size(), "finite": True, "files": files}

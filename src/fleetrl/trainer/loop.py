@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from fleetrl import failpoints
 from fleetrl.batch import Batch
 from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
@@ -102,6 +103,7 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
     interval = config.trainer.checkpoint_interval
     for step in range(start + 1, config.run.max_steps + 1):
         batch = hooks.wait_batch(step)
+        failpoints.hold("train", step)
         started = time.time()
         metrics = train_step(model, optimizer, batch, cfg)
         finished = time.time()

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from fleetrl import failpoints
 from fleetrl.inference.provider import NamedTensors, WorkerAdmin
 from fleetrl.weights import fanout
 from fleetrl.weights import group as broadcast_group
@@ -53,6 +54,7 @@ class BroadcastTransport:
         try:
             await fanout.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
             checksum = await self._send(workers, itertools.chain([first], tensors))
+            await failpoints.held("publish", version)  # every bucket in, the update still open
             await fanout.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
         except BaseException:
             self._drop_group()
@@ -135,12 +137,8 @@ class BroadcastTransport:
                 *(w.update_weights(update_info, self.timeout_s) for w in workers),
                 asyncio.to_thread(group.broadcast, buffer),
                 # Hashing overlaps the broadcast (hashlib releases the GIL).
-                asyncio.to_thread(_hash_all, hasher, bucket),
+                asyncio.to_thread(hasher.update_all, bucket),
                 on_failure=group.close,
             )
         return hasher.hexdigest()
 
-
-def _hash_all(hasher: WeightsHasher, named: list[tuple[str, torch.Tensor]]) -> None:
-    for name, tensor in named:
-        hasher.update(name, tensor)

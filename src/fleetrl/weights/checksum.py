@@ -9,6 +9,7 @@ parameters hash as empty.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import torch
 
@@ -48,5 +49,16 @@ class WeightsHasher:
         self._sha.update(header.encode())
         self._sha.update(data)
 
+    def update_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            self.update(name, tensor)
+
     def hexdigest(self) -> str:
         return self._sha.hexdigest()
+
+
+def checksum_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The checksum a transport reports for sending these tensors in this order."""
+    hasher = WeightsHasher()
+    hasher.update_all(named_tensors)
+    return hasher.hexdigest()

@@ -116,7 +116,7 @@ class DynamoAdminClient:
         await self.call("set_weight_version", {"weight_version": version_name(version)})
         self.fence = self.fence.at_version(version)
 
-    async def verify_weights(self, checksum: str) -> None:
+    async def verify_weights(self, checksum: str | None) -> None:
         result = await self._on_ranks(WEIGHT_CHECKSUM_METHOD, {}, reads_only=True)
         if not isinstance(result.get("results"), list):
             raise WorkerCallError(self.worker_id, "weight check",

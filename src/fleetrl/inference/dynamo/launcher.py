@@ -53,7 +53,7 @@ class DynamoDeployment:
         name = f"dynamo-{'prefill' if prefill else 'worker'}-{len(self.workers)}"
         argv = worker_argv(self.model_dir, self.config, self.run_dir, prefill)
         worker = start_process(name, argv, self.run_dir / "logs" / f"{name}.log",
-                               env=worker_env(self.config, file_discovery_dir(self.run_dir)))
+                               env=worker_env(self.config, file_discovery_dir(self.run_dir)), watches_parent=True)
         self.workers.append(worker)
         return worker
 

@@ -59,7 +59,7 @@ class VllmAdminClient:
         result = await self.call("POST", "/collective_rpc", idempotent=True, json={"method": method, "args": []})
         return result["results"]
 
-    async def verify_weights(self, checksum: str) -> None:
+    async def verify_weights(self, checksum: str | None) -> None:
         check_rank_checksums(self.worker_id, await self.collective_rpc(WEIGHT_CHECKSUM_METHOD), checksum)
 
     # -- weight transfer: vLLM's protocol, into fleetrl's backend on every rank ---------------
