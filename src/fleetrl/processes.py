@@ -25,6 +25,7 @@ _PR_SET_PDEATHSIG = 1
 # How long a child may take to exit after SIGTERM before it is killed: every process fleetrl
 # started must be gone within 10 s of a signal to fleetrl, and a vLLM server exits in 1-3 s.
 STOP_GRACE_S = 5.0
+KILL_WAIT_S = 2.0  # for the kernel to end a SIGKILLed group
 _live: list["ManagedProcess"] = []
 _lock = threading.Lock()
 # Set when fleetrl exits or is told to (SIGTERM): from then on nothing starts, so a thread that
@@ -53,27 +54,46 @@ class ManagedProcess:
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the whole process group, then SIGKILL whatever is left after `grace_s`."""
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and self._group_alive():
-                time.sleep(0.1)
-            if not self._group_alive():
-                break
-        with _lock:
-            if self in _live:
-                _live.remove(self)
+        stop_groups([self], grace_s)
 
-    def _group_alive(self) -> bool:
-        self.popen.poll()  # reap the leader if it exited, or it lingers as a zombie member
+    def group_alive(self) -> bool:
+        """Whether a process of its group can still run."""
+        self.popen.poll()  # reap the leader if it exited
+        return _runnable_member(self.pid)
+
+
+def _runnable_member(pgid: int) -> bool:
+    """Whether process group `pgid` has a process that is not a zombie. An engine core's
+    workers, orphaned as it exits, stay zombies until init reaps them: a second or two here,
+    never on a machine whose init does not reap; they run nothing and hold nothing."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(self.pid, 0)
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # it exited while we looked
+        if int(group) == pgid and state not in ("Z", "X"):
             return True
-        except ProcessLookupError:
-            return False
+    return False
+
+
+def stop_groups(procs: list[ManagedProcess], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every process group of `procs` at once, then SIGKILL what is left after
+    `grace_s`: all shut down in parallel, within grace_s + KILL_WAIT_S together."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(proc.group_alive() for proc in procs):
+            time.sleep(0.1)
+        if not any(proc.group_alive() for proc in procs):
+            break
+    with _lock:
+        for proc in procs:
+            if proc in _live:
+                _live.remove(proc)
 
 
 # Resolved here, in the parent: between fork and exec the child may only make plain calls, and
@@ -85,6 +105,16 @@ _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec (the session comes from start_new_session)."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (read from /proc: a stopped process too)."""
+    import psutil
+
+    try:
+        return {c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    except psutil.NoSuchProcess:
+        return set()
 
 
 def free_port(host: str) -> int:
@@ -100,7 +130,7 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
     then takes its own group down when fleetrl dies, children included), the kernel kills it
     when fleetrl dies."""
     install_signal_handlers()
-    if _stopping.is_set():
+    if stopping():
         raise FleetrlError(f"not starting {name}: fleetrl is stopping")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
@@ -127,17 +157,15 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
     return proc
 
 
+def stopping() -> bool:
+    """Whether fleetrl is ending (at exit, or told to by SIGTERM): nothing starts any more."""
+    return _stopping.is_set()
+
+
 def stop_all() -> None:
     with _lock:
         procs = list(_live)
-    # Signal everyone first so they shut down in parallel, then wait for each.
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    for proc in procs:
-        proc.stop()
+    stop_groups(procs)
 
 
 _handlers_installed = False

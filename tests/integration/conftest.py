@@ -117,6 +117,18 @@ def alive_in(groups: set[int]) -> list[int]:
     return [pid for pid, _, pgid in process_table() if pgid in groups]
 
 
+# The smallest rollouts that still make a learning step (groups of 2), strictly on-policy: the
+# runs of the fault tests are about the faults, not about learning.
+TINY_ROLLOUTS = """
+[orchestrator]
+env = "reverse_text"
+batch_prompts = 2
+group_size = 2
+max_tokens = 8
+max_off_policy_steps = 0
+"""
+
+
 def _term_with_parent() -> None:
     import ctypes
     import signal

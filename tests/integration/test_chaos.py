@@ -6,15 +6,13 @@ sound, to keep CI time flat:
 2. the hung worker is restarted (inference.max_restarts), refitted, and readmitted;
 3. SIGTERM of `fleetrl rl` (one trainer rank: every process starts on the control loop's
    thread) leaves no process behind within 10 s;
-4. the same command resumes from the last checkpoint: no step duplicated or missing,
-   `fleetrl verify` passes, no process left;
 
 and, on Dynamo, SIGKILL of `fleetrl rl` mid-run: the frontend, the worker and its engine-core
-grandchildren end by themselves within 10 s. (Every point of a step, SIGINT, and two trainer
-ranks: test_kill_points.py.)
+grandchildren end by themselves within 10 s. (Resuming after a kill at every point of a step,
+SIGINT, and two trainer ranks: test_kill_points.py.)
 
 Every assertion on samples is the version promise: no trained sample is off-policy beyond k
-and no worker ends at another version than the last.
+or misversioned.
 """
 
 import json
@@ -26,14 +24,11 @@ import time
 
 import pytest
 
-from fleetrl.trainer import checkpoint
-
-from .conftest import _term_with_parent, alive_in, child_groups
+from .conftest import TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups
 
 pytestmark = pytest.mark.chaos
 
-STEPS = 10
-CONFIG = """
+CONFIG = TINY_ROLLOUTS + """
 [inference]
 workers = 2
 request_timeout_s = 45
@@ -44,13 +39,6 @@ discovery_interval_s = 2
 
 [inference.vllm]
 max_model_len = 512
-
-[orchestrator]
-env = "reverse_text"
-batch_prompts = 2
-group_size = 2
-max_tokens = 8
-max_off_policy_steps = 0
 
 [trainer]
 lr = 1e-5
@@ -93,7 +81,7 @@ def stop(proc):
         proc.wait()
 
 
-def test_hung_worker_then_sigterm_then_resume(tmp_path):
+def test_hung_worker_restarted_then_sigterm(tmp_path):
     run_dir, log_path = tmp_path / "run", tmp_path / "first.log"
     proc = start_rl(tmp_path, "first.log")
     groups: set[int] = set()
@@ -116,8 +104,6 @@ def test_hung_worker_then_sigterm_then_resume(tmp_path):
         assert any(len(m["worker_versions"]) == 1 for m in metrics(run_dir)), metrics(run_dir)
         assert not alive_in({hung})  # the hung process group was killed, not left stopped
         groups |= child_groups(proc.pid)
-        wait_until(proc, "a checkpoint", lambda: checkpoint.latest(run_dir / "checkpoints") is not None, 600, log_path)
-        groups |= child_groups(proc.pid)
         proc.send_signal(signal.SIGTERM)
         terminated_at = time.monotonic()
         while (alive_in(groups) or proc.poll() is None) and time.monotonic() < terminated_at + 10:
@@ -137,29 +123,8 @@ def test_hung_worker_then_sigterm_then_resume(tmp_path):
           f"its restart; all processes gone {gone_after:.1f} s after SIGTERM")
     assert proc.returncode != 0
     done = metrics(run_dir)
-    resume_step = checkpoint.latest(run_dir / "checkpoints")[0]
-    assert [m["step"] for m in done][:resume_step] == list(range(1, resume_step + 1))
-
-    # The same command again: it resumes after the checkpoint and finishes the run.
-    log_path = tmp_path / "second.log"
-    proc = start_rl(tmp_path, "second.log")
-    try:
-        groups = set()
-        while proc.poll() is None:
-            groups |= child_groups(proc.pid)
-            time.sleep(0.3)
-    finally:
-        stop(proc)
-    out = log_path.read_text()
-    assert proc.returncode == 0, out[-3000:]
-    assert f"resuming after step {resume_step}" in out
-    assert [m["step"] for m in metrics(run_dir)] == list(range(1, STEPS + 1))  # none twice, none missing
-    assert all(m["distance_max"] == 0 for m in metrics(run_dir))
-    final = json.loads((run_dir / "final.json").read_text())
-    assert {w["version"] for w in final["workers"].values()} == {STEPS} and len(final["workers"]) == 2
-    assert not alive_in(groups)
-    verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
-    assert verify.returncode == 0, verify.stderr
+    assert [m["step"] for m in done] == list(range(1, len(done) + 1))
+    assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
 
 
 def test_sigkill_on_dynamo_leaves_no_process(tmp_path):

@@ -33,24 +33,17 @@ from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.launcher import launch_vllm_servers
 from fleetrl.trainer import checkpoint
 
-from .conftest import _term_with_parent, alive_in, child_groups
+from .conftest import TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups
 
 pytestmark = pytest.mark.chaos
 
 ADMIN, DATA = "kill-points-admin-token", "kill-points-data-token"
 STEPS = 5
-CONFIG = """
+CONFIG = TINY_ROLLOUTS + """
 [inference]
 request_timeout_s = 60
 admin_timeout_s = 30
 admin_retries = 1
-
-[orchestrator]
-env = "reverse_text"
-batch_prompts = 2
-group_size = 2
-max_tokens = 8
-max_off_policy_steps = 0
 
 [trainer]
 world_size = 2
@@ -179,6 +172,8 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
     try:
         run = start("1-rollout", "rollout:2")
         run.hold_at("rollout:2")
+        # Step 2's rollouts start once v1 is published, while step 1 is still being checkpointed.
+        run.wait_for("checkpoint 1", lambda: latest_checkpoint(run_dir) == 1)
         gone["SIGKILL mid-rollout"] = run.signal(signal.SIGKILL)
         assert [m["step"] for m in metrics(run_dir)] == [1] and latest_checkpoint(run_dir) == 1
         # Attached workers a run left at v1 are refitted to the base before being labelled v0.

@@ -413,29 +413,6 @@ async def test_wait_mode_attributes_a_request_in_flight_to_the_version_that_prod
 
 
 @only("dynamo")
-async def test_worker_that_joins_is_refitted_before_it_serves(fleet, base_weights, probe):
-    """A third worker starts and is discovered after the publishes."""
-    version, known = fleet.version, set(fleet.workers)
-    deployment = fleet.provider.deployment
-    deployment.add_worker()
-    await wait_ready(deployment, len(known) + 1, timeout_s=900, log=lambda *_: None)
-    (joined,) = [w for w in await fleet.provider.discover() if w.id not in known]
-    # Listed by Dynamo, but holding the base model and no fleetrl version: fleetrl sends it
-    # nothing (requests are pinned to ready workers) until it is refitted.
-    assert await fleet.provider.admin(joined).version() is None
-    await fleet.refresh()
-    worker = fleet.workers[joined.id]
-    assert worker.state == WorkerState.READY and worker.version == version
-    admin = fleet.provider.admin(worker)
-    assert await admin.version() == version
-    await admin.verify_weights(fleet.checksum)
-    results = await probe_fleet(fleet, model_with(base_weights, perturbed(base_weights, seed=version)), probe)
-    assert {r.worker_id for r in results} == known | {joined.id}
-    for r in results:
-        assert r.max_abs_diff < 2e-3, r
-
-
-@only("dynamo")
 async def test_worker_killed_mid_rollout_does_not_fail_the_samples(fleet, tokenizer):
     """One long request per worker; one worker dies under its request, which is sampled again,
     whole, on a ready worker: every completion is full length and at the fleet's version."""
@@ -451,6 +428,33 @@ async def test_worker_killed_mid_rollout_does_not_fail_the_samples(fleet, tokeni
     assert all(len(o.token_ids) == 160 and o.spans == [VersionSpan(version, 0)] for o in outs)
     assert victim.id not in {o.worker_id for o in outs}
     assert fleet.workers[victim.id].state == WorkerState.DEAD
+
+
+@only("dynamo")
+async def test_a_dead_launched_worker_is_replaced_and_refitted_before_it_serves(fleet, base_weights, probe):
+    """The worker killed above is restarted (inference.max_restarts): the provider finds the
+    process behind the dead instance and launches another, which registers as a new instance.
+    Listed by Dynamo but holding the base model, it serves nothing until refitted."""
+    fleet.restarts_left = 1
+    (dead,) = [w for w in fleet.workers.values() if w.state == WorkerState.DEAD]
+    version, known = fleet.version, {w.id for w in fleet.workers.values() if w.state != WorkerState.DEAD}
+    await fleet._restart(dead)
+    assert fleet.restarts_left == 0
+    deployment = fleet.provider.deployment
+    assert all(p.alive() for p in deployment.workers)  # the dead process was replaced, not kept
+    await wait_ready(deployment, len(known) + 1, timeout_s=900, log=lambda *_: None)
+    (joined,) = [w for w in await fleet.provider.discover() if w.id not in known and w.id != dead.id]
+    assert await fleet.provider.admin(joined).version() is None
+    await fleet.refresh()
+    worker = fleet.workers[joined.id]
+    assert worker.state == WorkerState.READY and worker.version == version
+    admin = fleet.provider.admin(worker)
+    assert await admin.version() == version
+    await admin.verify_weights(fleet.checksum)
+    results = await probe_fleet(fleet, model_with(base_weights, perturbed(base_weights, seed=version)), probe)
+    assert {r.worker_id for r in results} == known | {joined.id}
+    for r in results:
+        assert r.max_abs_diff < 2e-3, r
 
 
 @only("vllm", "dynamo")

@@ -30,8 +30,10 @@ from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole
-from fleetrl.processes import ManagedProcess, free_port, start_process
+from fleetrl.processes import ManagedProcess, free_port, listening_ports, start_process
 
+# Launched workers' names: the kind, then a number.
+WORKER_PREFIX, PREFILL_PREFIX = "dynamo-worker-", "dynamo-prefill-"
 # Token ids valid in any vocabulary. Not a single token: a one-token prompt sent through a
 # prefill worker kills the decode worker's engine (vLLM 0.32, IndexError in _prepare_inputs).
 SMOKE_PROMPT = [0] * 16
@@ -46,16 +48,36 @@ class DynamoDeployment:
     model_dir: Path
     config: InferenceConfig
     run_dir: Path
+    started: int = 0  # workers launched so far, replaced ones included: each gets its own name and log
 
     def add_worker(self, prefill: bool = False) -> ManagedProcess:
         """Start one more worker (a prefill worker with `prefill`, else aggregated, or decode
         when the deployment has prefill workers); it joins through discovery like any other."""
-        name = f"dynamo-{'prefill' if prefill else 'worker'}-{len(self.workers)}"
+        name = f"{PREFILL_PREFIX if prefill else WORKER_PREFIX}{self.started}"
+        self.started += 1
         argv = worker_argv(self.model_dir, self.config, self.run_dir, prefill)
         worker = start_process(name, argv, self.run_dir / "logs" / f"{name}.log",
                                env=worker_env(self.config, file_discovery_dir(self.run_dir)), watches_parent=True)
         self.workers.append(worker)
         return worker
+
+    def worker_at(self, admin_url: str, prefill: bool) -> ManagedProcess | None:
+        """The launched worker behind the discovered instance at `admin_url`: the live one whose
+        system server listens there (a hung one too: its socket stays open), else one of the
+        same kind that exited. Discovery names instances, not processes."""
+        port = int(admin_url.rsplit(":", 1)[1])
+        for process in self.workers:
+            if process.alive() and port in listening_ports(process.pid):
+                return process
+        prefix = PREFILL_PREFIX if prefill else WORKER_PREFIX
+        return next((p for p in self.workers if not p.alive() and p.name.startswith(prefix)), None)
+
+    def replace_worker(self, process: ManagedProcess) -> ManagedProcess:
+        """Stop what is left of `process` (its engine core included) and launch a worker of the
+        same kind in its place; the new one registers as a new instance."""
+        process.stop(grace_s=0)
+        self.workers.remove(process)
+        return self.add_worker(prefill=process.name.startswith(PREFILL_PREFIX))
 
     def processes(self) -> list[ManagedProcess]:
         return [self.frontend, *self.workers]

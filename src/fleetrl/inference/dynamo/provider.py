@@ -13,6 +13,7 @@ again rather than mis-versioned (attribution.py).
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -25,7 +26,8 @@ from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, serv
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.launcher import DynamoDeployment, launch_dynamo
 from fleetrl.inference.http import SERVED_MODEL_NAME
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole
+from fleetrl.processes import stopping
 
 # A completion is attributable unless a whole pause-resume happened while it was in flight
 # (on its worker, or on its prefill worker); this many of those in a row means the fleet
@@ -106,9 +108,20 @@ class DynamoProvider:
         return await self._started_data().prompt_logprobs(worker.id, token_ids, prefill.id if prefill else None)
 
     async def restart(self, worker: WorkerInfo) -> bool:
-        """Not done for Dynamo workers: discovery names an instance, not the process fleetrl
-        launched for it, so a hung one could not be told apart from its peers to be stopped."""
-        return False
+        """Replace the launched worker behind a dead or hung instance with a new process. It
+        registers as a new instance, which the coordinator refits before it serves; the old one
+        leaves discovery (or stays dead in it). False for an attached deployment."""
+        if self.deployment is None:
+            return False
+        process = self.deployment.worker_at(worker.admin_url, prefill=worker.role == WorkerRole.PREFILL)
+        if process is None:
+            return False
+        if stopping():  # the worker died because fleetrl is stopping it
+            raise FleetrlError(f"not restarting {worker.id}: fleetrl is stopping")
+        # Off the event loop: a hung worker's process group may take a moment to go.
+        replacement = await asyncio.to_thread(self.deployment.replace_worker, process)
+        self.log(f"fleetrl: Dynamo worker {worker.id} ({process.name}) replaced by {replacement.name}")
+        return True
 
     def admin(self, worker: WorkerInfo) -> DynamoAdminClient:
         known = self._admins.get(worker.id)

@@ -1,0 +1,62 @@
+"""Child processes: finding the one behind a hung server (a real process, stopped)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from fleetrl.config import InferenceConfig
+from fleetrl.inference.dynamo.launcher import DynamoDeployment
+from fleetrl.processes import free_port, listening_ports, start_process
+
+
+def test_the_process_behind_a_hung_instance_is_found_by_its_listening_port(tmp_path):
+    """Dynamo's discovery names an instance (its system URL), not a process: a restart must find
+    the launched worker behind it, also when it hangs (SIGSTOP: its socket stays open), and
+    else one of the same kind that exited."""
+    port = free_port("127.0.0.1")
+    server = start_process("dynamo-worker-0", [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                           tmp_path / "server.log")
+    exited = start_process("dynamo-worker-1", [sys.executable, "-c", "pass"], tmp_path / "exited.log")
+    try:
+        deadline = time.monotonic() + 30
+        while port not in listening_ports(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(server.pid, signal.SIGSTOP)
+        assert port in listening_ports(server.pid)
+        exited.popen.wait(timeout=30)
+        deployment = DynamoDeployment("", "", server, [exited, server], tmp_path, InferenceConfig(), tmp_path)
+        assert deployment.worker_at(f"http://127.0.0.1:{port}", prefill=False) is server
+        assert deployment.worker_at("http://127.0.0.1:1", prefill=False) is exited
+        assert deployment.worker_at("http://127.0.0.1:1", prefill=True) is None
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+        server.stop(grace_s=0)
+    assert listening_ports(server.pid) == set()
+
+
+def test_a_group_left_with_zombies_only_is_stopped(tmp_path):
+    """An engine core's workers, orphaned as it exits, stay zombies until init reaps them (a
+    second or two on this machine, never where init does not reap): they run nothing, so the
+    group counts as stopped once only zombies are left, not after the grace and kill waits."""
+    # The leader forks a child that exits at once and is never waited for: a zombie member.
+    script = "import os, time\nif os.fork() == 0:\n    os._exit(0)\ntime.sleep(600)\n"
+    leader = start_process("zombie-parent", [sys.executable, "-c", script], tmp_path / "leader.log")
+    try:
+        deadline = time.monotonic() + 30
+        while len(_members(leader.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(state for _, state in _members(leader.pid)) == ["S", "Z"]
+        assert leader.group_alive()
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.popen.wait()
+        assert not leader.group_alive()  # whether or not init has reaped the orphan yet
+    finally:
+        leader.stop(grace_s=0)
+
+
+def _members(pgid: int) -> list[tuple[int, str]]:
+    out = subprocess.run(["ps", "-eo", "pid,pgid,stat"], capture_output=True, text=True).stdout
+    return [(int(pid), stat[0]) for pid, group, stat in (line.split() for line in out.splitlines()[1:])
+            if int(group) == pgid]
