@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from bench_fleet import BUCKET_BYTES, interleaved_publishes, median_time, tokens_per_s_fleet
+from bench_report import record
 
 from fleetrl.config import DynamoConfig, InferenceConfig, ModelConfig, VllmConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
@@ -62,6 +63,7 @@ async def main(args) -> None:
                 ra, rb = statistics.median(rates[a]), statistics.median(rates[b])
                 print(f"rollouts at {concurrency} concurrent: {a} {ra:.0f} tok/s, {b} {rb:.0f} tok/s, "
                       f"ratio {a} / {b} {ra / rb:.2f}")
+                record(f"rollout tokens/s, {a} / {b}, {concurrency} concurrent", ra / rb, f"{ra:.0f} vs {rb:.0f} tok/s")
             times = await interleaved_publishes(
                 {name: (fleet, make_transport("broadcast", host="127.0.0.1", bucket_bytes=BUCKET_BYTES,
                                               storage_dir=tmp / name)) for name, fleet in fleets.items()},
@@ -70,6 +72,7 @@ async def main(args) -> None:
             print(f"\npublish by broadcast, {a}: {median_time(times[a])}")
             print(f"publish by broadcast, {b}: {median_time(times[b])}")
             print(f"  ratio {a} / {b}: {ta / tb:.2f}")
+            record(f"broadcast publish time, {a} / {b}", ta / tb, f"{ta:.2f} s vs {tb:.2f} s")
         finally:
             for fleet in fleets.values():
                 await fleet.close()

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from bench_report import record
+
 from fleetrl.config import InferenceConfig, ModelConfig, VllmConfig
 from fleetrl.inference.fleet import AgreementProbe, Fleet
 from fleetrl.inference.http import SERVED_MODEL_NAME
@@ -126,6 +128,8 @@ async def bench_probe(fleet: Fleet, model: torch.nn.Module, reps: int) -> None:
     print(f"publish by broadcast, agreement probe:  {median_time(publish['probed'])}")
     print(f"  probe cost per publish: {probed - plain:+.3f} s, ratio probed / plain {probed / plain:.2f}")
     print(f"trainer forward of the {len(ids)}-token probe: {median_time(forward)}")
+    record("publish with the agreement probe / without", probed / plain,
+           f"{probed - plain:+.3f} s per publish, {len(fleet.workers)} workers")
 
 
 # -- data plane ------------------------------------------------------------------------------
@@ -202,8 +206,9 @@ async def main(args) -> None:
             fence = {n: [await fence_once(fleet, n) for _ in range(args.reps * 3)] for n in (1, args.workers)}
             print(f"fence, 1 worker:  {median_time(fence[1])}")
             print(f"fence, {args.workers} workers: {median_time(fence[args.workers])}")
-            print(f"  ratio {args.workers} workers / 1 worker: "
-                  f"{statistics.median(fence[args.workers]) / statistics.median(fence[1]):.2f}")
+            fence_ratio = statistics.median(fence[args.workers]) / statistics.median(fence[1])
+            print(f"  ratio {args.workers} workers / 1 worker: {fence_ratio:.2f}")
+            record(f"fence (no transfer), {args.workers} workers / 1 worker", fence_ratio)
 
             publish = await bench_publish(fleet, model, args.reps, Path(tmp))
             floor = await asyncio.to_thread(floor_broadcast, total_bytes, args.workers, args.reps)
@@ -213,6 +218,8 @@ async def main(args) -> None:
             print(f"bare gloo broadcast of the same bytes to {args.workers} receivers: {median_time(floor)}")
             print(f"  ratio broadcast publish / bare broadcast: {b / fl:.2f}")
             print(f"  ratio filesystem publish / broadcast publish: {f / b:.2f}")
+            record("broadcast publish / bare gloo broadcast", b / fl, f"{args.workers} workers, {b:.2f} s vs {fl:.2f} s")
+            record("filesystem publish / broadcast publish", f / b, f"{args.workers} workers")
 
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -227,6 +234,8 @@ async def main(args) -> None:
                 o, t = statistics.median(ours), statistics.median(theirs)
                 print(f"data plane at {concurrency} concurrent: fleetrl {o:.0f} tok/s, plain OpenAI client {t:.0f} tok/s, "
                       f"ratio fleetrl / plain {o / t:.2f}")
+                record(f"data plane tokens/s, fleetrl / plain client, {concurrency} concurrent", o / t,
+                       f"{o:.0f} vs {t:.0f} tok/s")
         finally:
             await fleet.close()
 

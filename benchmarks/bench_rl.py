@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_report import record
+
 
 def run(k: int, args, root: Path) -> dict:
     run_dir = root / f"k{k}"
@@ -47,7 +49,10 @@ def main() -> None:
     for k, r in results.items():
         print(f"k = {k}: {r['step_s']:.1f} s/step (rollouts {r['rollout_s']:.1f} s, train {r['train_s']:.1f} s, "
               f"publish {r['publish_s']:.1f} s per step; max off-policy distance {r['distance_max']})")
-    print(f"ratio step time k=1 / k=0: {results[1]['step_s'] / results[0]['step_s']:.2f}")
+    ratio = results[1]["step_s"] / results[0]["step_s"]
+    print(f"ratio step time k=1 / k=0: {ratio:.2f}")
+    record("step time, k = 1 / k = 0", ratio,
+           f"{results[1]['step_s']:.1f} vs {results[0]['step_s']:.1f} s/step, {args.steps} steps")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fleetrl.app.bench import SUITE_CHOICES, SUITES
 from fleetrl.app.commands import check_command, run_command
 from fleetrl.config import ConfigError, field_docs, load_config, to_toml
 from fleetrl.errors import FleetrlError
@@ -21,7 +22,8 @@ COMMANDS = {
     "status": "Show each worker of a fleet (a running run's, or the one the config names): health, "
               "pause state, policy version.",
     "verify": "Re-check a finished run directory's manifest and invariants.",
-    "bench": "Run the benchmarks (see benchmarks/).",
+    "bench": "Run the benchmark suites of benchmarks/ (from a source checkout): print their ratios, "
+             "write them to a JSON file.",
 }
 
 # The commands that take a run directory as their one positional argument.
@@ -50,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "inference":
             sub.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
                              help="A prompt to send (repeatable); default: three short questions.")
+        if name == "bench":
+            sub.add_argument("--suite", choices=SUITE_CHOICES, default="all",
+                             help="Which suite: " + "; ".join(f"{n}: {s.measures}" for n, s in SUITES.items())
+                             + " [default: all]")
+            sub.add_argument("--quick", action="store_true",
+                             help="Fewer repetitions and shorter runs: a smoke run, not figures to record.")
+            sub.add_argument("--out", type=Path, default=Path("bench.json"),
+                             help="Where the results go [default: bench.json].")
         group = sub.add_argument_group("config (TOML files with `@ file.toml`, then these flags)")
         for dotted, description, default in field_docs():
             group.add_argument(f"--{dotted}", dest=f"cfg:{dotted}", metavar="VALUE",

@@ -160,6 +160,7 @@ async def paused_and_versions(urls) -> list[tuple[bool, int | None]]:
     return states
 
 
+@pytest.mark.timeout(1800)  # six runs of `fleetrl rl`: about 10 minutes here, more on a busy machine
 def test_killed_at_each_point_then_run_again(servers, tmp_path):
     run_dir = tmp_path / "run"
     gone: dict[str, float] = {}

@@ -130,9 +130,9 @@ def test_help_works_for_every_command(command):
     assert "--inference.workers" in result.stdout and "--orchestrator.max_off_policy_steps" in result.stdout
 
 
-def test_unbuilt_command_says_so():
-    result = run_cli("bench")
-    assert result.returncode == 2 and "not built yet" in result.stderr
+def test_bench_names_the_suites_it_knows():
+    result = run_cli("bench", "--suite", "bogus")
+    assert result.returncode == 2 and "invalid choice: 'bogus'" in result.stderr and "fleet" in result.stderr
 
 
 @pytest.mark.parametrize(

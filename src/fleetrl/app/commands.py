@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 
 from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
 from fleetrl.processes import stop_all
-
-NOT_BUILT = {"bench"}
-
 
 def check_command(args: argparse.Namespace, config: Config) -> None:
     """What a command refuses before it starts anything; `--dry-run` runs it too."""
@@ -34,10 +30,6 @@ def run_command(args: argparse.Namespace, config: Config) -> int:
 
 
 def _dispatch(args: argparse.Namespace, config: Config) -> int:
-    if args.command in NOT_BUILT:
-        print(f"fleetrl {args.command}: not built yet (see the open issues); "
-              f"`fleetrl {args.command} --dry-run` shows the config it would use", file=sys.stderr)
-        return 2
     if args.command == "rl":
         from fleetrl.app.rl import RLRun
 
@@ -57,4 +49,8 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
         from fleetrl.app.status import run_status
 
         return asyncio.run(run_status(config, args.run_dir))
+    if args.command == "bench":
+        from fleetrl.app.bench import run_bench
+
+        return run_bench(args.suite, args.quick, args.out)
     raise AssertionError(args.command)
