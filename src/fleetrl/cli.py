@@ -22,6 +22,7 @@ COMMANDS = {
     "status": "Show each worker of a fleet (a running run's, or the one the config names): health, "
               "pause state, policy version.",
     "verify": "Re-check a finished run directory's manifest and invariants.",
+    "export": "Write a run's checkpoint (the newest complete one, or --step N) as a Hugging Face folder.",
     "bench": "Run the benchmark suites of benchmarks/ (from a source checkout): print their ratios, "
              "write them to a JSON file.",
 }
@@ -30,6 +31,7 @@ COMMANDS = {
 RUN_DIR_COMMANDS = {
     "verify": "The run directory to check.",
     "status": "A running run's directory: its fleet and admin token are read from it.",
+    "export": "The run directory whose checkpoint to export.",
 }
 
 
@@ -42,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in COMMANDS.items():
         sub = commands.add_parser(
             name, help=help_text, description=help_text, allow_abbrev=False,
-            usage=f"fleetrl {name}{' [RUN_DIR]' if name in RUN_DIR_COMMANDS else ''} [@ CONFIG.toml ...] "
+            usage=f"fleetrl {name}{' [RUN_DIR]' if name in RUN_DIR_COMMANDS else ''}"
+                  f"{' OUT_DIR' if name == 'export' else ''} [@ CONFIG.toml ...] "
                   "[--SECTION.KEY VALUE ...] [options]",
         )
         sub.add_argument("--dry-run", action="store_true", help="Print the resolved config and exit.")
@@ -52,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "inference":
             sub.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
                              help="A prompt to send (repeatable); default: three short questions.")
+        if name == "export":
+            sub.add_argument("out_dir", nargs="?", type=Path, metavar="OUT_DIR",
+                             help="The Hugging Face folder to write (it must not exist).")
+            sub.add_argument("--step", type=int, help="The checkpoint's step [default: the newest complete one].")
         if name == "bench":
             sub.add_argument("--suite", choices=SUITE_CHOICES, default="all",
                              help="Which suite: " + "; ".join(f"{n}: {s.measures}" for n, s in SUITES.items())

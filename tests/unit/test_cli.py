@@ -123,7 +123,7 @@ def test_attach_to_unreachable_url_fails_clearly(tmp_path, capsys):
     assert err == "fleetrl: error: inference.urls: cannot reach http://127.0.0.1:9 (no answer on /health)"
 
 
-@pytest.mark.parametrize("command", ["rl", "inference", "status", "verify", "bench"])
+@pytest.mark.parametrize("command", ["rl", "inference", "status", "verify", "export", "bench"])
 def test_help_works_for_every_command(command):
     result = run_cli(command, "--help")
     assert result.returncode == 0

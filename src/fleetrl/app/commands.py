@@ -49,6 +49,13 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
         from fleetrl.app.status import run_status
 
         return asyncio.run(run_status(config, args.run_dir))
+    if args.command == "export":
+        from fleetrl.app.export import run_export
+
+        if args.run_dir is None or args.out_dir is None:
+            raise FleetrlError("fleetrl export needs a run directory and a folder to write: "
+                               "fleetrl export RUN_DIR OUT_DIR [--step N]")
+        return run_export(args.run_dir, args.out_dir, args.step)
     if args.command == "bench":
         from fleetrl.app.bench import run_bench
 

@@ -33,7 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from fleetrl import failpoints
 from fleetrl.errors import FleetrlError
@@ -54,6 +59,28 @@ def latest(root: Path, log: Callable[[str], None] = print) -> tuple[int, Path] |
             return step, folder
         log(f"fleetrl: checkpoint {folder} skipped: {problem}")
     return None
+
+
+def at_step(root: Path, step: int) -> Path:
+    """The checkpoint folder of `step` under `root`, verified like `latest`'s; FleetrlError
+    naming what is wrong (or which steps there are) otherwise."""
+    folders = dict(_step_folders(Path(root)))
+    if step not in folders:
+        have = ", ".join(map(str, sorted(folders))) or "none"
+        raise FleetrlError(f"no checkpoint of step {step} in {root} (steps checkpointed: {have})")
+    problem = _verify(folders[step])
+    if problem is not None:
+        raise FleetrlError(f"checkpoint {folders[step]}: {problem}")
+    return folders[step]
+
+
+def load_weights(folder: Path, model: nn.Module) -> None:
+    """The model's weights from the checkpoint in `folder` (a verified one: `latest`, `at_step`),
+    without its optimizer state; every rank of a sharded model must call this."""
+    state = {"model": get_model_state_dict(model)}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
 
 
 def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, keep: int) -> Path:

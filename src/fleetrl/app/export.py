@@ -1,0 +1,32 @@
+"""`fleetrl export RUN_DIR OUT_DIR [--step N]`: a run's checkpoint as a Hugging Face folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fleetrl.config import load_config
+from fleetrl.errors import FleetrlError
+from fleetrl.model import resolve_model
+from fleetrl.rundir import RunDir
+from fleetrl.trainer import checkpoint
+from fleetrl.trainer.export import export_hf
+
+
+def run_export(run_dir: Path, out_dir: Path, step: int | None, log=print) -> int:
+    """Export the checkpoint of `step` (default: the newest complete one) of the run in `run_dir`."""
+    run = RunDir(run_dir)
+    if not run.config_path.exists():
+        raise FleetrlError(f"{run_dir}: no config.toml (not a run directory)")
+    config = load_config([run.config_path], [])
+    if step is None:
+        found = checkpoint.latest(run.checkpoints_dir, log)
+        if found is None:
+            raise FleetrlError(f"{run_dir}: no complete checkpoint to export (its config has trainer.checkpoint_interval "
+                               f"= {config.trainer.checkpoint_interval})")
+        step, folder = found
+    else:
+        folder = checkpoint.at_step(run.checkpoints_dir, step)
+    log(f"fleetrl export: step {step} of {run_dir} -> {out_dir}")
+    export_hf(resolve_model(config.model), folder, out_dir)
+    log(f"fleetrl export: done: {out_dir} (a Hugging Face folder: transformers' from_pretrained, or `vllm serve {out_dir}`)")
+    return 0

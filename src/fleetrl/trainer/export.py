@@ -1,0 +1,44 @@
+"""A checkpoint as a Hugging Face folder: the trained model, to take anywhere.
+
+    OUT_DIR/  model.safetensors, config.json, generation_config.json (when the base model has
+              one), the tokenizer's files
+
+The architecture and the tokenizer are the base model's (the folder the run trained from); the
+weights are the checkpoint's, fp32 as trained. transformers and vLLM load the folder like any
+other.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from fleetrl.errors import FleetrlError
+from fleetrl.trainer import checkpoint
+from fleetrl.trainer.model import load_policy
+
+
+def export_hf(model_dir: Path, folder: Path, out_dir: Path) -> None:
+    """Write the checkpoint in `folder` (of a model whose base is `model_dir`) to `out_dir`, a
+    new folder: written beside it, then renamed, so a failure leaves no half folder."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    if out_dir.exists():
+        raise FleetrlError(f"{out_dir} exists: export writes a new folder (remove it, or name another)")
+    model = load_policy(model_dir, torch.device("cpu")).eval()  # unsharded: a process group is not needed
+    checkpoint.load_weights(folder, model)
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.config.use_cache = AutoConfig.from_pretrained(model_dir).use_cache  # training turned it off
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp)
+        if (model_dir / "generation_config.json").exists():
+            GenerationConfig.from_pretrained(model_dir).save_pretrained(tmp)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
