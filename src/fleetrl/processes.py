@@ -58,22 +58,25 @@ class ManagedProcess:
 
     def group_alive(self) -> bool:
         """Whether a process of its group can still run."""
-        self.popen.poll()  # reap the leader if it exited
-        return _runnable_member(self.pid)
+        return bool(_running([self]))
 
 
-def _runnable_member(pgid: int) -> bool:
-    """Whether process group `pgid` has a process that is not a zombie. An engine core's
-    workers, orphaned as it exits, stay zombies until init reaps them: a second or two here,
-    never on a machine whose init does not reap; they run nothing and hold nothing."""
+def _running(procs: list[ManagedProcess]) -> list[ManagedProcess]:
+    """Those of `procs` whose process group has a process that is not a zombie (one read of
+    /proc for all). An engine core's workers, orphaned as it exits, stay zombies until init
+    reaps them: a second or two here, never on a machine whose init does not reap; they run
+    nothing and hold nothing."""
+    for proc in procs:
+        proc.popen.poll()  # reap the leader if it exited
+    groups = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
         except (OSError, ValueError):
             continue  # it exited while we looked
-        if int(group) == pgid and state not in ("Z", "X"):
-            return True
-    return False
+        if state not in ("Z", "X"):
+            groups.add(int(group))
+    return [proc for proc in procs if proc.pid in groups]
 
 
 def stop_groups(procs: list[ManagedProcess], grace_s: float = STOP_GRACE_S) -> None:
@@ -86,9 +89,9 @@ def stop_groups(procs: list[ManagedProcess], grace_s: float = STOP_GRACE_S) -> N
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any(proc.group_alive() for proc in procs):
+        while (running := _running(procs)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if not any(proc.group_alive() for proc in procs):
+        if not running:
             break
     with _lock:
         for proc in procs:

@@ -49,17 +49,10 @@ SUITES = {
 SUITE_CHOICES = [*SUITES, "all"]
 
 
-def suites_of(name: str) -> list[str]:
-    if name == "all":
-        return list(SUITES)
-    if name not in SUITES:
-        raise FleetrlError(f"--suite {name!r}: not a benchmark suite; choose one of {', '.join(SUITE_CHOICES)}")
-    return [name]
-
-
 def run_bench(suite: str, quick: bool, out: Path, log=print) -> int:
-    """Run the suites, print the ratio table, write `out`; 1 if a suite failed, else 0."""
-    names = suites_of(suite)
+    """Run `suite` (a name of SUITE_CHOICES: the CLI checks it), print the ratio table, write
+    `out`; 1 if a suite failed, else 0."""
+    names = list(SUITES) if suite == "all" else [suite]
     benchmarks_dir = BENCHMARKS_DIR
     missing = [SUITES[n].script for n in names if not (benchmarks_dir / SUITES[n].script).is_file()]
     if missing:
@@ -82,7 +75,8 @@ def run_bench(suite: str, quick: bool, out: Path, log=print) -> int:
 
 def _run_suite(name: str, quick: bool, benchmarks_dir: Path, log) -> dict:
     suite = SUITES[name]
-    argv = [sys.executable, str(benchmarks_dir / suite.script), *(suite.quick if quick else ())]
+    flags = list(suite.quick) if quick else []
+    argv = [sys.executable, str(benchmarks_dir / suite.script), *flags]
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.jsonl"
         started = time.monotonic()
@@ -94,7 +88,7 @@ def _run_suite(name: str, quick: bool, benchmarks_dir: Path, log) -> dict:
     if proc.returncode != 0:
         log(f"fleetrl bench: {name} exited with code {proc.returncode}")
     # The command as a user re-runs it from the checkout.
-    command = ["python", f"{benchmarks_dir.name}/{suite.script}", *argv[2:]]
+    command = ["python", f"{benchmarks_dir.name}/{suite.script}", *flags]
     return {"command": command, "returncode": proc.returncode, "seconds": round(seconds, 1), "figures": figures}
 
 

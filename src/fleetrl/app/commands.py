@@ -13,6 +13,7 @@ from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
 from fleetrl.processes import stop_all
 
+
 def check_command(args: argparse.Namespace, config: Config) -> None:
     """What a command refuses before it starts anything; `--dry-run` runs it too."""
     if args.command == "rl":

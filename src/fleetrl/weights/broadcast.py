@@ -141,4 +141,3 @@ class BroadcastTransport:
                 on_failure=group.close,
             )
         return hasher.hexdigest()
-
