@@ -1,6 +1,7 @@
 """Shared pieces of the integration tests: the real embedded model, real vLLM CPU servers."""
 
 import copy
+import json
 import subprocess
 import sys
 from contextlib import asynccontextmanager, contextmanager
@@ -127,6 +128,12 @@ group_size = 2
 max_tokens = 8
 max_off_policy_steps = 0
 """
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """A run's metrics lines so far ([] before its first step)."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _term_with_parent() -> None:

@@ -15,7 +15,6 @@ Every assertion on samples is the version promise: no trained sample is off-poli
 or misversioned.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -24,7 +23,7 @@ import time
 
 import pytest
 
-from .conftest import TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups
+from .conftest import TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups, read_metrics
 
 pytestmark = pytest.mark.chaos
 
@@ -58,11 +57,6 @@ def start_rl(tmp_path, log_name, *flags):
                                 stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=_term_with_parent)
 
 
-def metrics(run_dir):
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def wait_until(proc, what, predicate, timeout_s, log_path):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -86,7 +80,7 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
     proc = start_rl(tmp_path, "first.log")
     groups: set[int] = set()
     try:
-        wait_until(proc, "step 1", lambda: metrics(run_dir), 600, log_path)
+        wait_until(proc, "step 1", lambda: read_metrics(run_dir), 600, log_path)
         groups = child_groups(proc.pid)
         assert len(groups) == 2, groups  # the two vLLM servers (one rank: no trainer child)
         hung = min(groups)
@@ -97,11 +91,11 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
         restarted_at = wait_until(proc, "the hung worker to be restarted",
                                   lambda: " restarted (" in log_path.read_text(), 60, log_path)
         # A step is published without it meanwhile, then it is refitted and serves again.
-        steps_before = len(metrics(run_dir))
+        steps_before = len(read_metrics(run_dir))
         readmitted_at = wait_until(proc, "the restarted worker to be readmitted",
-                                   lambda: len(metrics(run_dir)) > steps_before
-                                   and len(metrics(run_dir)[-1]["worker_versions"]) == 2, 600, log_path)
-        assert any(len(m["worker_versions"]) == 1 for m in metrics(run_dir)), metrics(run_dir)
+                                   lambda: len(read_metrics(run_dir)) > steps_before
+                                   and len(read_metrics(run_dir)[-1]["worker_versions"]) == 2, 600, log_path)
+        assert any(len(m["worker_versions"]) == 1 for m in read_metrics(run_dir)), read_metrics(run_dir)
         assert not alive_in({hung})  # the hung process group was killed, not left stopped
         groups |= child_groups(proc.pid)
         proc.send_signal(signal.SIGTERM)
@@ -122,7 +116,7 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
           f"{restarted_at - detected_at:.1f} s later, serving again {readmitted_at - restarted_at:.1f} s after "
           f"its restart; all processes gone {gone_after:.1f} s after SIGTERM")
     assert proc.returncode != 0
-    done = metrics(run_dir)
+    done = read_metrics(run_dir)
     assert [m["step"] for m in done] == list(range(1, len(done) + 1))
     assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
 
@@ -135,7 +129,7 @@ def test_sigkill_on_dynamo_leaves_no_process(tmp_path):
     proc = start_rl(tmp_path, "dynamo.log", "--inference.provider", "dynamo", "--inference.workers", "1")
     groups: set[int] = set()
     try:
-        wait_until(proc, "step 1", lambda: metrics(tmp_path / "run"), 900, log_path)
+        wait_until(proc, "step 1", lambda: read_metrics(tmp_path / "run"), 900, log_path)
         groups = child_groups(proc.pid)
         assert len(groups) == 2, groups  # the frontend and the worker, each leading its group
         assert len(alive_in(groups)) >= 3, alive_in(groups)  # and the worker's engine core

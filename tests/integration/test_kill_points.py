@@ -39,7 +39,7 @@ from fleetrl.inference.vllm.launcher import launch_vllm_servers
 from fleetrl.processes import free_port, start_process
 from fleetrl.trainer import checkpoint
 
-from .conftest import TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups
+from .conftest import TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups, read_metrics
 
 pytestmark = pytest.mark.chaos
 
@@ -141,11 +141,6 @@ class Run:
                 pass
 
 
-def metrics(run_dir) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def latest_checkpoint(run_dir) -> int | None:
     found = checkpoint.latest(run_dir / "checkpoints")
     return found[0] if found else None
@@ -182,7 +177,7 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
         # Step 2's rollouts start once v1 is published, while step 1 is still being checkpointed.
         run.wait_for("checkpoint 1", lambda: latest_checkpoint(run_dir) == 1)
         gone["SIGKILL mid-rollout"] = run.signal(signal.SIGKILL)
-        assert [m["step"] for m in metrics(run_dir)] == [1] and latest_checkpoint(run_dir) == 1
+        assert [m["step"] for m in read_metrics(run_dir)] == [1] and latest_checkpoint(run_dir) == 1
         # Attached workers a run left at v1 are refitted to the base before being labelled v0.
         run = start("2-train", "train:3")
         run.hold_at("train:3")
@@ -190,18 +185,18 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
         assert run.out().count("reports version 1, not v0: refitting it") == 2, run.out()
         gone["SIGINT mid-train"] = run.signal(signal.SIGINT)
         assert run.proc.returncode == 130 and "fleetrl: interrupted" in run.out(), run.out()[-2000:]
-        assert [m["step"] for m in metrics(run_dir)] == [1, 2] and latest_checkpoint(run_dir) == 2
+        assert [m["step"] for m in read_metrics(run_dir)] == [1, 2] and latest_checkpoint(run_dir) == 2
 
         run = start("3-publish", "publish:4")
         run.hold_at("publish:4")
         gone["SIGKILL mid-publish"] = run.signal(signal.SIGKILL)
-        assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3] and latest_checkpoint(run_dir) == 3
+        assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3] and latest_checkpoint(run_dir) == 3
         # Left paused, the update of v4 open (it never finished: each still reports v3).
         assert asyncio.run(paused_and_versions(servers)) == [(True, 3), (True, 3)]
 
         run = start("4-checkpoint", "checkpoint:4")
         run.hold_at("checkpoint:4")
-        assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4]  # the line before the checkpoint
+        assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]  # the line before the checkpoint
         gone["SIGTERM mid-checkpoint"] = run.signal(signal.SIGTERM)
         assert run.proc.returncode != 0
         assert latest_checkpoint(run_dir) == 3  # step 4's checkpoint never completed
@@ -225,7 +220,7 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
             run.stop()
     print("\nkill points: everything gone after " + ", ".join(f"{what} in {s:.1f} s" for what, s in gone.items()))
 
-    done = metrics(run_dir)
+    done = read_metrics(run_dir)
     assert [m["step"] for m in done] == list(range(1, STEPS + 1))  # none twice, none missing
     assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
     # The resumed run refitted the workers to the checkpoint's version before any rollout.

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .conftest import alive_in, child_groups, fleetrl_process
+from .conftest import alive_in, child_groups, fleetrl_process, read_metrics
 
 STEPS = 5
 CONFIG = """
@@ -49,10 +49,6 @@ def run_rl(tmp_path, k: int, *flags: str) -> tuple[Path, set[int], str]:
         out = proc.stdout.read()
     assert proc.returncode == 0, out[-5000:]
     return run_dir, groups, out
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def check_common(run_dir, groups, out, k):
