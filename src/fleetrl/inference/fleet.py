@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import InferenceProvider, NamedTensors, PauseMode, WeightTransport
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole, WorkerState
+from fleetrl.processes import stopping
 from fleetrl.versions import VersionSpan
 
 # How many sessions keep their worker. A session is a rollout group (its turns and samples
@@ -520,6 +521,9 @@ class Fleet:
         """A dead (or hung) launched worker is started again; the discovery loop refits it once
         it answers its health check, and only then does it serve."""
         if self.restarts_left <= 0:
+            return
+        if stopping():  # it died because fleetrl is stopping it (a SIGTERM, say)
+            self.log(f"fleetrl: worker {worker.id} not restarted: fleetrl is stopping")
             return
         self.restarts_left -= 1  # taken before the await: workers that die together cannot overspend it
         try:

@@ -27,7 +27,6 @@ from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.launcher import DynamoDeployment, launch_dynamo
 from fleetrl.inference.http import SERVED_MODEL_NAME
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole
-from fleetrl.processes import stopping
 
 # A completion is attributable unless a whole pause-resume happened while it was in flight
 # (on its worker, or on its prefill worker); this many of those in a row means the fleet
@@ -116,8 +115,6 @@ class DynamoProvider:
         process = self.deployment.worker_at(worker.admin_url, prefill=worker.role == WorkerRole.PREFILL)
         if process is None:
             return False
-        if stopping():  # the worker died because fleetrl is stopping it
-            raise FleetrlError(f"not restarting {worker.id}: fleetrl is stopping")
         # Off the event loop: a hung worker's process group may take a moment to go.
         replacement = await asyncio.to_thread(self.deployment.replace_worker, process)
         self.log(f"fleetrl: Dynamo worker {worker.id} ({process.name}) replaced by {replacement.name}")

@@ -23,7 +23,6 @@ from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInf
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers, start_server
-from fleetrl.processes import stopping
 
 
 # What an attached server is asked at start: an admin route that only reads (and must refuse a
@@ -127,8 +126,6 @@ class VllmProvider:
         server = next((s for s in self.launched if s.name == worker.id), None)
         if server is None:
             return False  # attached: started elsewhere, restarted elsewhere
-        if stopping():  # the worker died because fleetrl is stopping it
-            raise FleetrlError(f"not restarting {worker.id}: fleetrl is stopping")
         # Off the event loop: a hung server's process group may take a moment to go.
         await asyncio.to_thread(server.process.stop, 0)
         port = int(server.url.rsplit(":", 1)[1])
