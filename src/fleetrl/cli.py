@@ -22,6 +22,8 @@ COMMANDS = {
     "status": "Show each worker of a fleet (a running run's, or the one the config names): health, "
               "pause state, policy version.",
     "verify": "Re-check a finished run directory's manifest and invariants.",
+    "plot": "Draw a run's plots (reward.png, off_policy.png and the version timeline timeline.png) from its "
+            "metrics and events, while it runs or after.",
     "export": "Write a run's checkpoint (the newest complete one, or --step N) as a Hugging Face folder.",
     "bench": "Run the benchmark suites of benchmarks/ (from a source checkout): print their ratios, "
              "write them to a JSON file.",
@@ -32,6 +34,7 @@ RUN_DIR_COMMANDS = {
     "verify": "The run directory to check.",
     "status": "A running run's directory: its fleet and admin token are read from it.",
     "export": "The run directory whose checkpoint to export.",
+    "plot": "The run directory to draw the plots of (into it).",
 }
 
 

@@ -6,8 +6,14 @@
       batches/step_N.json    what step N trained on (samples with their version spans)
       rollouts/step_N.jsonl  every sampled completion, trained or dropped, with its spans
       checkpoints/step_N/    model + optimizer + step (written by fleetrl.trainer.checkpoint)
-      final.json             a greedy sample of the final policy, and every worker's version
-      reward.png, off_policy.png
+      final.json             a greedy sample of the final policy, every worker's version, and the
+                             trainer's logprobs of the agreement probe under it
+      final_model/           the final policy as a Hugging Face folder (safetensors, config,
+                             tokenizer): transformers and `vllm serve` load it
+      events.jsonl           the timeline's events, one per line, each stamped with its wall time
+                             "t": worker state changes, publish fences (start, end), and each
+                             sample's start, end, worker and version spans
+      reward.png, off_policy.png, timeline.png
       verifiers_episodes.jsonl  a `verifiers` environment's episodes, when it runs one
       logs/                  each process's log
       weights/               filesystem transport scratch (recent versions)
@@ -22,7 +28,7 @@ One run at a time: `RunDir.start` locks the directory for the whole run (a secon
 is refused, naming the first one's pid), and a resume may not change what the run means
 (`RUN_DEFINING`). Every file is written whole or not at all (`files.atomic_write`), so a
 reader — a trainer rank waiting for a batch, `fleetrl verify`, a resumed run — never sees half
-of one. The exceptions grow a line at a time (metrics.jsonl, verifiers_episodes.jsonl): each
+of one. The exceptions grow a line at a time (metrics.jsonl, events.jsonl, verifiers_episodes.jsonl): each
 line is synced to disk as it is appended, and a last line torn by a kill mid-write is dropped
 when the file is read (and by the trim of a resume).
 
@@ -35,6 +41,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from functools import reduce
@@ -44,7 +51,7 @@ from fleetrl.batch import Batch
 from fleetrl.config import Config, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import append_line, atomic_write, read_json_lines, sha256_file
-from fleetrl.plots import off_policy_plot, reward_plot
+from fleetrl.plots import off_policy_plot, reward_plot, timeline_plot
 from fleetrl.versions import off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -110,9 +117,12 @@ class RunDir:
         self.config_path = self.root / "config.toml"
         self.metrics_path = self.root / "metrics.jsonl"
         self.final_path = self.root / "final.json"
+        self.final_model_dir = self.root / "final_model"
         self.manifest_path = self.root / MANIFEST
         self.reward_plot_path = self.root / "reward.png"
         self.off_policy_plot_path = self.root / "off_policy.png"
+        self.timeline_plot_path = self.root / "timeline.png"
+        self.events_path = self.root / "events.jsonl"
         self.verifiers_episodes_path = self.root / "verifiers_episodes.jsonl"
         self.fleet_path = self.root / "fleet.json"
         self.tokens_path = self.root / "tokens.json"
@@ -159,6 +169,8 @@ class RunDir:
                              json_lines([e for e in episodes if episode_step(e) <= resume]))
             atomic_write(self.config_path, to_toml(config))
             self.manifest_path.unlink(missing_ok=True)
+            # The final model is the run's last version: one run on from a checkpoint writes its own.
+            shutil.rmtree(self.final_model_dir, ignore_errors=True)
         except BaseException:
             self.close()
             raise
@@ -220,17 +232,29 @@ class RunDir:
     def write_final(self, final: dict) -> Path:
         return atomic_write(self.final_path, json.dumps(final, indent=1))
 
-    def write_plots(self) -> None:
+    def append_event(self, event: dict) -> None:
+        """One event of the timeline (events.jsonl), stamped with the wall time now."""
+        append_line(self.events_path, json.dumps({"t": time.time(), **event}))
+
+    def read_events(self) -> list[dict]:
+        return read_json_lines(self.events_path, self.log)
+
+    def write_plots(self) -> list[Path]:
+        """reward.png and off_policy.png from the metrics, timeline.png from the events."""
         metrics = self.read_metrics()
-        atomic_write(self.reward_plot_path, reward_plot(metrics))
-        atomic_write(self.off_policy_plot_path, off_policy_plot(metrics))
+        k = load_config([self.config_path], []).orchestrator.max_off_policy_steps
+        return [atomic_write(self.reward_plot_path, reward_plot(metrics)),
+                atomic_write(self.off_policy_plot_path, off_policy_plot(metrics)),
+                atomic_write(self.timeline_plot_path, timeline_plot(self.read_events(), k))]
 
     def artifacts(self) -> list[Path]:
-        return sorted(
-            p for p in self.root.rglob("*")
-            if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
-            and p.relative_to(self.root).parts[0] not in UNLISTED
-        )
+        """Every file of the run but the manifest, what UNLISTED names, and dot-files and dot-folders
+        (the lock; a folder being written, like final_model's, left by a kill)."""
+        def listed(path: Path) -> bool:
+            parts = path.relative_to(self.root).parts
+            return parts[0] not in UNLISTED and not any(part.startswith(".") for part in parts)
+
+        return sorted(p for p in self.root.rglob("*") if p.is_file() and p.name != MANIFEST and listed(p))
 
     def write_manifest(self) -> Path:
         entries = {str(p.relative_to(self.root)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
@@ -265,6 +289,17 @@ class RunDir:
         """The fleet has stopped: its record and tokens go."""
         self.fleet_path.unlink(missing_ok=True)
         self.tokens_path.unlink(missing_ok=True)
+
+
+def plot_run(root: Path) -> list[Path]:
+    """`fleetrl plot RUN_DIR`: the run's plots, drawn again from what it has recorded so far.
+    The same records draw the same bytes, so a finished run still matches its manifest."""
+    run_dir = RunDir(root)
+    if not run_dir.config_path.exists():
+        raise FleetrlError(f"{run_dir.root}: no config.toml (not a run directory)")
+    if not run_dir.metrics_path.exists() and not run_dir.events_path.exists():
+        raise FleetrlError(f"{run_dir.root}: nothing to draw yet (no metrics.jsonl or events.jsonl)")
+    return run_dir.write_plots()
 
 
 def verify_run(root: Path) -> str:

@@ -6,8 +6,8 @@ items 8 and 13), packed into one sequence of runs on one pair of vLLM servers:
     run 3  SIGKILL mid-publish of v4: both workers left paused with an update open
     run 4  SIGTERM mid-checkpoint of step 4 (its metrics line written, the checkpoint not complete)
     run 5  trainer rank 1 SIGKILLed after checkpoint 4: one error line naming the rank
-    run 6  finishes the run; its final checkpoint, exported (`fleetrl export`), is served by a
-           plain vLLM server with the workers' logprobs
+    run 6  finishes the run; its final model (RUN_DIR/final_model, equal to `fleetrl export` of
+           the final checkpoint) is served by a plain vLLM server with the workers' logprobs
 
 Each run is the same command (two trainer ranks, FSDP2 over gloo) with a failpoint
 (fleetrl/failpoints.py) that holds it where the signal must land. The servers are started
@@ -28,6 +28,7 @@ import time
 import pytest
 
 import httpx
+import torch
 
 from fleetrl.config import InferenceConfig, VllmConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
@@ -233,26 +234,28 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
     assert asyncio.run(paused_and_versions(servers)) == [(False, STEPS), (False, STEPS)]
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
-    check_the_exported_model_serves_like_the_workers(run_dir, servers, tmp_path)
+    check_the_final_model_serves_like_the_workers(run_dir, servers, tmp_path)
 
 
-# Token ids at a prime stride over SmolLM2's vocabulary, as the agreement probe.
-PROBE = [(i * 7919) % 49152 for i in range(1, 25)]
+def check_the_final_model_serves_like_the_workers(run_dir, servers, tmp_path) -> None:
+    """What a user takes home: RUN_DIR/final_model, the same weights as `fleetrl export` of the
+    final checkpoint, served by a plain vLLM server (no fleetrl code), scores the agreement probe
+    as the run's workers do at the final version."""
+    from safetensors.torch import load_file
 
-
-def check_the_exported_model_serves_like_the_workers(run_dir, servers, tmp_path) -> None:
-    """What a user takes home: the final checkpoint exported (`fleetrl export`) and served by a
-    plain vLLM server (no fleetrl code) scores the probe as the run's workers do at the final
-    version."""
     exported = tmp_path / "final-hf"
     export = subprocess.run([sys.executable, "-m", "fleetrl", "export", str(run_dir), str(exported)],
                             capture_output=True, text=True)
     assert export.returncode == 0, export.stderr
     assert f"step {STEPS} of" in export.stdout
+    final_model = run_dir / "final_model"
+    ours, theirs = load_file(final_model / "model.safetensors"), load_file(exported / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+    probe = json.loads((run_dir / "final.json").read_text())["probe"]["token_ids"]
     vllm = VllmConfig()
     port = free_port("127.0.0.1")
     plain = start_process("plain-vllm", [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(exported), "--host", "127.0.0.1",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(final_model), "--host", "127.0.0.1",
         "--port", str(port), "--max-model-len", "512", "--enforce-eager", "--dtype", vllm.dtype,
     ], tmp_path / "plain-vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": str(vllm.kv_cache_gib)})
     try:
@@ -267,16 +270,16 @@ def check_the_exported_model_serves_like_the_workers(run_dir, servers, tmp_path)
                 pass
             time.sleep(1)
         answer = httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": str(exported), "prompt": PROBE, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0})
+            "model": str(final_model), "prompt": probe, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0})
         assert answer.status_code == 200, answer.text
-        served = prompt_logprobs_of(PROBE, answer.json()["choices"][0]["prompt_logprobs"])
+        served = prompt_logprobs_of(probe, answer.json()["choices"][0]["prompt_logprobs"])
     finally:
         plain.stop()
 
     async def workers_score() -> list[list[float]]:
         data = VllmDataClient(DATA, 120)
         try:
-            return [await data.prompt_logprobs(url, url, PROBE) for url in servers]
+            return [await data.prompt_logprobs(url, url, probe) for url in servers]
         finally:
             await data.close()
 

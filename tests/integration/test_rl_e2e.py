@@ -65,12 +65,28 @@ def check_common(run_dir, groups, out, k):
     assert len(final["tokens"]) == 16 and final["spans"] == [[STEPS, 0]]
     assert (run_dir / "reward.png").stat().st_size > 0 and (run_dir / "off_policy.png").stat().st_size > 0
     assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+    check_final_model(run_dir, final)
     # No process is left: servers, engine cores and trainer ranks all ended with the run.
     assert len(groups) >= 3 and not alive_in(groups)
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
     assert f"max off-policy distance {max(m['distance_max'] for m in metrics)} <= k = {k}" in verify.stdout
     return metrics
+
+
+def check_final_model(run_dir, final) -> None:
+    """RUN_DIR/final_model, listed in the manifest, loads in transformers and scores the
+    agreement probe as the trainer did at the final version."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fleetrl.trainer.model import prompt_logprobs
+
+    listed = json.loads((run_dir / "manifest.json").read_text())["artifacts"]
+    assert {"final_model/model.safetensors", "final_model/config.json", "final_model/tokenizer.json"} <= set(listed)
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final_model", dtype=torch.float32).eval()
+    scored = prompt_logprobs(model, final["probe"]["token_ids"], torch.device("cpu"))
+    assert max(abs(a - b) for a, b in zip(scored, final["probe"]["trainer_logprobs"], strict=True)) < 1e-4
 
 
 def test_strictly_on_policy(tmp_path):

@@ -14,9 +14,10 @@ import torch
 import torch.multiprocessing as mp
 
 from fleetrl.trainer import checkpoint, distributed
+from fleetrl.trainer.export import export_hf
 from fleetrl.trainer.model import is_sharded, load_policy, named_tensors
 from fleetrl.trainer.step import build_optimizer, train_step
-from tests.unit.test_trainer_step import FAST, make_batch, save_tiny_model
+from tests.unit.test_trainer_step import FAST, make_batch, save_tiny_model, save_tiny_tokenizer
 
 WORLD = 2
 CPU = torch.device("cpu")
@@ -79,6 +80,7 @@ def _free_port() -> int:
 def setup(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_model(model_dir)
+    save_tiny_tokenizer(model_dir)  # what export copies
     model = load_policy(model_dir, CPU)
     batches = [make_batch(model, seed=0, samples=5, noise=0.3), make_batch(model, seed=1, samples=1, step=2)]
     return model_dir, batches
@@ -107,16 +109,18 @@ def two_ranks(setup, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_rank(setup):
+def one_rank(setup, tmp_path_factory):
     model_dir, batches = setup
     model = load_policy(model_dir, CPU)
     optimizer = build_optimizer(model, CFG)
     initial = full_weights(model)
     first = train_step(model, optimizer, batches[0], CFG)
     updated = full_weights(model)
+    checkpoints = tmp_path_factory.mktemp("one-rank") / "checkpoints"
+    checkpoint.save(checkpoints, 1, model, optimizer, keep=2)
     second = train_step(model, optimizer, batches[1], CFG)
     return {"initial": initial, "first": asdict(first), "updated": updated, "second": asdict(second),
-            "continued": full_weights(model)}
+            "continued": full_weights(model), "checkpoints": checkpoints}
 
 
 def assert_same_weights(got, expected, exact: bool = False) -> None:
@@ -161,3 +165,22 @@ def test_a_two_rank_checkpoint_loads_into_one_rank(setup, two_ranks):
     model = load_policy(model_dir, CPU)
     assert checkpoint.load(out_dir / "checkpoints", model, build_optimizer(model, CFG)) == 1
     assert_same_weights(full_weights(model), result["updated"], exact=True)
+
+
+def test_a_two_rank_checkpoint_exports_as_one_ranks_does(setup, two_ranks, one_rank, tmp_path):
+    """`fleetrl export` of step 1 as written by 2 ranks and by 1: the same Hugging Face folder
+    (the weights as close as the two updates are; every other file byte for byte)."""
+    from safetensors.torch import load_file
+
+    model_dir, _ = setup
+    _, out_dir = two_ranks
+    for name, checkpoints in (("two", out_dir / "checkpoints"), ("one", one_rank["checkpoints"])):
+        export_hf(model_dir, checkpoint.at_step(checkpoints, 1), tmp_path / name)
+    two, one = (load_file(tmp_path / name / "model.safetensors") for name in ("two", "one"))
+    assert_same_weights(sorted(two.items()), sorted(one.items()))
+    assert_same_weights([(n, two[n]) for n, _ in two_ranks[0]["updated"]], two_ranks[0]["updated"], exact=True)
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "two").iterdir()) and "tokenizer.json" in files
+    for name in files:
+        if name != "model.safetensors":
+            assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name

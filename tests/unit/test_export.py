@@ -4,27 +4,20 @@ import pytest
 import torch
 
 from fleetrl.cli import main
+from fleetrl.errors import FleetrlError
 from fleetrl.config import Config, ModelConfig, to_toml
 from fleetrl.trainer import checkpoint
 from fleetrl.trainer.model import agreement_probe, load_policy, prompt_logprobs
 from fleetrl.trainer.step import build_optimizer, train_step
-from tests.unit.test_trainer_step import CPU, FAST, VOCAB, make_batch, weights
+from tests.unit.test_trainer_step import CPU, FAST, make_batch, save_tiny_model, save_tiny_tokenizer, weights
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The tiny Llama of the trainer tests, with a tokenizer, as any base model folder has."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from tests.unit.test_trainer_step import save_tiny_model
-
     path = tmp_path_factory.mktemp("tiny-llama-with-tokenizer")
     save_tiny_model(path)
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(path)
+    save_tiny_tokenizer(path)
     return path
 
 
@@ -77,3 +70,22 @@ def test_export_of_a_given_step_and_what_it_refuses(model_dir, tmp_path, capsys)
     assert main(["export", str(tmp_path), str(tmp_path / "y")]) == 1
     assert "no config.toml (not a run directory)" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_the_final_weights_export_like_their_checkpoint(model_dir, tmp_path):
+    """Every run's final_model comes from the weights it published last (no checkpoint needed):
+    the same folder as the export of a checkpoint of those weights."""
+    from safetensors.torch import load_file
+
+    from fleetrl.trainer.export import export_weights
+
+    trained = trained_run(model_dir, tmp_path / "run", steps=(1,))
+    export_weights(model_dir, weights(trained).items(), tmp_path / "final")
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "ckpt")]) == 0
+    final, ckpt = (load_file(tmp_path / name / "model.safetensors") for name in ("final", "ckpt"))
+    assert final.keys() == ckpt.keys() and all(torch.equal(final[n], ckpt[n]) for n in final)
+    for name in ("config.json", "tokenizer.json"):
+        assert (tmp_path / "final" / name).read_bytes() == (tmp_path / "ckpt" / name).read_bytes()
+    with pytest.raises(FleetrlError, match="no weight given for"):
+        export_weights(model_dir, list(weights(trained).items())[1:], tmp_path / "partial")
+    assert not (tmp_path / "partial").exists()

@@ -117,6 +117,30 @@ async def test_publish_reaches_every_worker_and_resumes():
     await fleet.close()
 
 
+async def test_the_fleet_tells_of_every_state_change_and_fence():
+    """What the run's events file (and its timeline) is made of, in order, and each ready
+    worker's time in the publish."""
+    fleet, provider, transport = await started("a", "b")
+    events = []
+    fleet.on_event = events.append
+    transport.corrupt_worker = "b"
+    report = await fleet.publish(1, transport, weights)
+    assert events[0] == {"event": "fence", "phase": "start", "version": 1}
+    assert events[-1] == {"event": "fence", "phase": "end", "version": 1, "ready": ["a"]}
+    states = {w: [(e["state"], e["version"]) for e in events if e.get("worker") == w] for w in ("a", "b")}
+    assert states == {"a": [("paused", 0), ("updating", 0), ("ready", 1)], "b": [("paused", 0), ("updating", 0), ("stale", 0)]}
+    assert "checksum" in next(e["error"] for e in events if e.get("state") == "stale")
+    assert list(report.worker_seconds) == ["a"] and 0 < report.worker_seconds["a"] <= report.seconds
+    await fleet.close()
+    fleet, provider, transport = await started("a")
+    fleet.on_event = events.append
+    transport.corrupt_worker = "a"
+    with pytest.raises(PublishError):  # a fence that fails still ends, with no worker ready
+        await fleet.publish(1, transport, weights)
+    assert events[-1] == {"event": "fence", "phase": "end", "version": 1, "ready": []}
+    await fleet.close()
+
+
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_request_in_flight_gets_exact_spans(mode):
     fleet, provider, transport = await started("a", pause_mode=mode)

@@ -36,6 +36,18 @@ def save_tiny_model(path) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
+def save_tiny_tokenizer(path) -> None:
+    """A word-level tokenizer for the tiny model ("w5 w7" -> [5, 7]), as any base model folder has
+    one (what export copies)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(path)
+
+
 def reference_logprobs(model, sample: Sample) -> list[float]:
     """log pi of each completion token from a plain, unpadded forward of one sample."""
     ids = torch.tensor([sample.prompt_ids + sample.completion_ids])

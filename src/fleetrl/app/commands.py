@@ -42,6 +42,14 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
             raise FleetrlError("fleetrl verify needs a run directory: fleetrl verify RUN_DIR")
         print(verify_run(args.run_dir))
         return 0
+    if args.command == "plot":
+        from fleetrl.rundir import plot_run
+
+        if args.run_dir is None:
+            raise FleetrlError("fleetrl plot needs a run directory: fleetrl plot RUN_DIR")
+        for path in plot_run(args.run_dir):
+            print(f"fleetrl plot: wrote {path}")
+        return 0
     if args.command == "inference":
         from fleetrl.app.inference import DEFAULT_PROMPTS, run_inference
 

@@ -36,6 +36,7 @@ from fleetrl.orchestrator.rollouts import Orchestrator, render_prompt
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, distributed
+from fleetrl.trainer.export import export_weights
 from fleetrl.trainer.loop import Hooks, Snapshot, train
 from fleetrl.trainer.step import StepMetrics, finite_or_none
 
@@ -73,6 +74,7 @@ class RLRun:
         self.ranks: list[ManagedProcess] = []
         self.rollouts: list[Future] = []
         self.fleet: Fleet | None = None
+        self.published: tuple[Snapshot, AgreementProbe] | None = None  # the last version's weights and probe
 
     def run(self) -> int:
         # Also with one rank, where every process starts on the control loop's thread: a SIGTERM
@@ -107,6 +109,7 @@ class RLRun:
         self.orchestrator = Orchestrator(fleet, env, self.tokenizer, config.orchestrator, self.run_dir,
                                          config.run.seed, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
+        fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
         base = base_weights(fleet.provider, self.model_dir, self.transport)
         self.fleet_started = self.control.submit(start_recorded(fleet, self.run_dir, base))
 
@@ -142,7 +145,11 @@ class RLRun:
             raise
 
     def finish(self) -> None:
-        self.run_dir.write_final(self.control.run(final_generation(self.fleet, self.tokenizer)))
+        weights, probe = self.published
+        final = self.control.run(final_generation(self.fleet, self.tokenizer))
+        self.run_dir.write_final({**final, "probe": {"token_ids": probe.token_ids, "trainer_logprobs": probe.logprobs}})
+        self.log(f"fleetrl: writing the final model (v{self.fleet.version}) to {self.run_dir.final_model_dir}")
+        export_weights(self.model_dir, weights.items(), self.run_dir.final_model_dir)
         self.run_dir.write_plots()
         self.run_dir.write_manifest()
         self.log(f"fleetrl: done: {self.run_dir.root} (check it with `fleetrl verify {self.run_dir.root}`)")
@@ -174,6 +181,7 @@ class RLRun:
         report = self.control.run(self.fleet.publish(step, self.transport, lambda: iter(weights.items()), probe))
         if not report.ready:
             raise FleetrlError(f"publish v{step} reached no worker")
+        self.published = weights, probe
         return report
 
     def on_step(self, batch: Batch, metrics: StepMetrics, report: PublishReport, started: float,

@@ -48,6 +48,8 @@ class PublishReport:
     checksum: str
     ready: list[str]  # workers verified at `version` and resumed
     failed: dict[str, str] = field(default_factory=dict)  # worker id -> why it is dead or stale
+    # ready worker id -> seconds from the fence's start until it was verified (and passed the probe)
+    worker_seconds: dict[str, float] = field(default_factory=dict)
     probe: dict[str, float] = field(default_factory=dict)  # worker id -> max |delta logprob| on the probe
 
 
@@ -78,7 +80,7 @@ class Fleet:
     def __init__(self, provider: InferenceProvider, pause_mode: PauseMode = "keep",
                  discovery_interval_s: float = 5.0, health_timeout_s: float = 10.0,
                  no_worker_timeout_s: float = 600.0, probe_tolerance: float = 0.1, max_restarts: int = 0,
-                 log=print) -> None:
+                 log=print, on_event: Callable[[dict], None] = lambda event: None) -> None:
         self.provider = provider
         self.pause_mode = pause_mode
         self.discovery_interval_s = discovery_interval_s
@@ -88,6 +90,9 @@ class Fleet:
         self.restarts_left = max_restarts  # over the whole run, all workers together
         self._restarts: set[asyncio.Task] = set()
         self.log = log
+        # Told of every worker state change and publish fence (the run's events file, which
+        # its timeline is drawn from): {"event": "worker" | "fence", ...}.
+        self.on_event = on_event
         self.transient_errors = 0  # requests sent again after a healthy worker failed them
         self.version = 0
         self.workers: dict[str, WorkerInfo] = {}
@@ -289,40 +294,53 @@ class Fleet:
             raise PublishError(f"publish v{version}: the fleet is already at v{self.version}")
         started = time.monotonic()
         failed: dict[str, str] = {}
+        done_s: dict[str, float] = {}  # worker id -> when, from the fence's start, it was verified (and probed)
+
+        async def checked(worker: WorkerInfo, check: Awaitable[None]) -> None:
+            await check
+            done_s[worker.id] = time.monotonic() - started
+
         async with self._fence:
-            targets = [w for w in self.workers.values() if w.state != WorkerState.DEAD]
-            # One bounded health check first: a hung worker leaves the fence now, after one
-            # timeout, instead of holding every step of the publish for its admin timeouts.
-            targets = await self._each(targets, self._check_health, failed, WorkerState.DEAD)
-            for worker in targets:
-                self._mark(worker, WorkerState.PAUSED)
-            await self._notify()
-            admin = self.provider.admin
-            paused = await self._each(targets, lambda w: admin(w).pause(self.pause_mode), failed, WorkerState.DEAD)
-            for worker in paused:
-                self._mark(worker, WorkerState.UPDATING)
-            checksum, updated = await self._transfer(paused, transport, named_tensors, version, failed)
-            verified = await self._each(updated, lambda w: self._verify(w, version, checksum), failed,
-                                        WorkerState.STALE)
-            if not verified:
-                raise PublishError(f"publish v{version} completed on no worker: {self._format(failed)}")
-            # From here on only workers verified at `version` take traffic: stale ones stay paused.
-            self.version = version
-            self._source = WeightSource(transport, named_tensors, checksum, probe)
-            resumed = await self._each(verified, lambda w: admin(w).resume(), failed, WorkerState.DEAD)
-            deltas: dict[str, float] = {}
-            if probe is not None:  # still UPDATING here: a worker that disagrees never takes a request
-                prefills = [w for w in resumed if w.role == WorkerRole.PREFILL]
-                agree = await self._each(resumed, lambda w: self._agrees(w, probe, prefills, deltas), failed,
-                                         WorkerState.STALE)
-                resumed = [w for w in resumed if w in agree]
-            for worker in resumed:
-                worker.version = version
-                self._mark(worker, WorkerState.READY)
+            self.on_event({"event": "fence", "phase": "start", "version": version})
+            resumed: list[WorkerInfo] = []
+            try:
+                targets = [w for w in self.workers.values() if w.state != WorkerState.DEAD]
+                # One bounded health check first: a hung worker leaves the fence now, after one
+                # timeout, instead of holding every step of the publish for its admin timeouts.
+                targets = await self._each(targets, self._check_health, failed, WorkerState.DEAD)
+                for worker in targets:
+                    self._mark(worker, WorkerState.PAUSED)
+                await self._notify()
+                admin = self.provider.admin
+                paused = await self._each(targets, lambda w: admin(w).pause(self.pause_mode), failed, WorkerState.DEAD)
+                for worker in paused:
+                    self._mark(worker, WorkerState.UPDATING)
+                checksum, updated = await self._transfer(paused, transport, named_tensors, version, failed)
+                verified = await self._each(updated, lambda w: checked(w, self._verify(w, version, checksum)), failed,
+                                            WorkerState.STALE)
+                if not verified:
+                    raise PublishError(f"publish v{version} completed on no worker: {self._format(failed)}")
+                # From here on only workers verified at `version` take traffic: stale ones stay paused.
+                self.version = version
+                self._source = WeightSource(transport, named_tensors, checksum, probe)
+                resumed = await self._each(verified, lambda w: admin(w).resume(), failed, WorkerState.DEAD)
+                deltas: dict[str, float] = {}
+                if probe is not None:  # still UPDATING here: a worker that disagrees never takes a request
+                    prefills = [w for w in resumed if w.role == WorkerRole.PREFILL]
+                    agree = await self._each(resumed, lambda w: checked(w, self._agrees(w, probe, prefills, deltas)),
+                                             failed, WorkerState.STALE)
+                    resumed = [w for w in resumed if w in agree]
+                for worker in resumed:
+                    worker.version = version
+                    self._mark(worker, WorkerState.READY)
+            finally:
+                self.on_event({"event": "fence", "phase": "end", "version": version,
+                               "ready": sorted(w.id for w in resumed)})
         await self._notify()
         if failed:
             self.log(f"fleetrl: publish v{version} excluded {self._format(failed)}")
-        return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed, deltas)
+        return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed,
+                             probe=deltas, worker_seconds={w.id: done_s[w.id] for w in resumed})
 
     async def _transfer(self, workers: list[WorkerInfo], transport: WeightTransport,
                         named_tensors: NamedTensors, version: int,
@@ -514,6 +532,9 @@ class Fleet:
                 task = asyncio.get_running_loop().create_task(self._restart(worker))
                 self._restarts.add(task)
                 task.add_done_callback(self._restarts.discard)
+        if state != worker.state:
+            self.on_event({"event": "worker", "worker": worker.id, "role": worker.role.value, "state": state.value,
+                           "version": worker.version, "error": error})
         worker.state = state
         worker.error = error
 

@@ -152,6 +152,7 @@ class Orchestrator:
             "misversioned": drops["misversioned"],
             "reward_failed": drops["reward_failed"],
             "empty": drops["empty"],
+            "workers": worker_stats(records, finished - started),
         }
         return Batch(step=step, samples=samples, dropped=drops["off_policy"], meta=meta)
 
@@ -181,7 +182,13 @@ class Orchestrator:
         prompt_ids = render_prompt(self.tokenizer, task.messages)
         request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=self.sampling, n=self.config.group_size,
                                   session_id=f"step{step}-group{index}")
+        started = time.time()
         completions = await self.fleet.generate(request)
+        finished = time.time()
+        for i, c in enumerate(completions):  # for the timeline: one bar per sample, split at its spans
+            self.run_dir.append_event({"event": "sample", "step": step, "group": index, "sample": i,
+                                       "worker": c.worker_id, "start": started, "end": finished,
+                                       "tokens": len(c.token_ids), "spans": [[s.version, s.start] for s in c.spans]})
         return list(await asyncio.gather(*(self._score(step, task, prompt_ids, c) for c in completions)))
 
     async def _score(self, step: int, task: Task, prompt_ids: list[int], completion: GenerateResponse) -> Scored:
@@ -223,11 +230,25 @@ class Orchestrator:
         return {
             "step": step, "group": group, "task": scored.task.id, "completion": scored.text,
             "reward": scored.reward, "advantage": advantage, "worker": c.worker_id,
+            "completion_tokens": len(c.token_ids),
             "prefill_worker": c.prefill_worker_id, "spans": [[s.version, s.start] for s in c.spans],
             "distance": off_policy_distance(step, c.spans) if c.spans else None,
             "trained": drop_reason is None, "drop_reason": drop_reason, "reward_error": scored.reward_error,
             "version_error": c.version_error,
         }
+
+
+def worker_stats(records: list[dict], seconds: float) -> dict[str, dict]:
+    """Per worker, of one batch's rollouts: completions served, their tokens, and those tokens
+    per second of the batch's sampling time."""
+    stats: dict[str, dict] = {}
+    for record in records:
+        entry = stats.setdefault(record["worker"], {"completions": 0, "completion_tokens": 0})
+        entry["completions"] += 1
+        entry["completion_tokens"] += record["completion_tokens"]
+    for entry in stats.values():
+        entry["tokens_per_s"] = entry["completion_tokens"] / seconds if seconds > 0 else 0.0
+    return stats
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -1,0 +1,77 @@
+"""`fleetrl plot RUN_DIR`: the run's plots drawn from its records; the version timeline's picture."""
+
+import io
+import json
+
+import numpy as np
+
+from fleetrl.cli import main
+from fleetrl.config import Config, to_toml
+
+T = 1000.0
+
+
+def worker(t, worker, state, version):
+    return {"t": T + t, "event": "worker", "worker": worker, "role": "aggregated", "state": state,
+            "version": version, "error": None}
+
+
+def sample(t0, t1, step, spans, tokens=10, group=0, index=0):
+    return {"t": T + t1, "event": "sample", "step": step, "group": group, "sample": index, "worker": "w0",
+            "start": T + t0, "end": T + t1, "tokens": tokens, "spans": spans}
+
+
+EVENTS = [
+    worker(0, "w0", "ready", 0), worker(0, "w1", "ready", 0),
+    sample(0, 4, 1, [[0, 0]]),
+    {"t": T + 4, "event": "fence", "phase": "start", "version": 1},
+    worker(4, "w0", "paused", 0), worker(4, "w0", "updating", 0), worker(6, "w0", "ready", 1),
+    worker(4, "w1", "paused", 0), worker(4, "w1", "updating", 0), worker(6, "w1", "stale", 0),
+    {"t": T + 6, "event": "fence", "phase": "end", "version": 1, "ready": ["w0"]},
+    sample(3, 9, 2, [[0, 0], [1, 5]], index=1),  # crossed the fence: half v0, half v1
+    sample(1, 9, 4, [[0, 0]], group=1),  # 3 versions behind step 4: dropped at k = 1
+]
+
+
+def colors_in(png: bytes) -> set[tuple[int, int, int]]:
+    import matplotlib.image
+
+    pixels = (matplotlib.image.imread(io.BytesIO(png))[..., :3] * 255).round().astype(np.uint8)
+    return set(map(tuple, pixels.reshape(-1, 3)))
+
+
+def rgb(hex_color: str) -> tuple[int, int, int]:
+    return tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+
+
+def test_plot_draws_the_timeline_from_the_events_and_the_same_bytes_again(tmp_path, capsys):
+    from fleetrl.plots import DROPPED_COLOR, STATE_STYLES
+
+    run = tmp_path / "run"
+    run.mkdir()
+    config = Config()
+    config.orchestrator.max_off_policy_steps = 1
+    (run / "config.toml").write_text(to_toml(config))
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EVENTS))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5, "distance_max": 0,
+                                                   "distance_mean": 0.0}) + "\n")
+    assert main(["plot", str(run)]) == 0
+    out = capsys.readouterr().out
+    pngs = {name: (run / name).read_bytes() for name in ("reward.png", "off_policy.png", "timeline.png")}
+    assert all(f"wrote {run / name}" in out for name in pngs)
+    colors = colors_in(pngs["timeline.png"])
+    # v0 and v1 (tab10's first two), the fence band, an updating worker, the dropped sample's outline
+    for color in ("#1f77b4", "#ff7f0e", "#fff3b0", STATE_STYLES["updating"][0], DROPPED_COLOR):
+        assert rgb(color) in colors, color
+    assert main(["plot", str(run)]) == 0
+    assert {name: (run / name).read_bytes() for name in pngs} == pngs  # a finished run keeps its manifest
+
+
+def test_plot_refuses_what_is_no_run(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 1
+    assert "no config.toml (not a run directory)" in capsys.readouterr().err
+    (tmp_path / "config.toml").write_text(to_toml(Config()))
+    assert main(["plot", str(tmp_path)]) == 1
+    assert "nothing to draw yet" in capsys.readouterr().err
+    assert main(["plot"]) == 1
+    assert "fleetrl plot needs a run directory" in capsys.readouterr().err
