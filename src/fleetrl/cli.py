@@ -19,8 +19,8 @@ from fleetrl.errors import FleetrlError
 COMMANDS = {
     "rl": "Run an RL job: fleet, trainer ranks and orchestrator.",
     "inference": "Start the inference fleet, sample a few completions, print them and shut down.",
-    "status": "Show each worker of a fleet (a running run's, or the one the config names): health, "
-              "pause state, policy version.",
+    "status": "Show each worker of a fleet (a running run's, or the one the config names): role, state, "
+              "policy version, weight checksum, requests in flight, last publish; for a finished run, how it left them.",
     "verify": "Re-check a finished run directory's manifest and invariants.",
     "plot": "Draw a run's plots (reward.png, off_policy.png and the version timeline timeline.png) from its "
             "metrics and events, while it runs or after.",
@@ -32,7 +32,8 @@ COMMANDS = {
 # The commands that take a run directory as their one positional argument.
 RUN_DIR_COMMANDS = {
     "verify": "The run directory to check.",
-    "status": "A running run's directory: its fleet and admin token are read from it.",
+    "status": "A run's directory: a running run's fleet and admin token are read from it; a finished run's "
+              "final state is shown.",
     "export": "The run directory whose checkpoint to export.",
     "plot": "The run directory to draw the plots of (into it).",
 }

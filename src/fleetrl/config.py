@@ -374,6 +374,14 @@ class RunConfig(Section):
     dir: Path = Field(Path("runs/latest"), description="Run directory: config, logs, metrics.")
     max_steps: int = Field(10, ge=1, description="Trainer steps (= policy versions) to run.")
     seed: int = Field(0, description="Seed for sampling and training.")
+    tensorboard: bool = Field(True, description="Write each step's metrics as TensorBoard event files in "
+                              "RUN_DIR/tensorboard (offline; `tensorboard --logdir RUN_DIR/tensorboard`).")
+    wandb: bool = Field(False, description="Also log each step's metrics to Weights & Biases (needs the `wandb` "
+                        "extra; files in RUN_DIR/wandb).")
+    wandb_project: str = Field("fleetrl", min_length=1, description="The W&B project of the run (run.wandb).")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="W&B offline (files only: `wandb sync RUN_DIR/wandb/offline-run-*` uploads them) "
+        "or online (needs WANDB_API_KEY in the environment, never in a config).")
 
 
 class Config(Section):

@@ -27,11 +27,12 @@ ADMIN_MIDDLEWARE = "fleetrl.engine.admin_auth.AdminTokenMiddleware"
 ADMIN_TOKEN_ENV = "FLEETRL_ADMIN_TOKEN"
 DATA_TOKEN_ENV = "FLEETRL_DATA_TOKEN"
 
-# The worker extension's method that returns the checksum of the weights a rank last received,
-# computed by the receiver from the bytes it got (one result per rank). Dynamo's engine_rpc
-# route returns no results of its own, so fleetrl's Dynamo worker entry answers this method
-# with them.
-WEIGHT_CHECKSUM_METHOD = "fleetrl_weight_checksum"
+# The worker extension's method that returns what a rank holds (one result per rank):
+# {"checksum": the fleetrl checksum of the weights it last received in full, computed by the
+# receiver from the bytes it got, or None; "received_at": when that update finished (Unix
+# time), or None; "updating": whether an update is open}. Dynamo's engine_rpc route returns no
+# results of its own, so fleetrl's Dynamo worker entry answers this method with them.
+WEIGHT_STATE_METHOD = "fleetrl_weight_state"
 
 # Dynamo worker flag: run fleetrl's worker kind, which reports the version of every token.
 TOKEN_VERSIONS_FLAG = "--fleetrl-token-versions"

@@ -15,6 +15,7 @@ from fleetrl.versions import VersionSpan, off_policy_distance
 STATE_STYLES = {"joining": ("#eeeeee", ""), "syncing": ("#d0d0d0", ".."), "paused": ("#bdbdbd", "//"),
                 "updating": ("#616161", "xx"), "stale": ("#ffffff", "\\\\"), "dead": ("#000000", "")}
 FENCE_COLOR = "#fff3b0"
+TRAIN_COLOR = "#37474f"  # a trainer step, from its batch to its optimizer step
 DROPPED_COLOR = "#ff00aa"  # the outline of a sample more than k versions behind
 
 
@@ -30,8 +31,8 @@ def off_policy_plot(metrics: list[dict]) -> bytes:
 
 
 def timeline_plot(events: list[dict], k: int) -> bytes:
-    """Each worker's state over wall time (serving at vN in vN's colour, paused, updating, ...),
-    publish fences as vertical bands, and below, one bar per sample from its start to its end,
+    """Each trainer step and each worker's state over wall time (serving at vN in vN's colour,
+    paused, updating, ...), publish fences as vertical bands, and below, one bar per sample from its start to its end,
     split where its tokens change version (at the token position, the bar read as the tokens in
     order) and coloured by version. A sample whose tokens lie more than `k` versions behind its
     step is outlined in magenta (the orchestrator dropped it)."""
@@ -39,18 +40,19 @@ def timeline_plot(events: list[dict], k: int) -> bytes:
     from matplotlib.patches import Patch
 
     t0 = min((e["t"] for e in events), default=0.0)
-    t_end = max((e.get("end", e["t"]) for e in events), default=1.0)
+    t_end = max((max(e["t"], e.get("end", e["t"])) for e in events), default=1.0)
     workers = sorted({e["worker"] for e in events if e["event"] == "worker"})
+    rows = workers + ["trainer"]  # the trainer's steps on the top row, above the workers
     samples = sorted((e for e in events if e["event"] == "sample"), key=lambda e: (e["start"], e["step"], e["group"], e["sample"]))
     versions = sorted({v for e in events for v in _versions_of(e)} or {0})
     color = _version_colors(versions)
 
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 2.5 + 0.35 * len(workers) + min(6.0, 0.06 * len(samples))),
-                                      gridspec_kw={"height_ratios": [max(1, len(workers)), max(2, min(12, len(samples) // 6))]})
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 2.5 + 0.35 * len(rows) + min(6.0, 0.06 * len(samples))),
+                                      gridspec_kw={"height_ratios": [len(rows), max(2, min(12, len(samples) // 6))]})
     for start, end, version in _fences(events, t_end):
         for ax in (top, bottom):
             ax.axvspan(start - t0, end - t0, color=FENCE_COLOR, zorder=0)
-        top.text(start - t0, len(workers) - 0.35, f"v{version}", fontsize=7, va="bottom")
+        top.text(start - t0, len(rows) - 0.45, f"v{version}", fontsize=7, va="bottom")
     for row, worker in enumerate(workers):
         for start, end, state, version in _states(events, worker, t_end):
             if state == "ready" and version is not None:
@@ -59,10 +61,12 @@ def timeline_plot(events: list[dict], k: int) -> bytes:
                 fill, hatch = STATE_STYLES.get(state, ("#ffffff", ""))
                 top.barh(row, end - start, left=start - t0, height=0.3, color=fill, hatch=hatch, edgecolor="#212121",
                          linewidth=0.5)
-    top.set_yticks(range(len(workers)), workers, fontsize=7)
-    top.set_ylim(-0.5, len(workers))
-    top.set_title("workers: serving at vN in vN's colour (thin, hatched: not serving); publish fences in yellow",
-                  fontsize=9)
+    for train in (e for e in events if e["event"] == "train"):
+        top.barh(len(workers), train["end"] - train["start"], left=train["start"] - t0, height=0.6, color=TRAIN_COLOR)
+    top.set_yticks(range(len(rows)), rows, fontsize=7)
+    top.set_ylim(-0.5, len(rows))
+    top.set_title("trainer steps, and workers serving at vN in vN's colour (thin, hatched: not serving); "
+                  "publish fences in yellow", fontsize=9)
     for row, sample in enumerate(samples):
         duration = sample["end"] - sample["start"]
         spans = [VersionSpan(v, start) for v, start in sample["spans"]]

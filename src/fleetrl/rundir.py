@@ -11,17 +11,20 @@
       final_model/           the final policy as a Hugging Face folder (safetensors, config,
                              tokenizer): transformers and `vllm serve` load it
       events.jsonl           the timeline's events, one per line, each stamped with its wall time
-                             "t": worker state changes, publish fences (start, end), and each
-                             sample's start, end, worker and version spans
+                             "t": worker state changes, publish fences (start, end), each
+                             trainer step's start and end, and each sample's start, end, worker
+                             and version spans
       reward.png, off_policy.png, timeline.png
       verifiers_episodes.jsonl  a `verifiers` environment's episodes, when it runs one
+      tensorboard/           each step's metrics as TensorBoard event files (run.tensorboard)
+      wandb/                 W&B's offline run files (run.wandb): W&B's own, never in the manifest
       logs/                  each process's log
       weights/               filesystem transport scratch (recent versions)
       dynamo-discovery/      file discovery of a launched Dynamo deployment
       fleet.json             where a running run's fleet is (provider, endpoints), for `fleetrl status`
       tokens.json            the run's admin and data tokens, mode 0600 (never in the manifest)
-      manifest.json          every artifact above (but logs, weights, dynamo-discovery, fleet.json,
-                             tokens.json) with its sha256
+      manifest.json          every artifact above (but logs, wandb, weights, dynamo-discovery,
+                             fleet.json, tokens.json) with its sha256
       .lock                  locked (flock) by the run using the directory; holds its pid
 
 One run at a time: `RunDir.start` locks the directory for the whole run (a second fleetrl on it
@@ -55,11 +58,11 @@ from fleetrl.plots import off_policy_plot, reward_plot, timeline_plot
 from fleetrl.versions import off_policy_distance
 
 MANIFEST = "manifest.json"
-# logs change after the fact; weights/ is the transport's scratch; dynamo-discovery/ (and the
-# kv-store/ of its key-value store) is a launched Dynamo deployment's live registry, emptied
-# as its processes stop.
+# logs change after the fact, and so may W&B's files (its own process writes them); weights/
+# is the transport's scratch; dynamo-discovery/ (and the kv-store/ of its key-value store) is a
+# launched Dynamo deployment's live registry, emptied as its processes stop.
 # fleet.json and tokens.json describe the live fleet (and hold its secrets).
-UNLISTED = ("logs", "weights", "dynamo-discovery", "kv-store", "fleet.json", "tokens.json")
+UNLISTED = ("logs", "wandb", "weights", "dynamo-discovery", "kv-store", "fleet.json", "tokens.json")
 STEP_PREFIX = "step_"
 LOCK = ".lock"  # a dot-file: never an artifact of the manifest
 
@@ -130,6 +133,8 @@ class RunDir:
         self.rollouts_dir = self.root / "rollouts"
         self.checkpoints_dir = self.root / "checkpoints"
         self.logs_dir = self.root / "logs"
+        self.tensorboard_dir = self.root / "tensorboard"
+        self.wandb_dir = self.root / "wandb"
         self.weights_dir = self.root / "weights"
         self.lock_path = self.root / LOCK
         self._lock_fd: int | None = None  # open while this RunDir holds the lock

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from fleetrl.config import InferenceConfig, VllmConfig
+from fleetrl.contract import WEIGHT_STATE_METHOD
 from fleetrl.inference.provider import WeightTransport
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers
@@ -125,11 +126,13 @@ async def publish(client: VllmAdminClient, transport: WeightTransport, weights: 
     """pause -> transfer -> checks while paused -> resume."""
     await client.pause("keep")
     try:
-        started = time.monotonic()
+        started, wall = time.monotonic(), time.time()
         checksum = await transport.transfer([client], lambda: iter(weights), version)
         seconds = time.monotonic() - started
         assert await client.version() == version
-        assert await client.collective_rpc("fleetrl_weight_checksum") == [checksum]
+        (state,) = await client.collective_rpc(WEIGHT_STATE_METHOD)
+        assert state["checksum"] == checksum and state["received_at"] >= wall and not state["updating"]
+        assert await client.in_flight() == 0  # vLLM's own gauges, read from its /metrics
     finally:
         await client.resume()
     print(f"{transport.name}: v{version} published in {seconds:.2f} s")
@@ -198,7 +201,7 @@ def test_filesystem_refuses_an_unready_version(server, tmp_path, prompt_ids, ori
                 await transport.transfer([client], lambda: iter(modified), 301)
             assert await client.version() is None
             assert (await client.call("GET", "/weight_info", idempotent=True))["weight_version"] == "incomplete-v301"
-            assert await client.collective_rpc("fleetrl_weight_checksum") == [None]
+            assert [s["checksum"] for s in await client.collective_rpc(WEIGHT_STATE_METHOD)] == [None]
         finally:
             await client.resume()
         assert await generate(client, prompt_ids) == original_output

@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, RankWeights, WorkerInfo, WorkerRole
 from fleetrl.versions import VersionSpan
 
 
@@ -74,6 +74,12 @@ class FakeAdmin:
     async def abandon_weight_update(self, version: int) -> None:
         self._check("abandon_weight_update")
         self.engine.abandoned += 1
+
+    async def weight_state(self) -> list[RankWeights]:
+        return [RankWeights(self.engine.checksum, None, False)]
+
+    async def in_flight(self) -> int | None:
+        return None
 
     async def verify_weights(self, checksum: str | None) -> None:
         self._check("verify_weights")

@@ -78,13 +78,13 @@ def test_model_path_without_config_json(tmp_path, capsys):
 
 def test_unreachable_server_is_reported_per_url(capsys):
     assert main(["status", "--inference.urls", '["http://127.0.0.1:9"]', "--inference.admin_token", "t"]) == 1
-    assert "http://127.0.0.1:9  down" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines()[1].split()[:3] == ["http://127.0.0.1:9", "aggregated", "dead"]
 
 
 def test_status_takes_the_admin_token_from_the_environment(monkeypatch, capsys):
     monkeypatch.setenv(ADMIN_TOKEN_ENV, "t")
     assert main(["status", "--inference.urls", '["http://127.0.0.1:9"]']) == 1
-    assert "http://127.0.0.1:9  down" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines()[1].split()[:3] == ["http://127.0.0.1:9", "aggregated", "dead"]
 
 
 def test_status_of_a_run_directory_attaches_to_the_fleet_it_recorded(tmp_path, monkeypatch, capsys):
@@ -100,7 +100,9 @@ def test_status_of_a_run_directory_attaches_to_the_fleet_it_recorded(tmp_path, m
     monkeypatch.setitem(PROVIDERS, "vllm",
                         ProviderEntry(build=build, missing_to_attach=PROVIDERS["vllm"].missing_to_attach))
     assert main(["status", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.splitlines() == ["a  up  version=unset  serving"]
+    head, _, row = capsys.readouterr().out.splitlines()
+    assert head == f"run {tmp_path}: no step done yet (of ?)"
+    assert row.split() == ["a", "aggregated", "stale", "-", "base", "?", "never"]  # no version: stale
     assert built["urls"] == ["http://10.0.0.1:8000"] and built["tokens"].admin == "the-admin-token"
 
 
@@ -111,9 +113,10 @@ def test_status_reads_each_discovered_worker_through_the_provider(monkeypatch, c
     provider.engines["c"].fail = {"version"}
     monkeypatch.setitem(PROVIDERS, "dynamo", ProviderEntry(build=lambda *_: provider, missing_to_attach=lambda _: None))
     assert main(["status", "--inference.provider", "dynamo"]) == 1
-    assert capsys.readouterr().out.splitlines() == [
-        "a  up  version=v2  serving", "b  up  version=unset  paused", "c  error: worker c: version failed: injected",
-    ]
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:4] for line in lines[1:4]] == [
+        ["a", "aggregated", "ready", "v2"], ["b", "aggregated", "paused", "-"], ["c", "aggregated", "error", "-"]]
+    assert lines[4:] == ["c: worker c: version failed: injected"]
 
 
 def test_attach_to_unreachable_url_fails_clearly(tmp_path, capsys):

@@ -10,7 +10,7 @@ import pytest
 
 from fleetrl.app.providers import Tokens, build_provider
 from fleetrl.config import Config, ConfigError, DynamoConfig, InferenceConfig, RunConfig
-from fleetrl.contract import WEIGHT_CHECKSUM_METHOD
+from fleetrl.contract import WEIGHT_STATE_METHOD
 from fleetrl.engine.dynamo_worker import _answering_checksums
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo import launcher
@@ -67,7 +67,7 @@ def admin_answering(answer: dict) -> DynamoAdminClient:
     def worker(request):
         body = json.loads(request.content)
         assert request.url.path == "/engine/update_weights_from_distributed"
-        assert body == {"engine_rpc": WEIGHT_CHECKSUM_METHOD, "reset_prefix_cache": False, "allow_unpaused": True}
+        assert body == {"engine_rpc": WEIGHT_STATE_METHOD, "reset_prefix_cache": False, "allow_unpaused": True}
         return httpx.Response(200, json=answer)
     admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=2, timeout_s=1, retries=0)
     admin._http._http = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(worker))
@@ -82,10 +82,14 @@ async def test_a_bare_ok_does_not_verify_a_workers_weights():
     await admin.close()
 
 
-@pytest.mark.parametrize("results, ok", [(["abc", "abc"], True), (["abc", "other"], False), ([None, None], False),
-                                         ([], False)])
-async def test_every_rank_must_report_the_senders_checksum(results, ok):
-    admin = admin_answering({"status": "ok", "results": results})
+def rank(checksum):
+    return {"checksum": checksum, "received_at": 1.0 if checksum else None, "updating": False}
+
+
+@pytest.mark.parametrize("checksums, ok", [(["abc", "abc"], True), (["abc", "other"], False), ([None, None], False),
+                                           ([], False)])
+async def test_every_rank_must_report_the_senders_checksum(checksums, ok):
+    admin = admin_answering({"status": "ok", "results": [rank(c) for c in checksums]})
     if ok:
         await admin.verify_weights("abc")
     else:
@@ -94,12 +98,19 @@ async def test_every_rank_must_report_the_senders_checksum(results, ok):
     await admin.close()
 
 
+async def test_a_rank_answer_that_is_no_weight_state_is_an_error():
+    admin = admin_answering({"status": "ok", "results": ["abc"]})  # a worker of an older fleetrl
+    with pytest.raises(FleetrlError, match="worker 7: a rank answered the weight check with 'abc'"):
+        await admin.verify_weights("abc")
+    await admin.close()
+
+
 class FakeEngineClient:
     def __init__(self, results=None, error=None):
         self.results, self.error = results, error
 
     async def collective_rpc(self, method):
-        assert method == WEIGHT_CHECKSUM_METHOD
+        assert method == WEIGHT_STATE_METHOD
         if self.error:
             raise self.error
         return self.results
@@ -116,10 +127,10 @@ async def test_the_worker_entry_answers_the_checksum_method_with_each_ranks_resu
 
     route = _answering_checksums(dynamos_route)
     handler = FakeHandler(FakeEngineClient(results=["abc", "def"]))
-    body = {"engine_rpc": WEIGHT_CHECKSUM_METHOD, "allow_unpaused": True, "reset_prefix_cache": False}
+    body = {"engine_rpc": WEIGHT_STATE_METHOD, "allow_unpaused": True, "reset_prefix_cache": False}
     assert await route(handler, body) == {"status": "ok", "results": ["abc", "def"]}
     # Every other call is Dynamo's.
     assert (await route(handler, {"engine_rpc": "update_weights"}))["by"] == "dynamo"
     failing = FakeHandler(FakeEngineClient(error=RuntimeError("engine gone")))
     assert await route(failing, body) == {"status": "error",
-                                          "message": f"{WEIGHT_CHECKSUM_METHOD}: RuntimeError: engine gone"}
+                                          "message": f"{WEIGHT_STATE_METHOD}: RuntimeError: engine gone"}

@@ -30,6 +30,7 @@ EVENTS = [
     {"t": T + 6, "event": "fence", "phase": "end", "version": 1, "ready": ["w0"]},
     sample(3, 9, 2, [[0, 0], [1, 5]], index=1),  # crossed the fence: half v0, half v1
     sample(1, 9, 4, [[0, 0]], group=1),  # 3 versions behind step 4: dropped at k = 1
+    {"t": T + 4, "event": "train", "step": 1, "start": T + 4.5, "end": T + 5.5},
 ]
 
 
@@ -45,7 +46,7 @@ def rgb(hex_color: str) -> tuple[int, int, int]:
 
 
 def test_plot_draws_the_timeline_from_the_events_and_the_same_bytes_again(tmp_path, capsys):
-    from fleetrl.plots import DROPPED_COLOR, STATE_STYLES
+    from fleetrl.plots import DROPPED_COLOR, STATE_STYLES, TRAIN_COLOR
 
     run = tmp_path / "run"
     run.mkdir()
@@ -60,8 +61,8 @@ def test_plot_draws_the_timeline_from_the_events_and_the_same_bytes_again(tmp_pa
     pngs = {name: (run / name).read_bytes() for name in ("reward.png", "off_policy.png", "timeline.png")}
     assert all(f"wrote {run / name}" in out for name in pngs)
     colors = colors_in(pngs["timeline.png"])
-    # v0 and v1 (tab10's first two), the fence band, an updating worker, the dropped sample's outline
-    for color in ("#1f77b4", "#ff7f0e", "#fff3b0", STATE_STYLES["updating"][0], DROPPED_COLOR):
+    # v0 and v1 (tab10's first two), the fence band, an updating worker, the dropped sample's outline, a step
+    for color in ("#1f77b4", "#ff7f0e", "#fff3b0", STATE_STYLES["updating"][0], DROPPED_COLOR, TRAIN_COLOR):
         assert rgb(color) in colors, color
     assert main(["plot", str(run)]) == 0
     assert {name: (run / name).read_bytes() for name in pngs} == pngs  # a finished run keeps its manifest

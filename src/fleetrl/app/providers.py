@@ -137,7 +137,7 @@ def _load_base_weights(model_dir: Path, transport: WeightTransport) -> WeightSou
 
     from fleetrl.trainer.model import agreement_probe, load_policy, named_tensors, prompt_logprobs
 
-    model = load_policy(model_dir, torch.device("cpu")).eval()
+    model = load_policy(model_dir, torch.device("cpu"), sharded=False).eval()  # rank 0 alone: no collective
     tensors = dict(named_tensors(model))
     probe_ids = agreement_probe(model)
     probe = AgreementProbe(probe_ids, prompt_logprobs(model, probe_ids, torch.device("cpu")))

@@ -32,6 +32,7 @@ from fleetrl.envs import Environment
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.monitoring import Monitors
 from fleetrl.orchestrator.rollouts import Orchestrator, render_prompt
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
 from fleetrl.rundir import RunDir
@@ -74,6 +75,7 @@ class RLRun:
         self.ranks: list[ManagedProcess] = []
         self.rollouts: list[Future] = []
         self.fleet: Fleet | None = None
+        self.monitors: Monitors | None = None
         self.published: tuple[Snapshot, AgreementProbe] | None = None  # the last version's weights and probe
 
     def run(self) -> int:
@@ -90,6 +92,8 @@ class RLRun:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             check_prompts_fit(self.config, env, self.tokenizer)
             self.run_dir.start(self.config, self.resume)
+            self.monitors = Monitors(self.config.run, self.config, self.run_dir.tensorboard_dir, self.run_dir.wandb_dir,
+                                     log=self.log)
             self.start_fleet(fleet, env)
             self.start_ranks()
             self.log(f"fleetrl: run {self.run_dir.root}: {self.config.run.max_steps} steps, "
@@ -151,6 +155,7 @@ class RLRun:
         self.log(f"fleetrl: writing the final model (v{self.fleet.version}) to {self.run_dir.final_model_dir}")
         export_weights(self.model_dir, weights.items(), self.run_dir.final_model_dir)
         self.run_dir.write_plots()
+        self.monitors.close()  # its files complete before the manifest lists them
         self.run_dir.write_manifest()
         self.log(f"fleetrl: done: {self.run_dir.root} (check it with `fleetrl verify {self.run_dir.root}`)")
 
@@ -161,6 +166,8 @@ class RLRun:
             self.control.run(_close(self.fleet, self.transport))
             self.run_dir.forget_fleet()
         self.control.stop()
+        if self.monitors is not None:
+            self.monitors.close()
         distributed.destroy()
         for rank in self.ranks:
             rank.stop()
@@ -203,7 +210,11 @@ class RLRun:
             "tokens_per_s": metrics.tokens_per_s,
             "publish_s": report.seconds,
             "checksum": report.checksum,
-            "worker_versions": self.control.run(ready_versions(self.fleet)),
+            "worker_versions": (versions := self.control.run(ready_versions(self.fleet))),
+            # Per worker: its version, and what it served for this batch and its time in this publish.
+            "workers": {worker: {"version": versions.get(worker), **batch.meta["workers"].get(worker, {}),
+                                 "publish_s": report.worker_seconds.get(worker)}
+                        for worker in sorted(set(versions) | set(batch.meta["workers"]))},
             "failed_workers": report.failed,
             "probe_max_abs_diff": report.probe,
             "rollout_started": batch.meta["rollout_started"],
@@ -212,6 +223,8 @@ class RLRun:
             "train_finished": finished,
         }
         self.run_dir.append_metrics(line)
+        self.run_dir.append_event({"event": "train", "step": batch.step, "start": started, "end": finished})
+        self.monitors.log(line)
         self.log(f"step {batch.step}/{self.config.run.max_steps}  reward {line['reward_mean']:.3f}±{line['reward_std']:.3f}  "
                  f"off-policy max {line['distance_max']} mean {line['distance_mean']:.2f}  dropped {batch.dropped}  "
                  f"misversioned {line['misversioned']}  reward failed {line['reward_failed']}  empty {line['empty']}  loss {metrics.loss:+.4f}  kl {metrics.mismatch_kl:.2e}  "

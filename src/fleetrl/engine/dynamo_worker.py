@@ -32,7 +32,7 @@ import importlib
 import importlib.util
 import sys
 
-from fleetrl.contract import TOKEN_VERSIONS_FLAG, WEIGHT_CHECKSUM_METHOD
+from fleetrl.contract import TOKEN_VERSIONS_FLAG, WEIGHT_STATE_METHOD
 from fleetrl.engine.orphan import die_with_parent
 
 
@@ -54,8 +54,8 @@ def _register_shared_storage_connector() -> None:
 
 
 def _answering_checksums(route):
-    """Dynamo's `update_weights_from_distributed` route, answering fleetrl's checksum method
-    (`contract.WEIGHT_CHECKSUM_METHOD`) with each rank's result, as vLLM's /collective_rpc does.
+    """Dynamo's `update_weights_from_distributed` route, answering fleetrl's weight-state method
+    (`contract.WEIGHT_STATE_METHOD`) with each rank's result, as vLLM's /collective_rpc does.
 
     Dynamo's route runs an engine method on every rank but returns only "ok": a check whose
     expected value went in could pass without the worker holding anything. With each rank's
@@ -63,12 +63,12 @@ def _answering_checksums(route):
     with the sender's itself. The method only reads, so it runs paused or not, like the
     route's own `allow_unpaused` calls; every other call goes to Dynamo's route unchanged."""
     async def update_weights_from_distributed(self, body):
-        if not (isinstance(body, dict) and body.get("engine_rpc") == WEIGHT_CHECKSUM_METHOD):
+        if not (isinstance(body, dict) and body.get("engine_rpc") == WEIGHT_STATE_METHOD):
             return await route(self, body)
         try:
-            results = await self.engine_client.collective_rpc(WEIGHT_CHECKSUM_METHOD)
+            results = await self.engine_client.collective_rpc(WEIGHT_STATE_METHOD)
         except Exception as e:  # answered as Dynamo's routes answer a failed call
-            return {"status": "error", "message": f"{WEIGHT_CHECKSUM_METHOD}: {type(e).__name__}: {e}"}
+            return {"status": "error", "message": f"{WEIGHT_STATE_METHOD}: {type(e).__name__}: {e}"}
         return {"status": "ok", "results": list(results)}
 
     return update_weights_from_distributed

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         self.transport: str | None = None
         self.group: broadcast_group.BroadcastGroup | None = None
         self.checksum: str | None = None  # of the last completed update
+        self.received_at: float | None = None  # when it completed (Unix time)
         self._hasher: WeightsHasher | None = None  # set while an update is open
 
     # -- protocol ---------------------------------------------------------------------------
@@ -103,7 +105,13 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
             raise RuntimeError("fleetrl weight receiver: finish_weight_update without an open update")
         self._close_reload()
         self.checksum = self._hasher.hexdigest()
+        self.received_at = time.time()
         self._hasher = None
+
+    @property
+    def updating(self) -> bool:
+        """An update is open: between start_weight_update and its finish (or failure)."""
+        return self._hasher is not None
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -34,11 +34,14 @@ class FleetrlWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return engine if isinstance(engine, FleetrlWeightReceiver) else None
 
-    def fleetrl_weight_checksum(self) -> str | None:
-        """fleetrl checksum of the weights this rank last received in full, computed by its
-        receiver from the bytes it got; None if none. Named in contract.WEIGHT_CHECKSUM_METHOD."""
+    def fleetrl_weight_state(self) -> dict:
+        """What this rank holds: the fleetrl checksum of the weights it last received in full,
+        computed by its receiver from the bytes it got (None if none), when that update finished,
+        and whether one is open. Named in contract.WEIGHT_STATE_METHOD."""
         receiver = self._fleetrl_receiver()
-        return receiver.checksum if receiver else None
+        if receiver is None:
+            return {"checksum": None, "received_at": None, "updating": False}
+        return {"checksum": receiver.checksum, "received_at": receiver.received_at, "updating": receiver.updating}
 
     def fleetrl_broadcast_group(self) -> str:
         """Name of the broadcast group this rank has joined; "" if none. The sender re-forms

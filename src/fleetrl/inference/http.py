@@ -14,6 +14,7 @@ import httpx
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import WorkerCallError
+from fleetrl.inference.types import RankWeights
 from fleetrl.processes import ManagedProcess
 
 # The name every launched worker serves the policy under (attached Dynamo frontends say theirs).
@@ -86,11 +87,27 @@ async def abandon_weight_update(close_update: Callable[[], Awaitable[object]],
             pass
 
 
-def check_rank_checksums(worker_id: str, checksums: list, sender_checksum: str | None) -> None:
+# vLLM's Prometheus gauges of the requests an engine holds: running, and queued for it.
+IN_ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def requests_in_engine(metrics_text: str) -> int | None:
+    """Requests running or waiting in the engine, from its Prometheus text (every sample of
+    both gauges summed: one per model and engine); None when neither gauge is there."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in IN_ENGINE_GAUGES:
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return round(total) if seen else None
+
+
+def check_rank_checksums(worker_id: str, ranks: list[RankWeights], sender_checksum: str | None) -> None:
     """A worker holds the published weights only if every one of its ranks reports the sender's
-    checksum (`checksums`: one per rank, each computed by the rank from the bytes it received).
-    `sender_checksum` None: nothing was published, and no rank may have received anything."""
-    held = {None if c is None else str(c) for c in checksums}
+    checksum (each computed by the rank from the bytes it received). `sender_checksum` None:
+    nothing was published, and no rank may have received anything."""
+    held = {rank.checksum for rank in ranks}
     if held != {sender_checksum}:
         expected = "none received (the weights it was launched with)" if sender_checksum is None \
             else f"sender's {sender_checksum}"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from fleetrl.config import PauseMode
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, RankWeights, WorkerInfo
 
 if TYPE_CHECKING:
     import torch
@@ -51,9 +51,15 @@ class WorkerAdmin(Protocol):
 
     async def set_version(self, version: int) -> None: ...
 
+    async def weight_state(self) -> list[RankWeights]:
+        """What each rank holds: its checksum, when it last received weights, whether an update is open."""
+
     async def verify_weights(self, checksum: str | None) -> None:
         """Raise unless every rank holds weights whose fleetrl checksum is `checksum`; None: the
         weights it was launched with (no rank has received any since)."""
+
+    async def in_flight(self) -> int | None:
+        """Requests the engine is running or has queued (vLLM's own gauges); None: it does not say."""
 
     # The worker side of a weight transfer (fleetrl's `fleetrl` weight-transfer backend in
     # every rank), driven by a WeightTransport on a paused worker. The infos are the wire

@@ -76,6 +76,24 @@ def engine_spans(worker_id: str, request_id: str, items: list[dict]) -> list[Ver
     return spans
 
 
+@dataclass(frozen=True)
+class RankWeights:
+    """What one rank of a worker reports it holds (contract.WEIGHT_STATE_METHOD)."""
+
+    checksum: str | None  # of the weights it last received in full, from the bytes it got; None: none
+    received_at: float | None  # when that update finished (Unix time)
+    updating: bool  # an update is open
+
+    @classmethod
+    def from_result(cls, worker_id: str, result: object) -> "RankWeights":
+        if not isinstance(result, dict) or "checksum" not in result:
+            raise FleetrlError(f"worker {worker_id}: a rank answered the weight check with {str(result)[:200]!r}, "
+                               "not its weight state (a worker of another fleetrl version?)")
+        checksum, received_at = result["checksum"], result.get("received_at")
+        return cls(None if checksum is None else str(checksum), None if received_at is None else float(received_at),
+                   bool(result.get("updating")))
+
+
 class WorkerRole(str, enum.Enum):
     AGGREGATED = "aggregated"
     PREFILL = "prefill"

@@ -25,7 +25,7 @@ from fleetrl.trainer.model import load_policy
 
 def export_hf(model_dir: Path, folder: Path, out_dir: Path) -> None:
     """Write the checkpoint in `folder` (of a model whose base is `model_dir`) to `out_dir`."""
-    model = load_policy(model_dir, torch.device("cpu")).eval()  # unsharded: a process group is not needed
+    model = load_policy(model_dir, torch.device("cpu"), sharded=False).eval()
     checkpoint.load_weights(folder, model)
     _write_folder(model_dir, model, out_dir)
 
@@ -34,7 +34,8 @@ def export_weights(model_dir: Path, weights: Iterable[tuple[str, torch.Tensor]],
     """Write full tensors (as `trainer.model.named_tensors` yields them: tied weights once) of a
     model whose base is `model_dir` to `out_dir`: the run's final model, from the snapshot it
     published last, so a run writes one without a checkpoint of its last step."""
-    model = load_policy(model_dir, torch.device("cpu")).eval()
+    # Unsharded, in rank 0 alone while the other ranks wait: no collective.
+    model = load_policy(model_dir, torch.device("cpu"), sharded=False).eval()
     params = dict(model.named_parameters())  # tied weights under their first name, as sent
     missing = set(params)
     with torch.no_grad():

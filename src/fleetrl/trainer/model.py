@@ -25,9 +25,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
-def load_policy(path: Path, device: torch.device) -> nn.Module:
+def load_policy(path: Path, device: torch.device, sharded: bool = True) -> nn.Module:
     """The HF model in `path`, fp32 on `device`, in train mode; sharded when the default
-    process group has several ranks (every rank must call this)."""
+    process group has several ranks (every rank must call this), unless `sharded` is False: a
+    whole copy in this process alone (export, the base weights of attached workers)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -35,7 +36,7 @@ def load_policy(path: Path, device: torch.device) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False  # a training forward never reuses a KV cache
     model.to(device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if sharded and dist.is_initialized() and dist.get_world_size() > 1:
         shard(model, device)
     model.train()
     return model

@@ -28,10 +28,12 @@ from __future__ import annotations
 from typing import Any
 
 from fleetrl.config import pause_modes
-from fleetrl.contract import DYNAMO_WORKER_MODULE, WEIGHT_CHECKSUM_METHOD
+from fleetrl.contract import DYNAMO_WORKER_MODULE, WEIGHT_STATE_METHOD
 from fleetrl.inference.dynamo.attribution import FenceRecord
-from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update, check_rank_checksums
+from fleetrl.inference.http import (ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update, check_rank_checksums,
+                                    requests_in_engine)
 from fleetrl.inference.provider import PauseMode, WorkerCallError
+from fleetrl.inference.types import RankWeights
 from fleetrl.versions import incomplete_version_name, parse_version, version_name
 
 # What Dynamo's weight-update route answers on a worker that is not paused.
@@ -116,13 +118,21 @@ class DynamoAdminClient:
         await self.call("set_weight_version", {"weight_version": version_name(version)})
         self.fence = self.fence.at_version(version)
 
-    async def verify_weights(self, checksum: str | None) -> None:
-        result = await self._on_ranks(WEIGHT_CHECKSUM_METHOD, {}, reads_only=True)
+    async def weight_state(self) -> list[RankWeights]:
+        result = await self._on_ranks(WEIGHT_STATE_METHOD, {}, reads_only=True)
         if not isinstance(result.get("results"), list):
             raise WorkerCallError(self.worker_id, "weight check",
                                   "the worker answered without its ranks' checksums, which proves nothing: run it "
                                   f"with `python -m {DYNAMO_WORKER_MODULE}` (docs/dynamo.md)")
-        check_rank_checksums(self.worker_id, result["results"], checksum)
+        return [RankWeights.from_result(self.worker_id, r) for r in result["results"]]
+
+    async def verify_weights(self, checksum: str | None) -> None:
+        check_rank_checksums(self.worker_id, await self.weight_state(), checksum)
+
+    async def in_flight(self) -> int | None:
+        """From the vLLM gauges that Dynamo's worker serves on its system port."""
+        response = await self._http.call("GET", "/metrics", idempotent=True)
+        return requests_in_engine(response.text)
 
     # -- weight transfer (see the module docstring) -------------------------------------------
 

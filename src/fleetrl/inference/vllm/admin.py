@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetrl.contract import WEIGHT_CHECKSUM_METHOD
-from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update, check_rank_checksums
+from fleetrl.contract import WEIGHT_STATE_METHOD
+from fleetrl.inference.http import (ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update, check_rank_checksums,
+                                    requests_in_engine)
+from fleetrl.inference.types import RankWeights
 from fleetrl.inference.provider import PauseMode
 from fleetrl.versions import incomplete_version_name, parse_version, version_name
 
@@ -59,8 +61,15 @@ class VllmAdminClient:
         result = await self.call("POST", "/collective_rpc", idempotent=True, json={"method": method, "args": []})
         return result["results"]
 
+    async def weight_state(self) -> list[RankWeights]:
+        return [RankWeights.from_result(self.worker_id, r) for r in await self.collective_rpc(WEIGHT_STATE_METHOD)]
+
     async def verify_weights(self, checksum: str | None) -> None:
-        check_rank_checksums(self.worker_id, await self.collective_rpc(WEIGHT_CHECKSUM_METHOD), checksum)
+        check_rank_checksums(self.worker_id, await self.weight_state(), checksum)
+
+    async def in_flight(self) -> int | None:
+        response = await self._http.call("GET", "/metrics", idempotent=True)
+        return requests_in_engine(response.text)
 
     # -- weight transfer: vLLM's protocol, into fleetrl's backend on every rank ---------------
     # None of these calls is retried: each blocks in a collective or changes weights.
