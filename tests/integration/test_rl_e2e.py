@@ -3,12 +3,13 @@ Dynamo frontend), 2 trainer ranks (FSDP2 over gloo), 5 orchestrator and 5 traine
 `fleetrl verify` on what it left behind."""
 
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .conftest import alive_in, child_groups, fleetrl_process, read_metrics
+from .conftest import alive_in, child_groups, fleetrl_process, output, read_metrics
 
 STEPS = 5
 CONFIG = """
@@ -34,19 +35,19 @@ max_steps = 5
 """
 
 
-def run_rl(tmp_path, k: int, *flags: str) -> tuple[Path, set[int], str]:
+def run_rl(tmp_path, k: int, *flags: str, terminal: bool = False) -> tuple[Path, set[int], str]:
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
     with fleetrl_process("rl", "@", str(config), "--run.dir", str(run_dir),
-                         "--orchestrator.max_off_policy_steps", str(k), *flags) as proc:
+                         "--orchestrator.max_off_policy_steps", str(k), *flags, terminal=terminal) as proc:
         groups: set[int] = set()
         deadline = time.monotonic() + 1500
         while proc.poll() is None and time.monotonic() < deadline:
             groups |= child_groups(proc.pid)  # every server and trainer rank it starts
             time.sleep(0.5)
         assert proc.poll() is not None, "the run did not finish in time"
-        out = proc.stdout.read()
+    out = output(proc)
     assert proc.returncode == 0, out[-5000:]
     return run_dir, groups, out
 
@@ -89,6 +90,21 @@ def check_final_model(run_dir, final) -> None:
     assert max(abs(a - b) for a, b in zip(scored, final["probe"]["trainer_logprobs"], strict=True)) < 1e-4
 
 
+def check_live_view(out: str) -> None:
+    """What a terminal showed: startup bars, the step bar at the end, the rollouts of a step, the
+    trainer's phases, the worker table; and every plain line the run logs, above the view."""
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)  # the control sequences
+    assert re.search(r"starting 2 vLLM worker\(s\) +[━╸╺ ]+ *\d/2", text)  # a bar ...
+    assert "fleetrl: waiting for" not in text  # ... not the plain "waiting" lines
+    assert re.search(rf"steps\s.*\s{STEPS}/{STEPS}\s", text), text[-3000:]
+    assert re.search(r"rollouts of step \d\s.*\s8/8\s", text)  # batch_prompts x group_size
+    for phase in ("waiting for batch 2", "training step 2", "publishing v2"):
+        assert f"trainer: {phase}" in text, phase
+    assert re.search(r"worker\s+role\s+state\s+version\s+in flight", text)
+    assert re.search(rf"vllm-0\s+aggregated\s+ready\s+v{STEPS}\s+0", text)
+    assert f"step {STEPS}/{STEPS}  reward" in text and "fleetrl: done:" in text
+
+
 def test_strictly_on_policy(tmp_path):
     run_dir, groups, out = run_rl(tmp_path, k=0)
     metrics = check_common(run_dir, groups, out, k=0)
@@ -99,8 +115,10 @@ def test_strictly_on_policy(tmp_path):
 
 
 def test_one_step_off_policy_overlaps_rollouts_with_training(tmp_path):
-    run_dir, groups, out = run_rl(tmp_path, k=1)
+    """Run in a terminal, as from a user's shell: the live view shows and the log lines still print."""
+    run_dir, groups, out = run_rl(tmp_path, k=1, terminal=True)
     metrics = check_common(run_dir, groups, out, k=1)
+    check_live_view(out)
     # k = 1: rollouts for step n+1 ran while step n trained (recorded timestamps).
     overlaps = [nxt["rollout_started"] < prev["train_finished"] for prev, nxt in zip(metrics, metrics[1:])]
     assert any(overlaps), [(m["rollout_started"], m["train_started"], m["train_finished"]) for m in metrics]

@@ -15,7 +15,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "fleetrl"
 
 # Leaves: the vocabulary and helpers everything may use; they use nothing of fleetrl but leaves.
-LEAVES = {"fleetrl.versions", "fleetrl.contract", "fleetrl.files", "fleetrl.errors", "fleetrl.failpoints"}
+LEAVES = {"fleetrl.versions", "fleetrl.contract", "fleetrl.files", "fleetrl.errors", "fleetrl.failpoints",
+          "fleetrl.progress"}
 # (importer prefix, imported prefix, why it is forbidden)
 FORBIDDEN = [
     ("fleetrl.engine", "fleetrl.orchestrator", "worker-process code knows nothing of the orchestrator"),

@@ -24,7 +24,9 @@ from concurrent.futures import Future
 
 import torch
 
+from fleetrl import progress
 from fleetrl.app.checks import check_config, check_prompts_fit
+from fleetrl.app.live import LiveView
 from fleetrl.app.providers import base_weights, build_fleet, build_transport, start_recorded
 from fleetrl.batch import Batch
 from fleetrl.config import Config
@@ -77,11 +79,19 @@ class RLRun:
         self.fleet: Fleet | None = None
         self.monitors: Monitors | None = None
         self.published: tuple[Snapshot, AgreementProbe] | None = None  # the last version's weights and probe
+        self.view: LiveView | None = None  # on a terminal
+        self.watching: Future | None = None  # the view's copy of the fleet's state, on the control loop
 
     def run(self) -> int:
         # Also with one rank, where every process starts on the control loop's thread: a SIGTERM
         # of fleetrl must stop the workers (Ctrl-C and exit are handled either way).
         install_signal_handlers()
+        if self.config.run.live_view == "off":
+            progress.set_interactive(False)
+        if progress.interactive():
+            orchestrator = self.config.orchestrator
+            self.view = LiveView(self.config.run.max_steps, self.resume, orchestrator.batch_prompts * orchestrator.group_size)
+            self.view.start()
         try:
             # Everything is checked before the run directory is touched: a refused command
             # leaves a finished run as it was (`fleetrl verify` still passes on it).
@@ -116,6 +126,8 @@ class RLRun:
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
         base = base_weights(fleet.provider, self.model_dir, self.transport)
         self.fleet_started = self.control.submit(start_recorded(fleet, self.run_dir, base))
+        if self.view is not None:
+            self.watching = self.control.submit(self.view.watch(fleet, self.orchestrator))
 
     def start_ranks(self) -> None:
         """Ranks 1..N-1 as children; this process joins the same group as rank 0."""
@@ -160,7 +172,7 @@ class RLRun:
         self.log(f"fleetrl: done: {self.run_dir.root} (check it with `fleetrl verify {self.run_dir.root}`)")
 
     def stop(self) -> None:
-        for future in self.rollouts:
+        for future in self.rollouts + ([self.watching] if self.watching else []):
             future.cancel()
         if self.fleet is not None:
             self.control.run(_close(self.fleet, self.transport))
@@ -172,11 +184,20 @@ class RLRun:
         for rank in self.ranks:
             rank.stop()
         self.run_dir.close()  # last: the directory is this run's until everything it started is gone
+        if self.view is not None:
+            self.view.stop()
 
     # -- what the training loop calls ------------------------------------------------------
 
     def wait_batch(self, step: int) -> Batch:
-        return self.run_dir.wait_batch(step, while_waiting=self.check_children)
+        self.phase(f"waiting for batch {step}")
+        batch = self.run_dir.wait_batch(step, while_waiting=self.check_children)
+        self.phase(f"training step {step}")
+        return batch
+
+    def phase(self, what: str) -> None:
+        if self.view is not None:
+            self.view.set_phase(what)
 
     def start_rollouts(self, start: int) -> None:
         self.wait_fleet()
@@ -184,6 +205,7 @@ class RLRun:
 
     def publish(self, step: int, weights: Snapshot, probe_ids: list[int], reference: list[float]) -> PublishReport:
         self.wait_fleet()
+        self.phase(f"publishing v{step}")
         probe = AgreementProbe(probe_ids, reference)
         report = self.control.run(self.fleet.publish(step, self.transport, lambda: iter(weights.items()), probe))
         if not report.ready:
@@ -225,6 +247,9 @@ class RLRun:
         self.run_dir.append_metrics(line)
         self.run_dir.append_event({"event": "train", "step": batch.step, "start": started, "end": finished})
         self.monitors.log(line)
+        if self.view is not None:
+            self.phase(f"step {batch.step} published")
+            self.view.step_done(batch.step, f"reward {line['reward_mean']:.3f}")
         self.log(f"step {batch.step}/{self.config.run.max_steps}  reward {line['reward_mean']:.3f}±{line['reward_std']:.3f}  "
                  f"off-policy max {line['distance_max']} mean {line['distance_mean']:.2f}  dropped {batch.dropped}  "
                  f"misversioned {line['misversioned']}  reward failed {line['reward_failed']}  empty {line['empty']}  loss {metrics.loss:+.4f}  kl {metrics.mismatch_kl:.2e}  "

@@ -45,7 +45,8 @@ class WorkerRow:
 
     def cells(self, now: float) -> tuple[str, ...]:
         return (self.id, self.role, self.state, version_name(self.version) if self.version is not None else "-",
-                self.checksum, "?" if self.in_flight is None else str(self.in_flight), since(self.published_at, now))
+                self.checksum, "-" if self.state == "stopped" else "?" if self.in_flight is None else str(self.in_flight),
+                since(self.published_at, now))
 
 
 def since(stamp: float | None, now: float) -> str:

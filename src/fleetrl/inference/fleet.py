@@ -507,8 +507,12 @@ class Fleet:
         prefills = [w for w in self.workers.values() if w.role == WorkerRole.PREFILL]
         return all(w.state == WorkerState.DEAD for w in prefills) or any(w.state == WorkerState.READY for w in prefills)
 
+    def in_flight(self, worker_id: str) -> int:
+        """Requests this coordinator has sent the worker that have not come back yet."""
+        return self._inflight.get(worker_id, 0)
+
     def _least_busy(self, workers: list[WorkerInfo]) -> WorkerInfo:
-        return min(workers, key=lambda w: self._inflight.get(w.id, 0))
+        return min(workers, key=lambda w: self.in_flight(w.id))
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -16,14 +16,14 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import WorkerCallError
 from fleetrl.inference.types import RankWeights
 from fleetrl.processes import ManagedProcess
+from fleetrl.progress import progress_bar
 
 # The name every launched worker serves the policy under (attached Dynamo frontends say theirs).
 SERVED_MODEL_NAME = "policy"
 # Short: the calls that clean up after a failed transfer must not hide the failure for long.
 ABANDON_TIMEOUT_S = 10.0
-# Seconds between the readiness probes of a launch, and between its progress lines.
+# Seconds between the readiness probes of a launch.
 READY_POLL_S = 1.0
-READY_REPORT_S = 15.0
 
 
 class AdminHttp:
@@ -115,32 +115,33 @@ def check_rank_checksums(worker_id: str, ranks: list[RankWeights], sender_checks
                               f"weight checksum {sorted(map(str, held))} != {expected}")
 
 
-async def wait_until_ready(what: str, processes: Sequence[ManagedProcess], not_ready: Callable[[], Awaitable[str | None]],
-                           timeout_s: float, log=print) -> None:
-    """Poll `not_ready` (None once ready, else why not yet) until the launch of `what` is ready.
+async def wait_until_ready(what: str, total: int, processes: Sequence[ManagedProcess],
+                           not_ready: Callable[[], Awaitable[tuple[int, str] | None]], timeout_s: float,
+                           log=print) -> None:
+    """Poll `not_ready` (None once ready, else how many of `total` are, and why not all yet)
+    until the launch of `what` is ready, with a progress bar (fleetrl.progress).
 
     Fails at once when one of `processes` exits, with the last lines of its log, and after
     `timeout_s` (inference.startup_timeout_s) with the last reason.
     """
-    started = last_report = time.monotonic()
-    while True:
-        for process in processes:
-            if not process.alive():
-                raise FleetrlError(
-                    f"{process.name} exited during startup (code {process.popen.returncode}); "
-                    f"last lines of {process.log_path}:\n{process.log_tail()}"
-                )
-        why = await not_ready()
-        if why is None:
-            break
-        elapsed = time.monotonic() - started
-        if elapsed > timeout_s:
-            raise FleetrlError(f"{what} not ready after {timeout_s:.0f} s (inference.startup_timeout_s): {why}; "
-                               f"see logs in {processes[0].log_path.parent}")
-        if time.monotonic() - last_report >= READY_REPORT_S:
-            log(f"fleetrl: waiting for {what}: {why} ({elapsed:.0f} s)")
-            last_report = time.monotonic()
-        await asyncio.sleep(READY_POLL_S)
+    started = time.monotonic()
+    with progress_bar(f"starting {what}", total, log) as bar:
+        while True:
+            for process in processes:
+                if not process.alive():
+                    raise FleetrlError(
+                        f"{process.name} exited during startup (code {process.popen.returncode}); "
+                        f"last lines of {process.log_path}:\n{process.log_tail()}"
+                    )
+            state = await not_ready()
+            if state is None:
+                break
+            done, why = state
+            if time.monotonic() - started > timeout_s:
+                raise FleetrlError(f"{what} not ready after {timeout_s:.0f} s (inference.startup_timeout_s): {why}; "
+                                   f"see logs in {processes[0].log_path.parent}")
+            bar.update(done, why)
+            await asyncio.sleep(READY_POLL_S)
     log(f"fleetrl: {what} ready after {time.monotonic() - started:.0f} s")
 
 

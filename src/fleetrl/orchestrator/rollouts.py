@@ -74,6 +74,7 @@ class Orchestrator:
         self._tasks = task_stream(env, seed)
         self._drawn = 0  # tasks taken from the stream so far (used or skipped)
         self._reward_slots = asyncio.Semaphore(REWARD_THREADS)
+        self.progress: tuple[int, int] | None = None  # (the step being sampled, its completions so far)
         self.sampling = SamplingParams(
             temperature=config.temperature,
             top_p=config.top_p,
@@ -92,6 +93,7 @@ class Orchestrator:
         waited_from = time.time()
         await self.fleet.wait_for_version(admitted)
         started = time.time()
+        self.progress = (step, 0)
         dispatch_version = self.fleet.version
         tasks = self._tasks_of(step)
         groups = await asyncio.gather(*(self._sample_group(step, i, task) for i, task in enumerate(tasks)))
@@ -185,6 +187,8 @@ class Orchestrator:
         started = time.time()
         completions = await self.fleet.generate(request)
         finished = time.time()
+        if self.progress and self.progress[0] == step:  # with k > 0 an older step may still be finishing
+            self.progress = (step, self.progress[1] + len(completions))
         for i, c in enumerate(completions):  # for the timeline: one bar per sample, split at its spans
             self.run_dir.append_event({"event": "sample", "step": step, "group": index, "sample": i,
                                        "worker": c.worker_id, "start": started, "end": finished,

@@ -233,16 +233,17 @@ async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float,
     """The frontend's RL discovery lists `count` workers and it serves completions on each."""
     async with (httpx.AsyncClient(timeout=5.0) as client,
                 DynamoDataClient(deployment.frontend_url, SERVED_MODEL_NAME, timeout_s=60.0) as data):
-        async def not_serving() -> str | None:
+        async def not_serving() -> tuple[int, str] | None:
             workers: list[WorkerInfo] = []
             try:
                 workers = await list_rl_workers(client, deployment.rl_url, deployment.frontend_url)
                 unserved = await why_not_serving(data, workers) if len(workers) >= count else "waiting for workers"
             except FleetrlError as e:
                 unserved = str(e)
-            return None if unserved is None else f"{len(workers)}/{count} worker(s) listed, completions: {unserved}"
+            listed = min(len(workers), count)
+            return None if unserved is None else (listed, f"{listed}/{count} worker(s) listed, completions: {unserved}")
 
-        await wait_until_ready(f"the Dynamo frontend and {count} worker(s)", deployment.processes(), not_serving,
+        await wait_until_ready(f"the Dynamo frontend and {count} worker(s)", count, deployment.processes(), not_serving,
                                timeout_s, log)
 
 

@@ -86,13 +86,14 @@ async def wait_healthy(servers: list[LaunchedServer], timeout_s: float, log=prin
     pending = {s.name: s for s in servers}
 
     async with httpx.AsyncClient(timeout=5.0) as client:
-        async def not_healthy() -> str | None:
+        async def not_healthy() -> tuple[int, str] | None:
             for name, server in list(pending.items()):
                 try:
                     if (await client.get(f"{server.url}/health")).status_code == 200:
                         del pending[name]
                 except httpx.TransportError:
                     pass
-            return f"{', '.join(pending)} not healthy" if pending else None
+            return (len(servers) - len(pending), f"{', '.join(pending)} not healthy") if pending else None
 
-        await wait_until_ready(f"{len(servers)} vLLM worker(s)", [s.process for s in servers], not_healthy, timeout_s, log)
+        await wait_until_ready(f"{len(servers)} vLLM worker(s)", len(servers), [s.process for s in servers], not_healthy,
+                               timeout_s, log)
