@@ -7,8 +7,9 @@ export HF_HUB_OFFLINE := 1
 setup:
 	@bash scripts/setup.sh
 
+# ARGS: more config flags or files for the run, e.g. make run ARGS="--run.max_steps 20".
 run: setup
-	$(VENV)/bin/fleetrl rl @ configs/default.toml
+	$(VENV)/bin/fleetrl rl @ configs/default.toml $(ARGS)
 
 # pytest exits 5 when it collected no test: that fails here like any other non-zero exit.
 test: setup

@@ -87,7 +87,7 @@ def materialize_embedded(root: Path, log=print) -> Path:
         log(f"fleetrl: converting the embedded {EMBEDDED_NAME} ({gguf.name}) to {target} (once, ~40 s)")
         started = time.monotonic()
         try:
-            with progress_bar(f"converting {EMBEDDED_NAME}", log=log):
+            with progress_bar(f"the conversion of {EMBEDDED_NAME}", log=log, label=f"converting {EMBEDDED_NAME}"):
                 _convert_gguf(gguf, scratch)
             write_complete_record(scratch)
             os.rename(scratch, target)

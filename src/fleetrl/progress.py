@@ -48,10 +48,9 @@ class Task:
         if self._bar is not None:
             progress, task = self._bar
             progress.update(task, completed=done or 0, detail=detail)
-        elif time.monotonic() - self._last_report >= REPORT_S:
-            elapsed = time.monotonic() - self.started
-            self.log(f"fleetrl: waiting for {self.what}: {detail} ({elapsed:.0f} s)")
-            self._last_report = time.monotonic()
+        elif (now := time.monotonic()) - self._last_report >= REPORT_S:
+            self.log(f"fleetrl: waiting for {self.what}: {detail} ({now - self.started:.0f} s)")
+            self._last_report = now
 
 
 def columns() -> list:
@@ -65,8 +64,10 @@ def columns() -> list:
 
 
 @contextmanager
-def progress_bar(what: str, total: int | None = None, log: Callable[[str], None] = print) -> Iterator[Task]:
-    """A bar for `what` (`total` steps; None: a spinner and the time it has taken)."""
+def progress_bar(what: str, total: int | None = None, log: Callable[[str], None] = print,
+                 label: str | None = None) -> Iterator[Task]:
+    """A bar labelled `label` (default: `what`) for the wait for `what` (`total` steps; None:
+    a spinner and the time it has taken); off a terminal, "waiting for `what`" lines."""
     task = Task(what, total, log)
     if not interactive():
         yield task
@@ -78,7 +79,7 @@ def progress_bar(what: str, total: int | None = None, log: Callable[[str], None]
     if progress is None:
         own = progress = Progress(*columns(), transient=True)
         own.start()
-    task_id = progress.add_task(what, total=total, detail="")
+    task_id = progress.add_task(label or what, total=total, detail="")
     task._bar = (progress, task_id)
     try:
         yield task

@@ -5,13 +5,16 @@ import fcntl
 import json
 import os
 import pty
+import signal
 import struct
 import subprocess
 import sys
 import termios
 import threading
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -21,6 +24,9 @@ from fleetrl.inference.probe import PROBE_TEXTS
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.model import resolve_model
 from fleetrl.processes import stop_all
+
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: where the quickstart's commands run
 
 
 def pytest_collection_modifyitems(items):
@@ -144,7 +150,6 @@ def read_metrics(run_dir) -> list[dict]:
 
 def _term_with_parent() -> None:
     import ctypes
-    import signal
 
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     # As from a terminal: a test runner started as a background job (`cmd &`) ignores
@@ -153,33 +158,54 @@ def _term_with_parent() -> None:
 
 
 @contextmanager
-def fleetrl_process(*args: str, terminal: bool = False):
-    """`python -m fleetrl ARGS` as a user runs it. It gets SIGTERM (and so stops everything it
-    started) if the test ends early or pytest itself dies. `terminal`: its stdout and stderr
-    are a pseudo-terminal, as in a user's shell; `output(proc)` is what it wrote."""
+def fleetrl_process(*args: str, shell: str | None = None, terminal: bool = False):
+    """`python -m fleetrl ARGS` as a user runs it, or `shell`, a command line of the quickstart
+    (tests/documented.py) run by bash from the repository root in a session of its own. It gets
+    SIGTERM (and so stops everything it started) if the test ends early or pytest itself dies.
+    `terminal`: its stdout and stderr are a pseudo-terminal, as in a user's shell;
+    `output(proc)` is what it wrote."""
+    argv = ["bash", "-c", shell] if shell else [sys.executable, "-m", "fleetrl", *args]
+    options = dict(preexec_fn=_term_with_parent, cwd=ROOT, start_new_session=shell is not None)
     if terminal:
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))  # 40 rows, 140 columns
-        proc = subprocess.Popen([sys.executable, "-m", "fleetrl", *args], stdin=subprocess.DEVNULL, stdout=slave,
-                                stderr=slave, preexec_fn=_term_with_parent, env={**os.environ, "TERM": "xterm"})
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                                env={**os.environ, "TERM": "xterm"}, **options)
         os.close(slave)
         proc.chunks = []
         reader = threading.Thread(target=_read_terminal, args=(master, proc.chunks), daemon=True)
         reader.start()
     else:
-        proc = subprocess.Popen([sys.executable, "-m", "fleetrl", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, preexec_fn=_term_with_parent)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **options)
     try:
         yield proc
     finally:
         if proc.poll() is None:
-            proc.terminate()
+            # A shell command's whole session (make, and the fleetrl it started) gets the signal.
+            os.killpg(proc.pid, signal.SIGTERM) if shell else proc.terminate()
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
         if terminal:
             reader.join(timeout=10)
+
+
+def fleetrl_pid(proc) -> int:
+    """The `fleetrl` process behind `proc`: `proc` itself (bash exec'd it), or the one that make
+    started; `proc` while neither has started yet."""
+    def is_fleetrl(cmd: list[str]) -> bool:
+        return len(cmd) > 1 and "python" in Path(cmd[0]).name and (
+            cmd[1].endswith("/fleetrl") or cmd[1:3] == ["-m", "fleetrl"])
+
+    try:
+        me = psutil.Process(proc.pid)
+        for process in [me, *me.children(recursive=True)]:
+            if is_fleetrl(process.cmdline()):
+                return process.pid
+    except psutil.NoSuchProcess:
+        pass
+    return proc.pid
 
 
 def _read_terminal(master: int, chunks: list[bytes]) -> None:

@@ -24,23 +24,26 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import pytest
 
 import httpx
+import psutil
 import torch
 
-from fleetrl.config import InferenceConfig, VllmConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.failpoints import ENV as FAILPOINT_ENV
 from fleetrl.inference.http import prompt_logprobs_of
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.data import VllmDataClient
-from fleetrl.inference.vllm.launcher import launch_vllm_servers
-from fleetrl.processes import free_port, start_process
+from fleetrl.processes import free_port
 from fleetrl.trainer import checkpoint
 
-from .conftest import TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups, read_metrics
+from tests.documented import documented
+
+from .conftest import ROOT, TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups, fleetrl_pid, read_metrics
 
 pytestmark = pytest.mark.chaos
 
@@ -62,22 +65,76 @@ max_steps = 5
 """
 
 
+# The quickstart's commands this test runs (tests/documented.py): an operator's own server, a
+# run attached to two of them, the resume, and the final model exported and served.
+SERVE = ('VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/vllm serve "$(.venv/bin/fleetrl model)" --served-model-name policy '
+         "--host 127.0.0.1 --port 8001 --dtype float32 --max-model-len 512 --enforce-eager --enable-scale-out "
+         "--middleware fleetrl.engine.admin_auth.AdminTokenMiddleware "
+         "--worker-extension-cls fleetrl.engine.worker_extension.FleetrlWorkerExtension "
+         "--weight-transfer-config '{\"backend\": \"fleetrl\"}'")
+ATTACHED_RUN = (".venv/bin/fleetrl rl @ configs/default.toml --inference.urls "
+                "'[\"http://127.0.0.1:8001\", \"http://127.0.0.1:8002\"]' --run.dir runs/attached")
+RESUME = 'make run ARGS="--run.max_steps 15"'
+EXPORT = ".venv/bin/fleetrl export runs/default runs/default-step5 --step 5"
+SERVE_FINAL = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/vllm serve runs/default/final_model --dtype float32 --max-model-len 512 "
+               "--enforce-eager --port 8000")
+CHAT = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": "
+        "\"runs/default/final_model\", \"messages\": [{\"role\": \"user\", \"content\": \"Reverse the text: fleet\"}], "
+        "\"max_tokens\": 16}'")
+
+
+@contextmanager
+def serving(command: str, url: str, log_path, env: dict | None = None):
+    """A quickstart server command, run until the block ends (its whole session stopped then,
+    however the block ends); it answers /health before the block starts."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_term_with_parent)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"{command} exited: {log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"{url} not healthy in time: {log_path.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        yield proc
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+
+
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
-    """Two vLLM servers that no run of fleetrl started; stopped however the module ends."""
-    config = InferenceConfig(vllm=VllmConfig(max_model_len=512), startup_timeout_s=900)
-    launched = asyncio.run(launch_vllm_servers(model_dir, config, 2, tmp_path_factory.mktemp("servers"), ADMIN, DATA))
-    try:
-        yield [s.url for s in launched]
-    finally:
-        for server in launched:
-            server.process.stop()
+    """Two vLLM servers that no run of fleetrl started, each started by the quickstart's
+    command as an operator would; stopped however the module ends."""
+    logs = tmp_path_factory.mktemp("servers")
+    ports = [free_port("127.0.0.1"), free_port("127.0.0.1")]
+    tokens = {ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}
+    with ExitStack() as stack:
+        for i, port in enumerate(ports):
+            stack.enter_context(serving(documented(SERVE, replace={"8001": str(port)}), f"http://127.0.0.1:{port}",
+                                        logs / f"server-{i}.log", tokens))
+        yield [f"http://127.0.0.1:{port}" for port in ports]
 
 
 class Run:
-    """One `fleetrl rl` of the sequence, its output in its own log."""
+    """One `fleetrl rl` of the sequence, its output in its own log: the quickstart's attached run
+    (fleetrl itself is the process: the signals reach it), or its resume (`make run`, which
+    starts fleetrl)."""
 
-    def __init__(self, tmp_path, urls, name: str, failpoint: str | None = None) -> None:
+    def __init__(self, tmp_path, urls, name: str, failpoint: str | None = None, command: str = ATTACHED_RUN) -> None:
         config = tmp_path / "rl.toml"
         config.write_text(CONFIG)
         self.log_path = tmp_path / f"{name}.log"
@@ -85,12 +142,18 @@ class Run:
         env.pop(FAILPOINT_ENV, None)
         if failpoint:
             env[FAILPOINT_ENV] = failpoint
+        ports = [url.rsplit(":", 1)[1] for url in urls]
+        args = ["@", str(config), "--run.dir", str(tmp_path / "run"), "--inference.urls", json.dumps(urls),
+                "--run.max_steps", str(STEPS)]
+        line = documented(command, *args, replace={"8001": ports[0], "8002": ports[1]} if command == ATTACHED_RUN else None)
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir", str(tmp_path / "run"),
-                 "--inference.urls", json.dumps(urls)],
-                stdout=log, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_term_with_parent)
+            self.proc = subprocess.Popen(["bash", "-c", line], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                         env=env, preexec_fn=_term_with_parent)
         self.groups: set[int] = set()
+
+    @property
+    def fleetrl(self) -> int:
+        return fleetrl_pid(self.proc)
 
     def out(self) -> str:
         return self.log_path.read_text()
@@ -98,7 +161,7 @@ class Run:
     def wait_for(self, what: str, predicate, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.groups |= child_groups(self.proc.pid)
+            self.groups |= child_groups(self.fleetrl)
             if predicate():
                 return
             if self.proc.poll() is not None:
@@ -111,7 +174,8 @@ class Run:
 
     def signal(self, sig: int) -> float:
         """Send `sig`; seconds until fleetrl and every process it started were gone (<= 10)."""
-        self.groups |= child_groups(self.proc.pid)
+        self.groups |= child_groups(self.fleetrl)
+        assert self.fleetrl == self.proc.pid  # the signal goes to fleetrl itself
         assert len(self.groups) == 1, self.groups  # trainer rank 1: the servers are not fleetrl's
         sent = time.monotonic()
         self.proc.send_signal(sig)
@@ -125,7 +189,7 @@ class Run:
     def finish(self, timeout_s: float = 900) -> int:
         deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
-            self.groups |= child_groups(self.proc.pid)
+            self.groups |= child_groups(self.fleetrl)
             time.sleep(0.3)
         assert self.proc.poll() is not None, f"the run did not end in time:\n{self.out()[-3000:]}"
         assert not alive_in(self.groups)
@@ -133,6 +197,10 @@ class Run:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            try:
+                os.kill(self.fleetrl, signal.SIGKILL)  # make's fleetrl too, not make alone
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
             self.proc.kill()
             self.proc.wait()
         for group in self.groups:
@@ -168,8 +236,8 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
     gone: dict[str, float] = {}
     runs: list[Run] = []
 
-    def start(name: str, failpoint: str | None = None) -> Run:
-        runs.append(Run(tmp_path, servers, name, failpoint))
+    def start(name: str, failpoint: str | None = None, command: str = ATTACHED_RUN) -> Run:
+        runs.append(Run(tmp_path, servers, name, failpoint, command))
         return runs[-1]
 
     try:
@@ -213,7 +281,7 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
         assert "Traceback" not in run.out()
         assert latest_checkpoint(run_dir) == 4
 
-        run = start("6-finish")
+        run = start("6-finish", command=RESUME)  # the quickstart's resume, as a user types it
         assert run.finish() == 0, run.out()[-3000:]
         assert "resuming after step 4" in run.out()
     finally:
@@ -238,43 +306,31 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
 
 
 def check_the_final_model_serves_like_the_workers(run_dir, servers, tmp_path) -> None:
-    """What a user takes home: RUN_DIR/final_model, the same weights as `fleetrl export` of the
-    final checkpoint, served by a plain vLLM server (no fleetrl code), scores the agreement probe
-    as the run's workers do at the final version."""
+    """What a user takes home, with the quickstart's commands: RUN_DIR/final_model has the same
+    weights as `fleetrl export` of the final checkpoint; served by plain `vllm serve` (no fleetrl
+    code), it chats, and scores the agreement probe as the run's workers do at the final version."""
     from safetensors.torch import load_file
 
-    exported = tmp_path / "final-hf"
-    export = subprocess.run([sys.executable, "-m", "fleetrl", "export", str(run_dir), str(exported)],
-                            capture_output=True, text=True)
+    paths = {"runs/default": str(run_dir)}
+    export = subprocess.run(["bash", "-c", documented(EXPORT, replace=paths)], cwd=ROOT, capture_output=True, text=True)
     assert export.returncode == 0, export.stderr
     assert f"step {STEPS} of" in export.stdout
-    final_model = run_dir / "final_model"
+    exported, final_model = Path(f"{run_dir}-step5"), run_dir / "final_model"
     ours, theirs = load_file(final_model / "model.safetensors"), load_file(exported / "model.safetensors")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
     probe = json.loads((run_dir / "final.json").read_text())["probe"]["token_ids"]
-    vllm = VllmConfig()
-    port = free_port("127.0.0.1")
-    plain = start_process("plain-vllm", [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(final_model), "--host", "127.0.0.1",
-        "--port", str(port), "--max-model-len", "512", "--enforce-eager", "--dtype", vllm.dtype,
-    ], tmp_path / "plain-vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": str(vllm.kv_cache_gib)})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            assert plain.alive(), plain.log_tail()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
+    port = str(free_port("127.0.0.1"))
+    url = f"http://127.0.0.1:{port}"
+    with serving(documented(SERVE_FINAL, replace={**paths, "8000": port}), url, tmp_path / "plain-vllm.log"):
+        chat = subprocess.run(["bash", "-c", documented(CHAT, replace={**paths, "8000": port})], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert chat.returncode == 0, chat.stderr
+        reply = json.loads(chat.stdout)["choices"][0]["message"]
+        assert reply["role"] == "assistant" and reply["content"], chat.stdout
         answer = httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": str(final_model), "prompt": probe, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0})
         assert answer.status_code == 200, answer.text
         served = prompt_logprobs_of(probe, answer.json()["choices"][0]["prompt_logprobs"])
-    finally:
-        plain.stop()
 
     async def workers_score() -> list[list[float]]:
         data = VllmDataClient(DATA, 120)

@@ -9,7 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from .conftest import alive_in, child_groups, fleetrl_process, output, read_metrics
+import httpx
+
+from fleetrl.processes import free_port
+
+from tests.documented import documented
+
+from .conftest import ROOT, alive_in, child_groups, fleetrl_pid, fleetrl_process, output, read_metrics
 
 STEPS = 5
 CONFIG = """
@@ -35,16 +41,20 @@ max_steps = 5
 """
 
 
-def run_rl(tmp_path, k: int, *flags: str, terminal: bool = False) -> tuple[Path, set[int], str]:
+def run_rl(tmp_path, k: int, *flags: str, command: str | None = None, replace: dict[str, str] | None = None,
+           terminal: bool = False) -> tuple[Path, set[int], str]:
+    """`fleetrl rl` on CONFIG with `flags`; or the quickstart's `command` (the run directory's
+    name in it replaced by `replace`'s key), with CONFIG and `flags` added to it."""
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    with fleetrl_process("rl", "@", str(config), "--run.dir", str(run_dir),
-                         "--orchestrator.max_off_policy_steps", str(k), *flags, terminal=terminal) as proc:
+    args = ["@", str(config), "--run.dir", str(run_dir), "--orchestrator.max_off_policy_steps", str(k), *flags]
+    shell = documented(command, *args, replace=replace) if command else None
+    with fleetrl_process(*(["rl"] + args if shell is None else []), shell=shell, terminal=terminal) as proc:
         groups: set[int] = set()
         deadline = time.monotonic() + 1500
         while proc.poll() is None and time.monotonic() < deadline:
-            groups |= child_groups(proc.pid)  # every server and trainer rank it starts
+            groups |= child_groups(fleetrl_pid(proc))  # every server and trainer rank it starts
             time.sleep(0.5)
         assert proc.poll() is not None, "the run did not finish in time"
     out = output(proc)
@@ -90,6 +100,39 @@ def check_final_model(run_dir, final) -> None:
     assert max(abs(a - b) for a, b in zip(scored, final["probe"]["trainer_logprobs"], strict=True)) < 1e-4
 
 
+def quickstart(command: str, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    line = documented(command, *extra, replace={"runs/default": str(run_dir)})
+    return subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def check_what_the_run_leaves(run_dir: Path) -> None:
+    """The quickstart's status, verify, plot and TensorBoard on a finished run."""
+    status = quickstart(".venv/bin/fleetrl status runs/default", run_dir)
+    assert status.returncode == 0, status.stderr
+    assert f"finished at v{STEPS}" in status.stdout and status.stdout.count(" stopped ") == 2, status.stdout
+    verify = quickstart(".venv/bin/fleetrl verify runs/default", run_dir)
+    assert verify.returncode == 0 and "artifacts match the manifest" in verify.stdout, verify.stderr
+    before = (run_dir / "timeline.png").read_bytes()
+    plot = quickstart(".venv/bin/fleetrl plot runs/default", run_dir)
+    assert plot.returncode == 0 and f"wrote {run_dir / 'timeline.png'}" in plot.stdout, plot.stderr
+    assert (run_dir / "timeline.png").read_bytes() == before  # the same records draw the same picture
+    port = free_port("127.0.0.1")
+    with fleetrl_process(shell=documented(".venv/bin/tensorboard --logdir runs/default/tensorboard", "--port", str(port),
+                                          replace={"runs/default": str(run_dir)})) as board:
+        deadline = time.monotonic() + 120
+        while True:
+            assert board.poll() is None and time.monotonic() < deadline, output(board)[-2000:]
+            try:
+                tags = httpx.get(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5)
+                if tags.status_code == 200 and tags.json():
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+    (scalars,) = tags.json().values()  # one run: the event file of this run
+    assert {"reward_mean", "loss", "worker/vllm-0/tokens_per_s", "worker/vllm-1/publish_s"} <= set(scalars)
+
+
 def check_live_view(out: str) -> None:
     """What a terminal showed: startup bars, the step bar at the end, the rollouts of a step, the
     trainer's phases, the worker table; and every plain line the run logs, above the view."""
@@ -98,7 +141,7 @@ def check_live_view(out: str) -> None:
     assert "fleetrl: waiting for" not in text  # ... not the plain "waiting" lines
     assert re.search(rf"steps\s.*\s{STEPS}/{STEPS}\s", text), text[-3000:]
     assert re.search(r"rollouts of step \d\s.*\s8/8\s", text)  # batch_prompts x group_size
-    for phase in ("waiting for batch 2", "training step 2", "publishing v2"):
+    for phase in ("waiting for batch 1", "training step 2", "publishing v2"):  # phases that last seconds
         assert f"trainer: {phase}" in text, phase
     assert re.search(r"worker\s+role\s+state\s+version\s+in flight", text)
     assert re.search(rf"vllm-0\s+aggregated\s+ready\s+v{STEPS}\s+0", text)
@@ -106,8 +149,12 @@ def check_live_view(out: str) -> None:
 
 
 def test_strictly_on_policy(tmp_path):
-    run_dir, groups, out = run_rl(tmp_path, k=0)
+    """With W&B on too (offline): its run holds the steps, and its files stay out of the manifest."""
+    run_dir, groups, out = run_rl(tmp_path, 0, "--run.wandb", "true")
     metrics = check_common(run_dir, groups, out, k=0)
+    (wandb_run,) = (run_dir / "wandb" / "wandb").glob("offline-run-*")
+    assert list(wandb_run.glob("run-*.wandb")) and f"W&B run {wandb_run.name.rsplit('-', 1)[1]} (offline)" in out
+    assert not any(name.startswith("wandb/") for name in json.loads((run_dir / "manifest.json").read_text())["artifacts"])
     assert all(m["distance_max"] == 0 for m in metrics)
     # k = 0: sampling for batch n+1 starts only after step n has been published.
     for prev, nxt in zip(metrics, metrics[1:]):
@@ -115,10 +162,13 @@ def test_strictly_on_policy(tmp_path):
 
 
 def test_one_step_off_policy_overlaps_rollouts_with_training(tmp_path):
-    """Run in a terminal, as from a user's shell: the live view shows and the log lines still print."""
-    run_dir, groups, out = run_rl(tmp_path, k=1, terminal=True)
+    """The quickstart's first run (`make run`, with this module's config and k = 1), in a
+    terminal as from a user's shell: the live view shows and the log lines still print. Then
+    the quickstart's commands on what it left."""
+    run_dir, groups, out = run_rl(tmp_path, k=1, command="make run", terminal=True)
     metrics = check_common(run_dir, groups, out, k=1)
     check_live_view(out)
+    check_what_the_run_leaves(run_dir)
     # k = 1: rollouts for step n+1 ran while step n trained (recorded timestamps).
     overlaps = [nxt["rollout_started"] < prev["train_finished"] for prev, nxt in zip(metrics, metrics[1:])]
     assert any(overlaps), [(m["rollout_started"], m["train_started"], m["train_finished"]) for m in metrics]
@@ -128,8 +178,9 @@ def test_strictly_on_policy_on_dynamo_prefill_and_decode(tmp_path):
     """The same loop, unchanged, on a Dynamo frontend, one prefill and one decode worker
     (Dynamo's own vLLM workers): every rollout's prompt is prefilled on the one and decoded
     on the other, and both are in every publish."""
-    run_dir, groups, out = run_rl(tmp_path, 0, "--inference.provider", "dynamo", "--inference.workers", "1",
-                                  "--inference.dynamo.prefill_workers", "1")
+    run_dir, groups, out = run_rl(tmp_path, 0, "--inference.workers", "1", "--inference.dynamo.prefill_workers", "1",
+                                  command=".venv/bin/fleetrl rl @ configs/default.toml --inference.provider dynamo "
+                                          "--run.dir runs/dynamo")  # the test's --run.dir comes later, and wins
     metrics = check_common(run_dir, groups, out, k=0)
     assert all(m["distance_max"] == 0 for m in metrics)
     assert "Dynamo frontend and 2 worker(s) ready" in out

@@ -126,11 +126,19 @@ def test_attach_to_unreachable_url_fails_clearly(tmp_path, capsys):
     assert err == "fleetrl: error: inference.urls: cannot reach http://127.0.0.1:9 (no answer on /health)"
 
 
-@pytest.mark.parametrize("command", ["rl", "inference", "status", "verify", "export", "bench"])
+@pytest.mark.parametrize("command", ["rl", "inference", "status", "verify", "plot", "export", "model", "bench"])
 def test_help_works_for_every_command(command):
     result = run_cli(command, "--help")
     assert result.returncode == 0
     assert "--inference.workers" in result.stdout and "--orchestrator.max_off_policy_steps" in result.stdout
+
+
+def test_model_prints_the_policys_folder_alone(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["model", "--model.path", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"{tmp_path}\n"  # what `$(fleetrl model)` reads
+    assert main(["model", "--model.path", str(tmp_path / "nope")]) == 1
+    assert "model.path" in capsys.readouterr().err
 
 
 def test_bench_names_the_suites_it_knows():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
@@ -41,6 +42,11 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
         if args.run_dir is None:
             raise FleetrlError("fleetrl verify needs a run directory: fleetrl verify RUN_DIR")
         print(verify_run(args.run_dir))
+        return 0
+    if args.command == "model":
+        from fleetrl.model import resolve_model
+
+        print(resolve_model(config.model, log=lambda line: print(line, file=sys.stderr)))  # stdout: the path alone
         return 0
     if args.command == "plot":
         from fleetrl.rundir import plot_run

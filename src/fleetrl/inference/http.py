@@ -125,7 +125,7 @@ async def wait_until_ready(what: str, total: int, processes: Sequence[ManagedPro
     `timeout_s` (inference.startup_timeout_s) with the last reason.
     """
     started = time.monotonic()
-    with progress_bar(f"starting {what}", total, log) as bar:
+    with progress_bar(what, total, log, label=f"starting {what}") as bar:
         while True:
             for process in processes:
                 if not process.alive():
