@@ -26,7 +26,7 @@ COMMANDS = {
             "metrics and events, while it runs or after.",
     "export": "Write a run's checkpoint (the newest complete one, or --step N) as a Hugging Face folder.",
     "model": "Print the policy model's folder (model.path, or the embedded default, converted once into the "
-             "cache): what a server you start yourself serves (`vllm serve \"$(fleetrl model)\"`).",
+             "cache): what a server you start yourself serves (`--model \"$(fleetrl model)\"`).",
     "bench": "Run the benchmark suites of benchmarks/ (from a source checkout): print their ratios, "
              "write them to a JSON file.",
 }

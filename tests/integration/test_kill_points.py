@@ -67,7 +67,8 @@ max_steps = 5
 
 # The quickstart's commands this test runs (tests/documented.py): an operator's own server, a
 # run attached to two of them, the resume, and the final model exported and served.
-SERVE = ('VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/vllm serve "$(.venv/bin/fleetrl model)" --served-model-name policy '
+SERVE = ("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server "
+         '--model "$(.venv/bin/fleetrl model)" --served-model-name policy '
          "--host 127.0.0.1 --port 8001 --dtype float32 --max-model-len 512 --enforce-eager --enable-scale-out "
          "--middleware fleetrl.engine.admin_auth.AdminTokenMiddleware "
          "--worker-extension-cls fleetrl.engine.worker_extension.FleetrlWorkerExtension "
@@ -76,8 +77,8 @@ ATTACHED_RUN = (".venv/bin/fleetrl rl @ configs/default.toml --inference.urls "
                 "'[\"http://127.0.0.1:8001\", \"http://127.0.0.1:8002\"]' --run.dir runs/attached")
 RESUME = 'make run ARGS="--run.max_steps 15"'
 EXPORT = ".venv/bin/fleetrl export runs/default runs/default-step5 --step 5"
-SERVE_FINAL = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/vllm serve runs/default/final_model --dtype float32 --max-model-len 512 "
-               "--enforce-eager --port 8000")
+SERVE_FINAL = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server "
+               "--model runs/default/final_model --dtype float32 --max-model-len 512 --enforce-eager --port 8000")
 CHAT = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": "
         "\"runs/default/final_model\", \"messages\": [{\"role\": \"user\", \"content\": \"Reverse the text: fleet\"}], "
         "\"max_tokens\": 16}'")

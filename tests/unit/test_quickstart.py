@@ -28,7 +28,8 @@ def test_a_documented_command_is_run_as_written_with_the_tests_additions():
     assert documented("make run", "--run.dir", "/tmp/x y") == "exec make run ARGS='--run.dir '\"'\"'/tmp/x y'\"'\"''"
     assert documented('make run ARGS="--run.max_steps 15"', "--run.max_steps", "5") == \
         "exec make run ARGS='--run.max_steps 15 --run.max_steps 5'"
-    serve = next(c for c in quickstart_commands() if "vllm serve runs/default/final_model" in c)
+    serve = next(c for c in quickstart_commands() if "--model runs/default/final_model" in c)
     line = documented(serve, replace={"runs/default": "/tmp/run", "8000": "9001"})
-    assert line.startswith("VLLM_CPU_KVCACHE_SPACE=1 exec .venv/bin/vllm serve /tmp/run/final_model")
+    assert line.startswith("VLLM_CPU_KVCACHE_SPACE=1 exec .venv/bin/python -m vllm.entrypoints.openai.api_server "
+                           "--model /tmp/run/final_model")
     assert line.endswith("--port 9001")

@@ -28,5 +28,6 @@ def run_export(run_dir: Path, out_dir: Path, step: int | None, log=print) -> int
         folder = checkpoint.at_step(run.checkpoints_dir, step)
     log(f"fleetrl export: step {step} of {run_dir} -> {out_dir}")
     export_hf(resolve_model(config.model), folder, out_dir)
-    log(f"fleetrl export: done: {out_dir} (a Hugging Face folder: transformers' from_pretrained, or `vllm serve {out_dir}`)")
+    log(f"fleetrl export: done: {out_dir} (a Hugging Face folder: transformers' from_pretrained and vLLM load it; "
+        "docs/quickstart.md serves it)")
     return 0
