@@ -1,6 +1,6 @@
 """Step time of `fleetrl rl` with one step of overlap (k = 1) against strictly on-policy (k = 0).
 
-    .venv/bin/python benchmarks/bench_rl.py [--steps 8] [--workers 1] [--world-size 1]
+    .venv/bin/python benchmarks/bench_rl.py [--steps 8] [--workers 1] [--world-size 1] [--core-plan off|auto]
 
 Runs the same job twice, back to back, differing only in `orchestrator.max_off_policy_steps`,
 and compares the wall time per step measured from the runs' own timestamps (from the first
@@ -26,7 +26,7 @@ def run(k: int, args, root: Path) -> dict:
            "--run.dir", str(run_dir), "--run.max_steps", str(args.steps),
            "--orchestrator.max_off_policy_steps", str(k),
            "--inference.workers", str(args.workers), "--trainer.world_size", str(args.world_size),
-           "--trainer.checkpoint_interval", "0"]
+           "--trainer.checkpoint_interval", "0", "--run.core_plan", args.core_plan]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = metrics[1:]
@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--core-plan", choices=["off", "auto"], default="off",
+                        help="run.core_plan of both runs: auto gives the worker and the trainer CPUs of their own")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {k: run(k, args, Path(tmp)) for k in (0, 1)}
@@ -51,8 +53,12 @@ def main() -> None:
               f"publish {r['publish_s']:.1f} s per step; max off-policy distance {r['distance_max']})")
     ratio = results[1]["step_s"] / results[0]["step_s"]
     print(f"ratio step time k=1 / k=0: {ratio:.2f}")
-    record("step time, k = 1 / k = 0", ratio,
-           f"{results[1]['step_s']:.1f} vs {results[0]['step_s']:.1f} s/step, {args.steps} steps")
+    on_policy = results[0]  # each part as it takes alone, without overlap
+    ideal = (on_policy["train_s"] + on_policy["publish_s"]) / (
+        on_policy["rollout_s"] + on_policy["train_s"] + on_policy["publish_s"])
+    print(f"ideal (train + publish) / (rollouts + train + publish): {ideal:.2f}")
+    record(f"step time, k = 1 / k = 0 (core plan {args.core_plan})", ratio,
+           f"{results[1]['step_s']:.1f} vs {results[0]['step_s']:.1f} s/step, {args.steps} steps; ideal {ideal:.2f}")
 
 
 if __name__ == "__main__":

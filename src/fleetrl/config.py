@@ -21,6 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fleetrl.cores import parse_cpus
 from fleetrl.errors import FleetrlError
 
 
@@ -87,6 +88,22 @@ class VllmConfig(Section):
         description="Extra command-line arguments passed verbatim to every launched vLLM server "
         "(or Dynamo vLLM worker).",
     )
+    omp_threads_bind: list[str] = Field(
+        default_factory=list,
+        description="Per launched worker (in launch order, cycled), the CPUs its engine's threads are bound to, "
+        "as a CPU list (\"0\", \"2-3\"): vLLM's VLLM_CPU_OMP_THREADS_BIND. Empty: vLLM's own choice (which "
+        "puts every worker on the same first cores). Filled by run.core_plan = \"auto\".",
+    )
+
+    @field_validator("omp_threads_bind")
+    @classmethod
+    def _cpu_lists(cls, value: list[str]) -> list[str]:
+        return _check_cpu_lists(value)
+
+    def cpu_env(self, index: int) -> dict[str, str]:
+        """The environment that binds the `index`-th launched engine to its CPUs, if any are set."""
+        return {"VLLM_CPU_OMP_THREADS_BIND": self.omp_threads_bind[index % len(self.omp_threads_bind)]} \
+            if self.omp_threads_bind else {}
 
 
 class DynamoConfig(Section):
@@ -355,6 +372,16 @@ class TrainerConfig(Section):
         description="Truncated importance sampling: the most weight a token's ratio may carry; inf = off.",
     )
     checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = never).")
+    cpu_cores: list[str] = Field(
+        default_factory=list,
+        description="Per trainer rank (cycled), the CPUs it runs on, as a CPU list (\"1\", \"2-3\"), with one torch "
+        "thread per CPU. Empty: every CPU, the threads shared out among the ranks. Filled by run.core_plan = \"auto\".",
+    )
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _cpu_lists(cls, value: list[str]) -> list[str]:
+        return _check_cpu_lists(value)
 
     @field_validator("clip_high", "tis_cap")
     @classmethod
@@ -374,6 +401,10 @@ class RunConfig(Section):
     dir: Path = Field(Path("runs/latest"), description="Run directory: config, logs, metrics.")
     max_steps: int = Field(10, ge=1, description="Trainer steps (= policy versions) to run.")
     seed: int = Field(0, description="Seed for sampling and training.")
+    core_plan: Literal["auto", "off"] = Field(
+        "off", description="auto: `fleetrl rl` gives its launched inference workers and its trainer ranks CPUs of "
+        "their own where inference.vllm.omp_threads_bind and trainer.cpu_cores are empty (the plan is printed at "
+        "the start); off: the OS and vLLM place them.")
     live_view: Literal["auto", "off"] = Field(
         "auto", description="auto: on a terminal, `fleetrl rl` shows a live view (steps with ETA, rollouts, the "
         "trainer's phase, the workers) and progress bars; off: plain lines only, as when output is not a terminal.")
@@ -402,6 +433,12 @@ class Config(Section):
             raise ValueError(f"orchestrator.max_tokens = {self.orchestrator.max_tokens} leaves no room for a "
                              f"prompt in inference.vllm.max_model_len = {self.inference.vllm.max_model_len}")
         return self
+
+
+def _check_cpu_lists(value: list[str]) -> list[str]:
+    for spec in value:
+        parse_cpus(spec)  # its ValueError names the list
+    return value
 
 
 def field_docs() -> list[tuple[str, str, Any]]:

@@ -8,7 +8,7 @@ This command only runs the scripts, streams their output, and gathers what they 
 scripts are part of the source checkout, not of the installed package: `fleetrl bench` runs from
 a checkout.
 
-    fleetrl bench [--suite fleet|dynamo|rl|all] [--quick] [--out bench.json]
+    fleetrl bench [--suite fleet|dynamo|rl|trainer|trl|all] [--quick] [--out bench.json]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Suite:
     script: str
     quick: tuple[str, ...]  # the script's flags for --quick: fewer repetitions, shorter runs
     measures: str
+    needs: str | None = None  # a module of an extra the suite needs; skipped (and said so) without it
 
 
 SUITES = {
@@ -45,7 +46,12 @@ SUITES = {
                     "Dynamo against native: rollouts and publish"),
     "rl": Suite("bench_rl.py", ("--steps", "3"),
                 "fleetrl rl: step time at k = 1 against k = 0"),
+    "trainer": Suite("bench_trainer.py", ("--reps", "1"),
+                     "trainer step against a bare transformers + torch step, and 2 ranks against 1"),
+    "trl": Suite("bench_trl.py", ("--steps", "3"),
+                 "fleetrl against TRL's GRPOTrainer: time per step and reward (the `bench` extra)", needs="trl"),
 }
+BENCH_EXTRA = "pip install -e '.[bench]'"
 SUITE_CHOICES = [*SUITES, "all"]
 
 
@@ -62,6 +68,11 @@ def run_bench(suite: str, quick: bool, out: Path, log=print) -> int:
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
               "suites": {}}
     for i, name in enumerate(names, 1):
+        needs = SUITES[name].needs
+        if needs and not installed(needs):
+            log(f"fleetrl bench: [{i}/{len(names)}] {name}: skipped: it needs {needs} ({BENCH_EXTRA})")
+            report["suites"][name] = {"skipped": f"needs {needs} ({BENCH_EXTRA})", "figures": []}
+            continue
         log(f"fleetrl bench: [{i}/{len(names)}] {name}: {SUITES[name].measures}")
         report["suites"][name] = _run_suite(name, quick, benchmarks_dir, log)
         result = report["suites"][name]
@@ -70,7 +81,13 @@ def run_bench(suite: str, quick: bool, out: Path, log=print) -> int:
     atomic_write(out, json.dumps(report, indent=1))
     log("\n" + ratio_table(report))
     log(f"\nfleetrl bench: results in {out}")
-    return 0 if all(r["returncode"] == 0 for r in report["suites"].values()) else 1
+    return 0 if all(r.get("returncode", 0) == 0 for r in report["suites"].values()) else 1
+
+
+def installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _run_suite(name: str, quick: bool, benchmarks_dir: Path, log) -> dict:
@@ -97,7 +114,9 @@ def ratio_table(report: dict) -> str:
     for name, result in report["suites"].items():
         for figure in result["figures"]:
             rows.append((name, figure["figure"], f"{figure['ratio']:.2f}", figure.get("detail", "")))
-        if result["returncode"] != 0:
+        if "skipped" in result:
+            rows.append((name, "(skipped)", "-", result["skipped"]))
+        elif result["returncode"] != 0:
             rows.append((name, "(failed)", "-", f"exit code {result['returncode']}"))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[3]]).rstrip() for row in rows)

@@ -22,14 +22,13 @@ import threading
 import time
 from concurrent.futures import Future
 
-import torch
-
 from fleetrl import progress
 from fleetrl.app.checks import check_config, check_prompts_fit
 from fleetrl.app.live import LiveView
 from fleetrl.app.providers import base_weights, build_fleet, build_transport, start_recorded
 from fleetrl.batch import Batch
 from fleetrl.config import Config
+from fleetrl.cores import plan_cores
 from fleetrl.envs import Environment
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport
@@ -96,6 +95,8 @@ class RLRun:
             # Everything is checked before the run directory is touched: a refused command
             # leaves a finished run as it was (`fleetrl verify` still passes on it).
             env = check_config(self.config)
+            if self.config.run.core_plan == "auto":
+                apply_core_plan(self.config, self.log)
             fleet, self.model_dir = build_fleet(self.config)
             from transformers import AutoTokenizer
 
@@ -143,7 +144,7 @@ class RLRun:
                 for rank in range(1, world_size)
             ]
         self.world = distributed.init(timeout_s=distributed.collective_timeout_s(self.config))
-        torch.set_num_threads(max(1, torch.get_num_threads() // self.world.world_size))
+        distributed.use_cpus(self.config.trainer.cpu_cores, self.world.rank, self.world.world_size)
 
     def train(self) -> None:
         hooks = Hooks(wait_batch=self.wait_batch, start_rollouts=self.start_rollouts, publish=self.publish,
@@ -273,6 +274,24 @@ class RLRun:
             self.check_children()
             time.sleep(0.2)
         self.fleet_started.result()
+
+
+def apply_core_plan(config: Config, log=print) -> None:
+    """`run.core_plan = "auto"`: CPUs of their own for the workers fleetrl launches and for the
+    trainer ranks (`cores.plan_cores`), written into the config where the user set none, so the
+    launchers and every rank (which read config.toml) apply them."""
+    inference = config.inference
+    if inference.provider == "vllm":
+        launched = 0 if inference.urls else inference.workers
+    else:
+        launched = 0 if inference.dynamo.frontend_url else inference.workers + inference.dynamo.prefill_workers
+    plan = plan_cores(sorted(os.sched_getaffinity(0)), launched, config.trainer.world_size)
+    inference.vllm.omp_threads_bind = inference.vllm.omp_threads_bind or plan.workers
+    config.trainer.cpu_cores = config.trainer.cpu_cores or plan.ranks
+    log("fleetrl: core plan: " + "; ".join(
+        [*(f"worker {i} on CPU {c}" for i, c in enumerate(inference.vllm.omp_threads_bind[:launched])),
+         *(f"trainer rank {r} on CPU {config.trainer.cpu_cores[r % len(config.trainer.cpu_cores)]}"
+           for r in range(config.trainer.world_size))]))
 
 
 async def ready_versions(fleet: Fleet) -> dict[str, int]:

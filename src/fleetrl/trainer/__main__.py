@@ -4,8 +4,6 @@ with torchrun-style environment variables. Rank 0 runs in the `fleetrl rl` proce
 import sys
 from pathlib import Path
 
-import torch
-
 from fleetrl.config import load_config
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import distributed
@@ -16,7 +14,7 @@ def main() -> None:
     run_dir, model_dir = RunDir(Path(sys.argv[1])), Path(sys.argv[2])
     config = load_config([run_dir.config_path], [])
     world = distributed.init(timeout_s=distributed.collective_timeout_s(config))
-    torch.set_num_threads(max(1, torch.get_num_threads() // world.world_size))
+    distributed.use_cpus(config.trainer.cpu_cores, world.rank, world.world_size)
 
     try:
         # Waits for each batch without a deadline: rank 0 watches the orchestrator and ends

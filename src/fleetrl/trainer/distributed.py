@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fleetrl.config import Config
+from fleetrl.cores import parse_cpus
 
 # The longest a train step may take on one rank beyond its peers (their collectives wait for it).
 TRAIN_STEP_BOUND_S = 600.0
@@ -78,3 +79,15 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def use_cpus(cpu_cores: list[str], rank: int, world_size: int) -> None:
+    """Run this rank on its CPUs (trainer.cpu_cores, cycled over the ranks) with one torch thread
+    per CPU; without any set, on every CPU, the threads shared out among the ranks. Threads made
+    later (torch's pool) inherit the calling thread's CPUs; threads made before keep theirs."""
+    if cpu_cores:
+        cpus = parse_cpus(cpu_cores[rank % len(cpu_cores)])
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -49,16 +49,22 @@ class DynamoDeployment:
     config: InferenceConfig
     run_dir: Path
     started: int = 0  # workers launched so far, replaced ones included: each gets its own name and log
+    # worker process name -> its place among the workers (which of inference.vllm.omp_threads_bind
+    # is its): a replacement takes the place of the worker it replaces
+    places: dict[str, int] = field(default_factory=dict)
 
-    def add_worker(self, prefill: bool = False) -> ManagedProcess:
+    def add_worker(self, prefill: bool = False, place: int | None = None) -> ManagedProcess:
         """Start one more worker (a prefill worker with `prefill`, else aggregated, or decode
         when the deployment has prefill workers); it joins through discovery like any other."""
         name = f"{PREFILL_PREFIX if prefill else WORKER_PREFIX}{self.started}"
         self.started += 1
+        place = len(self.workers) if place is None else place
         argv = worker_argv(self.model_dir, self.config, self.run_dir, prefill)
         worker = start_process(name, argv, self.run_dir / "logs" / f"{name}.log",
-                               env=worker_env(self.config, file_discovery_dir(self.run_dir)), watches_parent=True)
+                               env={**worker_env(self.config, file_discovery_dir(self.run_dir)),
+                                    **self.config.vllm.cpu_env(place)}, watches_parent=True)
         self.workers.append(worker)
+        self.places[name] = place
         return worker
 
     def worker_at(self, admin_url: str, prefill: bool) -> ManagedProcess | None:
@@ -77,7 +83,7 @@ class DynamoDeployment:
         same kind in its place; the new one registers as a new instance."""
         process.stop(grace_s=0)
         self.workers.remove(process)
-        return self.add_worker(prefill=process.name.startswith(PREFILL_PREFIX))
+        return self.add_worker(prefill=process.name.startswith(PREFILL_PREFIX), place=self.places.pop(process.name))
 
     def processes(self) -> list[ManagedProcess]:
         return [self.frontend, *self.workers]

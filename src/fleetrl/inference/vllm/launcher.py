@@ -24,6 +24,7 @@ class LaunchedServer:
     name: str
     url: str
     process: ManagedProcess
+    index: int  # in launch order: which of inference.vllm.omp_threads_bind is its (a restart keeps it)
 
 
 def server_argv(model_dir: Path, config: InferenceConfig, port: int) -> list[str]:
@@ -60,12 +61,13 @@ def server_env(config: InferenceConfig, admin_token: str, data_token: str) -> di
     }
 
 
-def start_server(model_dir: Path, config: InferenceConfig, name: str, port: int, log_dir: Path,
+def start_server(model_dir: Path, config: InferenceConfig, name: str, index: int, port: int, log_dir: Path,
                  admin_token: str, data_token: str) -> ManagedProcess:
-    """One server process (the first, or a restart at the same port); its log is appended to."""
+    """One server process, the `index`-th (the first, or a restart at the same port); its log
+    is appended to."""
     return start_process(
         name, server_argv(model_dir, config, port), log_dir / f"{name}.log",
-        env=server_env(config, admin_token, data_token), watches_parent=True,
+        env={**server_env(config, admin_token, data_token), **config.vllm.cpu_env(index)}, watches_parent=True,
     )
 
 
@@ -75,8 +77,8 @@ async def launch_vllm_servers(model_dir: Path, config: InferenceConfig, count: i
     for i in range(count):
         port = free_port(config.host)
         name = f"vllm-{i}"
-        process = start_server(model_dir, config, name, port, log_dir, admin_token, data_token)
-        servers.append(LaunchedServer(name=name, url=f"http://{config.host}:{port}", process=process))
+        process = start_server(model_dir, config, name, i, port, log_dir, admin_token, data_token)
+        servers.append(LaunchedServer(name=name, url=f"http://{config.host}:{port}", process=process, index=i))
     log(f"fleetrl: starting {count} vLLM worker(s) on {model_dir.name} (logs in {log_dir})")
     await wait_healthy(servers, config.startup_timeout_s, log)
     return servers

@@ -129,7 +129,7 @@ class VllmProvider:
         # Off the event loop: a hung server's process group may take a moment to go.
         await asyncio.to_thread(server.process.stop, 0)
         port = int(server.url.rsplit(":", 1)[1])
-        server.process = start_server(self.model_dir, self.config, server.name, port, self.log_dir,
+        server.process = start_server(self.model_dir, self.config, server.name, server.index, port, self.log_dir,
                                       self.admin_token, self.data_token)
         return True
 
