@@ -71,7 +71,7 @@ async def run_status(config: Config, run_dir: Path | None = None) -> int:
             print(finished_run(run))
             return 0
         config = attached_to_run(config, run)
-        print(f"run {run.root}: {progress(run)}")
+        print(f"run {run.root}: {running(run)}")
     missing = PROVIDERS[config.inference.provider].missing_to_attach(config.inference)
     if missing:
         raise ConfigError(f"fleetrl status needs {missing}")
@@ -119,12 +119,16 @@ def mark_stale(rows: list[WorkerRow]) -> None:
             row.state = "stale"
 
 
-def progress(run: RunDir) -> str:
+def steps_done(run: RunDir) -> str:
     steps = run.read_metrics()
     max_steps = _max_steps(run)
-    done = f"step {steps[-1]['step']} of {max_steps} done" if steps else f"no step done yet (of {max_steps})"
+    return f"step {steps[-1]['step']} of {max_steps} done" if steps else f"no step done yet (of {max_steps})"
+
+
+def running(run: RunDir) -> str:
+    """How far a running run is, and the pid that holds its directory."""
     pid = run.lock_path.read_text().strip() if run.lock_path.exists() else ""
-    return done + (f", fleetrl pid {pid}" if pid else "")
+    return steps_done(run) + (f", fleetrl pid {pid}" if pid else "")
 
 
 def finished_run(run: RunDir) -> str:
@@ -137,7 +141,7 @@ def finished_run(run: RunDir) -> str:
     rows = [WorkerRow(worker, w["role"], "stopped", w["version"],
                       (w["checksum"] or "base")[:CHECKSUM_SHOWN], None, published)
             for worker, w in sorted(final["workers"].items())]
-    head = (f"run {run.root}: finished at v{final['version']} ({progress(run).split(',')[0]}); its fleet has "
+    head = (f"run {run.root}: finished at v{final['version']} ({steps_done(run)}); its fleet has "
             f"stopped: the workers as the run left them")
     return head + "\n" + table(rows, time.time())
 
