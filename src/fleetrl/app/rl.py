@@ -289,7 +289,7 @@ def apply_core_plan(config: Config, log=print) -> None:
     inference.vllm.omp_threads_bind = inference.vllm.omp_threads_bind or plan.workers
     config.trainer.cpu_cores = config.trainer.cpu_cores or plan.ranks
     log("fleetrl: core plan: " + "; ".join(
-        [*(f"worker {i} on CPU {c}" for i, c in enumerate(inference.vllm.omp_threads_bind[:launched])),
+        [*(f"worker {i} on CPU {inference.vllm.cpu_env(i)['VLLM_CPU_OMP_THREADS_BIND']}" for i in range(launched)),
          *(f"trainer rank {r} on CPU {config.trainer.cpu_cores[r % len(config.trainer.cpu_cores)]}"
            for r in range(config.trainer.world_size))]))
 
