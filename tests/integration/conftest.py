@@ -113,21 +113,26 @@ async def running(fleet: Fleet):
         stop_all()
 
 
-def process_table() -> list[tuple[int, int, int]]:
-    """(pid, ppid, process group) of every process."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,pgid"], capture_output=True, text=True).stdout
-    return [tuple(map(int, line.split())) for line in out.splitlines()[1:]]
+def process_table() -> list[tuple[int, int, int, str]]:
+    """(pid, ppid, process group, state) of every process."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat"], capture_output=True, text=True).stdout
+    return [(int(pid), int(ppid), int(pgid), stat) for pid, ppid, pgid, stat in
+            (line.split() for line in out.splitlines()[1:])]
 
 
 def child_groups(pid: int) -> set[int]:
     """The process groups fleetrl started: each server runs in its own, with its engine."""
     # fleetrl starts each in a new session: the child leads its own group. Other children
     # (multiprocessing's resource tracker, say) share the caller's group and are not counted.
-    return {pgid for child, ppid, pgid in process_table() if ppid == pid and pgid == child}
+    return {pgid for child, ppid, pgid, _ in process_table() if ppid == pid and pgid == child}
 
 
 def alive_in(groups: set[int]) -> list[int]:
-    return [pid for pid, _, pgid in process_table() if pgid in groups]
+    """The processes of `groups` that still run. A zombie has ended: an engine core's worker,
+    orphaned as the engine exits, waits as one until init reaps it, which this machine's init
+    does seconds late (CI saw one right after `fleetrl inference` returned). fleetrl counts
+    them the same way (processes._running)."""
+    return [pid for pid, _, pgid, stat in process_table() if pgid in groups and not stat.startswith("Z")]
 
 
 # The smallest rollouts that still make a learning step (groups of 2), strictly on-policy: the
