@@ -55,6 +55,7 @@ def run_rl(tmp_path, k: int, *flags: str, command: str | None = None, replace: d
         deadline = time.monotonic() + 1500
         while proc.poll() is None and time.monotonic() < deadline:
             groups |= child_groups(fleetrl_pid(proc))  # every server and trainer rank it starts
+            check_the_fleet_record(run_dir)
             time.sleep(0.5)
         assert proc.poll() is not None, "the run did not finish in time"
     out = output(proc)
@@ -77,12 +78,46 @@ def check_common(run_dir, groups, out, k):
     assert (run_dir / "reward.png").stat().st_size > 0 and (run_dir / "off_policy.png").stat().st_size > 0
     assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()
     check_final_model(run_dir, final)
+    check_events(run_dir, k)
     # No process is left: servers, engine cores and trainer ranks all ended with the run.
     assert len(groups) >= 3 and not alive_in(groups)
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
     assert f"max off-policy distance {max(m['distance_max'] for m in metrics)} <= k = {k}" in verify.stdout
     return metrics
+
+
+def check_the_fleet_record(run_dir) -> None:
+    """While the run's fleet is up, what `fleetrl status RUN_DIR` reads: its settings, and its
+    tokens in a file that only this user can read (none with Dynamo, which takes no tokens)."""
+    try:
+        if (run_dir / "fleet.json").exists():
+            assert json.loads((run_dir / "fleet.json").read_text())
+        mode = (run_dir / "tokens.json").stat().st_mode & 0o777
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or removed as the run ends
+        return
+    assert mode == 0o600, oct(mode)
+
+
+def check_events(run_dir, k: int) -> None:
+    """events.jsonl, which the timeline is drawn from, as the run recorded it: a fence opened
+    and closed for each version, every worker updating inside the fences, and every step's
+    samples with spans that start at token 0, grow in version and stay within their tokens."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    fences = [(e["phase"], e["version"]) for e in events if e["event"] == "fence"]
+    assert fences == [(phase, v) for v in range(1, STEPS + 1) for phase in ("start", "end")], fences
+    final = json.loads((run_dir / "final.json").read_text())
+    updating = {e["worker"] for e in events if e["event"] == "worker" and e["state"] == "updating"}
+    assert updating == set(final["workers"]), updating
+    samples = [e for e in events if e["event"] == "sample" and e["tokens"]]  # an empty one has no span
+    assert {e["step"] for e in samples} >= set(range(1, STEPS + 1))
+    for e in samples:
+        versions, starts = [v for v, _ in e["spans"]], [start for _, start in e["spans"]]
+        assert starts[0] == 0 and starts == sorted(set(starts)) and starts[-1] < e["tokens"], e
+        assert versions == sorted(versions) and e["start"] <= e["end"], e
+        if k == 0:  # sampled only once the step before was published: all of it at that version
+            assert e["spans"] == [[e["step"] - 1, 0]], e
+    assert not (run_dir / "fleet.json").exists() and not (run_dir / "tokens.json").exists()  # gone with the fleet
 
 
 def check_final_model(run_dir, final) -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from fleetrl.cli import main
 from fleetrl.trainer import checkpoint, distributed
-from fleetrl.trainer.export import export_hf
 from fleetrl.trainer.model import is_sharded, load_policy, named_tensors
 from fleetrl.trainer.step import build_optimizer, train_step
 from tests.unit.test_trainer_step import FAST, make_batch, save_tiny_model, save_tiny_tokenizer
@@ -168,14 +168,16 @@ def test_a_two_rank_checkpoint_loads_into_one_rank(setup, two_ranks):
 
 
 def test_a_two_rank_checkpoint_exports_as_one_ranks_does(setup, two_ranks, one_rank, tmp_path):
-    """`fleetrl export` of step 1 as written by 2 ranks and by 1: the same Hugging Face folder
+    """`fleetrl export --step 1` of the run as written by 2 ranks and by 1: the same Hugging Face folder
     (the weights as close as the two updates are; every other file byte for byte)."""
     from safetensors.torch import load_file
 
     model_dir, _ = setup
     _, out_dir = two_ranks
-    for name, checkpoints in (("two", out_dir / "checkpoints"), ("one", one_rank["checkpoints"])):
-        export_hf(model_dir, checkpoint.at_step(checkpoints, 1), tmp_path / name)
+    for name, run_dir in (("two", out_dir), ("one", one_rank["checkpoints"].parent)):
+        # Each checkpoint folder becomes a run directory as `fleetrl rl` leaves one: its config names the model.
+        (run_dir / "config.toml").write_text(f'[model]\npath = "{model_dir}"\n')
+        assert main(["export", str(run_dir), str(tmp_path / name), "--step", "1"]) == 0
     two, one = (load_file(tmp_path / name / "model.safetensors") for name in ("two", "one"))
     assert_same_weights(sorted(two.items()), sorted(one.items()))
     assert_same_weights([(n, two[n]) for n, _ in two_ranks[0]["updated"]], two_ranks[0]["updated"], exact=True)
