@@ -33,6 +33,7 @@ import torch
 from bench_report import record
 
 from fleetrl.config import InferenceConfig, ModelConfig, VllmConfig
+from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES
 from fleetrl.inference.fleet import AgreementProbe, Fleet
 from fleetrl.inference.http import SERVED_MODEL_NAME
 from fleetrl.inference.provider import WeightTransport
@@ -87,9 +88,11 @@ def floor_broadcast(total_bytes: int, receivers: int, reps: int) -> list[float]:
 # -- publish ---------------------------------------------------------------------------------
 
 async def interleaved_publishes(cases: dict[str, tuple[Fleet, WeightTransport, AgreementProbe | None]],
-                                model: torch.nn.Module, reps: int) -> dict[str, list[float]]:
+                                model: torch.nn.Module, reps: int,
+                                phases: dict[str, list[dict[str, float]]] | None = None) -> dict[str, list[float]]:
     """Seconds per publish of `model`'s weights for each (fleet, transport, probe) case, the
-    cases interleaved so drift in machine load hits all alike. Closes the transports."""
+    cases interleaved so drift in machine load hits all alike. Closes the transports. With
+    `phases`, each publish's receiver profile (`receiver_phases`) is added to its case's list."""
     def weights():
         return ((n, p.detach()) for n, p in model.named_parameters())
 
@@ -100,16 +103,36 @@ async def interleaved_publishes(cases: dict[str, tuple[Fleet, WeightTransport, A
                 report = await fleet.publish(fleet.version + 1, transport, weights, probe)
                 assert not report.failed, report.failed
                 results[name].append(report.seconds)
+                if phases is not None:
+                    phases.setdefault(name, []).append(await receiver_phases(fleet))
     finally:
         for transport in {id(t): t for _, t, _ in cases.values()}.values():
             await transport.close()
     return results
 
 
-async def bench_publish(fleet: Fleet, model: torch.nn.Module, reps: int, storage: Path) -> dict[str, list[float]]:
+async def receiver_phases(fleet: Fleet) -> dict[str, float]:
+    """Where the workers' ranks spent the last update (contract.WEIGHT_UPDATE_PHASES), in
+    seconds: the slowest rank's figure per phase, as the publish waits for the slowest."""
+    states = [s for w in fleet.ready_workers() for s in await fleet.provider.admin(w).collective_rpc(WEIGHT_STATE_METHOD)]
+    return {phase: max(s["phases"].get(phase, 0.0) for s in states) for phase in WEIGHT_UPDATE_PHASES}
+
+
+def print_profile(label: str, seconds: list[float], phases: list[dict[str, float]]) -> None:
+    """One publish's median total and, beside it, where the workers' receivers spent it; the
+    rest is the sender's own (packing, HTTP round trips, the fence, the checksum check)."""
+    total = statistics.median(seconds)
+    parts = {phase: statistics.median(p[phase] for p in phases) for phase in WEIGHT_UPDATE_PHASES}
+    rest = total - sum(parts.values())
+    print(f"  {label}: {total:.2f} s = " + ", ".join(f"{phase} {v:.2f}" for phase, v in parts.items())
+          + f", sender and fence {rest:.2f}")
+
+
+async def bench_publish(fleet: Fleet, model: torch.nn.Module, reps: int, storage: Path,
+                        phases: dict[str, list[dict[str, float]]]) -> dict[str, list[float]]:
     return await interleaved_publishes(
         {kind: (fleet, make_transport(kind, host="127.0.0.1", bucket_bytes=BUCKET_BYTES, storage_dir=storage / kind), None)
-         for kind in ("broadcast", "filesystem")}, model, reps)
+         for kind in ("broadcast", "filesystem")}, model, reps, phases)
 
 
 async def bench_probe(fleet: Fleet, model: torch.nn.Module, reps: int) -> None:
@@ -210,7 +233,8 @@ async def main(args) -> None:
             print(f"  ratio {args.workers} workers / 1 worker: {fence_ratio:.2f}")
             record(f"fence (no transfer), {args.workers} workers / 1 worker", fence_ratio)
 
-            publish = await bench_publish(fleet, model, args.reps, Path(tmp))
+            phases: dict[str, list[dict[str, float]]] = {}
+            publish = await bench_publish(fleet, model, args.reps, Path(tmp), phases)
             floor = await asyncio.to_thread(floor_broadcast, total_bytes, args.workers, args.reps)
             b, f, fl = (statistics.median(x) for x in (publish["broadcast"], publish["filesystem"], floor))
             print(f"\npublish by broadcast:  {median_time(publish['broadcast'])}")
@@ -218,6 +242,9 @@ async def main(args) -> None:
             print(f"bare gloo broadcast of the same bytes to {args.workers} receivers: {median_time(floor)}")
             print(f"  ratio broadcast publish / bare broadcast: {b / fl:.2f}")
             print(f"  ratio filesystem publish / broadcast publish: {f / b:.2f}")
+            print("where a publish goes (median seconds; receiver phases of the slowest rank):")
+            for kind in ("broadcast", "filesystem"):
+                print_profile(kind, publish[kind], phases[kind])
             record("broadcast publish / bare gloo broadcast", b / fl, f"{args.workers} workers, {b:.2f} s vs {fl:.2f} s")
             record("filesystem publish / broadcast publish", f / b, f"{args.workers} workers")
 

@@ -1,11 +1,18 @@
-"""Step time of `fleetrl rl` with one step of overlap (k = 1) against strictly on-policy (k = 0).
+"""Step time of `fleetrl rl` with one step of overlap (k = 1) against strictly on-policy (k = 0),
+and what each run costs before its first step and in memory.
 
     .venv/bin/python benchmarks/bench_rl.py [--steps 8] [--workers 1] [--world-size 1] [--core-plan off|auto]
+                                            [--batch-prompts N]
 
 Runs the same job twice, back to back, differing only in `orchestrator.max_off_policy_steps`,
 and compares the wall time per step measured from the runs' own timestamps (from the first
 rollout of step 2 to the end of the last step, so the fleet's start-up and the first step,
-which cannot overlap anything, are left out). Results go to docs/benchmarks.md.
+which cannot overlap anything, are left out).
+
+Each run also reports its time to first rollout and to the end of its first step (from the
+launch of `fleetrl rl`), and the peak resident memory of the trainer (the `fleetrl rl` process
+and its trainer ranks) and of each inference worker (its server, engine core and the engine's
+workers), sampled every 0.5 s from /proc. Results go to docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -15,9 +22,36 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 from bench_report import record
+
+from fleetrl.contract import NATIVE_SERVER_MODULE
+
+SAMPLE_S = 0.5
+
+
+def rss_by_role(root: psutil.Process) -> dict[str, int]:
+    """Resident bytes now of the trainer (`root` and its trainer ranks) and of each worker (a
+    server with everything under it), keyed "trainer" and "worker-<pid>"."""
+    roles = {"trainer": _rss(root)}
+    for child in root.children():
+        try:
+            tree = [child, *child.children(recursive=True)]
+            key = f"worker-{child.pid}" if NATIVE_SERVER_MODULE in " ".join(child.cmdline()) else "trainer"
+            roles[key] = roles.get(key, 0) + sum(_rss(p) for p in tree)
+        except psutil.Error:
+            continue  # it ended while we looked
+    return roles
+
+
+def _rss(proc: psutil.Process) -> int:
+    try:
+        return proc.memory_info().rss
+    except psutil.Error:
+        return 0
 
 
 def run(k: int, args, root: Path) -> dict:
@@ -27,15 +61,29 @@ def run(k: int, args, root: Path) -> dict:
            "--orchestrator.max_off_policy_steps", str(k),
            "--inference.workers", str(args.workers), "--trainer.world_size", str(args.world_size),
            "--trainer.checkpoint_interval", "0", "--run.core_plan", args.core_plan]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    if args.batch_prompts is not None:
+        cmd += ["--orchestrator.batch_prompts", str(args.batch_prompts)]
+    launched = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    peak: dict[str, int] = {}
+    while proc.poll() is None:
+        for role, rss in rss_by_role(psutil.Process(proc.pid)).items():
+            peak[role] = max(peak.get(role, 0), rss)
+        time.sleep(SAMPLE_S)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_rl: {' '.join(cmd)} failed ({proc.returncode})")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = metrics[1:]
     seconds = (steady[-1]["train_finished"] - steady[0]["rollout_started"]) / len(steady)
     rollout = sum(m["rollout_finished"] - m["rollout_started"] for m in steady) / len(steady)
     train = sum(m["train_finished"] - m["train_started"] for m in steady) / len(steady)
     publish = sum(m["publish_s"] for m in steady) / len(steady)
+    workers = sorted(v for role, v in peak.items() if role.startswith("worker-"))
     return {"step_s": seconds, "rollout_s": rollout, "train_s": train, "publish_s": publish,
-            "distance_max": max(m["distance_max"] for m in metrics)}
+            "distance_max": max(m["distance_max"] for m in metrics),
+            "first_rollout_s": metrics[0]["rollout_started"] - launched,
+            "first_step_s": metrics[0]["train_finished"] - launched,
+            "trainer_peak_gib": peak.get("trainer", 0) / 2**30, "worker_peak_gib": [w / 2**30 for w in workers]}
 
 
 def main() -> None:
@@ -45,12 +93,17 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--core-plan", choices=["off", "auto"], default="off",
                         help="run.core_plan of both runs: auto gives the worker and the trainer CPUs of their own")
+    parser.add_argument("--batch-prompts", type=int, default=None,
+                        help="orchestrator.batch_prompts of both runs (default: configs/default.toml's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {k: run(k, args, Path(tmp)) for k in (0, 1)}
     for k, r in results.items():
         print(f"k = {k}: {r['step_s']:.1f} s/step (rollouts {r['rollout_s']:.1f} s, train {r['train_s']:.1f} s, "
               f"publish {r['publish_s']:.1f} s per step; max off-policy distance {r['distance_max']})")
+        print(f"  first rollout {r['first_rollout_s']:.1f} s and first step done {r['first_step_s']:.1f} s after launch; "
+              f"peak RSS trainer {r['trainer_peak_gib']:.2f} GiB, workers "
+              + ", ".join(f"{w:.2f}" for w in r["worker_peak_gib"]) + " GiB")
     ratio = results[1]["step_s"] / results[0]["step_s"]
     print(f"ratio step time k=1 / k=0: {ratio:.2f}")
     on_policy = results[0]  # each part as it takes alone, without overlap
@@ -59,6 +112,12 @@ def main() -> None:
     print(f"ideal (train + publish) / (rollouts + train + publish): {ideal:.2f}")
     record(f"step time, k = 1 / k = 0 (core plan {args.core_plan})", ratio,
            f"{results[1]['step_s']:.1f} vs {results[0]['step_s']:.1f} s/step, {args.steps} steps; ideal {ideal:.2f}")
+    first = results[1]  # the default run's k
+    record("time to first step / one steady step (k = 1)", first["first_step_s"] / first["step_s"],
+           f"first rollout {first['first_rollout_s']:.1f} s, first step done {first['first_step_s']:.1f} s after launch")
+    record("peak RSS, workers / trainer (k = 1)", sum(first["worker_peak_gib"]) / first["trainer_peak_gib"],
+           f"trainer {first['trainer_peak_gib']:.2f} GiB, workers "
+           + ", ".join(f"{w:.2f}" for w in first["worker_peak_gib"]) + f" GiB ({args.workers} worker(s))")
 
 
 if __name__ == "__main__":

@@ -30,9 +30,15 @@ DATA_TOKEN_ENV = "FLEETRL_DATA_TOKEN"
 # The worker extension's method that returns what a rank holds (one result per rank):
 # {"checksum": the fleetrl checksum of the weights it last received in full, computed by the
 # receiver from the bytes it got, or None; "received_at": when that update finished (Unix
-# time), or None; "updating": whether an update is open}. Dynamo's engine_rpc route returns no
+# time), or None; "updating": whether an update is open; "phases": seconds of that update in
+# each of WEIGHT_UPDATE_PHASES, {} before the first}. Dynamo's engine_rpc route returns no
 # results of its own, so fleetrl's Dynamo worker entry answers this method with them.
 WEIGHT_STATE_METHOD = "fleetrl_weight_state"
+# Where a rank's time in an update goes: opening vLLM's layerwise reload; waiting for and
+# receiving the bytes (a broadcast bucket, or reading and verifying a manifest's shards);
+# hashing them; loading them into the model, which includes re-processing each layer as it
+# completes; closing the reload (re-processing what it left: the tied head).
+WEIGHT_UPDATE_PHASES = ("start", "receive", "hash", "load", "finalize")
 
 # Dynamo worker flag: run fleetrl's worker kind, which reports the version of every token.
 TOKEN_VERSIONS_FLAG = "--fleetrl-token-versions"

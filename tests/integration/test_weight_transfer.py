@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from fleetrl.config import InferenceConfig, VllmConfig
-from fleetrl.contract import WEIGHT_STATE_METHOD
+from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES
 from fleetrl.inference.provider import WeightTransport
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers
@@ -132,6 +132,10 @@ async def publish(client: VllmAdminClient, transport: WeightTransport, weights: 
         assert await client.version() == version
         (state,) = await client.collective_rpc(WEIGHT_STATE_METHOD)
         assert state["checksum"] == checksum and state["received_at"] >= wall and not state["updating"]
+        # The receiver's profile of this update (the publish breakdown of docs/benchmarks.md).
+        assert list(state["phases"]) == list(WEIGHT_UPDATE_PHASES), state["phases"]
+        assert state["phases"]["receive"] > 0 and state["phases"]["load"] > 0
+        assert sum(state["phases"].values()) <= seconds
         assert await client.in_flight() == 0  # vLLM's own gauges, read from its /metrics
     finally:
         await client.resume()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
+from fleetrl.contract import WEIGHT_UPDATE_PHASES
 from fleetrl.weights import group as broadcast_group
 from fleetrl.weights.buckets import TensorMeta, layout, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
@@ -61,6 +63,10 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         self.group: broadcast_group.BroadcastGroup | None = None
         self.checksum: str | None = None  # of the last completed update
         self.received_at: float | None = None  # when it completed (Unix time)
+        # Seconds of the last completed update in each phase (see `_timed`), for the publish
+        # profile in docs/benchmarks.md; those of the open update while one is open.
+        self.phases: dict[str, float] = {}
+        self._open_phases: dict[str, float] = {}
         self._hasher: WeightsHasher | None = None  # set while an update is open
 
     # -- protocol ---------------------------------------------------------------------------
@@ -78,8 +84,10 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
     def start_weight_update(self) -> None:
         if self.transport is None:
             raise RuntimeError("fleetrl weight receiver: start_weight_update before init_weight_transfer_engine")
-        clear_shared_kv_storage(self.vllm_config)
-        initialize_layerwise_reload(self.model)
+        self._open_phases = dict.fromkeys(WEIGHT_UPDATE_PHASES, 0.0)
+        with self._timed("start"):
+            clear_shared_kv_storage(self.vllm_config)
+            initialize_layerwise_reload(self.model)
         self._hasher = WeightsHasher()
         self.checksum = None  # the weights are in flux until finish_weight_update
 
@@ -103,9 +111,11 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
     def finish_weight_update(self) -> None:
         if self._hasher is None:
             raise RuntimeError("fleetrl weight receiver: finish_weight_update without an open update")
-        self._close_reload()
+        with self._timed("finalize"):
+            self._close_reload()
         self.checksum = self._hasher.hexdigest()
         self.received_at = time.time()
+        self.phases = self._open_phases
         self._hasher = None
 
     @property
@@ -137,18 +147,29 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         # loaded views until their layer is complete, which may be in the next bucket.
         buffer = torch.empty(total, dtype=torch.uint8,
                              device=broadcast_group.buffer_device(self.group.backend_name))
-        self.group.broadcast(buffer)
+        with self._timed("receive"):
+            self.group.broadcast(buffer)
         # One device-to-host copy per bucket (none on the CPU) rather than one per tensor.
-        for name, tensor in unpack_bucket(buffer.cpu(), metas):
-            self._hasher.update(name, tensor)
-        self.model.load_weights(unpack_bucket(buffer, metas))
+        with self._timed("hash"):
+            for name, tensor in unpack_bucket(buffer.cpu(), metas):
+                self._hasher.update(name, tensor)
+        with self._timed("load"):
+            self.model.load_weights(unpack_bucket(buffer, metas))
 
     def _receive_manifest(self, manifest_path: Path) -> None:
-        manifest = read_manifest(manifest_path)  # verifies everything before anything loads
-        for name, tensor in iter_tensors(manifest):
+        with self._timed("receive"):
+            manifest = read_manifest(manifest_path)  # verifies everything before anything loads
+        tensors = iter_tensors(manifest)  # one at a time: never a second copy of the model
+        while True:
+            with self._timed("receive"):
+                name, tensor = next(tensors, (None, None))
+            if name is None:
+                return
             # Loaded from the CPU: the weight loaders copy into the model's device.
-            self._hasher.update(name, tensor)
-            self.model.load_weights([(name, tensor)])
+            with self._timed("hash"):
+                self._hasher.update(name, tensor)
+            with self._timed("load"):
+                self.model.load_weights([(name, tensor)])
 
     def _abort(self) -> None:
         """Close the reload after a failed update so the model is whole again: layers that
@@ -160,6 +181,14 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         self._close_reload()
         if self.transport == "broadcast":
             self.shutdown()
+
+    @contextmanager
+    def _timed(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._open_phases[phase] += time.perf_counter() - started
 
     def _close_reload(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
