@@ -63,8 +63,8 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         self.group: broadcast_group.BroadcastGroup | None = None
         self.checksum: str | None = None  # of the last completed update
         self.received_at: float | None = None  # when it completed (Unix time)
-        # Seconds of the last completed update in each phase (see `_timed`), for the publish
-        # profile in docs/benchmarks.md; those of the open update while one is open.
+        # Seconds in each phase (`_timed`) of the last completed update, and of the open one:
+        # the publish profile of docs/benchmarks.md.
         self.phases: dict[str, float] = {}
         self._open_phases: dict[str, float] = {}
         self._hasher: WeightsHasher | None = None  # set while an update is open
