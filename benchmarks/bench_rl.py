@@ -65,9 +65,10 @@ def run(k: int, args, root: Path) -> dict:
         cmd += ["--orchestrator.batch_prompts", str(args.batch_prompts)]
     launched = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    root = psutil.Process(proc.pid)
     peak: dict[str, int] = {}
     while proc.poll() is None:
-        for role, rss in rss_by_role(psutil.Process(proc.pid)).items():
+        for role, rss in rss_by_role(root).items():
             peak[role] = max(peak.get(role, 0), rss)
         time.sleep(SAMPLE_S)
     if proc.returncode != 0:

@@ -32,8 +32,9 @@ import re
 import shutil
 import time
 from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
@@ -50,6 +51,8 @@ from fleetrl.weights.manifest import iter_tensors, read_manifest
 from fleetrl.weights.wire import BucketInfo, InitInfo, ManifestInfo
 
 BACKEND = "fleetrl"
+T = TypeVar("T")
+_END = object()  # what `next` gives back once an iterator is spent
 
 
 class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | ManifestInfo]):
@@ -159,12 +162,8 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
     def _receive_manifest(self, manifest_path: Path) -> None:
         with self._timed("receive"):
             manifest = read_manifest(manifest_path)  # verifies everything before anything loads
-        tensors = iter_tensors(manifest)  # one at a time: never a second copy of the model
-        while True:
-            with self._timed("receive"):
-                name, tensor = next(tensors, (None, None))
-            if name is None:
-                return
+        # One tensor at a time, never a second copy of the model; reading each one is receiving.
+        for name, tensor in self._timed_each("receive", iter_tensors(manifest)):
             # Loaded from the CPU: the weight loaders copy into the model's device.
             with self._timed("hash"):
                 self._hasher.update(name, tensor)
@@ -189,6 +188,15 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
             yield
         finally:
             self._open_phases[phase] += time.perf_counter() - started
+
+    def _timed_each(self, phase: str, items: Iterator[T]) -> Iterator[T]:
+        """`items`, with the time taken to produce each one counted in `phase`."""
+        while True:
+            with self._timed(phase):
+                item = next(items, _END)
+            if item is _END:
+                return
+            yield item
 
     def _close_reload(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)

@@ -37,7 +37,8 @@ class FleetrlWorkerExtension:
     def fleetrl_weight_state(self) -> dict:
         """What this rank holds: the fleetrl checksum of the weights it last received in full,
         computed by its receiver from the bytes it got (None if none), when that update finished,
-        whether one is open, and the seconds that update spent in each receiver phase. Named in contract.WEIGHT_STATE_METHOD."""
+        whether one is open, and the seconds that update spent in each receiver phase. Named in
+        contract.WEIGHT_STATE_METHOD."""
         receiver = self._fleetrl_receiver()
         if receiver is None:
             return {"checksum": None, "received_at": None, "updating": False, "phases": {}}
