@@ -78,7 +78,7 @@ def check_common(run_dir, groups, out, k):
     assert (run_dir / "reward.png").stat().st_size > 0 and (run_dir / "off_policy.png").stat().st_size > 0
     assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()
     check_final_model(run_dir, final)
-    check_events(run_dir, k)
+    check_events(run_dir, final, k)
     # No process is left: servers, engine cores and trainer ranks all ended with the run.
     assert len(groups) >= 3 and not alive_in(groups)
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
@@ -99,14 +99,13 @@ def check_the_fleet_record(run_dir) -> None:
     assert mode == 0o600, oct(mode)
 
 
-def check_events(run_dir, k: int) -> None:
+def check_events(run_dir, final: dict, k: int) -> None:
     """events.jsonl, which the timeline is drawn from, as the run recorded it: a fence opened
     and closed for each version, every worker updating inside the fences, and every step's
     samples with spans that start at token 0, grow in version and stay within their tokens."""
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     fences = [(e["phase"], e["version"]) for e in events if e["event"] == "fence"]
     assert fences == [(phase, v) for v in range(1, STEPS + 1) for phase in ("start", "end")], fences
-    final = json.loads((run_dir / "final.json").read_text())
     updating = {e["worker"] for e in events if e["event"] == "worker" and e["state"] == "updating"}
     assert updating == set(final["workers"]), updating
     samples = [e for e in events if e["event"] == "sample" and e["tokens"]]  # an empty one has no span
