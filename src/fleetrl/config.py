@@ -352,7 +352,8 @@ class OrchestratorConfig(Section):
 
 
 class TrainerConfig(Section):
-    world_size: int = Field(1, ge=1, description="Number of trainer ranks (torch.distributed).")
+    world_size: int = Field(1, ge=1, description="Number of trainer ranks (torch.distributed) that `fleetrl rl` "
+                            "starts on this machine. Under torchrun, WORLD_SIZE: leave it unset (docs/cluster.md).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate (constant).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(

@@ -1,15 +1,19 @@
 """`fleetrl rl` end to end, as a user runs it: 2 vLLM CPU workers (native, or Dynamo's behind a
-Dynamo frontend), 2 trainer ranks (FSDP2 over gloo), 5 orchestrator and 5 trainer steps, then
-`fleetrl verify` on what it left behind."""
+Dynamo frontend), 2 trainer ranks (FSDP2 over gloo) that fleetrl starts itself, or 4 that two
+torchrun "nodes" start, 5 orchestrator and 5 trainer steps, then `fleetrl verify` on what it
+left behind."""
 
 import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from fleetrl.processes import free_port
 
@@ -32,7 +36,6 @@ group_size = 4
 max_tokens = 16
 
 [trainer]
-world_size = 2
 lr = 1e-5
 checkpoint_interval = 5
 
@@ -41,26 +44,55 @@ max_steps = 5
 """
 
 
-def run_rl(tmp_path, k: int, *flags: str, command: str | None = None, replace: dict[str, str] | None = None,
-           terminal: bool = False) -> tuple[Path, set[int], str]:
-    """`fleetrl rl` on CONFIG with `flags`; or the quickstart's `command` (the run directory's
-    name in it replaced by `replace`'s key), with CONFIG and `flags` added to it."""
+def rl_args(tmp_path, k: int, *flags: str) -> tuple[Path, list[str]]:
+    """The run directory, and the arguments of `fleetrl rl` on CONFIG with `flags`."""
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG)
     run_dir = tmp_path / "run"
-    args = ["@", str(config), "--run.dir", str(run_dir), "--orchestrator.max_off_policy_steps", str(k), *flags]
+    return run_dir, ["@", str(config), "--run.dir", str(run_dir), "--orchestrator.max_off_policy_steps", str(k), *flags]
+
+
+def run_rl(tmp_path, k: int, *flags: str, command: str | None = None, replace: dict[str, str] | None = None,
+           terminal: bool = False) -> tuple[Path, set[int], str]:
+    """`fleetrl rl` on CONFIG with 2 trainer ranks and `flags`; or the quickstart's `command`
+    (the run directory's name in it replaced by `replace`'s key), with the same added to it."""
+    run_dir, args = rl_args(tmp_path, k, "--trainer.world_size", "2", *flags)
     shell = documented(command, *args, replace=replace) if command else None
     with fleetrl_process(*(["rl"] + args if shell is None else []), shell=shell, terminal=terminal) as proc:
-        groups: set[int] = set()
-        deadline = time.monotonic() + 1500
-        while proc.poll() is None and time.monotonic() < deadline:
-            groups |= child_groups(fleetrl_pid(proc))  # every server and trainer rank it starts
-            check_the_fleet_record(run_dir)
-            time.sleep(0.5)
-        assert proc.poll() is not None, "the run did not finish in time"
+        # every server and trainer rank it starts
+        groups = watch_run(run_dir, [proc], lambda: child_groups(fleetrl_pid(proc)))
     out = output(proc)
     assert proc.returncode == 0, out[-5000:]
     return run_dir, groups, out
+
+
+def watch_run(run_dir: Path, procs: list, started_groups) -> set[int]:
+    """Waits for every one of `procs` to end, checking the fleet's record as it runs; the
+    process groups `started_groups()` saw on the way."""
+    groups: set[int] = set()
+    deadline = time.monotonic() + 1500
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        groups |= started_groups()
+        check_the_fleet_record(run_dir)
+        time.sleep(0.5)
+    assert all(p.poll() is not None for p in procs), "the run did not finish in time"
+    return groups
+
+
+def groups_under(pid: int) -> set[int]:
+    """The process groups led by a descendant of `pid` (each a server, or an engine, that
+    someone in the tree started in a session of its own)."""
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True) if p.pid == _pgid(p.pid)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def check_common(run_dir, groups, out, k):
@@ -182,9 +214,21 @@ def check_live_view(out: str) -> None:
     assert f"step {STEPS}/{STEPS}  reward" in text and "fleetrl: done:" in text
 
 
-def test_strictly_on_policy(tmp_path):
-    """With W&B on too (offline): its run holds the steps, and its files stay out of the manifest."""
-    run_dir, groups, out = run_rl(tmp_path, 0, "--run.wandb", "true")
+def test_four_ranks_on_two_torchrun_nodes(tmp_path):
+    """A cluster as this machine can simulate one: two torchrun "nodes" (two agents meeting at a
+    c10d rendezvous), 2 ranks each, so 4 FSDP2 trainer ranks; `fleetrl rl` on every rank, global
+    rank 0 (on whichever node torchrun put it) hosting the fleet of 2 native workers. Strictly on
+    policy; with W&B on too (offline): its run holds the steps, and its files stay out of the
+    manifest."""
+    run_dir, args = rl_args(tmp_path, 0, "--run.wandb", "true")
+    endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e", "-m", "fleetrl", "rl", *args]
+    with fleetrl_process(shell=shlex.join(torchrun)) as node_a, fleetrl_process(shell=shlex.join(torchrun)) as node_b:
+        groups = watch_run(run_dir, [node_a, node_b], lambda: groups_under(node_a.pid) | groups_under(node_b.pid))
+    out = output(node_a) + output(node_b)
+    assert node_a.returncode == 0 and node_b.returncode == 0, out[-5000:]
+    assert "4 trainer rank(s)" in out
     metrics = check_common(run_dir, groups, out, k=0)
     (wandb_run,) = (run_dir / "wandb" / "wandb").glob("offline-run-*")
     assert list(wandb_run.glob("run-*.wandb")) and f"W&B run {wandb_run.name.rsplit('-', 1)[1]} (offline)" in out

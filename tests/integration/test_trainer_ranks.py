@@ -1,12 +1,16 @@
 """Two real trainer ranks (FSDP2 over gloo, spawned processes) against one rank in this process:
 the same batch must give the same update, the same published tensors, and a checkpoint that
-round-trips across ranks and across world sizes."""
+round-trips across ranks and across world sizes; and a checkpoint that 4 ranks under a real
+torchrun wrote resumes on 2 ranks (torchrun again) and on 1."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 from dataclasses import asdict, replace
 
 import pytest
@@ -186,3 +190,34 @@ def test_a_two_rank_checkpoint_exports_as_one_ranks_does(setup, two_ranks, one_r
     for name in files:
         if name != "model.safetensors":
             assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def torchrun(ranks: int, *args: str) -> None:
+    """`torchrun --standalone --nproc-per-node RANKS -m tests.integration.reshard_job ARGS`."""
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", str(ranks),
+               "-m", "tests.integration.reshard_job", *args]
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_a_four_rank_checkpoint_resumes_on_two_ranks_and_on_one(setup, tmp_path):
+    """DCP resharding: the step-1 checkpoint of 4 ranks loads on 2 and on 1 with the very weights
+    the 4 held, and the optimizer state with them: the next step matches the 4 ranks' own."""
+    model_dir, batches = setup
+    torch.save(batches, tmp_path / "batches.pt")
+    torchrun(4, "write", str(tmp_path), str(model_dir))
+    four = torch.load(tmp_path / "write-4.pt")
+    assert {p.name for p in (tmp_path / "checkpoints" / "step_000001").glob("*.distcp")} == {
+        f"__{r}_0.distcp" for r in range(4)}  # a shard from each of the 4 ranks
+    torchrun(2, "resume", str(tmp_path), str(model_dir))
+    two = torch.load(tmp_path / "resume-2.pt")
+    assert two["loaded_step"] == 1
+    model = load_policy(model_dir, CPU)
+    optimizer = build_optimizer(model, CFG)
+    assert checkpoint.load(tmp_path / "checkpoints", model, optimizer) == 1
+    one = {"updated": full_weights(model)}
+    train_step(model, optimizer, batches[1], CFG)
+    one["continued"] = full_weights(model)
+    for resumed in (two, one):
+        assert_same_weights(resumed["updated"], four["updated"], exact=True)
+        assert_same_weights(resumed["continued"], four["continued"])

@@ -9,11 +9,13 @@ from fleetrl.config import Config, ConfigError
 from fleetrl.envs import Environment, EnvError, get_environment, task_stream
 from fleetrl.orchestrator.rollouts import render_prompt
 from fleetrl.rundir import RunDir
+from fleetrl.torchrun import launched_rank
 
 
 def check_config(config: Config) -> Environment:
     """What `fleetrl rl` (and its --dry-run) refuses in a config before anything starts; the
     environment, built to check it."""
+    take_world_from_launcher(config)
     o = config.orchestrator
     # vLLM reports logprobs of the untempered distribution; the importance ratio is only
     # right if the samples came from that same distribution.
@@ -21,6 +23,22 @@ def check_config(config: Config) -> Environment:
         raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
                           "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
     return make_environment(config, RunDir(config.run.dir))
+
+
+def take_world_from_launcher(config: Config) -> None:
+    """Under torchrun the trainer's ranks are the ones torchrun started: trainer.world_size
+    becomes WORLD_SIZE, and a config that sets another number is refused."""
+    launched = launched_rank()
+    if launched is None:
+        return
+    trainer = config.trainer
+    if "world_size" in trainer.model_fields_set and trainer.world_size != launched.world_size:
+        raise ConfigError(f"trainer.world_size = {trainer.world_size}, but torchrun started {launched.world_size} "
+                          "ranks (WORLD_SIZE): leave trainer.world_size unset under torchrun")
+    if config.run.core_plan == "auto":  # it plans the CPUs of one machine, and a launcher may span several
+        raise ConfigError("run.core_plan = 'auto' plans one machine's CPUs: under torchrun set trainer.cpu_cores "
+                          "(per rank of a node) instead")
+    trainer.world_size = launched.world_size
 
 
 def make_environment(config: Config, run_dir: RunDir) -> Environment:

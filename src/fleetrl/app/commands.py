@@ -33,9 +33,11 @@ def run_command(args: argparse.Namespace, config: Config) -> int:
 
 def _dispatch(args: argparse.Namespace, config: Config) -> int:
     if args.command == "rl":
-        from fleetrl.app.rl import RLRun
+        from fleetrl.app.rl import RLRun, run_peer_rank
+        from fleetrl.torchrun import launched_rank
 
-        return RLRun(config).run()
+        launched = launched_rank()
+        return run_peer_rank(config) if launched and launched.rank > 0 else RLRun(config).run()
     if args.command == "verify":
         from fleetrl.rundir import verify_run
 

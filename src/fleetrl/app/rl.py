@@ -7,6 +7,11 @@ inference workers are child processes (or attached servers). Rank 0 is the broad
 so publishing a version is a call from the training loop into the coordinator in the same
 process: the publish fence never spans a process boundary.
 
+Under torchrun (or any launcher that sets its variables, `fleetrl.torchrun`) every rank is a
+`fleetrl rl` process, possibly on another node: global rank 0 is all of the above and starts no
+rank; the others run `run_peer_rank`, trainer ranks only, once they have checked that they see
+the run directory and the model folder rank 0 uses (shared storage).
+
 The main thread reads the fleet only through the control loop (`ControlLoop.run`), the one
 thread that changes it.
 
@@ -17,29 +22,33 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 from fleetrl import progress
 from fleetrl.app.checks import check_config, check_prompts_fit
 from fleetrl.app.live import LiveView
 from fleetrl.app.providers import base_weights, build_fleet, build_transport, start_recorded
 from fleetrl.batch import Batch
-from fleetrl.config import Config
+from fleetrl.config import Config, load_config
 from fleetrl.cores import plan_cores
 from fleetrl.envs import Environment
 from fleetrl.errors import FleetrlError
+from fleetrl.files import sha256_file
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import Monitors
 from fleetrl.orchestrator.rollouts import Orchestrator, render_prompt
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
 from fleetrl.rundir import RunDir
+from fleetrl.torchrun import launched_rank
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.export import export_weights
-from fleetrl.trainer.loop import Hooks, Snapshot, train
+from fleetrl.trainer.loop import Hooks, Snapshot, train, train_peer
 from fleetrl.trainer.step import StepMetrics, finite_or_none
 
 
@@ -131,9 +140,11 @@ class RLRun:
             self.watching = self.control.submit(self.view.watch(fleet, self.orchestrator))
 
     def start_ranks(self) -> None:
-        """Ranks 1..N-1 as children; this process joins the same group as rank 0."""
+        """Ranks 1..N-1 as children (unless a launcher started them); this process joins the
+        same group as rank 0."""
         world_size = self.config.trainer.world_size
-        if world_size > 1:
+        launched = launched_rank() is not None
+        if world_size > 1 and not launched:
             env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "WORLD_SIZE": str(world_size)}
             os.environ.update({**env, "RANK": "0", "LOCAL_RANK": "0"})
             self.ranks = [
@@ -144,7 +155,10 @@ class RLRun:
                 for rank in range(1, world_size)
             ]
         self.world = distributed.init(timeout_s=distributed.collective_timeout_s(self.config))
-        distributed.use_cpus(self.config.trainer.cpu_cores, self.world.rank, self.world.world_size)
+        if launched:  # what the peers must see as rank 0 does (run_peer_rank)
+            distributed.broadcast_from_rank0({"config_sha256": sha256_file(self.run_dir.config_path),
+                                              "model_dir": str(self.model_dir)})
+        distributed.use_cpus(self.config.trainer.cpu_cores, self.world)
 
     def train(self) -> None:
         hooks = Hooks(wait_batch=self.wait_batch, start_rollouts=self.start_rollouts, publish=self.publish,
@@ -274,6 +288,35 @@ class RLRun:
             self.check_children()
             time.sleep(0.2)
         self.fleet_started.result()
+
+
+def run_peer_rank(config: Config) -> int:
+    """`fleetrl rl` as a rank other than 0 of a group torchrun started: a trainer rank and
+    nothing else. It trains with the run directory's config.toml, as rank 0 wrote it; a rank
+    that does not see that file, or the model folder, is on storage rank 0 does not share."""
+    check_config(config)
+    world = distributed.init(timeout_s=distributed.collective_timeout_s(config))
+    try:
+        rank0 = distributed.broadcast_from_rank0(None)  # sent once rank 0 has started the run directory
+        run_dir = RunDir(config.run.dir)
+        model_dir = check_sees_rank0(run_dir, rank0, f"trainer rank {world.rank} on {socket.gethostname()}")
+        train_peer(load_config([run_dir.config_path], []), run_dir, model_dir, world)
+    finally:
+        distributed.destroy()
+    return 0
+
+
+def check_sees_rank0(run_dir: RunDir, rank0: dict, where: str) -> Path:
+    """The model folder rank 0 loads, once this rank has checked that it sees the same run
+    directory (the config.toml rank 0 wrote, by its sha256) and that folder."""
+    if not run_dir.config_path.exists() or sha256_file(run_dir.config_path) != rank0["config_sha256"]:
+        raise FleetrlError(f"{where} does not see the run directory rank 0 writes ({run_dir.root}: its config.toml "
+                           "is missing or another one): every trainer rank needs run.dir on shared storage")
+    model_dir = Path(rank0["model_dir"])
+    if not (model_dir / "config.json").exists():
+        raise FleetrlError(f"{where} does not see the model folder {model_dir} that rank 0 loads: put it on "
+                           "shared storage (model.path) or at the same path on every node")
+    return model_dir
 
 
 def apply_core_plan(config: Config, log=print) -> None:

@@ -1,8 +1,9 @@
 """The trainer's process group, from torchrun-style environment variables.
 
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are what `torchrun` (or any launcher
-that mimics it) sets. Without them the trainer is one process and no group is formed: every
-collective in the trainer is skipped when the world is 1, so a laptop run needs no rendezvous.
+that mimics it) sets, and what `fleetrl rl` sets for the ranks it starts itself (`fleetrl.torchrun`
+reads them). Without them the trainer is one process and no group is formed: every collective
+in the trainer is skipped when the world is 1, so a laptop run needs no rendezvous.
 
 The default group is the trainer's alone; the trainer -> workers broadcast uses its own
 stateless group (`fleetrl.weights.group`), never this one.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from fleetrl.config import Config
 from fleetrl.cores import parse_cpus
+from fleetrl.torchrun import LaunchedRank, launched_rank
 
 # The longest a train step may take on one rank beyond its peers (their collectives wait for it).
 TRAIN_STEP_BOUND_S = 600.0
@@ -29,6 +31,8 @@ class World:
     rank: int
     world_size: int
     device: torch.device
+    local_rank: int = 0  # on this node
+    local_world_size: int = 1  # ranks on this node, which share its CPUs
 
 
 def collective_timeout_s(config: Config) -> float:
@@ -48,9 +52,8 @@ def collective_timeout_s(config: Config) -> float:
 
 def init(timeout_s: float) -> World:
     """Joins the default group (gloo on CPU, NCCL on CUDA) when WORLD_SIZE > 1."""
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    launched = launched_rank() or LaunchedRank(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    rank, world_size, local_rank = launched.rank, launched.world_size, launched.local_rank
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -65,7 +68,7 @@ def init(timeout_s: float) -> World:
             # Binding the device lets NCCL connect eagerly; gloo takes no device.
             device_id=device if device.type == "cuda" else None,
         )
-    return World(rank, world_size, device)
+    return World(rank, world_size, device, local_rank, launched.local_world_size)
 
 
 def destroy() -> None:
@@ -81,13 +84,23 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def use_cpus(cpu_cores: list[str], rank: int, world_size: int) -> None:
-    """Run this rank on its CPUs (trainer.cpu_cores, cycled over the ranks) with one torch thread
-    per CPU; without any set, on every CPU, the threads shared out among the ranks. Threads made
-    later (torch's pool) inherit the calling thread's CPUs; threads made before keep theirs."""
+def use_cpus(cpu_cores: list[str], world: World) -> None:
+    """Run this rank on its CPUs (trainer.cpu_cores, cycled over the ranks of a node) with one
+    torch thread per CPU; without any set, on every CPU of the node, the threads shared out among
+    its ranks. Threads made later (torch's pool) inherit the calling thread's CPUs; threads made
+    before keep theirs."""
     if cpu_cores:
-        cpus = parse_cpus(cpu_cores[rank % len(cpu_cores)])
+        cpus = parse_cpus(cpu_cores[world.local_rank % len(cpu_cores)])
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(len(cpus))
     else:
-        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+        torch.set_num_threads(max(1, torch.get_num_threads() // world.local_world_size))
+
+
+def broadcast_from_rank0(value: object) -> object:
+    """Rank 0's `value` on every rank (any picklable object; the others pass None)."""
+    if world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

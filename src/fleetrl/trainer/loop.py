@@ -31,7 +31,7 @@ from fleetrl.batch import Batch
 from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
 from fleetrl.rundir import RunDir
-from fleetrl.trainer import checkpoint
+from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.loss import LossConfig
 from fleetrl.trainer.model import agreement_probe, first_nonfinite, load_policy, named_tensors, prompt_logprobs
@@ -87,6 +87,15 @@ def nonfinite_step(metrics: StepMetrics) -> str:
     """What made a skipped step skip, e.g. "loss is nan, grad norm is inf"."""
     values = {"loss": metrics.loss, "grad norm": metrics.grad_norm}
     return ", ".join(f"{name} is {value}" for name, value in values.items() if not math.isfinite(value))
+
+
+def train_peer(config: Config, run_dir: RunDir, model_dir: Path, world: World) -> None:
+    """A rank other than 0: it trains on the batches rank 0's orchestrator writes into the run
+    directory and takes part in every collective (steps, weight gathers, checkpoints); it waits
+    for each batch without a deadline, since whoever started it (rank 0, or torchrun) ends it if
+    the run fails."""
+    distributed.use_cpus(config.trainer.cpu_cores, world)
+    train(config, run_dir, model_dir, world, Hooks(wait_batch=run_dir.wait_batch), log=lambda *_: None)
 
 
 def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks: Hooks, log=print) -> None:
