@@ -66,6 +66,21 @@ def run_rl(tmp_path, k: int, *flags: str, command: str | None = None, replace: d
     return run_dir, groups, out
 
 
+def run_on_two_torchrun_nodes(tmp_path, k: int, *flags: str) -> tuple[Path, set[int], str]:
+    """`fleetrl rl` on CONFIG and `flags` on every rank of two torchrun "nodes" on this machine
+    (two agents meeting at a c10d rendezvous, 2 ranks each), as docs/cluster.md runs it."""
+    run_dir, args = rl_args(tmp_path, k, *flags)
+    endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e", "-m", "fleetrl", "rl", *args]
+    with fleetrl_process(shell=shlex.join(torchrun)) as node_a, fleetrl_process(shell=shlex.join(torchrun)) as node_b:
+        groups = watch_run(run_dir, [node_a, node_b], lambda: groups_under(node_a.pid) | groups_under(node_b.pid))
+    out = output(node_a) + output(node_b)
+    assert node_a.returncode == 0 and node_b.returncode == 0, out[-5000:]
+    assert "4 trainer rank(s)" in out
+    return run_dir, groups, out
+
+
 def watch_run(run_dir: Path, procs: list, started_groups) -> set[int]:
     """Waits for every one of `procs` to end, checking the fleet's record as it runs; the
     process groups `started_groups()` saw on the way."""
@@ -220,15 +235,7 @@ def test_four_ranks_on_two_torchrun_nodes(tmp_path):
     rank 0 (on whichever node torchrun put it) hosting the fleet of 2 native workers. Strictly on
     policy; with W&B on too (offline): its run holds the steps, and its files stay out of the
     manifest."""
-    run_dir, args = rl_args(tmp_path, 0, "--run.wandb", "true")
-    endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
-    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e", "-m", "fleetrl", "rl", *args]
-    with fleetrl_process(shell=shlex.join(torchrun)) as node_a, fleetrl_process(shell=shlex.join(torchrun)) as node_b:
-        groups = watch_run(run_dir, [node_a, node_b], lambda: groups_under(node_a.pid) | groups_under(node_b.pid))
-    out = output(node_a) + output(node_b)
-    assert node_a.returncode == 0 and node_b.returncode == 0, out[-5000:]
-    assert "4 trainer rank(s)" in out
+    run_dir, groups, out = run_on_two_torchrun_nodes(tmp_path, 0, "--run.wandb", "true")
     metrics = check_common(run_dir, groups, out, k=0)
     (wandb_run,) = (run_dir / "wandb" / "wandb").glob("offline-run-*")
     assert list(wandb_run.glob("run-*.wandb")) and f"W&B run {wandb_run.name.rsplit('-', 1)[1]} (offline)" in out
