@@ -14,13 +14,9 @@ from pathlib import Path
 import torch
 
 from fleetrl.trainer import checkpoint, distributed
-from fleetrl.trainer.model import load_policy, named_tensors
+from fleetrl.trainer.model import load_policy
 from fleetrl.trainer.step import build_optimizer, train_step
-from tests.integration.test_trainer_ranks import CFG
-
-
-def full_weights(model) -> list[tuple[str, torch.Tensor]]:
-    return [(name, tensor.clone()) for name, tensor in named_tensors(model)]
+from tests.integration.test_trainer_ranks import CFG, full_weights
 
 
 def main() -> None:
@@ -47,7 +43,7 @@ def main() -> None:
         raise
     finally:
         distributed.destroy()
-    os._exit(0)  # as test_trainer_ranks._rank_main: no interpreter finalization under gloo
+    os._exit(0)  # as tests/ranks.py: no interpreter finalization under gloo
 
 
 if __name__ == "__main__":

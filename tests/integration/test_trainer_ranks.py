@@ -5,22 +5,19 @@ torchrun wrote resumes on 2 ranks (torchrun again) and on 1."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
-import traceback
-from pathlib import Path
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from fleetrl.cli import main
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.model import is_sharded, load_policy, named_tensors
 from fleetrl.trainer.step import build_optimizer, train_step
+from tests.ranks import spawn_ranks
 from tests.unit.test_trainer_step import FAST, make_batch, save_tiny_model, save_tiny_tokenizer
 
 WORLD = 2
@@ -35,49 +32,29 @@ def full_weights(model) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensor.clone()) for name, tensor in named_tensors(model)]
 
 
-def _rank_main(rank: int, port: int, model_dir, batches, out_dir) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two ranks on a shared two-core machine
-    try:
-        world = distributed.init(timeout_s=120)
-        model = load_policy(model_dir, world.device)
-        assert is_sharded(model)
-        optimizer = build_optimizer(model, CFG)
-        initial = full_weights(model)
-        first = train_step(model, optimizer, batches[0], CFG)
-        updated = full_weights(model)
+def _rank_main(rank: int, model_dir, batches, out_dir) -> None:
+    world = distributed.init(timeout_s=120)  # joined already (tests/ranks.py): the World of it
+    model = load_policy(model_dir, world.device)
+    assert is_sharded(model)
+    optimizer = build_optimizer(model, CFG)
+    initial = full_weights(model)
+    first = train_step(model, optimizer, batches[0], CFG)
+    updated = full_weights(model)
 
-        ckpt = out_dir / "checkpoints"
-        checkpoint.save(ckpt, 1, model, optimizer, keep=2)
-        restored = load_policy(model_dir, world.device)
-        restored_optimizer = build_optimizer(restored, CFG)
-        loaded_step = checkpoint.load(ckpt, restored, restored_optimizer)
-        restored_weights = full_weights(restored)
-        second = train_step(model, optimizer, batches[1], CFG)
-        train_step(restored, restored_optimizer, batches[1], CFG)
-        continued, continued_restored = full_weights(model), full_weights(restored)
-        if rank == 0:
-            torch.save({"initial": initial, "first": asdict(first), "updated": updated,
-                        "loaded_step": loaded_step, "restored": restored_weights,
-                        "second": asdict(second), "continued": continued,
-                        "continued_restored": continued_restored}, out_dir / "rank0.pt")
-    except BaseException:
-        (out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    finally:
-        distributed.destroy()
-    # The work is done and saved. Leave without the interpreter's finalization, where a gloo
-    # thread now and then aborts the process ("terminate called without an active exception",
-    # no Python frame on any thread; about 1 run in 50 here) and the exit code would then
-    # blame work that succeeded.
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    ckpt = out_dir / "checkpoints"
+    checkpoint.save(ckpt, 1, model, optimizer, keep=2)
+    restored = load_policy(model_dir, world.device)
+    restored_optimizer = build_optimizer(restored, CFG)
+    loaded_step = checkpoint.load(ckpt, restored, restored_optimizer)
+    restored_weights = full_weights(restored)
+    second = train_step(model, optimizer, batches[1], CFG)
+    train_step(restored, restored_optimizer, batches[1], CFG)
+    continued, continued_restored = full_weights(model), full_weights(restored)
+    if rank == 0:
+        torch.save({"initial": initial, "first": asdict(first), "updated": updated,
+                    "loaded_step": loaded_step, "restored": restored_weights,
+                    "second": asdict(second), "continued": continued,
+                    "continued_restored": continued_restored}, out_dir / "rank0.pt")
 
 
 @pytest.fixture(scope="module")
@@ -94,21 +71,7 @@ def setup(tmp_path_factory):
 def two_ranks(setup, tmp_path_factory):
     model_dir, batches = setup
     out_dir = tmp_path_factory.mktemp("two-ranks")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    ranks = [ctx.Process(target=_rank_main, args=(r, port, model_dir, batches, out_dir)) for r in range(WORLD)]
-    for p in ranks:
-        p.start()
-    try:
-        for p in ranks:
-            p.join(timeout=240)
-    finally:
-        for p in ranks:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = "\n".join(e.read_text() for e in sorted(out_dir.glob("*.err")))
-    assert all(p.exitcode == 0 for p in ranks), errors or f"exit codes {[p.exitcode for p in ranks]}"
+    spawn_ranks(_rank_main, WORLD, out_dir, model_dir, batches, out_dir)
     return torch.load(out_dir / "rank0.pt"), out_dir
 
 

@@ -224,6 +224,30 @@ async def test_joining_worker_is_refitted_before_it_serves():
     await fleet.close()
 
 
+async def test_weights_not_kept_past_their_publish_refit_late_workers_at_the_next_publish():
+    """A CUDA trainer streams a version from its shards during the publish and keeps no copy
+    (keep=False): the publish may still retry, but a worker that joins, or is found stale,
+    afterwards gets nothing sent; it serves nothing until the next publish brings it in."""
+    fleet, provider, transport = await started("a", "b")
+    transport.fail_worker = "b"
+    report = await fleet.publish(1, transport, weights, keep=False)
+    assert report.ready == ["a"] and transport.transfers == [(["a", "b"], 1), (["a"], 1)]  # retried in the publish
+    transport.fail_worker = None
+    late = provider.add("late")
+    provider.engines["a"].version = 0  # restarted at the same URL, found at the next round
+    await fleet.refresh()
+    await fleet.refresh()
+    assert transport.transfers == [(["a", "b"], 1), (["a"], 1)]  # nothing sent between publishes
+    # The dead one answers its health check again: it too waits.
+    assert all(w.state == WorkerState.STALE and "waits for the next publish" in w.error
+               for w in fleet.workers.values())
+    assert late.paused and fleet.routable_workers() == []  # none serves a request
+    report = await fleet.publish(2, transport, weights, keep=False)
+    assert sorted(report.ready) == ["a", "b", "late"] and transport.transfers[-1] == (["a", "b", "late"], 2)
+    assert all(w.state == WorkerState.READY and w.version == 2 for w in fleet.workers.values())
+    await fleet.close()
+
+
 async def test_vanished_worker_is_dead_and_no_worker_at_all_is_an_error():
     fleet, provider, _ = await started("a")
     provider.engines["a"].alive = False

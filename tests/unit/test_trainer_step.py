@@ -290,14 +290,16 @@ def test_the_metrics_line_of_a_step_comes_before_its_checkpoint(model_dir, tmp_p
     assert checkpoint.latest(run.run_dir.checkpoints_dir)[0] == 3
 
 
-def test_weights_that_are_not_finite_are_never_published(model_dir, tmp_path, monkeypatch):
-    def step_that_breaks_a_weight(model, *args):
-        metrics = train_step(model, *args)
-        with torch.no_grad():
-            model.model.layers[1].mlp.down_proj.weight[0, 0] = math.inf
-        return metrics
+def train_step_then_break_a_weight(model, *args):
+    """`train_step`, after which one weight is inf."""
+    metrics = train_step(model, *args)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = math.inf
+    return metrics
 
-    monkeypatch.setattr(loop, "train_step", step_that_breaks_a_weight)
+
+def test_weights_that_are_not_finite_are_never_published(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "train_step", train_step_then_break_a_weight)
     run = Run(model_dir, tmp_path)
     with pytest.raises(FleetrlError, match=r"^step 1: weight model\.layers\.1\.mlp\.down_proj\.weight is not "
                                            r"finite; version 1 not published"):

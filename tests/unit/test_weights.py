@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from fleetrl.weights import WeightsHasher
 from fleetrl.weights import group as broadcast_group
-from fleetrl.weights.buckets import ALIGN, TensorMeta, iter_buckets, layout, pack_bucket, unpack_bucket
+from fleetrl.weights.buckets import ALIGN, TensorMeta, iter_buckets, layout, packed_buckets, unpack_bucket
 from fleetrl.weights.manifest import (
     MANIFEST,
     MARKER,
@@ -36,6 +36,12 @@ def sample_tensors() -> list[tuple[str, torch.Tensor]]:
         ("model.layers.0.mlp.up_proj.weight", torch.randn(3, 5, generator=g)),
         ("counts", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
     ]
+
+
+def pack_bucket(named, device=torch.device("cpu")):
+    """All of `named` in one bucket."""
+    (packed,) = packed_buckets(named, 1 << 20, device)
+    return packed
 
 
 def digest(named) -> str:
@@ -80,7 +86,7 @@ def test_checksum_sees_every_difference(change):
 
 def test_bucket_round_trip_is_bit_exact():
     named = sample_tensors()
-    buffer, metas = pack_bucket(named, torch.device("cpu"))
+    buffer, metas = pack_bucket(named)
     offsets, total = layout(metas)
     assert buffer.dtype == torch.uint8 and buffer.numel() == total
     assert all(offset % ALIGN == 0 for offset in offsets)
@@ -93,7 +99,7 @@ def test_bucket_round_trip_is_bit_exact():
 
 
 def test_unpack_bucket_refuses_metadata_of_another_size():
-    buffer, metas = pack_bucket(sample_tensors(), torch.device("cpu"))
+    buffer, metas = pack_bucket(sample_tensors())
     with pytest.raises(ValueError, match="metadata describes"):
         unpack_bucket(buffer, metas[:-1])
 
@@ -109,7 +115,7 @@ def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
                     "backend": "gloo", "rank_offset": 3, "world_size": 5, "timeout_s": 60.0}
     assert InitInfo.from_dict(sent) == init
     assert InitInfo("filesystem").to_dict() == {"transport": "filesystem"}
-    _, metas = pack_bucket(sample_tensors(), torch.device("cpu"))
+    _, metas = pack_bucket(sample_tensors())
     bucket = BucketInfo.from_dict(json.loads(json.dumps(BucketInfo.of(metas).to_dict())))
     assert bucket.metas() == metas
     assert ManifestInfo.from_dict(ManifestInfo("/w/v3/manifest.json").to_dict()).manifest == "/w/v3/manifest.json"
@@ -132,6 +138,71 @@ def test_buckets_respect_the_size_limit_in_order():
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
     big = [("small", torch.zeros(10)), ("big", torch.zeros(1000)), ("tail", torch.zeros(10))]
     assert [[n for n, _ in b] for b in iter_buckets(big, bucket_bytes=100)] == [["small"], ["big"], ["tail"]]
+
+
+def test_packed_buckets_group_like_iter_buckets_and_round_trip_bit_exact():
+    named = [(f"{i}.{n}", t) for i, (n, t) in enumerate(sample_tensors() * 4)]
+    named.insert(5, ("oversize", torch.arange(100, dtype=torch.float32)))  # 400 B > the 128 B limit
+    packed = list(packed_buckets(named, 128, torch.device("cpu")))
+    assert [[m.name for m in metas] for _, metas in packed] == \
+        [[n for n, _ in bucket] for bucket in iter_buckets(named, 128)]
+    assert ["oversize"] in [[m.name for m in metas] for _, metas in packed]  # alone in its own
+    for buffer, metas in packed:
+        assert buffer.numel() == layout(metas)[1]  # exactly what the receiver allocates
+        assert buffer.numel() <= 128 or len(metas) == 1
+    received = [pair for buffer, metas in packed for pair in unpack_bucket(buffer, metas)]
+    assert digest(received) == digest(named)
+
+
+def test_packed_buckets_hold_one_source_tensor_at_a_time():
+    """Packed as they come, the tensors of a stream (each gathered from the shards on the
+    trainer's GPU, say) are let go once copied: never more than the one in hand is alive, and
+    a bucket handed out is not kept by the packer."""
+    import weakref
+
+    alive, peak = set(), [0]
+
+    def fresh(i: int) -> torch.Tensor:
+        tensor = torch.full((10 + i % 7,), float(i))
+        alive.add(i)
+        weakref.finalize(tensor, alive.discard, i)
+        peak[0] = max(peak[0], len(alive))
+        return tensor
+
+    def stream():
+        for i in range(40):
+            yield f"t{i}", fresh(i)  # no name bound to it here: the consumer holds the only reference
+
+    buckets = weakref.WeakSet()
+    sizes = []
+    for buffer, metas in packed_buckets(stream(), 200, torch.device("cpu")):
+        assert len(alive) <= 1
+        sizes.append(buffer.numel())
+        buckets.add(buffer)
+        del buffer
+        assert len(buckets) == 0  # the packer kept no reference to it
+    assert peak[0] == 1
+    assert len(sizes) > 3 and max(sizes) <= 200
+
+
+def test_broadcast_backend_is_automatic_and_overridable(monkeypatch):
+    from fleetrl.config import load_config
+    from fleetrl.errors import FleetrlError
+    from fleetrl.weights.broadcast import BroadcastTransport
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert load_config([], []).inference.weights.backend == "auto"
+    assert broadcast_group.choose_backend("auto", cpu) == "gloo"
+    assert broadcast_group.choose_backend("auto", cuda) == "nccl"
+    assert broadcast_group.choose_backend("gloo", cuda) == "gloo"  # staged through host memory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(FleetrlError, match="backend = nccl needs a CUDA device"):
+        broadcast_group.choose_backend("nccl", cpu)
+    with pytest.raises(FleetrlError, match="backend = nccl needs a CUDA device"):
+        BroadcastTransport("127.0.0.1", 1 << 20, 60.0, backend="nccl")  # refused before any worker joins
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert broadcast_group.choose_backend("nccl", cpu) == "nccl"  # staged through the trainer's GPU
+    assert load_config([], [("inference.weights.backend", "nccl")]).inference.weights.backend == "nccl"
 
 
 def test_tensor_meta_rejects_unknown_dtypes():
@@ -261,9 +332,8 @@ def _receive(port: int, rank: int, world_size: int, bucket_metas: list[list[Tens
 def test_gloo_broadcast_between_processes_is_bit_exact():
     named = sample_tensors() * 3
     named = [(f"{i}.{n}", t) for i, (n, t) in enumerate(named)]
-    buckets = list(iter_buckets(named, bucket_bytes=128))
-    assert len(buckets) > 2
-    packed = [pack_bucket(bucket, torch.device("cpu")) for bucket in buckets]
+    packed = list(packed_buckets(named, 128, torch.device("cpu")))
+    assert len(packed) > 2
     world_size = 3
     store = broadcast_group.open_store("127.0.0.1", world_size, timeout_s=60)
     ctx = mp.get_context("spawn")

@@ -118,7 +118,8 @@ def build_transport(config: Config, run_dir: RunDir) -> WeightTransport:
     """The weight transport of `inference.weights` (rank 0 is its sender)."""
     weights = config.inference.weights
     return make_transport(weights.transport, host=weights.sender_host, bucket_bytes=weights.bucket_mb << 20,
-                          storage_dir=weights.dir or run_dir.weights_dir, timeout_s=weights.transfer_timeout_s)
+                          storage_dir=weights.dir or run_dir.weights_dir, timeout_s=weights.transfer_timeout_s,
+                          backend=weights.backend)
 
 
 def base_weights(provider: InferenceProvider, model_dir: Path,

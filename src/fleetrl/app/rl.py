@@ -40,6 +40,7 @@ from fleetrl.envs import Environment
 from fleetrl.errors import FleetrlError
 from fleetrl.files import sha256_file
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport
+from fleetrl.inference.provider import NamedTensors
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import Monitors
 from fleetrl.orchestrator.rollouts import Orchestrator, render_prompt
@@ -48,6 +49,7 @@ from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.export import export_weights
+from fleetrl.trainer.gather import WeightGather
 from fleetrl.trainer.loop import Hooks, Snapshot, train, train_peer
 from fleetrl.trainer.step import StepMetrics, finite_or_none
 
@@ -86,7 +88,9 @@ class RLRun:
         self.rollouts: list[Future] = []
         self.fleet: Fleet | None = None
         self.monitors: Monitors | None = None
-        self.published: tuple[Snapshot, AgreementProbe] | None = None  # the last version's weights and probe
+        # The last version's probe, and its weights where they are kept (a CPU snapshot; on CUDA none
+        # is: the final model was written while the ranks gathered the last version, see publish).
+        self.published: tuple[Snapshot | None, AgreementProbe] | None = None
         self.view: LiveView | None = None  # on a terminal
         self.watching: Future | None = None  # the view's copy of the fleet's state, on the control loop
 
@@ -179,8 +183,8 @@ class RLRun:
         weights, probe = self.published
         final = self.control.run(final_generation(self.fleet, self.tokenizer))
         self.run_dir.write_final({**final, "probe": {"token_ids": probe.token_ids, "trainer_logprobs": probe.logprobs}})
-        self.log(f"fleetrl: writing the final model (v{self.fleet.version}) to {self.run_dir.final_model_dir}")
-        export_weights(self.model_dir, weights.items(), self.run_dir.final_model_dir)
+        if weights is not None:
+            self.write_final_model(lambda: iter(weights.items()))
         self.run_dir.write_plots()
         self.monitors.close()  # its files complete before the manifest lists them
         self.run_dir.write_manifest()
@@ -218,15 +222,27 @@ class RLRun:
         self.wait_fleet()
         self.rollouts.append(self.control.submit(self.orchestrator.run(start + 1, self.config.run.max_steps)))
 
-    def publish(self, step: int, weights: Snapshot, probe_ids: list[int], reference: list[float]) -> PublishReport:
+    def publish(self, step: int, weights: Snapshot | WeightGather, probe_ids: list[int],
+                reference: list[float]) -> PublishReport:
+        """A CPU snapshot is published and kept (refits, the final model). A gather (CUDA) is
+        valid only during this call, while the other ranks serve it: the fleet keeps nothing to
+        refit from, and the last version's final model is written here, from one more gather."""
         self.wait_fleet()
         self.phase(f"publishing v{step}")
         probe = AgreementProbe(probe_ids, reference)
-        report = self.control.run(self.fleet.publish(step, self.transport, lambda: iter(weights.items()), probe))
+        gathered = isinstance(weights, WeightGather)
+        named = weights.tensors if gathered else lambda: iter(weights.items())
+        report = self.control.run(self.fleet.publish(step, self.transport, named, probe, keep=not gathered))
         if not report.ready:
             raise FleetrlError(f"publish v{step} reached no worker")
-        self.published = weights, probe
+        self.published = (None if gathered else weights), probe
+        if gathered and step == self.config.run.max_steps:
+            self.write_final_model(weights.tensors)
         return report
+
+    def write_final_model(self, named: NamedTensors) -> None:
+        self.log(f"fleetrl: writing the final model (v{self.fleet.version}) to {self.run_dir.final_model_dir}")
+        export_weights(self.model_dir, named(), self.run_dir.final_model_dir)
 
     def on_step(self, batch: Batch, metrics: StepMetrics, report: PublishReport, started: float,
                 finished: float) -> None:

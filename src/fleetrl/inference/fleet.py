@@ -35,6 +35,8 @@ TRANSIENT_RETRIES = 2
 # A completion cut by abort-mode publishes is continued at most this many times: each
 # continuation needs a publish to land inside it, so more means publishes are starving it.
 MAX_CONTINUATIONS = 8
+# Why a worker cannot be refitted between publishes of a CUDA trainer.
+UNKEPT_WEIGHTS = "the trainer streamed them from its GPUs during their publish and keeps no copy"
 
 
 class PublishError(FleetrlError):
@@ -68,10 +70,14 @@ class AgreementProbe:
 @dataclass
 class WeightSource:
     """Weights a joining or stale worker is refitted to: what the last publish sent, or, before
-    any publish, the run's base weights where the workers are attached (`Fleet.start`)."""
+    any publish, the run's base weights where the workers are attached (`Fleet.start`).
+
+    `named_tensors` is None when the weights were valid only during their publish (streamed
+    from a CUDA trainer's shards, which keeps no copy): such a worker is refitted by the next
+    publish, which includes every worker that is not dead."""
 
     transport: WeightTransport
-    named_tensors: NamedTensors
+    named_tensors: NamedTensors | None
     checksum: str
     probe: AgreementProbe | None
 
@@ -214,6 +220,11 @@ class Fleet:
         """Give one worker the fleet's current version before it takes any request."""
         admin = self.provider.admin(worker)
         first_sight = worker.state == WorkerState.JOINING
+        if not first_sight and self._source is not None and self._source.named_tensors is None:
+            # Nothing to send it: stale (out of routing) until the next publish includes it.
+            self._mark(worker, WorkerState.STALE, f"refit to v{self.version} waits for the next publish: "
+                                                  f"{UNKEPT_WEIGHTS}")
+            return
         self._mark(worker, WorkerState.SYNCING)
         try:
             await admin.pause(self.pause_mode)
@@ -225,6 +236,8 @@ class Fleet:
                     raise FleetrlError(f"reports version {reported} after being set to v0")
             elif first_sight and (why := await self._unlike(worker, self.version, self._source.checksum)) is None:
                 pass  # it holds them already (an attached worker at the base, say); the probe still decides
+            elif self._source.named_tensors is None:
+                raise FleetrlError(f"it {why}; it waits for the next publish: {UNKEPT_WEIGHTS}")
             else:
                 if first_sight:
                     self.log(f"fleetrl: worker {worker.id} {why}: refitting it with the weights of v{self.version}")
@@ -283,9 +296,13 @@ class Fleet:
     # -- publish ---------------------------------------------------------------------------
 
     async def publish(self, version: int, transport: WeightTransport, named_tensors: NamedTensors,
-                      probe: AgreementProbe | None = None) -> PublishReport:
+                      probe: AgreementProbe | None = None, keep: bool = True) -> PublishReport:
         """Fence: pause all -> transfer -> verify version + checksum on all -> resume all ->
         each scores the agreement probe (when given) before it takes traffic.
+
+        `keep`: `named_tensors` stays valid after the publish, and refits workers that join or
+        go stale before the next one; False where it is valid only during this call (a stream
+        gathered from a CUDA trainer's shards).
 
         Workers that fail are excluded (dead or stale, with the reason in the report) and the
         others complete the publish; if none completes, PublishError and nothing resumes.
@@ -322,7 +339,7 @@ class Fleet:
                     raise PublishError(f"publish v{version} completed on no worker: {self._format(failed)}")
                 # From here on only workers verified at `version` take traffic: stale ones stay paused.
                 self.version = version
-                self._source = WeightSource(transport, named_tensors, checksum, probe)
+                self._source = WeightSource(transport, named_tensors if keep else None, checksum, probe)
                 resumed = await self._each(verified, lambda w: admin(w).resume(), failed, WorkerState.DEAD)
                 deltas: dict[str, float] = {}
                 if probe is not None:  # still UPDATING here: a worker that disagrees never takes a request

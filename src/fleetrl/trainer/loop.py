@@ -1,10 +1,16 @@
 """The training loop every trainer rank runs: step n reads batch n and produces version n.
 
-Rank 0 also publishes: after each optimizer step all ranks gather the full weights (a
-collective on a sharded model) into a CPU snapshot on rank 0, which the fleet coordinator
-publishes as version n. The snapshot is kept until the next step so a worker that joins or
-must be refitted later gets exactly the published tensors, without asking the other ranks
-to take part in a collective at an arbitrary time.
+Rank 0 also publishes, and how depends on where the trainer runs:
+- CPU: after each optimizer step all ranks gather the full weights (a collective on a sharded
+  model) into a CPU snapshot on rank 0, which the fleet coordinator publishes as version n. The
+  snapshot is kept until the next step so a worker that joins or must be refitted later gets
+  exactly the published tensors, without asking the other ranks to take part in a collective
+  at an arbitrary time.
+- CUDA: no full copy of the model is ever made. Rank 0 hands the publish a `WeightGather`: the
+  sender pulls full tensors one at a time, gathered from the ranks' shards on the GPU while the
+  other ranks serve the gather in step (`trainer.gather`), for as long as the publish lasts
+  (retries included). Nothing is kept: a worker that needs a refit between publishes waits for
+  the next one. Never run on a GPU yet (docs/benchmarks.md, "GPU smoke: not run yet").
 
 Order within a step: train -> publish version n -> metrics line -> checkpoint. The metrics line
 comes before the checkpoint, so a kill between the two loses nothing: a resume redoes (and
@@ -13,7 +19,8 @@ writes again) every step after its checkpoint, and drops their old lines.
 Numbers that are not finite: a step whose loss or gradient norm is not finite is never
 applied (`train_step`); `trainer.on_nonfinite` says whether the run then stops or goes on, the
 unchanged weights becoming version n so versions stay one per step. Weights that are not
-finite are never published (checked here, in the snapshot) nor checkpointed (`checkpoint.save`).
+finite are never published (checked here: in the snapshot, or on CUDA in every rank's shards)
+nor checkpointed (`checkpoint.save`).
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ from fleetrl.errors import FleetrlError
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.distributed import World
+from fleetrl.trainer.gather import WeightGather, serve_gathers
 from fleetrl.trainer.loss import LossConfig
-from fleetrl.trainer.model import agreement_probe, first_nonfinite, load_policy, named_tensors, prompt_logprobs
+from fleetrl.trainer.model import (agreement_probe, first_nonfinite, is_sharded, load_policy, local_shards,
+                                   named_tensors, prompt_logprobs)
 from fleetrl.trainer.step import StepConfig, StepMetrics, build_optimizer, train_step
 
 Snapshot = dict[str, torch.Tensor]
@@ -55,8 +64,9 @@ class Hooks:
 
     wait_batch: Callable[[int], Batch]
     start_rollouts: Callable[[int], None] = lambda start: None  # after the refit, from step `start` + 1
-    # rank 0 only: (version, weights, probe token ids, the trainer's logprobs of them)
-    publish: Callable[[int, Snapshot, list[int], list[float]], object] | None = None
+    # rank 0 only: (version, weights, probe token ids, the trainer's logprobs of them); the
+    # weights are a Snapshot on the CPU, a WeightGather (valid during the call only) on CUDA
+    publish: Callable[[int, Snapshot | WeightGather, list[int], list[float]], object] | None = None
     on_step: Callable[[Batch, StepMetrics, object, float, float], None] = lambda *a: None
 
 
@@ -69,10 +79,18 @@ def snapshot(model: torch.nn.Module, rank: int) -> Snapshot:
     return tensors
 
 
+def streams_weights(world: World) -> bool:
+    """Whether a publish streams the weights from the GPU (`publish_streamed`) rather than
+    sending a CPU snapshot: on CUDA, where a full CPU copy of the model is not made."""
+    return world.device.type == "cuda"
+
+
 def publish(step: int, model: torch.nn.Module, world: World, probe_ids: list[int], hooks: Hooks) -> object:
     """Publishes the model as version `step` through `hooks.publish` (rank 0), with the
     trainer's logprobs of the agreement probe; every rank must call this, in step. Raises
     FleetrlError, publishing nothing, when a weight is not finite."""
+    if streams_weights(world):
+        return publish_streamed(step, model, world, probe_ids, hooks)
     weights = snapshot(model, world.rank)
     reference = prompt_logprobs(model, probe_ids, world.device)
     if not hooks.publish:
@@ -81,6 +99,26 @@ def publish(step: int, model: torch.nn.Module, world: World, probe_ids: list[int
     if bad is not None:
         raise FleetrlError(f"step {step}: weight {bad} is not finite; version {step} not published")
     return hooks.publish(step, weights, probe_ids, reference)
+
+
+def publish_streamed(step: int, model: torch.nn.Module, world: World, probe_ids: list[int], hooks: Hooks) -> object:
+    """`publish` without a snapshot: rank 0 leads a gather session for the length of the
+    publish hook, the other ranks serve it. Every rank checks its own shards for weights that
+    are not finite (no gather needed) and all reach the same verdict."""
+    bad = first_nonfinite(local_shards(model), across_ranks=True)
+    reference = prompt_logprobs(model, probe_ids, world.device)
+    if is_sharded(model):
+        # FSDP2 keeps the root's parameters gathered after a forward (for the backward it
+        # expects), in the compute dtype (bf16 on CUDA): sharded again, the gather sends the
+        # fp32 master weights, as the snapshot does, and the GPU holds no whole embedding.
+        model.reshard()
+    if bad is not None:
+        raise FleetrlError(f"step {step}: weight {bad} is not finite; version {step} not published")
+    if world.rank > 0:
+        serve_gathers(model, world)
+        return None
+    with WeightGather(model, world) as weights:  # leaving it lets the other ranks go on
+        return hooks.publish(step, weights, probe_ids, reference) if hooks.publish else None
 
 
 def nonfinite_step(metrics: StepMetrics) -> str:

@@ -1,6 +1,20 @@
 """Broadcast transport, sender side: the trainer is rank 0 of a group with every rank of
 every worker, and sends the weights bucket by bucket (gloo over TCP when its tensors are on
-the CPU, NCCL when they are on CUDA).
+the CPU, NCCL when they are on CUDA, unless `inference.weights.backend` says otherwise).
+
+The tensors are pulled, packed and hashed off the event loop: on a CUDA trainer they are
+gathered from the ranks' shards as they are pulled (`trainer.gather`), each one a collective
+of the trainer's group. Each tensor is packed into its bucket as it comes, so the GPU holds one
+bucket (and the tensor in hand) beyond the shards; the checksum is taken from the packed bucket,
+as the receiver takes it.
+
+Why not vLLM's own NCCL weight-transfer engine (vllm/distributed/weight_transfer/nccl_engine.py)
+on CUDA: its sender needs vLLM's PyNcclCommunicator in the trainer, which has no vLLM; its
+receiver computes no checksum, so the fence could not prove what each rank holds; and it has
+no gloo twin for CPU fleets. fleetrl's backend carries both backends through one protocol.
+
+Never run on a GPU yet: the NCCL path (CUDA buckets, a broadcast to workers' GPUs) is written
+but has not run (docs/benchmarks.md, "GPU smoke: not run yet"); gloo is what the tests run.
 
 Per bucket the sender posts the bucket's metadata to every worker (update_weights blocks
 in the worker until the bytes arrive) while it broadcasts the bytes from a thread. The group
@@ -23,7 +37,7 @@ from fleetrl import failpoints
 from fleetrl.inference.provider import NamedTensors, WorkerAdmin
 from fleetrl.weights import fanout
 from fleetrl.weights import group as broadcast_group
-from fleetrl.weights.buckets import iter_buckets, pack_bucket
+from fleetrl.weights.buckets import packed_buckets, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
 from fleetrl.weights.wire import BucketInfo, InitInfo
 
@@ -33,19 +47,24 @@ JOIN_POLL_S = 0.05
 class BroadcastTransport:
     name = "broadcast"
 
-    def __init__(self, host: str, bucket_bytes: int, timeout_s: float) -> None:
+    def __init__(self, host: str, bucket_bytes: int, timeout_s: float,
+                 backend: broadcast_group.BackendSetting = "auto") -> None:
+        broadcast_group.require_backend(backend)
         self.host = host  # the address workers reach the trainer at
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        self.backend = backend
         self._group: broadcast_group.BroadcastGroup | None = None
 
     async def transfer(self, workers: Sequence[WorkerAdmin], named_tensors: NamedTensors,
                        version: int) -> str:
         tensors = iter(named_tensors())
-        first = next(tensors, None)
+        first = await asyncio.to_thread(next, tensors, None)  # a gathered stream's first collective
         if first is None:
             raise fanout.WeightTransferError("broadcast transport: no tensors to send")
-        backend = broadcast_group.backend_for(first[1].device)
+        backend = broadcast_group.choose_backend(self.backend, first[1].device)
+        stream = itertools.chain([first], tensors)
+        del first  # a gathered tensor lives only until it is packed
         try:
             await self._ensure_group(workers, backend)
         except BaseException:
@@ -53,7 +72,7 @@ class BroadcastTransport:
             raise
         try:
             await fanout.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
-            checksum = await self._send(workers, itertools.chain([first], tensors))
+            checksum = await self._send(workers, stream)
             await failpoints.held("publish", version)  # every bucket in, the update still open
             await fanout.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
         except BaseException:
@@ -130,14 +149,21 @@ class BroadcastTransport:
         group = self._group
         device = broadcast_group.buffer_device(group.backend_name)
         hasher = WeightsHasher()
-        for bucket in iter_buckets(tensors, self.bucket_bytes):
-            buffer, metas = await asyncio.to_thread(pack_bucket, bucket, device)
+        buckets = packed_buckets(tensors, self.bucket_bytes, device)
+        while (packed := await asyncio.to_thread(next, buckets, None)) is not None:
+            buffer, metas = packed
             update_info = BucketInfo.of(metas).to_dict()
             await fanout.run_together(
                 *(w.update_weights(update_info, self.timeout_s) for w in workers),
                 asyncio.to_thread(group.broadcast, buffer),
-                # Hashing overlaps the broadcast (hashlib releases the GIL).
-                asyncio.to_thread(hasher.update_all, bucket),
+                # Hashing overlaps the broadcast (hashlib releases the GIL); from the packed
+                # bytes, one device-to-host copy per bucket, as the receiver hashes them.
+                asyncio.to_thread(_hash_bucket, hasher, buffer, metas),
                 on_failure=group.close,
             )
+            del packed, buffer  # freed before the next bucket is gathered
         return hasher.hexdigest()
+
+
+def _hash_bucket(hasher: WeightsHasher, buffer: torch.Tensor, metas: list) -> None:
+    hasher.update_all(unpack_bucket(buffer.cpu(), metas))

@@ -54,14 +54,34 @@ def layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def pack_bucket(named: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, list[TensorMeta]]:
-    metas = [TensorMeta.of(name, tensor) for name, tensor in named]
-    offsets, total = layout(metas)
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    for (_, tensor), meta, offset in zip(named, metas, offsets):
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset:offset + meta.nbytes].copy_(flat)
-    return buffer, metas
+def packed_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                   device: torch.device) -> Iterator[tuple[torch.Tensor, list[TensorMeta]]]:
+    """The tensors, in order, packed into buckets of at most `bucket_bytes` on `device` (a larger
+    tensor travels alone in its own): each bucket's flat buffer and its tensors' metadata.
+
+    Each tensor is copied into its bucket as it arrives and let go at once, never collected
+    first: fed by a stream that gathers one full tensor at a time from a sharded model
+    (`trainer.gather`), memory holds the bucket being filled and the tensor in hand beyond the
+    shards, not a list of gathered tensors beside their packed copy. The generator keeps no
+    reference to a bucket it has handed out, so the caller's dropping it frees it."""
+    buffer: torch.Tensor | None = None
+    metas: list[TensorMeta] = []
+    end = 0
+    for name, tensor in named:
+        meta = TensorMeta.of(name, tensor)
+        size = _aligned(meta.nbytes)
+        if metas and end + size > bucket_bytes:
+            yield buffer[:end], metas
+            buffer, metas, end = None, [], 0
+        if buffer is None:
+            # The bucket's capacity: how full it gets is known only once the next tensor arrives.
+            buffer = torch.empty(max(bucket_bytes, size), dtype=torch.uint8, device=device)
+        buffer[end:end + meta.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        metas.append(meta)
+        end += size
+        del tensor  # not held while the next one is gathered
+    if metas:
+        yield buffer[:end], metas
 
 
 def unpack_bucket(buffer: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
@@ -78,7 +98,7 @@ def unpack_bucket(buffer: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[s
 def iter_buckets(named: Iterable[tuple[str, torch.Tensor]],
                  bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Groups tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor
-    travels alone in its own bucket)."""
+    travels alone in its own bucket): the grouping of `packed_buckets`, without the packing."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named:

@@ -14,15 +14,17 @@ from pathlib import Path
 from fleetrl.inference.provider import WeightTransport
 from fleetrl.weights.broadcast import BroadcastTransport
 from fleetrl.weights.filesystem import FilesystemTransport
+from fleetrl.weights.group import BackendSetting
 from fleetrl.weights.wire import TransportKind
 
 
 def make_transport(kind: TransportKind, *, host: str, bucket_bytes: int, storage_dir: Path,
-                   timeout_s: float = 600.0) -> WeightTransport:
+                   timeout_s: float = 600.0, backend: BackendSetting = "auto") -> WeightTransport:
     """`bucket_bytes` is the broadcast bucket, or the filesystem shard size. `timeout_s`
-    bounds each step on a worker (join, one bucket, a whole filesystem load)."""
+    bounds each step on a worker (join, one bucket, a whole filesystem load). `backend` is the
+    broadcast group's (`group.choose_backend`)."""
     if kind == "broadcast":
-        return BroadcastTransport(host, bucket_bytes, timeout_s)
+        return BroadcastTransport(host, bucket_bytes, timeout_s, backend)
     if kind == "filesystem":
         return FilesystemTransport(storage_dir, bucket_bytes, timeout_s)
     raise ValueError(f"weight transport {kind!r} is not one of broadcast, filesystem")

@@ -16,13 +16,34 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from fleetrl.errors import FleetrlError
+
 Backend = Literal["gloo", "nccl"]
+BackendSetting = Literal["auto", "gloo", "nccl"]  # `inference.weights.backend`
 _ARRIVED = "arrived"
 
 
 def backend_for(device: torch.device) -> Backend:
     """NCCL moves CUDA tensors GPU to GPU; gloo moves CPU tensors over TCP."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def choose_backend(setting: BackendSetting, device: torch.device) -> Backend:
+    """The group's backend: `auto` follows where the sender's tensors live (`backend_for`);
+    `gloo` or `nccl` is the user's override. gloo with CUDA tensors stages each bucket through
+    host memory (for workers NCCL cannot reach); nccl with CPU tensors stages each bucket
+    through this process's GPU."""
+    require_backend(setting)
+    return backend_for(device) if setting == "auto" else setting
+
+
+def require_backend(setting: BackendSetting) -> None:
+    """Refuses a backend this process cannot run, before any worker is asked to join."""
+    if setting not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"broadcast backend {setting!r} is not one of auto, gloo, nccl")
+    if setting == "nccl" and not torch.cuda.is_available():
+        raise FleetrlError("inference.weights.backend = nccl needs a CUDA device in the trainer, and it "
+                           "has none: use auto (gloo on a CPU trainer) or gloo")
 
 
 class BroadcastGroup:

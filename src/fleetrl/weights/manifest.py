@@ -84,8 +84,10 @@ def write_version(storage_dir: Path, version: int, named: Iterable[tuple[str, to
     hasher = WeightsHasher()
     shards = []
     try:
-        for index, bucket in enumerate(iter_buckets(named, shard_bytes)):
-            cpu = [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in bucket]
+        # Each tensor goes to host memory as it comes: gathered from a CUDA trainer's shards one
+        # at a time, the GPU never holds a shard's worth of them.
+        on_host = ((name, tensor.detach().to("cpu").contiguous()) for name, tensor in named)
+        for index, cpu in enumerate(iter_buckets(on_host, shard_bytes)):
             for name, tensor in cpu:
                 hasher.update(name, tensor)
             path = scratch / f"shard-{index:05d}.safetensors"
