@@ -147,12 +147,20 @@ class DynamoConfig(Section):
     discovery: Literal["file", "etcd", "kubernetes"] = Field(
         "file",
         description="Discovery backend of launched Dynamo processes (DYN_DISCOVERY_BACKEND): file "
-        "(a folder in the run dir; one machine), etcd, or kubernetes.",
+        "(a folder in the run dir; one machine), etcd (workers register under leases that expire "
+        "when they die), or kubernetes.",
     )
     etcd_endpoints: list[str] = Field(
         default_factory=list,
         description="etcd endpoints for inference.dynamo.discovery = etcd (ETCD_ENDPOINTS); unset = "
-        "Dynamo's default, http://localhost:2379.",
+        "fleetrl launches an etcd of its own on loopback (data in RUN_DIR/etcd) and stops it with "
+        "the deployment.",
+    )
+    event_plane: Literal["zmq", "nats"] = Field(
+        "zmq",
+        description="Event plane of launched Dynamo processes (DYN_EVENT_PLANE: KV events, load "
+        "metrics): zmq (peer to peer, no server) or nats (through a NATS server: NATS_SERVER in "
+        "inference.dynamo.env, else fleetrl launches one on loopback). Only nats connects to NATS.",
     )
     env: dict[str, str] = Field(
         default_factory=dict,
@@ -186,6 +194,13 @@ class WeightsConfig(Section):
     )
     bucket_mb: int = Field(
         128, ge=1, description="Broadcast bucket size, or filesystem shard size, in MiB."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="torch.distributed backend of the broadcast: auto = NCCL, GPU to GPU, when the "
+        "weights sent are on CUDA (a CUDA trainer), gloo over TCP otherwise (a CPU trainer); gloo on a "
+        "CUDA trainer stages each bucket through host memory (for workers NCCL cannot reach); nccl "
+        "needs a CUDA device in the trainer.",
     )
     dir: Path | None = Field(
         None,

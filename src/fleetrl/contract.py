@@ -42,3 +42,9 @@ WEIGHT_UPDATE_PHASES = ("start", "receive", "hash", "load", "finalize")
 
 # Dynamo worker flag: run fleetrl's worker kind, which reports the version of every token.
 TOKEN_VERSIONS_FLAG = "--fleetrl-token-versions"
+
+# Set ("1") by fleetrl's Dynamo launcher on the workers it starts: such a worker takes its
+# process group, engine core included, down once its parent (fleetrl) is gone
+# (engine/orphan.py). A worker that an operator starts lives on its own: its starter (a
+# deployment script, a shell) may exit long before it.
+DIES_WITH_PARENT_ENV = "FLEETRL_DIES_WITH_PARENT"

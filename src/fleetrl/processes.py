@@ -62,12 +62,18 @@ class ManagedProcess:
 
 
 def _running(procs: list[ManagedProcess]) -> list[ManagedProcess]:
-    """Those of `procs` whose process group has a process that is not a zombie (one read of
-    /proc for all). An engine core's workers, orphaned as it exits, stay zombies until init
-    reaps them: a second or two here, never on a machine whose init does not reap; they run
-    nothing and hold nothing."""
+    """Those of `procs` whose process group has a process that is not a zombie."""
     for proc in procs:
         proc.popen.poll()  # reap the leader if it exited
+    groups = running_groups()
+    return [proc for proc in procs if proc.pid in groups]
+
+
+def running_groups() -> set[int]:
+    """The process groups that have a process that is not a zombie (one read of /proc for all).
+    An engine core's workers, orphaned as it exits, stay zombies until init reaps them: a
+    second or two here, never on a machine whose init does not reap; they run nothing and
+    hold nothing."""
     groups = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -76,7 +82,7 @@ def _running(procs: list[ManagedProcess]) -> list[ManagedProcess]:
             continue  # it exited while we looked
         if state not in ("Z", "X"):
             groups.add(int(group))
-    return [proc for proc in procs if proc.pid in groups]
+    return groups
 
 
 def stop_groups(procs: list[ManagedProcess], grace_s: float = STOP_GRACE_S) -> None:

@@ -21,10 +21,12 @@
       logs/                  each process's log
       weights/               filesystem transport scratch (recent versions)
       dynamo-discovery/      file discovery of a launched Dynamo deployment
+      etcd/, nats/           the data of the etcd and NATS launched for Dynamo (discovery = etcd,
+                             event_plane = nats)
       fleet.json             where a running run's fleet is (provider, endpoints), for `fleetrl status`
       tokens.json            the run's admin and data tokens, mode 0600 (never in the manifest)
       manifest.json          every artifact above (but logs, wandb, weights, dynamo-discovery,
-                             fleet.json, tokens.json) with its sha256
+                             etcd, nats, fleet.json, tokens.json) with its sha256
       .lock                  locked (flock) by the run using the directory; holds its pid
 
 One run at a time: `RunDir.start` locks the directory for the whole run (a second fleetrl on it
@@ -62,7 +64,8 @@ MANIFEST = "manifest.json"
 # is the transport's scratch; dynamo-discovery/ (and the kv-store/ of its key-value store) is a
 # launched Dynamo deployment's live registry, emptied as its processes stop.
 # fleet.json and tokens.json describe the live fleet (and hold its secrets).
-UNLISTED = ("logs", "wandb", "weights", "dynamo-discovery", "kv-store", "fleet.json", "tokens.json")
+# etcd/ and nats/ are the stores of an etcd and a NATS launched for Dynamo, live until the fleet stops.
+UNLISTED = ("logs", "wandb", "weights", "dynamo-discovery", "kv-store", "etcd", "nats", "fleet.json", "tokens.json")
 STEP_PREFIX = "step_"
 LOCK = ".lock"  # a dot-file: never an artifact of the manifest
 

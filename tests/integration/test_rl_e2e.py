@@ -1,7 +1,7 @@
 """`fleetrl rl` end to end, as a user runs it: 2 vLLM CPU workers (native, or Dynamo's behind a
-Dynamo frontend), 2 trainer ranks (FSDP2 over gloo) that fleetrl starts itself, or 4 that two
-torchrun "nodes" start, 5 orchestrator and 5 trainer steps, then `fleetrl verify` on what it
-left behind."""
+Dynamo frontend with etcd and NATS), 2 trainer ranks (FSDP2 over gloo) that fleetrl starts
+itself, or 4 that two torchrun "nodes" start, 5 orchestrator and 5 trainer steps, then
+`fleetrl verify` on what it left behind."""
 
 import json
 import os
@@ -66,14 +66,21 @@ def run_rl(tmp_path, k: int, *flags: str, command: str | None = None, replace: d
     return run_dir, groups, out
 
 
-def run_on_two_torchrun_nodes(tmp_path, k: int, *flags: str) -> tuple[Path, set[int], str]:
+def run_on_two_torchrun_nodes(tmp_path, k: int, *flags: str, command: str = ".venv/bin/fleetrl rl",
+                              ) -> tuple[Path, set[int], str]:
     """`fleetrl rl` on CONFIG and `flags` on every rank of two torchrun "nodes" on this machine
-    (two agents meeting at a c10d rendezvous, 2 ranks each), as docs/cluster.md runs it."""
+    (two agents meeting at a c10d rendezvous, 2 ranks each), as docs/cluster.md runs it; or the
+    quickstart's `command` (a `.venv/bin/fleetrl rl` line) with `torchrun ... -m fleetrl` in place
+    of the executable, and CONFIG and `flags` added."""
     run_dir, args = rl_args(tmp_path, k, *flags)
     endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
-    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e", "-m", "fleetrl", "rl", *args]
-    with fleetrl_process(shell=shlex.join(torchrun)) as node_a, fleetrl_process(shell=shlex.join(torchrun)) as node_b:
+    torchrun = shlex.join([str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e", "-m", "fleetrl"])
+    if command == ".venv/bin/fleetrl rl":
+        shell = f"exec {torchrun} rl {shlex.join(args)}"
+    else:
+        shell = documented(command, *args, replace={".venv/bin/fleetrl": torchrun})
+    with fleetrl_process(shell=shell) as node_a, fleetrl_process(shell=shell) as node_b:
         groups = watch_run(run_dir, [node_a, node_b], lambda: groups_under(node_a.pid) | groups_under(node_b.pid))
     out = output(node_a) + output(node_b)
     assert node_a.returncode == 0 and node_b.returncode == 0, out[-5000:]
@@ -259,16 +266,21 @@ def test_one_step_off_policy_overlaps_rollouts_with_training(tmp_path):
     assert any(overlaps), [(m["rollout_started"], m["train_started"], m["train_finished"]) for m in metrics]
 
 
-def test_strictly_on_policy_on_dynamo_prefill_and_decode(tmp_path):
-    """The same loop, unchanged, on a Dynamo frontend, one prefill and one decode worker
-    (Dynamo's own vLLM workers): every rollout's prompt is prefilled on the one and decoded
-    on the other, and both are in every publish."""
-    run_dir, groups, out = run_rl(tmp_path, 0, "--inference.workers", "1", "--inference.dynamo.prefill_workers", "1",
-                                  command=".venv/bin/fleetrl rl @ configs/default.toml --inference.provider dynamo "
-                                          "--run.dir runs/dynamo")  # the test's --run.dir comes later, and wins
-    metrics = check_common(run_dir, groups, out, k=0)
+def test_four_ranks_on_dynamo_with_etcd_and_nats_prefill_and_decode(tmp_path):
+    """The same loop, unchanged, on Dynamo as a cluster runs it: the quickstart's Dynamo command
+    on two torchrun "nodes" (4 trainer ranks), with etcd discovery and the NATS event plane, both
+    launched by fleetrl; a frontend, one prefill and one decode worker (Dynamo's own vLLM
+    workers): every rollout's prompt is prefilled on the one and decoded on the other, and both
+    are in every publish."""
+    run_dir, groups, out = run_on_two_torchrun_nodes(
+        tmp_path, 0, "--inference.workers", "1", "--inference.dynamo.prefill_workers", "1",
+        "--inference.dynamo.discovery", "etcd", "--inference.dynamo.event_plane", "nats",
+        command=".venv/bin/fleetrl rl @ configs/default.toml --inference.provider dynamo "
+                "--run.dir runs/dynamo")  # the test's --run.dir comes later, and wins
+    metrics = check_common(run_dir, groups, out, k=0)  # etcd and NATS among the groups: none left either
     assert all(m["distance_max"] == 0 for m in metrics)
     assert "Dynamo frontend and 2 worker(s) ready" in out
+    assert (run_dir / "logs" / "etcd.log").stat().st_size > 0 and (run_dir / "logs" / "nats.log").stat().st_size > 0
     final = json.loads((run_dir / "final.json").read_text())
     assert sorted(w["role"] for w in final["workers"].values()) == ["decode", "prefill"]
     prefill_id = next(i for i, w in final["workers"].items() if w["role"] == "prefill")

@@ -55,6 +55,17 @@ async def test_backend_workers_beside_prefill_workers_are_decode_workers():
         assert [w.role for w in await list_rl_workers(http, "http://rl", "http://f")] == [WorkerRole.AGGREGATED]
 
 
+async def test_an_instance_the_frontend_cannot_reach_is_left_out():
+    """A SIGKILLed worker stays in etcd until its lease expires; meanwhile the frontend lists it
+    with an error and no system URL (seen with Dynamo 1.6.1). Discovery must go on for the others."""
+    entries = [{"component": "backend", "instance_id": 7, "transport": {"tcp": "127.0.0.1:1/7/fleetrl/backend/rl"},
+                "routes": [], "error": "Unavailable: TCP connection to 127.0.0.1:1 failed"},
+               {"component": "backend", "instance_id": 8, "system_url": "http://127.0.0.1:9008"}]
+    listing = httpx.MockTransport(lambda request: httpx.Response(200, json={"workers": entries}))
+    async with httpx.AsyncClient(transport=listing) as http:
+        assert [w.id for w in await list_rl_workers(http, "http://rl", "http://f")] == ["8"]
+
+
 async def test_startup_waits_until_the_frontend_serves_every_decode_and_prefill_worker():
     """RL discovery lists workers before the frontend routes to them (404, no body)."""
     workers = [WorkerInfo("10", "", "", WorkerRole.DECODE), WorkerInfo("21", "", "", WorkerRole.PREFILL),

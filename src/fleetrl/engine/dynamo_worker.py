@@ -19,7 +19,9 @@ worker finds the prefill's KV by prompt tokens; nothing per request crosses over
 Both worker kinds answer fleetrl's weight check with the checksum every rank computed
 (`_answering_checksums`): Dynamo's weight-update route returns no results of its own.
 
-It takes its process group (its engine core included) down if fleetrl dies (engine/orphan.py).
+Launched by fleetrl (`contract.DIES_WITH_PARENT_ENV` set), it takes its process group (its
+engine core included) down if fleetrl dies (engine/orphan.py); started by an operator, it
+lives on its own.
 
 With `--fleetrl-token-versions` it is fleetrl's worker kind (`inference.dynamo.worker =
 "fleetrl"`): the same worker plus what it lacks for exact per-token versions (see
@@ -30,9 +32,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 
-from fleetrl.contract import TOKEN_VERSIONS_FLAG, WEIGHT_STATE_METHOD
+from fleetrl.contract import DIES_WITH_PARENT_ENV, TOKEN_VERSIONS_FLAG, WEIGHT_STATE_METHOD
 from fleetrl.engine.orphan import die_with_parent
 
 
@@ -154,7 +157,8 @@ def _report_token_versions() -> None:
 
 
 def main() -> None:
-    die_with_parent()  # its engine core is fleetrl's grandchild: see engine/orphan.py
+    if os.environ.get(DIES_WITH_PARENT_ENV) == "1":
+        die_with_parent()  # its engine core is fleetrl's grandchild: see engine/orphan.py
     _apply_import_fixes()
     _register_shared_storage_connector()
     _report_weight_checksums()

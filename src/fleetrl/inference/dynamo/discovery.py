@@ -29,7 +29,12 @@ async def list_rl_workers(http: httpx.AsyncClient, rl_url: str, frontend_url: st
     if response.status_code != 200:
         raise FleetrlError(f"Dynamo RL discovery at {url} failed: HTTP {response.status_code}: "
                            f"{response.text[:300]}")
-    workers = [parse_worker(entry, url, frontend_url) for entry in response.json().get("workers") or []]
+    # An entry with an `error` is an instance the frontend still finds in discovery but cannot
+    # reach (killed, its registration not yet expired: with etcd, until its lease's TTL runs out).
+    # It has no system URL, so no admin plane: left out, it counts as gone and the fleet marks
+    # it dead; should it answer again, its next entry brings it back to be refitted.
+    workers = [parse_worker(entry, url, frontend_url) for entry in response.json().get("workers") or []
+               if "error" not in entry]
     if any(w.role == WorkerRole.PREFILL for w in workers):
         for worker in workers:
             if worker.role == WorkerRole.AGGREGATED:

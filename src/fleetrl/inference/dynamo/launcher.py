@@ -2,7 +2,9 @@
 
 By default no etcd or NATS: discovery is a folder of files (`DYN_DISCOVERY_BACKEND=file`,
 entries refreshed by their owner and dropped 10 s after it stops); `inference.dynamo.discovery`
-switches to etcd or Kubernetes. Requests travel over TCP and events over ZMQ. Every listener
+switches to etcd or Kubernetes. Requests travel over TCP and events over ZMQ, or NATS
+(`inference.dynamo.event_plane`). An etcd or NATS that the config uses but names none of is
+launched first, beside the deployment (cluster.py). Every listener
 Dynamo opens binds `inference.host` (loopback by default) through its `DYN_*_HOST`
 variables. The workers' system ports carry admin routes (pause, weight updates) that have no
 authentication of their own, so fleetrl launches no worker whose system port would leave
@@ -18,14 +20,16 @@ from __future__ import annotations
 import ipaddress
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from fleetrl.config import InferenceConfig
-from fleetrl.contract import DYNAMO_WORKER_MODULE, ENGINE_ARGS, TOKEN_VERSIONS_FLAG
+from fleetrl.contract import DIES_WITH_PARENT_ENV, DYNAMO_WORKER_MODULE, ENGINE_ARGS, TOKEN_VERSIONS_FLAG
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.dynamo.cluster import ClusterServices, start_cluster_services
 from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
@@ -52,6 +56,7 @@ class DynamoDeployment:
     # worker process name -> its place among the workers (which of inference.vllm.omp_threads_bind
     # is its): a replacement takes the place of the worker it replaces
     places: dict[str, int] = field(default_factory=dict)
+    cluster: ClusterServices = field(default_factory=ClusterServices)  # the etcd and NATS launched with it
 
     def add_worker(self, prefill: bool = False, place: int | None = None) -> ManagedProcess:
         """Start one more worker (a prefill worker with `prefill`, else aggregated, or decode
@@ -61,8 +66,9 @@ class DynamoDeployment:
         place = len(self.workers) if place is None else place
         argv = worker_argv(self.model_dir, self.config, self.run_dir, prefill)
         worker = start_process(name, argv, self.run_dir / "logs" / f"{name}.log",
-                               env={**worker_env(self.config, file_discovery_dir(self.run_dir)),
-                                    **self.config.vllm.cpu_env(place)}, watches_parent=True)
+                               env={**worker_env(self.config, file_discovery_dir(self.run_dir), self.cluster.env()),
+                                    **self.config.vllm.cpu_env(place), DIES_WITH_PARENT_ENV: "1"},
+                               watches_parent=True)
         self.workers.append(worker)
         self.places[name] = place
         return worker
@@ -86,12 +92,14 @@ class DynamoDeployment:
         return self.add_worker(prefill=process.name.startswith(PREFILL_PREFIX), place=self.places.pop(process.name))
 
     def processes(self) -> list[ManagedProcess]:
-        return [self.frontend, *self.workers]
+        return [*self.cluster.processes(), self.frontend, *self.workers]
 
     def stop(self) -> None:
-        # Workers first: a frontend that outlives them only logs their disappearance.
+        # Workers first: a frontend that outlives them only logs their disappearance. etcd
+        # last: stopping processes withdraw their registrations from it.
         for process in [*self.workers, self.frontend]:
             process.stop()
+        self.cluster.stop()
 
 
 def file_discovery_dir(run_dir: Path) -> Path:
@@ -120,13 +128,15 @@ def check_system_host(config: InferenceConfig, env: dict[str, str]) -> None:
             "trainer reach the workers' system ports (docs/dynamo.md, \"Protecting the system port\")")
 
 
-def deployment_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
-    """What every Dynamo process of the deployment shares."""
+def deployment_env(config: InferenceConfig, discovery_dir: Path,
+                   cluster_env: Mapping[str, str] = {}) -> dict[str, str]:
+    """What every Dynamo process of the deployment shares; `cluster_env` points them at a
+    launched etcd and NATS (ClusterServices.env)."""
     host = config.host
     env = {
         "DYN_DISCOVERY_BACKEND": config.dynamo.discovery,
         "DYN_REQUEST_PLANE": "tcp",
-        "DYN_EVENT_PLANE": "zmq",
+        "DYN_EVENT_PLANE": config.dynamo.event_plane,
         "DYN_TCP_RPC_HOST": host,
         "DYN_TCP_RESPONSE_STREAM_HOST": host,
         "DYN_EVENT_PLANE_HOST": host,
@@ -139,16 +149,17 @@ def deployment_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, st
         env["DYN_FILE_KV"] = str(discovery_dir)
     if config.dynamo.etcd_endpoints:
         env["ETCD_ENDPOINTS"] = ",".join(config.dynamo.etcd_endpoints)
-    return {**env, **config.dynamo.env}
+    return {**env, **cluster_env, **config.dynamo.env}
 
 
 def frontend_argv(config: InferenceConfig, http_port: int) -> list[str]:
     return [sys.executable, "-m", "dynamo.frontend", "--http-host", config.host, "--http-port", str(http_port)]
 
 
-def frontend_env(config: InferenceConfig, discovery_dir: Path, rl_port: int) -> dict[str, str]:
+def frontend_env(config: InferenceConfig, discovery_dir: Path, rl_port: int,
+                 cluster_env: Mapping[str, str] = {}) -> dict[str, str]:
     return {
-        **deployment_env(config, discovery_dir),
+        **deployment_env(config, discovery_dir, cluster_env),
         "DYN_ENABLE_RL": "true",
         "DYN_RL_PORT": str(rl_port),
         # The frontend's RL discovery reads these, not its --namespace flag.
@@ -190,9 +201,10 @@ def kv_transfer_config(config: InferenceConfig, run_dir: Path) -> dict:
     return kv
 
 
-def worker_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
+def worker_env(config: InferenceConfig, discovery_dir: Path,
+               cluster_env: Mapping[str, str] = {}) -> dict[str, str]:
     return {
-        **deployment_env(config, discovery_dir),
+        **deployment_env(config, discovery_dir, cluster_env),
         # The system server carries the admin routes (POST /engine/<route>). Port 0: the worker
         # binds a free one and advertises its URL in RL discovery. (An explicit port must be
         # below 32768: Dynamo parses DYN_SYSTEM_PORT as an i16.)
@@ -209,18 +221,24 @@ def worker_env(config: InferenceConfig, discovery_dir: Path) -> dict[str, str]:
 
 async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, run_dir: Path,
                         log=print) -> DynamoDeployment:
-    """Start the frontend, `count` workers and `config.dynamo.prefill_workers` prefill workers;
-    return once the frontend lists them all as RL workers and serves completions on each.
-    Everything started is stopped again if that does not happen."""
+    """Start the etcd and NATS the config needs (cluster.py), the frontend, `count` workers and
+    `config.dynamo.prefill_workers` prefill workers; return once the frontend lists them all as
+    RL workers and serves completions on each. Everything started is stopped again if that does
+    not happen."""
     # Before anything starts; every worker, added later ones included, shares this environment.
     check_system_host(config, deployment_env(config, file_discovery_dir(run_dir)))
     file_discovery_dir(run_dir).mkdir(parents=True, exist_ok=True)
     log_dir = run_dir / "logs"
+    cluster = await start_cluster_services(config.dynamo, run_dir, config.startup_timeout_s, log)
     http_port, rl_port = free_port(config.host), free_port(config.host)
-    frontend = start_process("dynamo-frontend", frontend_argv(config, http_port), log_dir / "dynamo-frontend.log",
-                             env=frontend_env(config, file_discovery_dir(run_dir), rl_port))
+    try:
+        frontend = start_process("dynamo-frontend", frontend_argv(config, http_port), log_dir / "dynamo-frontend.log",
+                                 env=frontend_env(config, file_discovery_dir(run_dir), rl_port, cluster.env()))
+    except BaseException:
+        cluster.stop()
+        raise
     deployment = DynamoDeployment(f"http://{config.host}:{http_port}", f"http://{config.host}:{rl_port}",
-                                  frontend, [], model_dir, config, run_dir)
+                                  frontend, [], model_dir, config, run_dir, cluster=cluster)
     try:
         for _ in range(count):
             deployment.add_worker()
