@@ -1,6 +1,12 @@
 """Disaggregated serving on Dynamo with real processes: a frontend, one prefill and one decode
-worker (of each worker kind), the prompt's KV crossing from prefill to decode through vLLM's
-shared-storage connector, and every publish reaching both workers."""
+worker of fleetrl's worker kind, the prompt's KV crossing from prefill to decode through vLLM's
+shared-storage connector, and every publish (broadcast and filesystem) reaching both workers.
+
+Dynamo's own worker kind is the same worker without the per-token version layer; its prefill
+and decode deployment is driven end to end by
+test_rl_e2e.py::test_four_ranks_on_dynamo_with_etcd_and_nats_prefill_and_decode (every rollout
+prefilled on the prefill worker, 5 broadcast publishes verified on both, the agreement probe
+after each), so it gets no deployment of its own here: CI time."""
 
 import pytest
 import pytest_asyncio
@@ -20,11 +26,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_TOKENS = 12
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["dynamo", "fleetrl"])
-async def pd_fleet(request, model_dir, tmp_path_factory):
-    """One prefill + one decode worker of each worker kind in turn (Dynamo's own: spans from
-    the fence record; fleetrl's: from the decode engine)."""
-    config = InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker=request.param, prefill_workers=1), workers=1,
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pd_fleet(model_dir, tmp_path_factory):
+    """One prefill + one decode worker of fleetrl's kind (spans from the decode engine)."""
+    config = InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl", prefill_workers=1), workers=1,
                              vllm=VllmConfig(max_model_len=768), admin_timeout_s=120, startup_timeout_s=900)
     provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-pd-run"))
     async with running(Fleet(provider, pause_mode=config.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
@@ -66,12 +71,11 @@ async def through_prefill_and_decode(fleet, prompt, run_dir):
 
 async def test_prefill_and_decode_workers_are_discovered_ready(pd_fleet):
     prefill, decode = workers_by_role(pd_fleet)
-    fleetrl_kind = pd_fleet.provider.config.dynamo.worker == "fleetrl"
     for worker in (prefill, decode):
         admin = pd_fleet.provider.admin(worker)
         assert worker.state == WorkerState.READY and worker.version == 0
         assert await admin.version() == 0
-        assert await admin.reports_token_versions() == fleetrl_kind
+        assert await admin.reports_token_versions()  # fleetrl's kind
     assert pd_fleet.routable_workers() == [decode]  # requests are pinned to decode workers only
 
 
