@@ -127,6 +127,21 @@ def child_groups(pid: int) -> set[int]:
     return {pgid for child, ppid, pgid, _ in process_table() if ppid == pid and pgid == child}
 
 
+def descendant_groups(pid: int) -> set[int]:
+    """The process groups led by any descendant of `pid`: what `child_groups` counts, at any
+    depth (a torchrun agent's ranks, and what its rank 0 started in turn)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for child, ppid, pgid, _ in process_table():
+        children.setdefault(ppid, []).append((child, pgid))
+    groups, parents = set(), [pid]
+    while parents:
+        for child, pgid in children.get(parents.pop(), []):
+            parents.append(child)
+            if pgid == child:
+                groups.add(child)
+    return groups
+
+
 def alive_in(groups: set[int]) -> list[int]:
     """The processes of `groups` that still run. A zombie has ended: an engine core's worker,
     orphaned as the engine exits, waits as one until init reaps it, which this machine's init

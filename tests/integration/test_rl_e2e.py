@@ -4,7 +4,6 @@ itself, or 4 that two torchrun "nodes" start, 5 orchestrator and 5 trainer steps
 `fleetrl verify` on what it left behind."""
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -13,13 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 from fleetrl.processes import free_port
 
 from tests.documented import documented
 
-from .conftest import ROOT, alive_in, child_groups, fleetrl_pid, fleetrl_process, output, read_metrics
+from .conftest import ROOT, alive_in, child_groups, descendant_groups, fleetrl_pid, fleetrl_process, output, read_metrics
 
 STEPS = 5
 CONFIG = """
@@ -66,8 +64,7 @@ def run_rl(tmp_path, k: int, *flags: str, command: str | None = None, replace: d
     return run_dir, groups, out
 
 
-def run_on_two_torchrun_nodes(tmp_path, k: int, *flags: str, command: str = ".venv/bin/fleetrl rl",
-                              ) -> tuple[Path, set[int], str]:
+def run_on_two_torchrun_nodes(tmp_path, k: int, *flags: str, command: str | None = None) -> tuple[Path, set[int], str]:
     """`fleetrl rl` on CONFIG and `flags` on every rank of two torchrun "nodes" on this machine
     (two agents meeting at a c10d rendezvous, 2 ranks each), as docs/cluster.md runs it; or the
     quickstart's `command` (a `.venv/bin/fleetrl rl` line) with `torchrun ... -m fleetrl` in place
@@ -76,12 +73,12 @@ def run_on_two_torchrun_nodes(tmp_path, k: int, *flags: str, command: str = ".ve
     endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
     torchrun = shlex.join([str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2",
                            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e", "-m", "fleetrl"])
-    if command == ".venv/bin/fleetrl rl":
+    if command is None:
         shell = f"exec {torchrun} rl {shlex.join(args)}"
     else:
         shell = documented(command, *args, replace={".venv/bin/fleetrl": torchrun})
     with fleetrl_process(shell=shell) as node_a, fleetrl_process(shell=shell) as node_b:
-        groups = watch_run(run_dir, [node_a, node_b], lambda: groups_under(node_a.pid) | groups_under(node_b.pid))
+        groups = watch_run(run_dir, [node_a, node_b], lambda: descendant_groups(node_a.pid) | descendant_groups(node_b.pid))
     out = output(node_a) + output(node_b)
     assert node_a.returncode == 0 and node_b.returncode == 0, out[-5000:]
     assert "4 trainer rank(s)" in out
@@ -99,22 +96,6 @@ def watch_run(run_dir: Path, procs: list, started_groups) -> set[int]:
         time.sleep(0.5)
     assert all(p.poll() is not None for p in procs), "the run did not finish in time"
     return groups
-
-
-def groups_under(pid: int) -> set[int]:
-    """The process groups led by a descendant of `pid` (each a server, or an engine, that
-    someone in the tree started in a session of its own)."""
-    try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True) if p.pid == _pgid(p.pid)}
-    except psutil.NoSuchProcess:
-        return set()
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
 
 
 def check_common(run_dir, groups, out, k):
