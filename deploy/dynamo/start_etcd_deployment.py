@@ -31,10 +31,8 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -47,7 +45,7 @@ from fleetrl.inference.dynamo.launcher import (PREFILL_PREFIX, WORKER_PREFIX, Dy
                                                deployment_env, file_discovery_dir, frontend_argv, frontend_env,
                                                wait_ready, worker_argv, worker_env)
 from fleetrl.model import resolve_model
-from fleetrl.processes import KILL_WAIT_S, ManagedProcess, free_port, running_groups
+from fleetrl.processes import ManagedProcess, end_groups, free_port, running_groups
 
 RECORD = "deployment.json"
 STOP_GRACE_S = 10.0  # a worker withdraws its etcd registration as it stops
@@ -162,24 +160,15 @@ def stop(deployment: Deployment) -> None:
     """Stop every recorded process group that still runs: the workers and the frontend, then
     NATS and etcd (a stopping worker withdraws its registration from etcd)."""
     live = [p for p in reversed(deployment.record["processes"]) if live_group(p)]
-    end_groups([p["pid"] for p in live if p["name"] not in SERVICES])
-    end_groups([p["pid"] for p in live if p["name"] in SERVICES])
+    end_or_raise([p["pid"] for p in live if p["name"] not in SERVICES])
+    end_or_raise([p["pid"] for p in live if p["name"] in SERVICES])
 
 
-def end_groups(groups: list[int]) -> None:
+def end_or_raise(groups: list[int]) -> None:
     """SIGTERM the process groups, then SIGKILL what is left of them after STOP_GRACE_S."""
-    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
-        for group in groups:
-            try:
-                os.killpg(group, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while (groups := [g for g in groups if g in running_groups()]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not groups:
-            return
-    raise FleetrlError(f"process groups {groups} still run after SIGKILL")
+    left = end_groups(groups, STOP_GRACE_S)
+    if left:
+        raise FleetrlError(f"process groups {left} still run after SIGKILL")
 
 
 def main() -> None:

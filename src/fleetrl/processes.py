@@ -88,21 +88,32 @@ def running_groups() -> set[int]:
 def stop_groups(procs: list[ManagedProcess], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every process group of `procs` at once, then SIGKILL what is left after
     `grace_s`: all shut down in parallel, within grace_s + KILL_WAIT_S together."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while (running := _running(procs)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not running:
-            break
+    end_groups([proc.pid for proc in procs], grace_s)
+    for proc in procs:
+        proc.popen.poll()  # its leader has exited: reaped, not left a zombie
     with _lock:
         for proc in procs:
             if proc in _live:
                 _live.remove(proc)
+
+
+def end_groups(groups: list[int], grace_s: float = STOP_GRACE_S) -> list[int]:
+    """SIGTERM the process groups (their leaders' pids) at once, then SIGKILL what is left of
+    them after `grace_s`; the groups still running after KILL_WAIT_S more (none, normally).
+    Zombies count as ended (`running_groups`). For fleetrl's children (`stop_groups`) and for
+    groups it did not start (deploy/dynamo/'s, recorded by pid)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while (groups := [g for g in groups if g in running_groups()]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not groups:
+            break
+    return groups
 
 
 # Resolved here, in the parent: between fork and exec the child may only make plain calls, and
