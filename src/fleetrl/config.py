@@ -332,7 +332,8 @@ class OrchestratorConfig(Section):
     )
     env: str = Field(
         "reverse_text",
-        description="Environment: a built-in task (reverse_text, arithmetic) or verifiers:<env id>.",
+        description="Environment: a built-in task (reverse_text, arithmetic; multi-turn: arithmetic_retry, and "
+        "calculator, with a tool) or verifiers:<env id>.",
     )
     env_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -352,8 +353,20 @@ class OrchestratorConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     reward_timeout_s: float = Field(
         30.0, gt=0,
-        description="Longest a reward function may take for one sample; a reward that raises, "
-        "hangs or returns a non-number drops its sample, which is counted (reward_failed).",
+        description="Longest a reward function may take for one sample, and a multi-turn environment its answer "
+        "to one turn; a reward that raises, hangs or returns a non-number drops its sample, which is counted "
+        "(reward_failed; env_failed for an answer).",
+    )
+    max_turns: int = Field(
+        4, ge=1,
+        description="Most model turns of one episode of a multi-turn environment (each up to max_tokens); "
+        "single-turn environments take one.",
+    )
+    partial_episodes: bool = Field(
+        False,
+        description="A multi-turn episode whose tokens fall more than k versions behind is continued on the "
+        "current weights, and trained on its tokens within k (the older ones stay in as context), instead of "
+        "being stopped and dropped.",
     )
 
     @field_validator("group_size")

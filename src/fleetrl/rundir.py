@@ -52,7 +52,7 @@ from collections.abc import Callable
 from functools import reduce
 from pathlib import Path
 
-from fleetrl.batch import Batch
+from fleetrl.batch import Batch, Sample
 from fleetrl.config import Config, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import append_line, atomic_write, read_json_lines, sha256_file
@@ -337,7 +337,9 @@ def verify_run(root: Path) -> str:
     for line in metrics:
         batch = run_dir.read_batch(line["step"])
         for i, sample in enumerate(batch.samples):
-            distance = off_policy_distance(batch.step, sample.spans)
+            if sample.turns is not None:
+                check_turns(f"step {batch.step}: sample {i}", sample)
+            distance = off_policy_distance(batch.step, sample.trained_spans())
             if distance > k:
                 raise VerifyError(f"step {batch.step}: sample {i} was trained at off-policy distance {distance} > k = {k}")
         samples += len(batch.samples)
@@ -348,3 +350,29 @@ def verify_run(root: Path) -> str:
     return (f"{run_dir.root}: {len(listed)} artifacts match the manifest; {len(metrics)} steps, {samples} trained "
             f"samples, max off-policy distance {max(m['distance_max'] for m in metrics)} <= k = {k}; "
             f"{len(final['worker_versions'])} worker(s) at the final version {final['step']}")
+
+
+def check_turns(where: str, sample: Sample) -> None:
+    """A multi-turn sample's version accounting: its model turns lie in order inside the
+    completion, each opens a span of its own and no span opens on an environment token, the loss
+    sees no environment token, and no turn was sampled by an older policy than the turn before."""
+    if sample.loss_mask is None:
+        raise VerifyError(f"{where}: has model turns but no loss mask")
+    model = [0] * len(sample.completion_ids)
+    previous_end = 0
+    for start, end in sample.turns:
+        if not previous_end <= start < end <= len(sample.completion_ids):
+            raise VerifyError(f"{where}: model turn [{start}, {end}) is out of order or outside its "
+                              f"{len(sample.completion_ids)} tokens")
+        model[start:end] = [1] * (end - start)
+        previous_end = end
+    starts = {span.start for span in sample.spans}
+    if missing := [start for start, _ in sample.turns if start not in starts]:
+        raise VerifyError(f"{where}: the model turn at token {missing[0]} opens no version span of its own")
+    if stray := [span.start for span in sample.spans if not model[span.start]]:
+        raise VerifyError(f"{where}: a version span opens at token {stray[0]}, which the environment wrote")
+    if trained := [i for i, (m, t) in enumerate(zip(model, sample.loss_mask)) if t and not m]:
+        raise VerifyError(f"{where}: the loss sees token {trained[0]}, which the environment wrote")
+    versions = [span.version for span in sample.spans]
+    if versions != sorted(versions):
+        raise VerifyError(f"{where}: its spans go back in version ({versions}): a later turn by an older policy")

@@ -23,6 +23,17 @@ def off_policy_distance(step: int, spans: list[VersionSpan]) -> int:
     return (step - 1) - min(span.version for span in spans)
 
 
+def trained_spans(spans: list[VersionSpan], loss_mask: list[int]) -> list[VersionSpan]:
+    """The spans holding at least one token the loss sees (`loss_mask` 1): the ones a sample's
+    distance is taken over, when part of it is not trained (an environment's tokens)."""
+    return [span for span, end in span_ends(spans, len(loss_mask)) if any(loss_mask[span.start:end])]
+
+
+def span_ends(spans: list[VersionSpan], length: int) -> list[tuple[VersionSpan, int]]:
+    """Each span with the end of its tokens, in a completion of `length` tokens."""
+    return list(zip(spans, [s.start for s in spans[1:]] + [length]))
+
+
 def version_name(version: int) -> str:
     """The label a worker carries for policy `version` (vLLM's and Dynamo's weight version)."""
     return f"v{version}"

@@ -6,8 +6,11 @@ import sys
 
 import pytest
 
-from fleetrl.envs import EnvError, Rollout, Task, get_environment, score, task_stream
+from fleetrl.envs import EnvError, Rollout, Task, get_environment, respond, score, task_stream
+from fleetrl.envs import arithmetic_retry
 from fleetrl.envs.arithmetic import CORRECT_WEIGHT, FORMAT_WEIGHT
+from fleetrl.envs.calculator import CALCULATOR, calculate
+from fleetrl.envs.tools import ToolCall, parse_tool_calls
 from fleetrl.envs.reverse_text import levenshtein, similarity
 from fleetrl.versions import VersionSpan
 
@@ -20,7 +23,7 @@ def take(env, seed, n=50):
     return list(itertools.islice(task_stream(env, seed), n))
 
 
-@pytest.mark.parametrize("name", ["reverse_text", "arithmetic"])
+@pytest.mark.parametrize("name", ["reverse_text", "arithmetic", "arithmetic_retry", "calculator"])
 def test_task_streams_are_endless_and_reproducible_per_seed(name):
     env = get_environment(name)
     first = take(env, seed=7)
@@ -146,8 +149,8 @@ def test_a_raising_task_stream_becomes_an_env_error():
 
 
 def test_unknown_environment_lists_the_known_ones():
-    with pytest.raises(EnvError, match=r"^unknown environment 'revers_text' \(known: reverse_text, arithmetic, "
-                                       r"verifiers:<taskset id>\)$"):
+    with pytest.raises(EnvError, match=r"^unknown environment 'revers_text' \(known: reverse_text, arithmetic, arithmetic_retry, "
+                                       r"calculator, verifiers:<taskset id>\)$"):
         get_environment("revers_text")
 
 
@@ -164,3 +167,68 @@ def test_verifiers_envs_without_verifiers_installed_say_how_to_install(monkeypat
     monkeypatch.setitem(sys.modules, "verifiers", None)  # find_spec reports it missing
     with pytest.raises(EnvError, match=r"^verifiers environments need the .verifiers. package: pip install"):
         get_environment("verifiers:reverse-text")
+
+
+def conversation(task, *turns):
+    """The task's messages, then model turns and the environment's answers in turn."""
+    roles = itertools.cycle(["assistant", "user"])
+    return [*task.messages, *({"role": next(roles), "content": text} for text in turns)]
+
+
+def test_arithmetic_retry_answers_until_right_and_rewards_being_right_sooner():
+    env = get_environment("arithmetic_retry")
+    task = take(env, seed=0, n=1)[0]
+    right, wrong = f"<answer>{task.answer}</answer>", f"<answer>{task.answer + 1}</answer>"
+    assert env.respond(task, conversation(task, right)) is None
+    assert env.respond(task, conversation(task, wrong)) == [{"role": "user", "content": arithmetic_retry.WRONG}]
+    assert env.respond(task, conversation(task, "12")) == [{"role": "user", "content": arithmetic_retry.UNREADABLE}]
+    messages = conversation(task, wrong, arithmetic_retry.WRONG, "no idea", arithmetic_retry.UNREADABLE, right)
+    assert score(env, Rollout(task, right, [VersionSpan(0, 0)], 1, messages)) == pytest.approx(1 / 3)
+    assert score(env, Rollout(task, right, [VersionSpan(0, 0)], 1, conversation(task, right))) == 1.0
+    assert score(env, Rollout(task, wrong, [VersionSpan(0, 0)], 1, conversation(task, wrong))) == arithmetic_retry.FORMAT_WEIGHT
+    assert score(env, Rollout(task, "?", [VersionSpan(0, 0)], 1, conversation(task, "?"))) == 0.0
+
+
+def test_the_calculator_tool_evaluates_arithmetic_and_answers_bad_expressions():
+    assert calculate("23 * 41") == "943" and calculate("(1 + 2) * -3") == "-9" and calculate("7 / 2") == "3.5"
+    assert calculate("1 / 0") == "error: division by zero"
+    assert calculate("__import__('os')") == "error: only numbers, + - * / and parentheses"
+    assert calculate("2 +") .startswith("error: ")
+
+
+def test_calculator_scores_the_final_answer():
+    env = get_environment("calculator")
+    task = take(env, seed=3, n=1)[0]
+    assert [tool.name for tool in env.tools] == ["calculator"] and env.respond(task, task.messages) is None
+    assert score(env, rollout(task, f"<answer>{task.answer}</answer>")) == FORMAT_WEIGHT + CORRECT_WEIGHT
+    assert score(env, rollout(task, "<answer>0</answer>")) == FORMAT_WEIGHT
+    assert score(env, rollout(task, "I do not know")) == 0.0
+
+
+def test_tool_calls_are_read_in_order_and_badly_written_ones_say_why():
+    tools = {"calculator": CALCULATOR}
+    text = ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call> and '
+            '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>'
+            "<tool_call>not json</tool_call>"
+            '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>')
+    calls = parse_tool_calls(text, tools)
+    assert calls[0] == ToolCall("calculator", {"expression": "1+1"})
+    assert [c.error for c in calls[1:]] == [
+        "bad arguments for calculator: missing a required argument: 'expression'",
+        "the tool call is not JSON (Expecting value)",
+        "no tool named 'search' (tools: calculator)",
+        "the arguments of calculator are not a JSON object",
+    ]
+    assert parse_tool_calls("no call here", tools) == []
+
+
+def test_an_environment_answer_must_be_none_or_messages():
+    env = get_environment("arithmetic_retry")
+    task = take(env, seed=0, n=1)[0]
+    env.respond = lambda task, messages: [{"role": "user"}]
+    with pytest.raises(EnvError, match="^env arithmetic_retry: answer to turn 1 of task 0-0 is .* not None or a non-empty"):
+        respond(env, task, conversation(task, "x"))
+    env.respond = lambda task, messages: 1 / 0
+    with pytest.raises(EnvError, match="^env arithmetic_retry: answer to turn 1 of task 0-0 raised ZeroDivisionError"):
+        respond(env, task, conversation(task, "x"))

@@ -56,7 +56,7 @@ async def make(k=0, env=None, step_s=0.001, log=lambda *_: None, **options):
     fleet = Fleet(provider, discovery_interval_s=3600, log=lambda *_: None)
     await fleet.start()
     config = OrchestratorConfig(max_off_policy_steps=k, batch_prompts=3, group_size=4, max_tokens=6, **options)
-    orch = Orchestrator(fleet, env or Env(), Tokenizer(), config, run_dir=run_dir, seed=0, log=log)
+    orch = Orchestrator(fleet, env or Env(), Tokenizer(), config, run_dir=run_dir, seed=0, max_context=4096, log=log)
     return fleet, orch, FakeTransport(provider)
 
 

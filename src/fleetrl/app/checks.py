@@ -6,8 +6,8 @@ from __future__ import annotations
 from itertools import islice
 
 from fleetrl.config import Config, ConfigError
-from fleetrl.envs import Environment, EnvError, get_environment, task_stream
-from fleetrl.orchestrator.rollouts import render_prompt
+from fleetrl.envs import Environment, EnvError, env_tools, get_environment, task_stream
+from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 
@@ -65,7 +65,8 @@ def check_prompts_fit(config: Config, env: Environment, tokenizer) -> None:
     their requests in the middle of the run."""
     o, limit = config.orchestrator, config.inference.vllm.max_model_len
     tasks = islice(task_stream(env, config.run.seed), min(config.run.max_steps * o.batch_prompts, PROMPTS_CHECKED))
-    longest = max((len(render_prompt(tokenizer, task.messages)), i) for i, task in enumerate(tasks))
+    schemas = [tool.schema() for tool in env_tools(env)]
+    longest = max((len(render_prompt(tokenizer, task.messages, schemas)), i) for i, task in enumerate(tasks))
     if longest[0] + o.max_tokens > limit:
         raise ConfigError(f"orchestrator.max_tokens = {o.max_tokens} + the longest prompt of the run "
                           f"({longest[0]} tokens, task {longest[1]}) > inference.vllm.max_model_len = {limit}")

@@ -7,7 +7,7 @@ import asyncio
 from fleetrl.app.providers import base_weights, build_fleet, build_transport
 from fleetrl.config import Config
 from fleetrl.inference.types import GenerateRequest, SamplingParams
-from fleetrl.orchestrator.rollouts import render_prompt
+from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.rundir import RunDir
 from fleetrl.versions import version_name
 

@@ -43,7 +43,8 @@ from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport
 from fleetrl.inference.provider import NamedTensors
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import Monitors
-from fleetrl.orchestrator.rollouts import Orchestrator, render_prompt
+from fleetrl.orchestrator.chat import render_prompt
+from fleetrl.orchestrator.rollouts import Orchestrator
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
@@ -135,7 +136,7 @@ class RLRun:
         config = self.config
         self.transport = build_transport(config, self.run_dir)
         self.orchestrator = Orchestrator(fleet, env, self.tokenizer, config.orchestrator, self.run_dir,
-                                         config.run.seed, log=self.log)
+                                         config.run.seed, max_context=config.inference.vllm.max_model_len, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
         base = base_weights(fleet.provider, self.model_dir, self.transport)

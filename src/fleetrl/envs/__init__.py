@@ -1,17 +1,22 @@
-"""Environments by name: the built-in tasks, and any `verifiers` taskset as `verifiers:<id>`."""
+"""Environments by name: the built-in tasks (single-turn: reverse_text, arithmetic; multi-turn:
+arithmetic_retry; with a tool: calculator), and any `verifiers` taskset as `verifiers:<id>`."""
 
 from __future__ import annotations
 
 import inspect
 
 from fleetrl.envs.arithmetic import Arithmetic
-from fleetrl.envs.base import Environment, EnvError, Rollout, Task, score, task_stream
+from fleetrl.envs.arithmetic_retry import ArithmeticRetry
+from fleetrl.envs.base import (Environment, EnvError, MultiTurnEnvironment, Rollout, Task, env_tools, is_multi_turn,
+                               respond, score, task_stream)
+from fleetrl.envs.calculator import Calculator
 from fleetrl.envs.reverse_text import ReverseText
 
-BUILTIN = {env.name: env for env in (ReverseText, Arithmetic)}
+BUILTIN = {env.name: env for env in (ReverseText, Arithmetic, ArithmeticRetry, Calculator)}
 VERIFIERS_PREFIX = "verifiers:"
 
-__all__ = ["Environment", "EnvError", "Rollout", "Task", "get_environment", "score", "task_stream"]
+__all__ = ["Environment", "EnvError", "MultiTurnEnvironment", "Rollout", "Task", "env_tools", "get_environment",
+           "is_multi_turn", "respond", "score", "task_stream"]
 
 
 def get_environment(name: str, **options) -> Environment:

@@ -62,7 +62,16 @@ class Arithmetic:
             index += 1
 
     def reward(self, rollout: Rollout) -> float:
-        found = _ANSWER.findall(rollout.completion)
-        if len(found) != 1 or not _INTEGER.fullmatch(found[0]):
+        answer = parse_answer(rollout.completion)
+        if answer is None:
             return 0.0
-        return FORMAT_WEIGHT + CORRECT_WEIGHT * (int(found[0]) == rollout.task.answer)
+        return FORMAT_WEIGHT + CORRECT_WEIGHT * (answer == rollout.task.answer)
+
+
+def parse_answer(text: str) -> int | None:
+    """N of the one `<answer>N</answer>` in `text`; None when there is not exactly one, or N
+    is not an integer."""
+    found = _ANSWER.findall(text)
+    if len(found) != 1 or not _INTEGER.fullmatch(found[0]):
+        return None
+    return int(found[0])

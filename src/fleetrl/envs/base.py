@@ -9,6 +9,12 @@ A rollout carries its provenance (the version spans of its completion and the tr
 is generated for), so an environment that keeps its own records (the `verifiers` adapter) can
 say which policy produced what. Built-in environments only read the task and the text.
 
+An environment can be multi-turn: it then has `respond`, and may lend the model `tools`. The
+model speaks; the environment answers its turn (a user message: feedback, a new question) or
+ends the episode; tool calls in a turn are answered by the tools instead. The orchestrator runs
+up to `orchestrator.max_turns` model turns, token-exact (docs/environments.md), and `reward`
+then scores the whole conversation, which `rollout.messages` holds.
+
 Environments are user code: `score` and `task_stream` turn anything they raise, and any reward
 that is not a finite number in [0, 1], into an `EnvError` naming the environment and the task.
 The orchestrator calls `score` in a thread of its own, with a time limit: a reward that fails
@@ -20,9 +26,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from fleetrl.envs.tools import Tool
 from fleetrl.errors import FleetrlError
 from fleetrl.versions import VersionSpan
 
@@ -46,6 +53,9 @@ class Rollout:
     completion: str  # the decoded completion text, special tokens removed
     spans: list[VersionSpan]  # as returned by the inference layer: the first starts at token 0
     step: int  # the trainer step whose batch this rollout is generated for
+    # The whole conversation: the task's messages, then each model turn ("assistant") and each
+    # answer of the environment or a tool ("user", "tool"). `completion` is the last model turn.
+    messages: list[dict[str, str]] = field(default_factory=list)
 
 
 class Environment(Protocol):
@@ -58,6 +68,43 @@ class Environment(Protocol):
     def reward(self, rollout: Rollout) -> float:
         """How good the completion is, in [0, 1]."""
         ...
+
+
+class MultiTurnEnvironment(Environment, Protocol):
+    tools: list[Tool]  # may be empty: a multi-turn environment without tools
+
+    def respond(self, task: Task, messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+        """The environment's answer to the model's last turn (`messages[-1]`, which holds no
+        tool call): messages to add before the model's next turn, or None: the episode is over."""
+        ...
+
+
+def is_multi_turn(env: Environment) -> bool:
+    return callable(getattr(env, "respond", None))
+
+
+def env_tools(env: Environment) -> list[Tool]:
+    """The tools an environment lends the model (none for most)."""
+    return list(getattr(env, "tools", None) or [])
+
+
+def respond(env: MultiTurnEnvironment, task: Task, messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+    """`env.respond(...)`, checked to be None or a non-empty list of chat messages."""
+    turn = sum(m["role"] == "assistant" for m in messages[len(task.messages):])
+    where = f"env {env.name}: answer to turn {turn} of task {task.id}"
+    try:
+        reply = env.respond(task, messages)
+    except EnvError:
+        raise
+    except Exception as e:
+        raise EnvError(f"{where} raised {one_line(e)}") from e
+    if reply is None:
+        return None
+    if (not isinstance(reply, list) or not reply
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in reply)):
+        raise EnvError(f"{where} is {str(reply)[:200]!r}, not None or a non-empty list of {{role, content}} messages")
+    return reply
 
 
 def task_stream(env: Environment, seed: int) -> Iterator[Task]:

@@ -12,6 +12,10 @@ Off-policy control, with k = `max_off_policy_steps`:
   wrong version) is rejected and counted (`misversioned`), and left out of its group's
   advantage baseline.
 
+A multi-turn environment's samples are whole episodes (`episodes.py`): the same admission,
+per-sample distance and drops hold for them, and an episode whose tool or environment failed
+is dropped too (`tool_failed`, `env_failed`), never the run.
+
 The same holds for an empty completion (`empty`: nothing to train on) and for a sample whose
 reward failed (`reward_failed`): the reward raised, was not a number in [0, 1], or took longer
 than `reward_timeout_s`. Rewards are user code, so each runs in a thread of its own, off the
@@ -28,22 +32,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from fleetrl import failpoints
 from fleetrl.batch import Batch, Sample
 from fleetrl.config import OrchestratorConfig
-from fleetrl.envs import Environment, EnvError, Rollout, Task, score, task_stream
+from fleetrl.envs import Environment, EnvError, Rollout, Task, env_tools, is_multi_turn, score, task_stream
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams
 from fleetrl.orchestrator.advantages import group_advantages
+from fleetrl.orchestrator.chat import ChatTokens, render_prompt
+from fleetrl.orchestrator.episodes import FAULTS, Episode, EpisodeLimits, run_episode
+from fleetrl.orchestrator.threads import call_with_limit
 from fleetrl.rundir import RunDir
-from fleetrl.versions import off_policy_distance
+from fleetrl.versions import off_policy_distance, trained_spans
 
 
 # Rewards scored at once, at most: a thread each, whose slot is given back when the reward
@@ -60,11 +65,17 @@ class Scored:
     text: str
     reward: float | None  # None: not scored (an empty completion), or its reward failed
     reward_error: str | None = None  # why the reward failed, naming the env and the task
+    episode: Episode | None = None  # a multi-turn environment's: `completion` is the whole episode
+
+    def trained_spans(self):
+        spans = self.completion.spans
+        return spans if self.episode is None else trained_spans(spans, self.episode.loss_mask)
 
 
 class Orchestrator:
     def __init__(self, fleet: Fleet, env: Environment, tokenizer, config: OrchestratorConfig,
-                 run_dir: RunDir, seed: int, log=print) -> None:
+                 run_dir: RunDir, seed: int, max_context: int, log=print) -> None:
+        """`max_context`: the engine's max_model_len, which a multi-turn episode's turns must fit in."""
         self.fleet = fleet
         self.env = env
         self.tokenizer = tokenizer
@@ -81,6 +92,14 @@ class Orchestrator:
             max_tokens=config.max_tokens,
             stop_token_ids=(tokenizer.eos_token_id,),
         )
+        self.multi_turn = is_multi_turn(env)
+        if self.multi_turn:
+            self.chat = ChatTokens(tokenizer)
+            self.tool_schemas = [tool.schema() for tool in env_tools(env)]
+            self.limits = EpisodeLimits(max_turns=config.max_turns, max_context=max_context,
+                                        max_off_policy_steps=config.max_off_policy_steps,
+                                        partial_episodes=config.partial_episodes,
+                                        user_code_timeout_s=config.reward_timeout_s)
 
     async def run(self, first_step: int, last_step: int) -> None:
         """Write batches first_step..last_step, each as soon as admission allows."""
@@ -115,7 +134,10 @@ class Orchestrator:
             advantages = group_advantages([s.reward for s in usable], self.config.normalize_advantages_std)
             for scored, advantage in zip(usable, advantages):
                 c = scored.completion
-                if off_policy_distance(step, c.spans) > k:
+                if scored.episode and self.config.partial_episodes:
+                    scored.episode.train_only_from((step - 1) - k)  # its older tokens become context
+                spans = scored.trained_spans()
+                if not spans or off_policy_distance(step, spans) > k:
                     drops["off_policy"] += 1
                     records.append(self._record(step, group_index, scored, advantage, "off_policy"))
                     continue
@@ -127,19 +149,22 @@ class Orchestrator:
                     reward=scored.reward,
                     advantage=advantage,
                     group=group_index,
+                    loss_mask=scored.episode.loss_mask if scored.episode else None,
+                    turns=scored.episode.turns if scored.episode else None,
                 ))
                 records.append(self._record(step, group_index, scored, advantage, None))
         self.run_dir.write_rollouts(step, records)
         reward_errors = [r["reward_error"] for r in records if r["drop_reason"] == "reward_failed"]
-        self._log_drops(step, drops, reward_errors)
+        self._log_drops(step, drops, reward_errors, records)
         if not samples:
             raise FleetrlError(
                 f"batch {step} is empty: of {len(records)} samples {drops['off_policy']} exceeded "
                 f"orchestrator.max_off_policy_steps = {k}, {drops['misversioned']} were misversioned, "
                 f"{drops['reward_failed']} had a failed reward and {drops['empty']} were empty"
+                + "".join(f", {drops[fault]} {fault}" for fault in FAULTS if drops[fault] and fault != "off_policy")
                 + (f" (the first failed reward: {reward_errors[0]})" if reward_errors else ""))
         rewards = [r["reward"] for r in records if r["reward"] is not None]
-        distances = [off_policy_distance(step, s.spans) for s in samples]
+        distances = [off_policy_distance(step, s.trained_spans()) for s in samples]
         mean = sum(rewards) / len(rewards)
         meta = {
             "waited_from": waited_from,
@@ -154,11 +179,13 @@ class Orchestrator:
             "misversioned": drops["misversioned"],
             "reward_failed": drops["reward_failed"],
             "empty": drops["empty"],
+            "tool_failed": drops["tool_failed"],
+            "env_failed": drops["env_failed"],
             "workers": worker_stats(records, finished - started),
         }
         return Batch(step=step, samples=samples, dropped=drops["off_policy"], meta=meta)
 
-    def _log_drops(self, step: int, drops: Counter, reward_errors: list[str]) -> None:
+    def _log_drops(self, step: int, drops: Counter, reward_errors: list[str], records: list[dict]) -> None:
         """One line per kind of fault in the batch (off-policy drops are the step line's)."""
         if drops["misversioned"]:
             self.log(f"fleetrl: batch {step}: rejected {drops['misversioned']} sample(s) from a worker at the wrong version")
@@ -167,6 +194,11 @@ class Orchestrator:
                      f"(the first: {reward_errors[0]})")
         if drops["empty"]:
             self.log(f"fleetrl: batch {step}: dropped {drops['empty']} empty completion(s)")
+        for fault, what in (("tool_failed", "a tool"), ("env_failed", "the environment's answer")):
+            if drops[fault]:
+                first = next(r["episode_error"] for r in records if r["drop_reason"] == fault)
+                self.log(f"fleetrl: batch {step}: dropped {drops[fault]} episode(s) ended by a failure of {what} "
+                         f"(the first: {first})")
 
     def _tasks_of(self, step: int) -> list[Task]:
         """Tasks (step - 1) * batch_prompts onwards of the stream, skipping those of the steps
@@ -181,35 +213,63 @@ class Orchestrator:
         return tasks
 
     async def _sample_group(self, step: int, index: int, task: Task) -> list[Scored]:
+        # One session per group: its samples share the prompt, so one worker's prefix cache
+        # serves them all, and the turns of an episode stay on the worker that holds its context.
+        session = f"step{step}-group{index}"
+        if self.multi_turn:
+            prompt_ids = render_prompt(self.tokenizer, task.messages, self.tool_schemas)
+            return list(await asyncio.gather(*(self._sample_episode(step, index, i, task, prompt_ids, session)
+                                               for i in range(self.config.group_size))))
         prompt_ids = render_prompt(self.tokenizer, task.messages)
         request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=self.sampling, n=self.config.group_size,
-                                  session_id=f"step{step}-group{index}")
+                                  session_id=session)
         started = time.time()
         completions = await self.fleet.generate(request)
         finished = time.time()
-        if self.progress and self.progress[0] == step:  # with k > 0 an older step may still be finishing
-            self.progress = (step, self.progress[1] + len(completions))
-        for i, c in enumerate(completions):  # for the timeline: one bar per sample, split at its spans
-            self.run_dir.append_event({"event": "sample", "step": step, "group": index, "sample": i,
-                                       "worker": c.worker_id, "start": started, "end": finished,
-                                       "tokens": len(c.token_ids), "spans": [[s.version, s.start] for s in c.spans]})
+        for i, c in enumerate(completions):
+            self._sampled(step, index, i, c, started, finished)
         return list(await asyncio.gather(*(self._score(step, task, prompt_ids, c) for c in completions)))
 
-    async def _score(self, step: int, task: Task, prompt_ids: list[int], completion: GenerateResponse) -> Scored:
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        scored = Scored(task=task, prompt_ids=prompt_ids, completion=completion, text=text, reward=None)
-        if not completion.token_ids:  # dropped unscored: there is nothing to train on
+    async def _sample_episode(self, step: int, group: int, sample: int, task: Task, prompt_ids: list[int],
+                              session: str) -> Scored:
+        started = time.time()
+        episode = await run_episode(self.fleet, self.env, self.chat, self._decode, task, prompt_ids, self.sampling,
+                                    session, step, self.limits)
+        completion = episode.response()
+        self._sampled(step, group, sample, completion, started, time.time())
+        return await self._score(step, task, prompt_ids, completion, episode)
+
+    def _sampled(self, step: int, group: int, sample: int, completion: GenerateResponse, started: float,
+                 finished: float) -> None:
+        """Progress, and the timeline's event: one bar per sample, split at its spans."""
+        if self.progress and self.progress[0] == step:  # with k > 0 an older step may still be finishing
+            self.progress = (step, self.progress[1] + 1)
+        self.run_dir.append_event({"event": "sample", "step": step, "group": group, "sample": sample,
+                                   "worker": completion.worker_id, "start": started, "end": finished,
+                                   "tokens": len(completion.token_ids),
+                                   "spans": [[s.version, s.start] for s in completion.spans]})
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    async def _score(self, step: int, task: Task, prompt_ids: list[int], completion: GenerateResponse,
+                     episode: Episode | None = None) -> Scored:
+        text = self._decode(completion.token_ids)
+        scored = Scored(task=task, prompt_ids=prompt_ids, completion=completion, text=text, reward=None,
+                        episode=episode)
+        if not completion.token_ids or (episode and episode.end in FAULTS):  # dropped unscored
             return scored
-        rollout = Rollout(task=task, completion=text, spans=completion.spans, step=step)
+        if episode:
+            last = episode.messages[-1] if episode.messages[-1]["role"] == "assistant" else {"content": ""}
+            rollout = Rollout(task=task, completion=last["content"], spans=completion.spans, step=step,
+                              messages=episode.messages)
+        else:
+            rollout = Rollout(task=task, completion=text, spans=completion.spans, step=step,
+                              messages=[*task.messages, {"role": "assistant", "content": text}])
         limit = self.config.reward_timeout_s
-        # A reward past the limit is given up on, not stopped: Python cannot kill a thread, so a
-        # hung reward's thread runs on (a daemon) until it returns or the process ends.
         async with self._reward_slots:
             try:
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
-                # that arrives as the reward completes, and the run could then not stop.
-                async with asyncio.timeout(limit):
-                    scored.reward = await in_daemon_thread(score, self.env, rollout)
+                scored.reward = await call_with_limit(limit, score, self.env, rollout)
             except EnvError as e:
                 scored.reward_error = str(e)
             except TimeoutError:
@@ -220,6 +280,8 @@ class Orchestrator:
     @staticmethod
     def _unusable(scored: Scored) -> str | None:
         """Why a sample can neither be trained on nor stand in its group's baseline, if so."""
+        if scored.episode and scored.episode.end in FAULTS:
+            return scored.episode.end
         if scored.completion.version_error:
             return "misversioned"
         if not scored.completion.token_ids:
@@ -230,15 +292,19 @@ class Orchestrator:
 
     @staticmethod
     def _record(step: int, group: int, scored: Scored, advantage: float | None, drop_reason: str | None) -> dict:
-        c = scored.completion
+        c, episode, spans = scored.completion, scored.episode, scored.trained_spans()
         return {
             "step": step, "group": group, "task": scored.task.id, "completion": scored.text,
             "reward": scored.reward, "advantage": advantage, "worker": c.worker_id,
             "completion_tokens": len(c.token_ids),
             "prefill_worker": c.prefill_worker_id, "spans": [[s.version, s.start] for s in c.spans],
-            "distance": off_policy_distance(step, c.spans) if c.spans else None,
+            "distance": off_policy_distance(step, spans) if spans else None,
             "trained": drop_reason is None, "drop_reason": drop_reason, "reward_error": scored.reward_error,
             "version_error": c.version_error,
+            # Multi-turn episodes: where each model turn lies, how the episode ended and why, and
+            # the conversation after the task's messages.
+            **({"turns": episode.turns, "end": episode.end, "episode_error": episode.error,
+                "messages": episode.messages[len(scored.task.messages):]} if episode else {}),
         }
 
 
@@ -253,41 +319,3 @@ def worker_stats(records: list[dict], seconds: float) -> dict[str, dict]:
     for entry in stats.values():
         entry["tokens_per_s"] = entry["completion_tokens"] / seconds if seconds > 0 else 0.0
     return stats
-
-
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """A prompt's token ids: chat messages in the policy's chat template, ready for its reply."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-
-
-def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
-    """`fn(*args)` in a new daemon thread, as a future of the running event loop.
-
-    Not an executor's thread: Python cannot stop a thread, so a reward that never returns holds
-    its thread until the process ends, and `concurrent.futures` joins its threads at exit, so
-    fleetrl could never exit. A daemon thread given up on (the caller stopped waiting) is left
-    to finish or to die with the process; its result is dropped.
-    """
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(ok: bool, value) -> None:
-        if future.done():  # cancelled: the caller stopped waiting
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
-
-    def run() -> None:
-        try:
-            outcome = True, fn(*args)
-        except BaseException as e:  # the caller decides what an exception means
-            outcome = False, e
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
-
-    threading.Thread(target=run, name="fleetrl-reward", daemon=True).start()
-    return future

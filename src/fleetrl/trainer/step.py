@@ -100,7 +100,7 @@ class PaddedBatch:
     input_ids: torch.Tensor  # [rows, length]
     keep: torch.Tensor  # [columns]: positions fed to the LM head
     targets: torch.Tensor  # [rows, columns]
-    mask: torch.Tensor  # [rows, columns]: 1 on completion tokens
+    mask: torch.Tensor  # [rows, columns]: 1 on the completion tokens the loss sees
     inference_logprobs: torch.Tensor  # [rows, columns]
     advantages: torch.Tensor  # [rows]
 
@@ -119,7 +119,7 @@ def pad_batch(samples: list[Sample], device: torch.device) -> PaddedBatch:
         input_ids[row, : len(ids)] = torch.tensor(ids)
         start = len(s.prompt_ids) - 1 - first  # column of the first completion token
         end = start + len(s.completion_ids)
-        mask[row, start:end] = 1
+        mask[row, start:end] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
         inference[row, start:end] = torch.tensor(s.inference_logprobs)
     return PaddedBatch(
         input_ids=input_ids.to(device),
@@ -144,7 +144,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     started = time.perf_counter()
     rank, world_size = distributed.rank(), distributed.world_size()
     device = next(model.parameters()).device
-    num_tokens = sum(len(s.completion_ids) for s in batch.samples)
+    num_tokens = sum(s.trained_tokens() for s in batch.samples)
     if num_tokens == 0:
         raise ValueError(f"batch {batch.step} has no completion tokens to train on")
 

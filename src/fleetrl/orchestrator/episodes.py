@@ -1,0 +1,165 @@
+"""Multi-turn episodes: the model and the environment take turns, token-exact, versions per turn.
+
+One episode is one sample. Its completion (everything after the task's prompt) holds each model
+turn exactly as the engine sampled it, with the engine's logprobs, and between turns the tokens
+of the environment's answers (user messages, tool results), rendered by `ChatTokens` and never
+trained on (`loss_mask` 0). Each model turn opens a version span of its own, and carries the
+engine's spans within it, so a publish between turns or inside one (keep mode; abort mode, where
+the fleet continues the cut turn) leaves every model token with its exact version.
+
+Off-policy control holds per episode. After each turn but the last, the episode's distance for
+its batch's step is taken over the tokens it would train; above k, the episode is stopped
+(`off_policy`: no more turns are sampled for it) or, with `orchestrator.partial_episodes`,
+continued on the fleet's current weights: at assembly its tokens more than k versions behind
+become context, kept in the sequence with their spans but masked out of the loss.
+
+An episode ends when the environment says so (`done`), after `orchestrator.max_turns` model
+turns (`max_turns`), when its next turn would not fit in the engine's context (`context`), or
+on a fault that drops it: a tool or the environment's answer failed (`tool_failed`,
+`env_failed`), or a worker sampled at a version the fleet never published (`misversioned`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fleetrl.envs import EnvError, MultiTurnEnvironment, Task, env_tools, respond
+from fleetrl.envs.base import one_line
+from fleetrl.envs.tools import Tool, ToolCall, parse_tool_calls
+from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams
+from fleetrl.orchestrator.chat import ChatTokens
+from fleetrl.orchestrator.threads import call_with_limit
+from fleetrl.versions import VersionSpan, off_policy_distance, span_ends, trained_spans
+
+# How an episode ended; the faults among them drop it (they are its sample's drop_reason).
+FAULTS = ("tool_failed", "env_failed", "misversioned", "off_policy")
+
+
+@dataclass
+class Episode:
+    task: Task
+    prompt_ids: list[int]
+    messages: list[dict[str, str]]  # the conversation so far, the task's messages first
+    token_ids: list[int] = field(default_factory=list)  # after the prompt: model and environment tokens
+    logprobs: list[float] = field(default_factory=list)  # the engine's on model tokens, 0 on the others
+    loss_mask: list[int] = field(default_factory=list)  # 1 on model tokens
+    spans: list[VersionSpan] = field(default_factory=list)  # each model turn opens one
+    turns: list[list[int]] = field(default_factory=list)  # [start, end) of each model turn
+    workers: list[str] = field(default_factory=list)  # that served each turn
+    end: str = ""  # why it ended (see the module's docstring)
+    error: str | None = None  # the fault that ended it, in one line naming what failed
+
+    def add_model_turn(self, completion: GenerateResponse) -> None:
+        start = len(self.token_ids)
+        self.token_ids += completion.token_ids
+        self.logprobs += completion.logprobs
+        self.loss_mask += [1] * len(completion.token_ids)
+        self.spans += [VersionSpan(s.version, s.start + start) for s in completion.spans]
+        self.turns.append([start, len(self.token_ids)])
+        if completion.worker_id not in self.workers:
+            self.workers.append(completion.worker_id)
+
+    def add_environment_tokens(self, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        self.logprobs += [0.0] * len(token_ids)
+        self.loss_mask += [0] * len(token_ids)
+
+    def train_only_from(self, version: int) -> None:
+        """Mask out of the loss the model tokens older than `version` (partial episodes)."""
+        for span, end in span_ends(self.spans, len(self.token_ids)):
+            if span.version < version:
+                self.loss_mask[span.start:end] = [0] * (end - span.start)
+
+    def response(self) -> GenerateResponse:
+        """The episode as one completion, the form the orchestrator records and trains on."""
+        return GenerateResponse(
+            request_id=self.task.id, token_ids=self.token_ids, logprobs=self.logprobs, finish_reason=self.end,
+            worker_id="+".join(self.workers), spans=self.spans,
+            version_error=self.error if self.end == "misversioned" else None,
+        )
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    max_context: int  # the engine's max_model_len: prompt + completion of every turn
+    max_off_policy_steps: int
+    partial_episodes: bool
+    user_code_timeout_s: float  # an environment's answer to one turn
+
+
+async def run_episode(fleet: Fleet, env: MultiTurnEnvironment, chat: ChatTokens, decode: Callable[[list[int]], str],
+                      task: Task, prompt_ids: list[int], sampling: SamplingParams, session_id: str, step: int,
+                      limits: EpisodeLimits) -> Episode:
+    """Model turns and environment answers until the episode ends; never raises for a fault
+    of the environment, a tool or a worker's version: those end the episode (`end`, `error`)."""
+    episode = Episode(task=task, prompt_ids=prompt_ids, messages=list(task.messages))
+    tools = {tool.name: tool for tool in env_tools(env)}
+    for turn in range(1, limits.max_turns + 1):
+        context = prompt_ids + episode.token_ids
+        if len(context) + sampling.max_tokens > limits.max_context:
+            episode.end = "context"
+            break
+        (completion,) = await fleet.generate(GenerateRequest(prompt_token_ids=context, sampling=sampling, n=1,
+                                                             session_id=session_id))
+        episode.add_model_turn(completion)
+        if completion.version_error:
+            episode.end, episode.error = "misversioned", completion.version_error
+            break
+        episode.messages.append({"role": "assistant", "content": decode(completion.token_ids)})
+        if turn == limits.max_turns:
+            episode.end = "max_turns"
+            break
+        if not limits.partial_episodes and \
+                off_policy_distance(step, trained_spans(episode.spans, episode.loss_mask)) > limits.max_off_policy_steps:
+            episode.end = "off_policy"  # no use sampling more of what will not be trained
+            break
+        try:
+            reply = await _answer(env, tools, task, episode.messages, limits.user_code_timeout_s)
+        except _EpisodeFault as fault:
+            episode.end, episode.error = fault.reason, str(fault)
+            break
+        if reply is None:
+            episode.end = "done"
+            break
+        episode.messages += reply
+        episode.add_environment_tokens(chat.between_turns(completion.token_ids, reply))
+    return episode
+
+
+class _EpisodeFault(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+async def _answer(env: MultiTurnEnvironment, tools: dict[str, Tool], task: Task, messages: list[dict[str, str]],
+                  timeout_s: float) -> list[dict[str, str]] | None:
+    """What follows the model's last turn: its tool calls' results, or the environment's answer."""
+    if calls := parse_tool_calls(messages[-1]["content"], tools) if tools else []:
+        return [{"role": "tool", "content": await _call(tools, call, env.name, task.id)} for call in calls]
+    try:
+        return await call_with_limit(timeout_s, respond, env, task, messages)
+    except EnvError as e:
+        raise _EpisodeFault("env_failed", str(e)) from None
+    except TimeoutError:
+        raise _EpisodeFault("env_failed", f"env {env.name}: its answer to a turn of task {task.id} took longer than "
+                                          f"orchestrator.reward_timeout_s = {timeout_s:g} s") from None
+
+
+async def _call(tools: dict[str, Tool], call: ToolCall, env_name: str, task_id: str) -> str:
+    """The text a tool call answers with; a call the model wrote badly answers with its mistake."""
+    if call.error:
+        return f"error: {call.error}"
+    tool = tools[call.name]
+    where = f"env {env_name}: tool {tool.name} on task {task_id}"
+    try:
+        result = await call_with_limit(tool.timeout_s, functools.partial(tool.fn, **call.arguments))
+    except TimeoutError:
+        raise _EpisodeFault("tool_failed", f"{where} took longer than its timeout_s = {tool.timeout_s:g} s") from None
+    except Exception as e:
+        raise _EpisodeFault("tool_failed", f"{where} raised {one_line(e)}") from None
+    return str(result)

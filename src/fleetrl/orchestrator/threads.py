@@ -1,0 +1,52 @@
+"""User code (rewards, environments' answers, tools) run off the event loop, with a time limit."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+
+async def call_with_limit(limit_s: float, fn: Callable, *args):
+    """`fn(*args)` in a daemon thread of its own; TimeoutError once it has run `limit_s` seconds.
+
+    A call past the limit is given up on, not stopped: Python cannot kill a thread, so a hung
+    call's thread runs on (a daemon) until it returns or the process ends.
+    """
+    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+    # arrives as the call completes, and the run could then not stop.
+    async with asyncio.timeout(limit_s):
+        return await in_daemon_thread(fn, *args)
+
+
+def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
+    """`fn(*args)` in a new daemon thread, as a future of the running event loop.
+
+    Not an executor's thread: Python cannot stop a thread, so a reward that never returns holds
+    its thread until the process ends, and `concurrent.futures` joins its threads at exit, so
+    fleetrl could never exit. A daemon thread given up on (the caller stopped waiting) is left
+    to finish or to die with the process; its result is dropped.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if future.done():  # cancelled: the caller stopped waiting
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome = True, fn(*args)
+        except BaseException as e:  # the caller decides what an exception means
+            outcome = False, e
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name="fleetrl-user-code", daemon=True).start()
+    return future
