@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -26,16 +27,20 @@ import pytest_asyncio
 
 from fleetrl.app.providers import Tokens, build_provider, start_recorded
 from fleetrl.app.providers import base_weights as base_weights_of
+from fleetrl.batch import Sample
 from fleetrl.config import Config, DynamoConfig, InferenceConfig, RunConfig, VllmConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV
+from fleetrl.envs import Task
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.launcher import wait_ready
 from fleetrl.inference.fleet import AgreementProbe, Fleet
 from fleetrl.inference.probe import probe_fleet, reference_logprobs
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
-from fleetrl.rundir import RunDir
-from fleetrl.versions import VersionSpan
+from fleetrl.orchestrator.chat import ChatTokens, render_prompt
+from fleetrl.orchestrator.episodes import Episode, EpisodeLimits, run_episode
+from fleetrl.rundir import RunDir, check_turns
+from fleetrl.versions import VersionSpan, off_policy_distance
 from fleetrl.weights.factory import make_transport
 
 from .conftest import chat_ids, greedy, greedy_response, model_with, perturbed, running
@@ -447,6 +452,137 @@ async def test_wait_mode_attributes_a_request_in_flight_to_the_version_that_prod
     assert out.spans == [VersionSpan(old, 0)] and out.token_ids == reference.token_ids
     (after,) = await fleet.generate(request)
     assert after.spans == [VersionSpan(old + 1, 0)] and after.token_ids != reference.token_ids
+
+
+# -- multi-turn episodes: token-exact turns, versions per turn ------------------------------------
+
+
+class Answers:
+    """A multi-turn environment that answers every model turn with `text`, once `opened` is set;
+    `asked` is set when it is first asked (a model turn is over)."""
+
+    name = "answers"
+    tools: list = []
+
+    def __init__(self, text: str = "Try again.", opened: bool = True) -> None:
+        self.text, self.asked, self.opened = text, threading.Event(), threading.Event()
+        if opened:
+            self.opened.set()
+
+    def tasks(self, seed):
+        raise NotImplementedError  # the tests hand run_episode its task
+
+    def respond(self, task, messages):
+        self.asked.set()
+        self.opened.wait(120)
+        return [{"role": "user", "content": self.text}]
+
+    def reward(self, rollout):
+        return 0.0
+
+
+async def episode_of(fleet, tokenizer, env, text: str, sampling: SamplingParams, step: int, max_turns: int,
+                     k: int = 10, partial: bool = False) -> Episode:
+    task = Task(id=text[:16], messages=[{"role": "user", "content": text}], answer=None)
+    limits = EpisodeLimits(max_turns=max_turns, max_context=512, max_off_policy_steps=k, partial_episodes=partial,
+                           user_code_timeout_s=120)
+    return await run_episode(fleet, env, ChatTokens(tokenizer), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                             task, render_prompt(tokenizer, task.messages), sampling, f"episode-{text[:16]}", step, limits)
+
+
+def as_sample(episode: Episode) -> Sample:
+    return Sample(prompt_ids=episode.prompt_ids, completion_ids=episode.token_ids, inference_logprobs=episode.logprobs,
+                  spans=episode.spans, reward=0.0, advantage=0.0, group=0, loss_mask=episode.loss_mask,
+                  turns=episode.turns)
+
+
+@only("vllm", "dynamo-fleetrl")
+async def test_a_three_turn_episode_is_token_exact_and_stays_on_one_worker(fleet, tokenizer):
+    """Each model turn is what a single request on the whole conversation before it samples
+    (same ids, same logprobs); between turns lie exactly the template's tokens for the
+    environment's message, masked out; every turn opens a span; one worker served them all."""
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+    episode = await episode_of(fleet, tokenizer, Answers(), "Name a colour.", sampling, fleet.version + 1, max_turns=3)
+    assert episode.end == "max_turns" and len(episode.turns) == 3 and len(episode.workers) == 1, episode
+    ids, chat = episode.token_ids, ChatTokens(tokenizer)
+    for (start, end), following in zip(episode.turns, [*episode.turns[1:], None]):
+        (replay,) = await fleet.generate(GenerateRequest(episode.prompt_ids + ids[:start], sampling))
+        assert ids[start:end] == replay.token_ids
+        assert max(abs(a - b) for a, b in zip(episode.logprobs[start:end], replay.logprobs)) < 2e-3
+        if following:
+            between = ids[end:following[0]]
+            assert between == chat.between_turns(ids[start:end], [{"role": "user", "content": "Try again."}])
+            assert tokenizer.decode(between).endswith("<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n")
+    check_turns("episode", as_sample(episode))  # what `fleetrl verify` checks of a trained sample
+    assert [span.start for span in episode.spans] == [start for start, _ in episode.turns]  # no publish: a span a turn
+    assert sum(episode.loss_mask) == sum(end - start for start, end in episode.turns)
+
+
+@only("vllm")
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_publishes_inside_a_turn_and_between_turns_give_each_turn_exact_spans(fleet, base_weights, tokenizer,
+                                                                                   tmp_path_factory, mode):
+    """v+1 is published while the first turn runs (keep: it goes on; abort: it is cut and
+    continued), v+2 while the environment answers: the first turn holds v and v+1 split where the
+    weights changed, the second turn is all v+2 and is v+2's exact continuation."""
+    old, old_mode = fleet.version, fleet.pause_mode
+    env = Answers("Go on.", opened=False)
+    sampling = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    transport = transport_for("broadcast", tmp_path_factory)
+    fleet.pause_mode = mode
+    try:
+        running_episode = asyncio.create_task(episode_of(fleet, tokenizer, env, "Write a long story about a lighthouse.",
+                                                         sampling, old + 3, max_turns=2))
+        await asyncio.sleep(2.0)
+        await fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
+        assert await asyncio.to_thread(env.asked.wait, 300)
+        await fleet.publish(old + 2, transport, perturbed(base_weights, seed=old + 2))
+        env.opened.set()
+        episode = await running_episode
+    finally:
+        env.opened.set()
+        fleet.pause_mode = old_mode
+        await transport.close()
+    (first, first_end), (second, second_end) = episode.turns
+    assert first_end - first == 200 and second_end - second == 200, episode.turns
+    assert [s.version for s in episode.spans] == [old, old + 1, old + 2], episode.spans
+    assert episode.spans[0].start == first < episode.spans[1].start < first_end and episode.spans[2].start == second
+    replay = await greedy(fleet, episode.prompt_ids + episode.token_ids[:second], 200)
+    assert episode.token_ids[second:second_end] == replay
+    check_turns("episode", as_sample(episode))
+
+
+@only("vllm")
+async def test_an_episode_past_k_is_stopped_or_goes_on_as_a_partial_episode(fleet, base_weights, tokenizer,
+                                                                            tmp_path_factory):
+    """For step v+2 at k = 0 (admission bypassed), a first turn sampled at v is too old: the
+    episode stops there and its environment is never asked; under partial_episodes it goes on,
+    its second turn at v+1 (published between the turns) is trained and its first is context."""
+    old = fleet.version
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    stopped_env = Answers()
+    stopped = await episode_of(fleet, tokenizer, stopped_env, "Count to ten.", sampling, old + 2, max_turns=3, k=0)
+    assert stopped.end == "off_policy" and len(stopped.turns) == 1 and not stopped_env.asked.is_set()
+
+    env = Answers(opened=False)
+    transport = transport_for("broadcast", tmp_path_factory)
+    try:
+        running_episode = asyncio.create_task(episode_of(fleet, tokenizer, env, "Count to ten.", sampling, old + 2,
+                                                         max_turns=2, k=0, partial=True))
+        assert await asyncio.to_thread(env.asked.wait, 300)
+        await fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
+        env.opened.set()
+        episode = await running_episode
+    finally:
+        env.opened.set()
+        await transport.close()
+    assert episode.end == "max_turns" and [s.version for s in episode.spans] == [old, old + 1]
+    episode.train_only_from(old + 1)  # what the orchestrator does at assembly: (step - 1) - k
+    sample = as_sample(episode)
+    (first, first_end), (second, second_end) = episode.turns
+    assert sample.loss_mask[first:first_end] == [0] * 8 and sample.loss_mask[second:second_end] == [1] * 8
+    assert off_policy_distance(old + 2, sample.trained_spans()) == 0
+    check_turns("episode", sample)
 
 
 # -- the tests below change the fleet's membership: they run last -------------------------------
