@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from fleetrl.processes import free_port
+from fleetrl.rundir import RunDir
 
 from tests.documented import documented
 
@@ -122,6 +123,19 @@ def check_common(run_dir, groups, out, k):
     return metrics
 
 
+def check_episodes(run_dir: Path, max_turns: int) -> None:
+    """Every sample of a multi-turn run is an episode: up to max_turns model turns, the loss on
+    exactly those, a span opened by each; feedback after a wrong answer gave some a second turn."""
+    run = RunDir(run_dir)
+    records = [json.loads(line) for step in range(1, STEPS + 1) for line in run.rollouts_path(step).read_text().splitlines()]
+    assert records and all(1 <= len(r["turns"]) <= max_turns and r["end"] in ("done", "max_turns") for r in records)
+    assert any(len(r["turns"]) == 2 for r in records), [r["messages"] for r in records]
+    for sample in run.read_batch(1).samples:
+        model = {i for start, end in sample.turns for i in range(start, end)}
+        assert {i for i, m in enumerate(sample.loss_mask) if m} == model
+        assert {start for start, _ in sample.turns} <= {span.start for span in sample.spans}
+
+
 def check_the_fleet_record(run_dir) -> None:
     """While the run's fleet is up, what `fleetrl status RUN_DIR` reads: its settings, and its
     tokens in a file that only this user can read (none with Dynamo, which takes no tokens)."""
@@ -150,7 +164,7 @@ def check_events(run_dir, final: dict, k: int) -> None:
         assert starts[0] == 0 and starts == sorted(set(starts)) and starts[-1] < e["tokens"], e
         assert versions == sorted(versions) and e["start"] <= e["end"], e
         if k == 0:  # sampled only once the step before was published: all of it at that version
-            assert e["spans"] == [[e["step"] - 1, 0]], e
+            assert set(versions) == {e["step"] - 1}, e  # (a span per turn of a multi-turn episode)
     assert not (run_dir / "fleet.json").exists() and not (run_dir / "tokens.json").exists()  # gone with the fleet
 
 
@@ -221,10 +235,13 @@ def test_four_ranks_on_two_torchrun_nodes(tmp_path):
     """A cluster as this machine can simulate one: two torchrun "nodes" (two agents meeting at a
     c10d rendezvous), 2 ranks each, so 4 FSDP2 trainer ranks; `fleetrl rl` on every rank, global
     rank 0 (on whichever node torchrun put it) hosting the fleet of 2 native workers. Strictly on
-    policy; with W&B on too (offline): its run holds the steps, and its files stay out of the
-    manifest."""
-    run_dir, groups, out = run_on_two_torchrun_nodes(tmp_path, 0, "--run.wandb", "true")
+    policy, on the multi-turn arithmetic_retry task (`fleetrl verify` checks each episode's
+    turns and spans); with W&B on too (offline): its run holds the steps, and its files stay out
+    of the manifest."""
+    run_dir, groups, out = run_on_two_torchrun_nodes(tmp_path, 0, "--run.wandb", "true", "--orchestrator.env",
+                                                     "arithmetic_retry", "--orchestrator.max_turns", "2")
     metrics = check_common(run_dir, groups, out, k=0)
+    check_episodes(run_dir, max_turns=2)
     (wandb_run,) = (run_dir / "wandb" / "wandb").glob("offline-run-*")
     assert list(wandb_run.glob("run-*.wandb")) and f"W&B run {wandb_run.name.rsplit('-', 1)[1]} (offline)" in out
     assert not any(name.startswith("wandb/") for name in json.loads((run_dir / "manifest.json").read_text())["artifacts"])

@@ -8,6 +8,8 @@ from fleetrl.cli import main
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.rundir import RunDir, verify_run
 
+from tests.documented import ROOT
+
 from .fake_fleet import FakeProvider
 from .test_rundir import make_run
 
@@ -29,6 +31,14 @@ def test_dry_run_prints_resolved_config(tmp_path, capsys):
     assert main(["rl", "@", str(cfg), "--run.max_steps", "4", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "workers = 2" in out and "max_steps = 4" in out
+
+
+def test_the_shipped_configs_merge_into_valid_runs(capsys):
+    """configs/calculator.toml on top of configs/default.toml, as the README runs it."""
+    assert main(["rl", "@", str(ROOT / "configs/default.toml"), "@", str(ROOT / "configs/calculator.toml"),
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert 'env = "calculator"' in out and "max_turns = 3" in out and "batch_prompts = 8" in out
 
 
 def test_at_file_without_space(tmp_path, capsys):

@@ -165,7 +165,8 @@ def test_bad_options_name_the_env_and_the_option():
 
 def test_verifiers_envs_without_verifiers_installed_say_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers", None)  # find_spec reports it missing
-    with pytest.raises(EnvError, match=r"^verifiers environments need the .verifiers. package: pip install"):
+    with pytest.raises(EnvError, match=r"^verifiers environments need the .verifiers. package, which scripts/setup.sh "
+                                       r"installs: pip install -e .\.\[verifiers\].$"):
         get_environment("verifiers:reverse-text")
 
 

@@ -117,7 +117,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
             return super().apply_chat_template(kept, **options)
 
     with pytest.raises(FleetrlError, match="renders the conversation before the messages \\['user'\\] differently"):
-        ChatTokens(Rewrites()).between_turns([50], [{"role": "user", "content": "no"}])
+        ChatTokens(Rewrites())
 
 
 async def test_an_episode_holds_every_turn_with_masks_logprobs_and_a_span_per_turn():

@@ -40,6 +40,7 @@ class ChatTokens:
             raise FleetrlError("the policy's chat template does not render an assistant turn as its opening then "
                                "its content: fleetrl cannot extend its conversations token by token")
         self.closing = self._closed[len(opened) + len(reply) :]  # what ends an assistant turn
+        self.between_turns([], [{"role": "user", "content": "z"}])  # a template that rewrites turns fails here
 
     def between_turns(self, model_ids: list[int], messages: list[dict[str, str]]) -> list[int]:
         """The tokens after a model turn `model_ids`: the rest of its closing, `messages`
