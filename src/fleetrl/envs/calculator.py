@@ -11,6 +11,8 @@ Products of two two-digit numbers are beyond what SmolLM2-135M-Instruct computes
 (it is right on few of them), and exact with the tool, so the reward rises as the model learns
 to call it and to copy its result. One worked example opens the conversation: without it the
 model does not know the call's shape.
+Three worked examples open the conversation: with one, SmolLM2-135M-Instruct mostly answers
+without the tool.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ SYSTEM = ("You can use a calculator. To use it, reply with only "
           '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call> '
           "and you will get the result. Then give the final result as <answer>N</answer>.")
 PROMPT = "What is {a} {op} {b}?"
-EXAMPLES = [
-    {"role": "system", "content": SYSTEM},
-    {"role": "user", "content": PROMPT.format(a=23, op="*", b=41)},
-    {"role": "assistant",
-     "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "23 * 41"}}</tool_call>'},
-    {"role": "tool", "content": "943"},
-    {"role": "assistant", "content": "<answer>943</answer>"},
-]
+EXAMPLES = [{"role": "system", "content": SYSTEM}]
+for a, op, b in ((23, "*", 41), (58, "+", 67), (12, "*", 85)):  # worked examples: call, result, answer
+    EXAMPLES += [
+        {"role": "user", "content": PROMPT.format(a=a, op=op, b=b)},
+        {"role": "assistant",
+         "content": f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a} {op} {b}"}}}}</tool_call>'},
+        {"role": "tool", "content": str(a * b if op == "*" else a + b)},
+        {"role": "assistant", "content": f"<answer>{a * b if op == '*' else a + b}</answer>"},
+    ]
 OPERATORS = {"+": operator.add, "*": operator.mul}
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

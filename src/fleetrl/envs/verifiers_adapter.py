@@ -47,8 +47,8 @@ UNSUPPORTED = "fleetrl's single-turn adapter does not provide"
 def _import_verifiers():
     if importlib.util.find_spec("verifiers") is None:
         raise EnvError(
-            "verifiers environments need the 'verifiers' package: pip install verifiers==0.4.0 "
-            "'openai<3' 'pydantic<=2.13.5' 'mcp==2.0.0'"
+            "verifiers environments need the 'verifiers' package, which scripts/setup.sh installs: "
+            "pip install -e '.[verifiers]'"
         )
     import verifiers.v1 as vf
 
