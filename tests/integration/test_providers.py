@@ -472,7 +472,7 @@ class Answers:
     def tasks(self, seed):
         raise NotImplementedError  # the tests hand run_episode its task
 
-    def respond(self, task, messages):
+    def respond(self, task, messages, state):
         self.asked.set()
         self.opened.wait(120)
         return [{"role": "user", "content": self.text}]
@@ -487,7 +487,8 @@ async def episode_of(fleet, tokenizer, env, text: str, sampling: SamplingParams,
     limits = EpisodeLimits(max_turns=max_turns, max_context=512, max_off_policy_steps=k, partial_episodes=partial,
                            user_code_timeout_s=120)
     return await run_episode(fleet, env, ChatTokens(tokenizer), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                             task, render_prompt(tokenizer, task.messages), sampling, f"episode-{text[:16]}", step, limits)
+                             task, render_prompt(tokenizer, task.messages), sampling, f"session-{text[:16]}", step,
+                             f"episode-{text[:16]}", limits)
 
 
 def as_sample(episode: Episode) -> Sample:

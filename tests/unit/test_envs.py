@@ -180,9 +180,9 @@ def test_arithmetic_retry_answers_until_right_and_rewards_being_right_sooner():
     env = get_environment("arithmetic_retry")
     task = take(env, seed=0, n=1)[0]
     right, wrong = f"<answer>{task.answer}</answer>", f"<answer>{task.answer + 1}</answer>"
-    assert env.respond(task, conversation(task, right)) is None
-    assert env.respond(task, conversation(task, wrong)) == [{"role": "user", "content": arithmetic_retry.WRONG}]
-    assert env.respond(task, conversation(task, "12")) == [{"role": "user", "content": arithmetic_retry.UNREADABLE}]
+    assert env.respond(task, conversation(task, right), {}) is None
+    assert env.respond(task, conversation(task, wrong), {}) == [{"role": "user", "content": arithmetic_retry.WRONG}]
+    assert env.respond(task, conversation(task, "12"), {}) == [{"role": "user", "content": arithmetic_retry.UNREADABLE}]
     messages = conversation(task, wrong, arithmetic_retry.WRONG, "no idea", arithmetic_retry.UNREADABLE, right)
     assert score(env, Rollout(task, right, [VersionSpan(0, 0)], 1, messages)) == pytest.approx(1 / 3)
     assert score(env, Rollout(task, right, [VersionSpan(0, 0)], 1, conversation(task, right))) == 1.0
@@ -200,7 +200,7 @@ def test_the_calculator_tool_evaluates_arithmetic_and_answers_bad_expressions():
 def test_calculator_scores_the_final_answer():
     env = get_environment("calculator")
     task = take(env, seed=3, n=1)[0]
-    assert [tool.name for tool in env.tools] == ["calculator"] and env.respond(task, task.messages) is None
+    assert [tool.name for tool in env.tools] == ["calculator"] and env.respond(task, task.messages, {}) is None
     assert score(env, rollout(task, f"<answer>{task.answer}</answer>")) == FORMAT_WEIGHT + CORRECT_WEIGHT
     assert score(env, rollout(task, "<answer>0</answer>")) == FORMAT_WEIGHT
     assert score(env, rollout(task, "I do not know")) == 0.0
@@ -227,9 +227,9 @@ def test_tool_calls_are_read_in_order_and_badly_written_ones_say_why():
 def test_an_environment_answer_must_be_none_or_messages():
     env = get_environment("arithmetic_retry")
     task = take(env, seed=0, n=1)[0]
-    env.respond = lambda task, messages: [{"role": "user"}]
+    env.respond = lambda task, messages, state: [{"role": "user"}]
     with pytest.raises(EnvError, match="^env arithmetic_retry: answer to turn 1 of task 0-0 is .* not None or a non-empty"):
-        respond(env, task, conversation(task, "x"))
-    env.respond = lambda task, messages: 1 / 0
+        respond(env, task, conversation(task, "x"), {})
+    env.respond = lambda task, messages, state: 1 / 0
     with pytest.raises(EnvError, match="^env arithmetic_retry: answer to turn 1 of task 0-0 raised ZeroDivisionError"):
-        respond(env, task, conversation(task, "x"))
+        respond(env, task, conversation(task, "x"), {})

@@ -61,6 +61,7 @@ class Retry:
     def __init__(self, answer=lambda task, messages: [{"role": "user", "content": "again"}]) -> None:
         self._answer = answer
         self.seen: list[list[dict]] = []
+        self.ended: list[tuple[str, int, str]] = []
 
     def tasks(self, seed):
         i = 0
@@ -68,9 +69,13 @@ class Retry:
             yield Task(id=f"t{i}", messages=[{"role": "user", "content": f"q{i}"}], answer=None)
             i += 1
 
-    def respond(self, task, messages):
+    def respond(self, task, messages, state):
         self.seen.append(list(messages))
+        state["answers"] = state.get("answers", 0) + 1  # kept across the episode's turns
         return self._answer(task, messages)
+
+    def episode_ended(self, task, state, end):
+        self.ended.append((state["episode"], state.get("answers", 0), end))
 
     def reward(self, rollout):
         return (len(rollout.messages) % 5) / 5
@@ -137,6 +142,8 @@ async def test_an_episode_holds_every_turn_with_masks_logprobs_and_a_span_per_tu
     # The environment saw the conversation grow, its own answers in it, and never a fourth turn.
     assert sorted(sum(m["role"] == "assistant" for m in seen) for seen in env.seen) == [1] * 4 + [2] * 4
     assert {r["end"] for r in records(orch, 1)} == {"max_turns"}
+    # Each episode kept its own state across its turns, and was told once how it ended.
+    assert sorted(env.ended) == [(f"step1-group{g}-sample{s}", 2, "max_turns") for g in range(2) for s in range(2)]
     await fleet.close()
 
 
@@ -189,6 +196,7 @@ async def test_an_episode_past_k_is_stopped_after_its_turn_and_dropped(monkeypat
         await orch.make_batch(3)
     assert [(r["end"], r["drop_reason"], len(r["turns"])) for r in records(orch, 3)] == [("off_policy", "off_policy", 1)] * 4
     assert env.seen == []  # stopped before the environment was asked for a second turn
+    assert {end for _, _, end in env.ended} == {"off_policy"}  # told, so it can let go of the episode
     await fleet.close()
 
 

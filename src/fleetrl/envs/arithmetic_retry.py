@@ -26,7 +26,7 @@ UNREADABLE = "I cannot find exactly one <answer>N</answer> with an integer N in 
 class ArithmeticRetry(Arithmetic):
     name = "arithmetic_retry"
 
-    def respond(self, task: Task, messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+    def respond(self, task: Task, messages: list[dict[str, str]], state: dict) -> list[dict[str, str]] | None:
         answer = parse_answer(messages[-1]["content"])
         if answer == task.answer:
             return None

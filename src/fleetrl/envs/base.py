@@ -56,6 +56,10 @@ class Rollout:
     # The whole conversation: the task's messages, then each model turn ("assistant") and each
     # answer of the environment or a tool ("user", "tool"). `completion` is the last model turn.
     messages: list[dict[str, str]] = field(default_factory=list)
+    # Multi-turn episodes: the state its environment kept (`respond`), and where each model turn
+    # lies in the episode's tokens after the prompt ([start, end); `spans` index the same tokens).
+    state: dict[str, Any] = field(default_factory=dict)
+    turns: list[list[int]] = field(default_factory=list)
 
 
 class Environment(Protocol):
@@ -73,9 +77,16 @@ class Environment(Protocol):
 class MultiTurnEnvironment(Environment, Protocol):
     tools: list[Tool]  # may be empty: a multi-turn environment without tools
 
-    def respond(self, task: Task, messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+    def respond(self, task: Task, messages: list[dict[str, str]], state: dict[str, Any]) -> list[dict[str, str]] | None:
         """The environment's answer to the model's last turn (`messages[-1]`, which holds no
-        tool call): messages to add before the model's next turn, or None: the episode is over."""
+        tool call): messages to add before the model's next turn, or None: the episode is over.
+
+        `state` is the episode's own dict, the same in every call and in its rollout's
+        `state`: an environment keeps what it needs across turns there. fleetrl puts the
+        episode's name (`state["episode"]`, unique in the run) and `state["step"]` in it.
+        An environment may also define `episode_ended(task, state, end)`: called once when an
+        episode ends, whatever ended it (`end`: docs/environments.md), before its reward.
+        """
         ...
 
 
@@ -88,12 +99,13 @@ def env_tools(env: Environment) -> list[Tool]:
     return list(getattr(env, "tools", None) or [])
 
 
-def respond(env: MultiTurnEnvironment, task: Task, messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+def respond(env: MultiTurnEnvironment, task: Task, messages: list[dict[str, str]],
+            state: dict[str, Any]) -> list[dict[str, str]] | None:
     """`env.respond(...)`, checked to be None or a non-empty list of chat messages."""
     turn = sum(m["role"] == "assistant" for m in messages[len(task.messages):])
     where = f"env {env.name}: answer to turn {turn} of task {task.id}"
     try:
-        reply = env.respond(task, messages)
+        reply = env.respond(task, messages, state)
     except EnvError:
         raise
     except Exception as e:

@@ -92,7 +92,7 @@ class Calculator:
                        answer=OPERATORS[op](a, b))
             index += 1
 
-    def respond(self, task: Task, messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+    def respond(self, task: Task, messages: list[dict[str, str]], state: dict) -> list[dict[str, str]] | None:
         return None  # a turn without a tool call is the final answer
 
     def reward(self, rollout: Rollout) -> float:

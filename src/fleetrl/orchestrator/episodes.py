@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleetrl.envs import EnvError, MultiTurnEnvironment, Task, env_tools, respond
 from fleetrl.envs.base import one_line
@@ -43,6 +44,7 @@ class Episode:
     task: Task
     prompt_ids: list[int]
     messages: list[dict[str, str]]  # the conversation so far, the task's messages first
+    state: dict[str, Any]  # the environment's, across the turns (`respond`)
     token_ids: list[int] = field(default_factory=list)  # after the prompt: model and environment tokens
     logprobs: list[float] = field(default_factory=list)  # the engine's on model tokens, 0 on the others
     loss_mask: list[int] = field(default_factory=list)  # 1 on model tokens
@@ -93,10 +95,29 @@ class EpisodeLimits:
 
 async def run_episode(fleet: Fleet, env: MultiTurnEnvironment, chat: ChatTokens, decode: Callable[[list[int]], str],
                       task: Task, prompt_ids: list[int], sampling: SamplingParams, session_id: str, step: int,
-                      limits: EpisodeLimits) -> Episode:
-    """Model turns and environment answers until the episode ends; never raises for a fault
-    of the environment, a tool or a worker's version: those end the episode (`end`, `error`)."""
-    episode = Episode(task=task, prompt_ids=prompt_ids, messages=list(task.messages))
+                      name: str, limits: EpisodeLimits) -> Episode:
+    """Model turns and environment answers until the episode (`name`, unique in the run) ends;
+    never raises for a fault of the environment, a tool or a worker's version: those end the
+    episode (`end`, `error`)."""
+    episode = Episode(task=task, prompt_ids=prompt_ids, messages=list(task.messages),
+                      state={"episode": name, "step": step})
+    await _take_turns(episode, fleet, env, chat, decode, sampling, session_id, step, limits)
+    if callable(getattr(env, "episode_ended", None)):
+        try:
+            await call_with_limit(limits.user_code_timeout_s, env.episode_ended, task, episode.state, episode.end)
+        except Exception as e:  # a fault already ending the episode is the one to report
+            if episode.end not in FAULTS:
+                episode.end, episode.error = "env_failed", (
+                    f"env {env.name}: episode_ended of task {task.id} "
+                    + (f"took longer than orchestrator.reward_timeout_s = {limits.user_code_timeout_s:g} s"
+                       if isinstance(e, TimeoutError) else f"raised {one_line(e)}"))
+    return episode
+
+
+async def _take_turns(episode: Episode, fleet: Fleet, env: MultiTurnEnvironment, chat: ChatTokens,
+                      decode: Callable[[list[int]], str], sampling: SamplingParams, session_id: str, step: int,
+                      limits: EpisodeLimits) -> None:
+    task, prompt_ids = episode.task, episode.prompt_ids
     tools = {tool.name: tool for tool in env_tools(env)}
     for turn in range(1, limits.max_turns + 1):
         context = prompt_ids + episode.token_ids
@@ -118,7 +139,7 @@ async def run_episode(fleet: Fleet, env: MultiTurnEnvironment, chat: ChatTokens,
             episode.end = "off_policy"  # no use sampling more of what will not be trained
             break
         try:
-            reply = await _answer(env, tools, task, episode.messages, limits.user_code_timeout_s)
+            reply = await _answer(env, tools, task, episode.messages, episode.state, limits.user_code_timeout_s)
         except _EpisodeFault as fault:
             episode.end, episode.error = fault.reason, str(fault)
             break
@@ -127,7 +148,6 @@ async def run_episode(fleet: Fleet, env: MultiTurnEnvironment, chat: ChatTokens,
             break
         episode.messages += reply
         episode.add_environment_tokens(chat.between_turns(completion.token_ids, reply))
-    return episode
 
 
 class _EpisodeFault(Exception):
@@ -137,12 +157,12 @@ class _EpisodeFault(Exception):
 
 
 async def _answer(env: MultiTurnEnvironment, tools: dict[str, Tool], task: Task, messages: list[dict[str, str]],
-                  timeout_s: float) -> list[dict[str, str]] | None:
+                  state: dict[str, Any], timeout_s: float) -> list[dict[str, str]] | None:
     """What follows the model's last turn: its tool calls' results, or the environment's answer."""
     if calls := parse_tool_calls(messages[-1]["content"], tools) if tools else []:
         return [{"role": "tool", "content": await _call(tools, call, env.name, task.id)} for call in calls]
     try:
-        return await call_with_limit(timeout_s, respond, env, task, messages)
+        return await call_with_limit(timeout_s, respond, env, task, messages, state)
     except EnvError as e:
         raise _EpisodeFault("env_failed", str(e)) from None
     except TimeoutError:

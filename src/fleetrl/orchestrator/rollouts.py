@@ -234,7 +234,7 @@ class Orchestrator:
                               session: str) -> Scored:
         started = time.time()
         episode = await run_episode(self.fleet, self.env, self.chat, self._decode, task, prompt_ids, self.sampling,
-                                    session, step, self.limits)
+                                    session, step, f"{session}-sample{sample}", self.limits)
         completion = episode.response()
         self._sampled(step, group, sample, completion, started, time.time())
         return await self._score(step, task, prompt_ids, completion, episode)
@@ -262,7 +262,7 @@ class Orchestrator:
         if episode:
             last = episode.messages[-1] if episode.messages[-1]["role"] == "assistant" else {"content": ""}
             rollout = Rollout(task=task, completion=last["content"], spans=completion.spans, step=step,
-                              messages=episode.messages)
+                              messages=episode.messages, state=episode.state, turns=episode.turns)
         else:
             rollout = Rollout(task=task, completion=text, spans=completion.spans, step=step,
                               messages=[*task.messages, {"role": "assistant", "content": text}])
