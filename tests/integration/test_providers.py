@@ -52,7 +52,6 @@ PROVIDERS = {
     "dynamo": dict(provider="dynamo", workers=2),
     "dynamo-fleetrl": dict(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl"), workers=1),
 }
-PER_TOKEN_VERSIONS = ["vllm", "dynamo-fleetrl"]
 # Fixed tokens with a leading "-" and digits: they must pass the CLI as they are (issue 15).
 TOKEN = "-0123456789abcdef"  # admin
 DATA_TOKEN = "-fedcba9876543210"
@@ -419,14 +418,14 @@ async def check_abort_mode_joins_spans(fleet, base_weights, tokenizer, storage, 
     assert out.token_ids[boundary:] == continuation
 
 
-@only(*PER_TOKEN_VERSIONS)
+@only("dynamo-fleetrl")  # native workers: in a turn of a multi-turn episode, below
 async def test_keep_mode_span_boundary_is_where_the_weights_changed(fleet, base_weights, tokenizer,
                                                                     tmp_path_factory):
     await check_keep_mode_span_boundary(fleet, base_weights, tokenizer, tmp_path_factory.mktemp("weights-keep"),
                                         "broadcast")
 
 
-@only(*PER_TOKEN_VERSIONS)
+@only("dynamo-fleetrl")  # native workers: in a turn of a multi-turn episode, below
 async def test_abort_mode_continues_and_joins_spans(fleet, base_weights, tokenizer, tmp_path_factory):
     await check_abort_mode_joins_spans(fleet, base_weights, tokenizer, tmp_path_factory.mktemp("weights-abort"),
                                        "filesystem")
@@ -524,32 +523,40 @@ async def test_a_three_turn_episode_is_token_exact_and_stays_on_one_worker(fleet
 async def test_publishes_inside_a_turn_and_between_turns_give_each_turn_exact_spans(fleet, base_weights, tokenizer,
                                                                                    tmp_path_factory, mode):
     """v+1 is published while the first turn runs (keep: it goes on; abort: it is cut and
-    continued), v+2 while the environment answers: the first turn holds v and v+1 split where the
-    weights changed, the second turn is all v+2 and is v+2's exact continuation."""
+    continued), v+2 while the environment answers. The first turn holds v and v+1, split at the
+    exact token where the weights changed: before it, v's greedy tokens; from it, v+1's greedy
+    continuation. The second turn is all v+2, and is v+2's exact continuation."""
     old, old_mode = fleet.version, fleet.pause_mode
     env = Answers("Go on.", opened=False)
+    text = "Write a long story about a lighthouse."
     sampling = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    reference = await greedy(fleet, chat_ids(tokenizer, text), 200)  # all at v
     transport = transport_for("broadcast", tmp_path_factory)
     fleet.pause_mode = mode
     try:
-        running_episode = asyncio.create_task(episode_of(fleet, tokenizer, env, "Write a long story about a lighthouse.",
-                                                         sampling, old + 3, max_turns=2))
+        running_episode = asyncio.create_task(episode_of(fleet, tokenizer, env, text, sampling, old + 4, max_turns=2))
         await asyncio.sleep(2.0)
         await fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
         assert await asyncio.to_thread(env.asked.wait, 300)
         await fleet.publish(old + 2, transport, perturbed(base_weights, seed=old + 2))
         env.opened.set()
         episode = await running_episode
+        (first, first_end), (second, second_end) = episode.turns
+        assert first_end - first == 200 and second_end - second == 200, episode.turns
+        assert [s.version for s in episode.spans] == [old, old + 1, old + 2], episode.spans
+        boundary = episode.spans[1].start
+        assert episode.spans[0].start == first < boundary < first_end and episode.spans[2].start == second
+        ids = episode.prompt_ids + episode.token_ids
+        assert episode.token_ids[second:second_end] == await greedy(fleet, ids[:len(episode.prompt_ids) + second], 200)
+        # v+1's weights again (as v+3), to replay the first turn from the boundary on.
+        await fleet.publish(old + 3, transport, perturbed(base_weights, seed=old + 1))
+        tail = await greedy(fleet, ids[:len(episode.prompt_ids) + boundary], first_end - boundary)
     finally:
         env.opened.set()
         fleet.pause_mode = old_mode
         await transport.close()
-    (first, first_end), (second, second_end) = episode.turns
-    assert first_end - first == 200 and second_end - second == 200, episode.turns
-    assert [s.version for s in episode.spans] == [old, old + 1, old + 2], episode.spans
-    assert episode.spans[0].start == first < episode.spans[1].start < first_end and episode.spans[2].start == second
-    replay = await greedy(fleet, episode.prompt_ids + episode.token_ids[:second], 200)
-    assert episode.token_ids[second:second_end] == replay
+    assert episode.token_ids[first:boundary] == reference[:boundary]
+    assert episode.token_ids[boundary:first_end] == tail and tail[0] != reference[boundary]
     check_turns("episode", as_sample(episode))
 
 

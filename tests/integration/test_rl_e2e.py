@@ -136,6 +136,23 @@ def check_episodes(run_dir: Path, max_turns: int) -> None:
         assert {start for start, _ in sample.turns} <= {span.start for span in sample.spans}
 
 
+def check_verifiers_traces(run_dir: Path) -> None:
+    """verifiers' own record of the run: an episode per sample, each model turn of its trace
+    with the policy versions that produced it (k = 0: the step's policy), the episode stamped
+    with the step and the versions it spans."""
+    episodes = [json.loads(line) for line in RunDir(run_dir).verifiers_episodes_path.read_text().splitlines()]
+    assert len(episodes) == STEPS * 2 * 4  # batch_prompts x group_size per step
+    for episode in episodes:
+        (trace,) = episode["traces"]
+        stamp = trace["info"]["fleetrl"]
+        step = stamp["step"]
+        assert 1 <= len(stamp["turns"]) <= 2
+        for turn in stamp["turns"]:
+            assert turn["policy"] == {"start": step - 1, "end": step - 1}, stamp
+        work = episode["run"]["work"]
+        assert work["step"] == step and work["policy"] == {"start": step - 1, "end": step - 1}
+
+
 def check_the_fleet_record(run_dir) -> None:
     """While the run's fleet is up, what `fleetrl status RUN_DIR` reads: its settings, and its
     tokens in a file that only this user can read (none with Dynamo, which takes no tokens)."""
@@ -264,18 +281,23 @@ def test_one_step_off_policy_overlaps_rollouts_with_training(tmp_path):
     assert any(overlaps), [(m["rollout_started"], m["train_started"], m["train_finished"]) for m in metrics]
 
 
-def test_four_ranks_on_dynamo_with_etcd_and_nats_prefill_and_decode(tmp_path):
+def test_four_ranks_on_dynamo_with_etcd_and_nats_prefill_and_decode(tmp_path, monkeypatch):
     """The same loop, unchanged, on Dynamo as a cluster runs it: the quickstart's Dynamo command
     on two torchrun "nodes" (4 trainer ranks), with etcd discovery and the NATS event plane, both
     launched by fleetrl; a frontend, one prefill and one decode worker (Dynamo's own vLLM
     workers): every rollout's prompt is prefilled on the one and decoded on the other, and both
-    are in every publish."""
+    are in every publish. The task is a verifiers multi-turn taskset, whose own Env asks again
+    after a wrong answer: every turn of every trace carries its policy versions."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "tasksets"))  # the taskset, for every rank
     run_dir, groups, out = run_on_two_torchrun_nodes(
         tmp_path, 0, "--inference.workers", "1", "--inference.dynamo.prefill_workers", "1",
         "--inference.dynamo.discovery", "etcd", "--inference.dynamo.event_plane", "nats",
+        "--orchestrator.env", "verifiers:fleetrl_retry_sum", "--orchestrator.max_turns", "2",
         command=".venv/bin/fleetrl rl @ configs/default.toml --inference.provider dynamo "
                 "--run.dir runs/dynamo")  # the test's --run.dir comes later, and wins
     metrics = check_common(run_dir, groups, out, k=0)  # etcd and NATS among the groups: none left either
+    check_episodes(run_dir, max_turns=2)
+    check_verifiers_traces(run_dir)
     assert all(m["distance_max"] == 0 for m in metrics)
     assert "Dynamo frontend and 2 worker(s) ready" in out
     assert (run_dir / "logs" / "etcd.log").stat().st_size > 0 and (run_dir / "logs" / "nats.log").stat().st_size > 0

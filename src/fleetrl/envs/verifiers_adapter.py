@@ -1,22 +1,63 @@
 """Run a `verifiers` (v1 API) taskset as a fleetrl environment, and record what produced each rollout.
 
 `verifiers:<taskset id>` loads the taskset package the way verifiers does (`load_taskset`:
-the id names an installed module exporting one `Taskset` subclass). fleetrl plays the agent
-itself, single-turn: the prompt is the task's `system_prompt` + `prompt`, fleetrl's inference
-fleet samples the completion, and the task's own `@vf.reward` functions score it on a
-verifiers `Trace` holding those messages. The reward is the trace's weighted sum of rewards.
+the id names an installed module exporting one `Taskset` subclass, and optionally one `Env`
+subclass). fleetrl plays the agent itself: its inference fleet samples every model turn.
+
+**Single-turn** (the taskset ships no `Env` of its own and no toolsets): the prompt is the
+task's `system_prompt` + `prompt`, fleetrl samples the completion, and the task's own
+`@vf.reward` functions score it on a verifiers `Trace` holding those messages. The reward is the
+trace's weighted sum of rewards. The adapter then has no `respond`: fleetrl runs it single-turn.
+
+**Multi-turn** (the taskset ships its own `Env`, e.g. one whose `run` talks to the model over
+several `interaction(task).turn(...)`s) and **tools** (the taskset's or its task type's
+`toolsets()`: `vf.Toolset`s with `@vf.tool` methods): the adapter defines `respond`,
+`episode_ended` and `tools`, and verifiers' own `Env.setup/run/finalize` run unchanged on the
+adapter's private event loop (`verifiers_bridge.py`), the env's one seat answered by fleetrl:
+
+- Each episode's verifiers session lives in its fleetrl `state` (`state["verifiers_session"]`),
+  opened at its first `respond`: the env runs up to the model's first turn, which must see the
+  task's messages. A prompted task opens with its `system_prompt` + `prompt`; a prompt-less one
+  (the env's `run` sends the first user message) with what the env sends, found by running the
+  env once per task when `tasks` first hands it out.
+- `respond` hands the env the model's turn (and, before it, the model's tool calls and their
+  results) and returns what the env says next (`user` messages), or None when `Env.run` returns.
+  Before each turn the env asks for, the seat makes verifiers' checks: its `max_turns`/token
+  limits and the task's `@vf.stop` hooks end the episode as they would in verifiers. Tool rounds
+  are fleetrl's (within one turn the env asked for) and are bounded by `orchestrator.max_turns`
+  alone: a `@vf.stop` is not consulted between them.
+- Tools are served in process: each toolset is registered with verifiers' own
+  `Toolset.register` on an `mcp` MCPServer, and each of its tools is a fleetrl `Tool` named as
+  verifiers' chat harness names it (`{toolset server_name}_{tool}`), with the tool's JSON schema.
+  Arguments that do not fit the schema are answered as the model's mistake (`error: ...`); a
+  tool that raises makes `Tool.fn` raise (fleetrl ends the episode: `tool_failed`). The trace
+  records each call as an assistant `ToolCall` and a `ToolMessage` answering it.
+- `episode_ended` cancels the env of an episode that a fault ended (`tool_failed`, `env_failed`,
+  `misversioned`, `off_policy`): nothing is scored or recorded. An episode fleetrl scores
+  (`done`, `max_turns`, `context`) is wound down by `reward`, which hands the env the model's
+  last turn (if `respond` never saw it), refuses any further turn (the trace stops with fleetrl's
+  end), runs `Env.finalize`, and scores the trace with the task's rewards. Each reward must be in
+  [0, 1], and so must their weighted sum (the reward), else an `EnvError` names it.
 
 Every scored rollout becomes a verifiers `Episode` whose run is stamped the way verifiers'
 own trainers stamp it: `TrainRunInfo(id, name, work=TrainWorkInfo(step, policy=PolicySpan(
 start, end)))`, with `start`/`end` the oldest and newest policy version that produced the
-completion. The exact per-token version spans go to `trace.info["fleetrl"]`. With
-`episodes_path` set, each episode is appended there as one JSON line (`Episode.to_record()`),
-readable with `verifiers.v1.WireEpisode.model_validate`, and synced to disk as it is written (a
-resumed `fleetrl rl` drops the episodes of the steps it redoes, by their run stamp's step).
+completion. The exact per-token version spans go to `trace.info["fleetrl"]` (`step`,
+`version_spans`); a multi-turn trace adds `turns`: for each sampled node (model turn), its index
+in `trace.nodes`, its `[start, end)` in the episode's tokens (`rollout.turns`), its version spans
+and its `PolicySpan` (verifiers 0.4 has no per-node policy field). With `episodes_path` set,
+each episode is appended there as one JSON line (`Episode.to_record()`), readable with
+`verifiers.v1.WireEpisode.model_validate`, and synced to disk as it is written (a resumed
+`fleetrl rl` drops the episodes of the steps it redoes, by their run stamp's step).
 
-Not supported, and refused with a clear error: tasks that need a container or tool servers,
-prompt-less tasks (the user opens the conversation), and rewards that need a runtime; they
-need a verifiers harness driving a sandbox, which is not what a single-turn RL loop is.
+Not supported, and refused with a one-line `EnvError` naming the env and the reason: tasks that
+need a container; rewards that need a runtime (a `runtime` parameter); an `Env` with more than
+one seat, or whose `setup` freezes its seat (fleetrl provides no model for other seats); a
+`run` that opens a second conversation with the model; toolsets that keep per-rollout `State`
+or have a per-task `setup_task` (an in-process tool call does not carry the rollout); prompt-less
+tasks without an `Env` of their own that opens the conversation; an `Env.run` that raises (the
+episode fails: `env_failed`). An env must open every episode of a task the same way.
+Synchronous `@vf.tool` methods run on the adapter's loop, so a slow one delays other episodes.
 
 `verifiers` is optional: it is imported only when such an environment is built.
 """
@@ -36,12 +77,17 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from fleetrl.envs.base import EnvError, Rollout, Task, one_line
+from fleetrl.envs.verifiers_bridge import Session, check_toolsets, load_tools
 from fleetrl.files import append_line
 
 if TYPE_CHECKING:
     import verifiers.v1 as vf
 
-UNSUPPORTED = "fleetrl's single-turn adapter does not provide"
+UNSUPPORTED = "fleetrl's verifiers adapter does not provide"
+SESSION = "verifiers_session"  # where an episode's verifiers session lives in fleetrl's `state`
+ENDED = "verifiers_end"  # how fleetrl ended the episode (`episode_ended`)
+SCORED_ENDS = ("done", "max_turns", "context")  # the ends fleetrl scores; the others are faults
+TOOL_TIMEOUT_S = 30.0
 
 
 def _import_verifiers():
@@ -82,30 +128,67 @@ class VerifiersEnvironment:
         task_cls = self.taskset.task_type()
         if task_cls.NEEDS_CONTAINER:
             raise EnvError(f"env {self.name}: its tasks need a container, which {UNSUPPORTED}")
-        if self.taskset.toolsets(self.taskset.config) or task_cls.toolsets(self.taskset.config.task):
-            raise EnvError(f"env {self.name}: its tasks use tool servers, which {UNSUPPORTED}")
         self.episodes_path = Path(episodes_path) if episodes_path is not None else None
         self.run_id = run_id
         self.run_name = run_name
-        # verifiers scores asynchronously; the orchestrator may call `reward` from inside its
-        # own event loop, where `asyncio.run` is refused. One private loop thread serves both.
+        # verifiers is asynchronous; the orchestrator may call `reward` from inside its own event
+        # loop, where `asyncio.run` is refused. One private loop thread serves every episode.
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name=f"{self.name} scoring", daemon=True).start()
         self._write_lock = threading.Lock()  # rewards are scored in threads: one line at a time
+        self.env = None  # the taskset's verifiers `Env`, for multi-turn and tool tasksets
+        self._openings: dict[str, list[dict[str, str]]] = {}  # prompt-less tasks: what the env opens with
+        toolsets = [*self.taskset.toolsets(self.taskset.config), *task_cls.toolsets(self.taskset.config.task)]
+        from verifiers.v1.utils.loaders import environment_class
+
+        if toolsets or environment_class(taskset_id) is not vf.SingleAgentEnv:
+            self._multi_turn(taskset_config, toolsets)
+
+    def _multi_turn(self, taskset_config, toolsets: list) -> None:
+        """Drive the taskset's own `Env` turn by turn (`respond`), lending its toolsets as tools."""
+        vf = self._vf
+        from verifiers.v1.configs.agent import agent_config_fields
+
+        try:
+            self.env = vf.load_environment(vf.resolve_env_config({"taskset": taskset_config}))
+        except Exception as e:
+            raise EnvError(f"env {self.name}: cannot build its verifiers Env: {one_line(e)}") from e
+        seats = list(agent_config_fields(self.env.config))
+        if len(seats) != 1:
+            raise EnvError(f"env {self.name}: {type(self.env).__name__} seats {len(seats)} agents {seats}; fleetrl "
+                           "plays exactly one, the trainable seat, and provides no model for the others")
+        check_toolsets(self.name, toolsets)
+        self.taskset = self.env.taskset
+        try:
+            tools = asyncio.run_coroutine_threadsafe(
+                load_tools(self.name, toolsets, self._loop, TOOL_TIMEOUT_S), self._loop).result(60)
+        except Exception as e:
+            raise EnvError(f"env {self.name}: cannot serve its toolsets: {one_line(e)}") from e
+        if len({tool.name for tool in tools}) != len(tools):
+            raise EnvError(f"env {self.name}: two of its tools share a name ({[t.name for t in tools]})")
+        # fleetrl treats an environment with `respond` as multi-turn: these exist only here.
+        self.tools = tools
+        self.respond = self._respond
+        self.episode_ended = self._episode_ended
 
     def tasks(self, seed: int) -> Iterator[Task]:
         """A finite taskset is reshuffled every pass (seeded); an infinite one is its own
         stream, which verifiers does not seed: every seed then yields the same tasks."""
+        make = self._task if self.env is None else self._multi_turn_task
         if not self.taskset.bounded:
             for vf_task in self.taskset:
-                yield self._task(vf_task)
+                yield make(vf_task)
             return
-        tasks = [self._task(vf_task) for vf_task in self.taskset]
+        if self.env is None:
+            tasks = [make(vf_task) for vf_task in self.taskset]
+        else:  # the env may have to run to say what a task opens with: only as each is handed out
+            tasks = list(self.taskset)
         if not tasks:
             raise EnvError(f"env {self.name}: the taskset has no tasks")
         rng = random.Random(seed)
         while True:
-            yield from rng.sample(tasks, len(tasks))
+            for task in rng.sample(tasks, len(tasks)):
+                yield task if self.env is None else make(task)
 
     def reward(self, rollout: Rollout) -> float:
         episode = self.episode(rollout)
@@ -113,10 +196,12 @@ class VerifiersEnvironment:
             line = json.dumps(episode.to_record())
             with self._write_lock:
                 append_line(self.episodes_path, line)
-        return episode.traces[0].reward
+        return _trainable(episode).reward
 
     def episode(self, rollout: Rollout) -> vf.Episode:
         """The scored verifiers `Episode` of one rollout, stamped with its policy provenance."""
+        if self.env is not None:
+            return self._multi_turn_episode(rollout)
         vf = self._vf
         from verifiers.v1.state import state_cls
 
@@ -162,6 +247,118 @@ class VerifiersEnvironment:
             messages=[{"role": m.role, "content": content_text(m.content)} for m in messages],
             answer=vf_task,
         )
+
+
+    # --- multi-turn and tool tasksets: the taskset's own `Env`, driven turn by turn ------------------
+
+    def _multi_turn_task(self, vf_task) -> Task:
+        from verifiers.v1.types import content_text
+
+        data = vf_task.data
+        task_id = data.id or str(data.idx)
+        if data.prompt is not None:
+            messages = [{"role": m.role, "content": content_text(m.content)} for m in _prompt_messages(self._vf, data)]
+        elif type(self.env) is self._vf.SingleAgentEnv:
+            raise EnvError(f"env {self.name}: task {data.idx} has no prompt (the user opens), which {UNSUPPORTED} "
+                           "without an Env of its own that opens the conversation")
+        else:  # what the env opens with: run it up to the model's first turn, once per task
+            if task_id not in self._openings:
+                session = self._session(vf_task, task_id)
+                try:
+                    self._openings[task_id] = session.open()
+                finally:
+                    session.cancel()
+            messages = self._openings[task_id]
+        return Task(id=task_id, messages=messages, answer=vf_task)
+
+    def _session(self, vf_task, task_id: str) -> Session:
+        if unscorable := [fn.__name__ for fn in vf_task.hooks("reward") if _needs_runtime(fn)]:
+            raise EnvError(f"env {self.name}: rewards {unscorable} need a verifiers runtime, which {UNSUPPORTED}")
+        return Session(self._vf, self.name, self.env, vf_task, self._loop, task_id)
+
+    def _open(self, task: Task, state: dict[str, Any]) -> Session:
+        """The episode's session (in its `state`), opened at its first turn: the env runs up to
+        the model's first turn, which must see the task's messages."""
+        session = state.get(SESSION)
+        if session is None:
+            session = state[SESSION] = self._session(task.answer, task.id)
+            opening = session.open()
+            if opening != task.messages:
+                session.cancel()
+                raise EnvError(f"env {self.name}: task {task.id} opened with {str(opening)[:200]!r}, not its "
+                               "messages: its Env must open every episode of a task the same way")
+        return session
+
+    def _respond(self, task: Task, messages: list[dict[str, str]], state: dict[str, Any]) -> list[dict[str, str]] | None:
+        """The env's answer to the model's turn (`Env.run` goes on until it asks the model again)."""
+        return self._open(task, state).respond(messages)
+
+    def _episode_ended(self, task: Task, state: dict[str, Any], end: str) -> None:
+        """A faulted episode is never scored: its `Env.run` is cancelled here. A scored one is
+        wound down by `reward`, which hands the env the model's last turn."""
+        state[ENDED] = end
+        if end not in SCORED_ENDS and (session := state.pop(SESSION, None)) is not None:
+            session.cancel()
+
+    def _multi_turn_episode(self, rollout: Rollout) -> vf.Episode:
+        vf, task, state = self._vf, rollout.task, rollout.state
+        session = self._open(task, state)  # a one-turn episode (max_turns = 1) never reached `respond`
+        messages = rollout.messages or [*task.messages, {"role": "assistant", "content": rollout.completion}]
+        end = state.get(ENDED) or ("max_turns" if messages[-1]["role"] == "assistant" else "context")
+        try:
+            episode = session.finish(messages, end)
+        finally:
+            state.pop(SESSION, None)
+        trace = session.policy.trace if session.policy is not None else None
+        where = f"env {self.name}: task {task.id}"
+        if trace is None:
+            raise EnvError(f"{where}: its Env ran no turn of the model")
+        if not trace.ok or not episode.ok:
+            errors = [e.message for e in [*trace.errors, *episode.errors]]
+            raise EnvError(f"{where}: the verifiers episode failed: {'; '.join(errors)[:300]}")
+        for name, value in trace.rewards.items():
+            if value is not None and not 0.0 <= value.score <= 1.0:
+                raise EnvError(f"{where}: reward {name} is {value.score!r}, outside [0, 1]")
+        if not 0.0 <= trace.reward <= 1.0:
+            weights = {name: r.weight for name, r in trace.rewards.items() if r is not None}
+            raise EnvError(f"{where}: the weighted sum of its rewards is {trace.reward!r}, outside [0, 1] "
+                           f"(weights {weights})")
+        sampled = [i for i, node in enumerate(trace.nodes) if node.sampled]
+        turns = rollout.turns or [[0, None]]  # scored without fleetrl's turns: one turn, its end unknown
+        if len(sampled) != len(turns):
+            raise EnvError(f"{where}: its trace holds {len(sampled)} model turns, fleetrl's episode {len(turns)}")
+        per_turn = []
+        for node, (start, stop) in zip(sampled, turns):
+            spans = _spans_within(rollout.spans, start, stop)
+            versions = [span["version"] for span in spans]
+            per_turn.append({"node": node, "tokens": [start, stop], "version_spans": spans,
+                             "policy": vf.PolicySpan(start=min(versions), end=max(versions)).model_dump()})
+        trace.info["fleetrl"] = {
+            "step": rollout.step,
+            "version_spans": [{"version": s.version, "start": s.start} for s in rollout.spans],
+            "turns": per_turn,
+        }
+        episode.env = vf.EnvInfo(id=self.taskset.config.id, name=self.name)
+        versions = [span.version for span in rollout.spans]
+        policy = vf.PolicySpan(start=min(versions), end=max(versions))
+        episode.record_run(vf.TrainRunInfo(id=self.run_id, name=self.run_name,
+                                           work=vf.TrainWorkInfo(step=rollout.step, policy=policy)))
+        return episode
+
+
+def _trainable(episode) -> Any:
+    """The trace of the seat fleetrl trains (a single-turn episode's only trace)."""
+    return next((t for t in episode.traces if t.agent.trainable and "fleetrl" in t.info), episode.traces[0])
+
+
+def _spans_within(spans, start: int, stop: int | None) -> list[dict[str, int]]:
+    """The version spans over the tokens [start, stop), the first starting at `start`."""
+    within = []
+    for i, span in enumerate(spans):
+        span_end = spans[i + 1].start if i + 1 < len(spans) else None
+        if (stop is None or span.start < stop) and (span_end is None or span_end > start):
+            within.append({"version": span.version, "start": max(span.start, start)})
+    return within
 
 
 def _prompt_messages(vf, data) -> list:
