@@ -294,3 +294,18 @@ def test_verify_refuses_a_span_on_environment_tokens_and_a_trained_environment_t
         check_turns("s", sample([1, 1, 0, 1], [(0, 0)]))
     with pytest.raises(VerifyError, match="go back in version"):
         check_turns("s", sample([1, 1, 0, 1], [(1, 0), (0, 3)]))
+
+
+def test_an_episode_names_every_worker_that_served_its_turns_prefill_included():
+    from fleetrl.inference.types import GenerateResponse
+    from fleetrl.orchestrator.episodes import Episode
+    from fleetrl.versions import VersionSpan
+
+    episode = Episode(task=Task("t", [], None), prompt_ids=[1], messages=[], state={})
+    for worker, prefill in (("d0", "p0"), ("d0", "p1"), ("d0", "p0")):
+        episode.add_model_turn(GenerateResponse("r", [5], [-0.1], "stop", worker, [VersionSpan(0, 0)],
+                                                prefill_worker_id=prefill))
+        episode.add_environment_tokens([9])
+    response = episode.response()
+    assert response.worker_id == "d0" and response.prefill_worker_id == "p0+p1"
+    assert [s.start for s in response.spans] == [0, 2, 4] and episode.loss_mask == [1, 0] * 3

@@ -50,7 +50,8 @@ class Episode:
     loss_mask: list[int] = field(default_factory=list)  # 1 on model tokens
     spans: list[VersionSpan] = field(default_factory=list)  # each model turn opens one
     turns: list[list[int]] = field(default_factory=list)  # [start, end) of each model turn
-    workers: list[str] = field(default_factory=list)  # that served each turn
+    workers: list[str] = field(default_factory=list)  # that served its turns
+    prefill_workers: list[str] = field(default_factory=list)  # that computed their prompts' KV (disaggregated)
     end: str = ""  # why it ended (see the module's docstring)
     error: str | None = None  # the fault that ended it, in one line naming what failed
 
@@ -63,6 +64,8 @@ class Episode:
         self.turns.append([start, len(self.token_ids)])
         if completion.worker_id not in self.workers:
             self.workers.append(completion.worker_id)
+        if completion.prefill_worker_id and completion.prefill_worker_id not in self.prefill_workers:
+            self.prefill_workers.append(completion.prefill_worker_id)
 
     def add_environment_tokens(self, token_ids: list[int]) -> None:
         self.token_ids += token_ids
@@ -81,6 +84,7 @@ class Episode:
             request_id=self.task.id, token_ids=self.token_ids, logprobs=self.logprobs, finish_reason=self.end,
             worker_id="+".join(self.workers), spans=self.spans,
             version_error=self.error if self.end == "misversioned" else None,
+            prefill_worker_id="+".join(self.prefill_workers) or None,
         )
 
 
