@@ -31,6 +31,8 @@ from fleetrl.batch import Sample
 from fleetrl.config import Config, DynamoConfig, InferenceConfig, RunConfig, VllmConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV
 from fleetrl.envs import Task
+from fleetrl.envs.calculator import Calculator
+from fleetrl.envs.tools import Tool
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.launcher import wait_ready
 from fleetrl.inference.fleet import AgreementProbe, Fleet
@@ -591,6 +593,31 @@ async def test_an_episode_past_k_is_stopped_or_goes_on_as_a_partial_episode(flee
     assert sample.loss_mask[first:first_end] == [0] * 8 and sample.loss_mask[second:second_end] == [1] * 8
     assert off_policy_distance(old + 2, sample.trained_spans()) == 0
     check_turns("episode", sample)
+
+
+@only("vllm")
+async def test_a_tool_that_raises_or_hangs_ends_its_episode_with_the_reason(fleet, tokenizer):
+    """The calculator task, whose first turn (greedy) calls the tool, with the tool broken two
+    ways: each episode ends after that turn with a reason naming the tool, and nothing raises."""
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+    limits = EpisodeLimits(max_turns=3, max_context=512, max_off_policy_steps=10, partial_episodes=False,
+                           user_code_timeout_s=30)
+    tools = {"raises": Tool(name="calculator", fn=lambda expression: 1 / 0, description="broken"),
+             "hangs": Tool(name="calculator", fn=lambda expression: time.sleep(60), description="hung", timeout_s=1.0)}
+    ended = {}
+    for how, tool in tools.items():
+        env = Calculator()
+        env.tools = [tool]
+        task = next(env.tasks(seed=0))
+        episode = await run_episode(fleet, env, ChatTokens(tokenizer), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                    task, render_prompt(tokenizer, task.messages), sampling, f"tool-{how}",
+                                    fleet.version + 1, f"tool-{how}", limits)
+        assert '<tool_call>{"name": "calculator"' in episode.messages[-1]["content"], episode.messages[-1]
+        ended[how] = (episode.end, len(episode.turns), episode.error)
+    assert ended == {
+        "raises": ("tool_failed", 1, "env calculator: tool calculator on task 0-0 raised ZeroDivisionError: division by zero"),
+        "hangs": ("tool_failed", 1, "env calculator: tool calculator on task 0-0 took longer than its timeout_s = 1 s"),
+    }
 
 
 # -- the tests below change the fleet's membership: they run last -------------------------------
