@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# One Hermes tool call; its group is the call's JSON.
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ToolCall:
 def parse_tool_calls(text: str, tools: dict[str, Tool]) -> list[ToolCall]:
     """The tool calls in one model turn, in order; a badly written call carries its `error`."""
     calls = []
-    for body in _CALL.findall(text):
+    for body in TOOL_CALL.findall(text):
         try:
             call = json.loads(body)
         except json.JSONDecodeError as e:

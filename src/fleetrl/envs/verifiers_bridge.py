@@ -22,19 +22,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import re
 import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fleetrl.envs.base import EnvError, one_line
-from fleetrl.envs.tools import Tool
+from fleetrl.envs.tools import TOOL_CALL, Tool
 
 if TYPE_CHECKING:
     import verifiers.v1 as vf
 
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # fleetrl's Hermes format (envs/tools.py)
 OPEN_TIMEOUT_S = 300.0  # the env's own work up to the model's first turn (setup included)
 
 
@@ -54,7 +52,7 @@ def to_typed(vf, new: list[dict[str, str]], call_ids: list[str]) -> list:
     for m in new:
         if m["role"] == "assistant":
             calls = []
-            for body in _CALL.findall(m["content"]):
+            for body in TOOL_CALL.findall(m["content"]):
                 try:
                     call = json.loads(body)
                     name, arguments = str(call.get("name")), json.dumps(call.get("arguments", {}))
@@ -62,7 +60,7 @@ def to_typed(vf, new: list[dict[str, str]], call_ids: list[str]) -> list:
                     name, arguments = "", body.strip()
                 call_ids.append(f"call_{len(call_ids)}")
                 calls.append(vf.ToolCall(id=call_ids[-1], name=name, arguments=arguments))
-            text = _CALL.sub("", m["content"]).strip() if calls else m["content"]
+            text = TOOL_CALL.sub("", m["content"]).strip() if calls else m["content"]
             typed.append(vf.AssistantMessage(content=text or None, tool_calls=calls or None))
             pending = list(calls)
         elif m["role"] == "tool":
