@@ -60,7 +60,7 @@ class StepMetrics:
     truncated_frac: float
     max_off_policy: int  # the batch's largest off-policy distance, recomputed from its spans
     samples: int
-    completion_tokens: int
+    completion_tokens: int  # the tokens the loss saw (of a multi-turn episode: the model's turns)
     tokens: int  # prompt + completion tokens of the batch: the forward passes' real work
     tokens_per_s: float
 
