@@ -596,9 +596,16 @@ async def test_an_episode_past_k_is_stopped_or_goes_on_as_a_partial_episode(flee
 
 
 @only("vllm")
-async def test_a_tool_that_raises_or_hangs_ends_its_episode_with_the_reason(fleet, tokenizer):
-    """The calculator task, whose first turn (greedy) calls the tool, with the tool broken two
-    ways: each episode ends after that turn with a reason naming the tool, and nothing raises."""
+async def test_a_tool_that_raises_or_hangs_ends_its_episode_with_the_reason(fleet, base_weights, tokenizer,
+                                                                           tmp_path_factory):
+    """The calculator task, whose first turn (greedy, base weights) calls the tool, with the tool
+    broken two ways: each episode ends after that turn with a reason naming the tool, and
+    nothing raises."""
+    transport = transport_for("broadcast", tmp_path_factory)
+    try:  # the module's earlier tests left noise-perturbed weights: the base model's again
+        await fleet.publish(fleet.version + 1, transport, perturbed(base_weights, seed=0, scale=0.0))
+    finally:
+        await transport.close()
     sampling = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
     limits = EpisodeLimits(max_turns=3, max_context=512, max_off_policy_steps=10, partial_episodes=False,
                            user_code_timeout_s=30)
