@@ -48,7 +48,7 @@ class Sample:
 
     def trained_spans(self) -> list[VersionSpan]:
         """The spans holding at least one token the loss sees: what the distance is taken over."""
-        return self.spans if self.loss_mask is None else trained_spans(self.spans, self.loss_mask)
+        return trained_spans(self.spans, self.loss_mask)
 
 
 @dataclass

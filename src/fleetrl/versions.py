@@ -23,9 +23,12 @@ def off_policy_distance(step: int, spans: list[VersionSpan]) -> int:
     return (step - 1) - min(span.version for span in spans)
 
 
-def trained_spans(spans: list[VersionSpan], loss_mask: list[int]) -> list[VersionSpan]:
+def trained_spans(spans: list[VersionSpan], loss_mask: list[int] | None) -> list[VersionSpan]:
     """The spans holding at least one token the loss sees (`loss_mask` 1): the ones a sample's
-    distance is taken over, when part of it is not trained (an environment's tokens)."""
+    distance is taken over, when part of it is not trained (an environment's tokens). No mask:
+    every token is trained, and every span counts."""
+    if loss_mask is None:
+        return spans
     return [span for span, end in span_ends(spans, len(loss_mask)) if any(loss_mask[span.start:end])]
 
 

@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetrl.envs import EnvError, MultiTurnEnvironment, Task, env_tools, respond
-from fleetrl.envs.base import one_line
 from fleetrl.envs.tools import Tool, ToolCall, parse_tool_calls
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams
 from fleetrl.orchestrator.chat import ChatTokens
-from fleetrl.orchestrator.threads import call_with_limit
-from fleetrl.versions import VersionSpan, off_policy_distance, span_ends, trained_spans
+from fleetrl.orchestrator.threads import call_user_code
+from fleetrl.versions import VersionSpan, off_policy_distance, span_ends
 
 # How an episode ended; the faults among them drop it (they are its sample's drop_reason).
 FAULTS = ("tool_failed", "env_failed", "misversioned", "off_policy")
@@ -108,13 +107,11 @@ async def run_episode(fleet: Fleet, env: MultiTurnEnvironment, chat: ChatTokens,
     await _take_turns(episode, fleet, env, chat, decode, sampling, session_id, step, limits)
     if callable(getattr(env, "episode_ended", None)):
         try:
-            await call_with_limit(limits.user_code_timeout_s, env.episode_ended, task, episode.state, episode.end)
-        except Exception as e:  # a fault already ending the episode is the one to report
+            await call_user_code(f"env {env.name}: episode_ended of task {task.id}", limits.user_code_timeout_s,
+                                 "orchestrator.reward_timeout_s", env.episode_ended, task, episode.state, episode.end)
+        except EnvError as e:  # a fault already ending the episode is the one to report
             if episode.end not in FAULTS:
-                episode.end, episode.error = "env_failed", (
-                    f"env {env.name}: episode_ended of task {task.id} "
-                    + (f"took longer than orchestrator.reward_timeout_s = {limits.user_code_timeout_s:g} s"
-                       if isinstance(e, TimeoutError) else f"raised {one_line(e)}"))
+                episode.end, episode.error = "env_failed", str(e)
     return episode
 
 
@@ -138,8 +135,8 @@ async def _take_turns(episode: Episode, fleet: Fleet, env: MultiTurnEnvironment,
         if turn == limits.max_turns:
             episode.end = "max_turns"
             break
-        if not limits.partial_episodes and \
-                off_policy_distance(step, trained_spans(episode.spans, episode.loss_mask)) > limits.max_off_policy_steps:
+        # While it is sampled, an episode trains every model token, and its spans open only on them.
+        if not limits.partial_episodes and off_policy_distance(step, episode.spans) > limits.max_off_policy_steps:
             episode.end = "off_policy"  # no use sampling more of what will not be trained
             break
         try:
@@ -166,12 +163,10 @@ async def _answer(env: MultiTurnEnvironment, tools: dict[str, Tool], task: Task,
     if calls := parse_tool_calls(messages[-1]["content"], tools) if tools else []:
         return [{"role": "tool", "content": await _call(tools, call, env.name, task.id)} for call in calls]
     try:
-        return await call_with_limit(timeout_s, respond, env, task, messages, state)
+        return await call_user_code(f"env {env.name}: its answer to a turn of task {task.id}", timeout_s,
+                                    "orchestrator.reward_timeout_s", respond, env, task, messages, state)
     except EnvError as e:
         raise _EpisodeFault("env_failed", str(e)) from None
-    except TimeoutError:
-        raise _EpisodeFault("env_failed", f"env {env.name}: its answer to a turn of task {task.id} took longer than "
-                                          f"orchestrator.reward_timeout_s = {timeout_s:g} s") from None
 
 
 async def _call(tools: dict[str, Tool], call: ToolCall, env_name: str, task_id: str) -> str:
@@ -179,11 +174,9 @@ async def _call(tools: dict[str, Tool], call: ToolCall, env_name: str, task_id: 
     if call.error:
         return f"error: {call.error}"
     tool = tools[call.name]
-    where = f"env {env_name}: tool {tool.name} on task {task_id}"
     try:
-        result = await call_with_limit(tool.timeout_s, functools.partial(tool.fn, **call.arguments))
-    except TimeoutError:
-        raise _EpisodeFault("tool_failed", f"{where} took longer than its timeout_s = {tool.timeout_s:g} s") from None
-    except Exception as e:
-        raise _EpisodeFault("tool_failed", f"{where} raised {one_line(e)}") from None
+        result = await call_user_code(f"env {env_name}: tool {tool.name} on task {task_id}", tool.timeout_s,
+                                      "its timeout_s", functools.partial(tool.fn, **call.arguments))
+    except EnvError as e:
+        raise _EpisodeFault("tool_failed", str(e)) from None
     return str(result)

@@ -46,9 +46,9 @@ from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingP
 from fleetrl.orchestrator.advantages import group_advantages
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import FAULTS, Episode, EpisodeLimits, run_episode
-from fleetrl.orchestrator.threads import call_with_limit
+from fleetrl.orchestrator.threads import call_user_code
 from fleetrl.rundir import RunDir
-from fleetrl.versions import off_policy_distance, trained_spans
+from fleetrl.versions import VersionSpan, off_policy_distance, trained_spans
 
 
 # Rewards scored at once, at most: a thread each, whose slot is given back when the reward
@@ -67,9 +67,8 @@ class Scored:
     reward_error: str | None = None  # why the reward failed, naming the env and the task
     episode: Episode | None = None  # a multi-turn environment's: `completion` is the whole episode
 
-    def trained_spans(self):
-        spans = self.completion.spans
-        return spans if self.episode is None else trained_spans(spans, self.episode.loss_mask)
+    def trained_spans(self) -> list[VersionSpan]:
+        return trained_spans(self.completion.spans, self.episode.loss_mask if self.episode else None)
 
 
 class Orchestrator:
@@ -266,15 +265,13 @@ class Orchestrator:
         else:
             rollout = Rollout(task=task, completion=text, spans=completion.spans, step=step,
                               messages=[*task.messages, {"role": "assistant", "content": text}])
-        limit = self.config.reward_timeout_s
         async with self._reward_slots:
             try:
-                scored.reward = await call_with_limit(limit, score, self.env, rollout)
+                scored.reward = await call_user_code(f"env {self.env.name}: reward of task {task.id}",
+                                                     self.config.reward_timeout_s, "orchestrator.reward_timeout_s",
+                                                     score, self.env, rollout)
             except EnvError as e:
                 scored.reward_error = str(e)
-            except TimeoutError:
-                scored.reward_error = (f"env {self.env.name}: reward of task {task.id} took longer than "
-                                       f"orchestrator.reward_timeout_s = {limit:g} s")
         return scored
 
     @staticmethod

@@ -6,17 +6,29 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+from fleetrl.envs import EnvError
+from fleetrl.envs.base import one_line
 
-async def call_with_limit(limit_s: float, fn: Callable, *args):
-    """`fn(*args)` in a daemon thread of its own; TimeoutError once it has run `limit_s` seconds.
+
+async def call_user_code(where: str, limit_s: float, limit_name: str, fn: Callable, *args):
+    """`fn(*args)` in a daemon thread of its own. What it raises, and a call past `limit_s`
+    seconds (the setting `limit_name`), comes back as one `EnvError` beginning with `where`
+    (an `EnvError` it raises itself passes as it is).
 
     A call past the limit is given up on, not stopped: Python cannot kill a thread, so a hung
     call's thread runs on (a daemon) until it returns or the process ends.
     """
-    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
-    # arrives as the call completes, and the run could then not stop.
-    async with asyncio.timeout(limit_s):
-        return await in_daemon_thread(fn, *args)
+    try:
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+        # arrives as the call completes, and the run could then not stop.
+        async with asyncio.timeout(limit_s):
+            return await in_daemon_thread(fn, *args)
+    except TimeoutError:
+        raise EnvError(f"{where} took longer than {limit_name} = {limit_s:g} s") from None
+    except EnvError:
+        raise
+    except Exception as e:
+        raise EnvError(f"{where} raised {one_line(e)}") from e
 
 
 def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
