@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import secrets
 import statistics
 import tempfile
@@ -33,7 +34,8 @@ import torch
 from bench_report import record
 
 from fleetrl.config import InferenceConfig, ModelConfig, VllmConfig
-from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES
+from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES, WEIGHT_UPDATE_SERIAL_PHASES
+from fleetrl.cores import plan_cores
 from fleetrl.inference.fleet import AgreementProbe, Fleet
 from fleetrl.inference.http import SERVED_MODEL_NAME
 from fleetrl.inference.provider import WeightTransport
@@ -120,10 +122,12 @@ async def receiver_phases(fleet: Fleet) -> dict[str, float]:
 
 def print_profile(label: str, seconds: list[float], phases: list[dict[str, float]]) -> None:
     """One publish's median total and, beside it, where the workers' receivers spent it; the
-    rest is the sender's own (packing, HTTP round trips, the fence, the checksum check)."""
+    rest is the sender's own (packing, HTTP round trips, the fence, the checksum check). Hash
+    and load run beside the receive (contract.WEIGHT_UPDATE_PHASES): only the rank's own
+    thread's phases are taken from the total."""
     total = statistics.median(seconds)
     parts = {phase: statistics.median(p[phase] for p in phases) for phase in WEIGHT_UPDATE_PHASES}
-    rest = total - sum(parts.values())
+    rest = total - sum(parts[phase] for phase in WEIGHT_UPDATE_SERIAL_PHASES)
     print(f"  {label}: {total:.2f} s = " + ", ".join(f"{phase} {v:.2f}" for phase, v in parts.items())
           + f", sender and fence {rest:.2f}")
 
@@ -205,6 +209,48 @@ async def fence_once(fleet: Fleet, n: int) -> float:
     return time.perf_counter() - started
 
 
+async def bench_fence_and_publish(fleet: Fleet, model: torch.nn.Module, total_bytes: int, args, storage: Path) -> None:
+    fence = {n: [await fence_once(fleet, n) for _ in range(args.reps * 3)] for n in (1, args.workers)}
+    print(f"fence, 1 worker:  {median_time(fence[1])}")
+    print(f"fence, {args.workers} workers: {median_time(fence[args.workers])}")
+    fence_ratio = statistics.median(fence[args.workers]) / statistics.median(fence[1])
+    print(f"  ratio {args.workers} workers / 1 worker: {fence_ratio:.2f}")
+    record(f"fence (no transfer), {args.workers} workers / 1 worker", fence_ratio)
+
+    phases: dict[str, list[dict[str, float]]] = {}
+    publish = await bench_publish(fleet, model, args.reps, storage, phases)
+    floor = await asyncio.to_thread(floor_broadcast, total_bytes, args.workers, args.reps)
+    b, f, fl = (statistics.median(x) for x in (publish["broadcast"], publish["filesystem"], floor))
+    print(f"\npublish by broadcast:  {median_time(publish['broadcast'])}")
+    print(f"publish by filesystem: {median_time(publish['filesystem'])}")
+    print(f"bare gloo broadcast of the same bytes to {args.workers} receivers: {median_time(floor)}")
+    print(f"  ratio broadcast publish / bare broadcast: {b / fl:.2f}")
+    print(f"  ratio filesystem publish / broadcast publish: {f / b:.2f}")
+    print("where a publish goes (median seconds; receiver phases of the slowest rank):")
+    for kind in ("broadcast", "filesystem"):
+        print_profile(kind, publish[kind], phases[kind])
+    record("broadcast publish / bare gloo broadcast", b / fl, f"{args.workers} workers, {b:.2f} s vs {fl:.2f} s")
+    record("filesystem publish / broadcast publish", f / b, f"{args.workers} workers")
+
+
+async def bench_data_plane(fleet: Fleet, tokenizer, token: str, args) -> None:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    urls = [w.data_url for w in fleet.ready_workers()]
+    print()
+    for concurrency in (16, 64):
+        prompts = [prompt] * (concurrency * 2)
+        ours, theirs = [], []
+        for _ in range(args.reps):  # alternate the two clients
+            ours.append(await tokens_per_s_fleet(fleet, prompts, concurrency, args.max_tokens))
+            theirs.append(await tokens_per_s_openai(urls, token, prompts, concurrency, args.max_tokens))
+        o, t = statistics.median(ours), statistics.median(theirs)
+        print(f"data plane at {concurrency} concurrent: fleetrl {o:.0f} tok/s, plain OpenAI client {t:.0f} tok/s, "
+              f"ratio fleetrl / plain {o / t:.2f}")
+        record(f"data plane tokens/s, fleetrl / plain client, {concurrency} concurrent", o / t,
+               f"{o:.0f} vs {t:.0f} tok/s")
+
+
 async def main(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -214,55 +260,24 @@ async def main(args) -> None:
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     token = secrets.token_urlsafe(16)
     with tempfile.TemporaryDirectory() as tmp:
-        config = InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512))
+        # --core-plan workers: each worker on CPUs of its own, as `run.core_plan` plans them
+        # beside one trainer rank; off: vLLM's own choice (every worker on the first CPUs).
+        bind = plan_cores(sorted(os.sched_getaffinity(0)), args.workers, 1).workers if args.core_plan == "workers" else []
+        config = InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512, omp_threads_bind=bind))
         provider = VllmProvider(config, model_dir, Path(tmp) / "logs", token, secrets.token_urlsafe(16))
         fleet = Fleet(provider, discovery_interval_s=3600)
         await fleet.start()
         try:
             print(f"\n# fleetrl native benchmarks: {args.workers} vLLM CPU workers, SmolLM2-135M fp32 "
-                  f"({total_bytes / 2**20:.0f} MiB of weights), {args.reps} reps\n")
+                  f"({total_bytes / 2**20:.0f} MiB of weights), {args.reps} reps, core plan {args.core_plan}"
+                  + (f" (workers on CPUs {', '.join(bind)})" if bind else "") + "\n")
 
             if "probe" in args.sections:
                 await bench_probe(fleet, model, args.reps)
-            if "fence" not in args.sections:
-                return
-            fence = {n: [await fence_once(fleet, n) for _ in range(args.reps * 3)] for n in (1, args.workers)}
-            print(f"fence, 1 worker:  {median_time(fence[1])}")
-            print(f"fence, {args.workers} workers: {median_time(fence[args.workers])}")
-            fence_ratio = statistics.median(fence[args.workers]) / statistics.median(fence[1])
-            print(f"  ratio {args.workers} workers / 1 worker: {fence_ratio:.2f}")
-            record(f"fence (no transfer), {args.workers} workers / 1 worker", fence_ratio)
-
-            phases: dict[str, list[dict[str, float]]] = {}
-            publish = await bench_publish(fleet, model, args.reps, Path(tmp), phases)
-            floor = await asyncio.to_thread(floor_broadcast, total_bytes, args.workers, args.reps)
-            b, f, fl = (statistics.median(x) for x in (publish["broadcast"], publish["filesystem"], floor))
-            print(f"\npublish by broadcast:  {median_time(publish['broadcast'])}")
-            print(f"publish by filesystem: {median_time(publish['filesystem'])}")
-            print(f"bare gloo broadcast of the same bytes to {args.workers} receivers: {median_time(floor)}")
-            print(f"  ratio broadcast publish / bare broadcast: {b / fl:.2f}")
-            print(f"  ratio filesystem publish / broadcast publish: {f / b:.2f}")
-            print("where a publish goes (median seconds; receiver phases of the slowest rank):")
-            for kind in ("broadcast", "filesystem"):
-                print_profile(kind, publish[kind], phases[kind])
-            record("broadcast publish / bare gloo broadcast", b / fl, f"{args.workers} workers, {b:.2f} s vs {fl:.2f} s")
-            record("filesystem publish / broadcast publish", f / b, f"{args.workers} workers")
-
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}],
-                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
-            urls = [w.data_url for w in fleet.ready_workers()]
-            print()
-            for concurrency in (16, 64):
-                prompts = [prompt] * (concurrency * 2)
-                ours, theirs = [], []
-                for _ in range(args.reps):  # alternate the two clients
-                    ours.append(await tokens_per_s_fleet(fleet, prompts, concurrency, args.max_tokens))
-                    theirs.append(await tokens_per_s_openai(urls, token, prompts, concurrency, args.max_tokens))
-                o, t = statistics.median(ours), statistics.median(theirs)
-                print(f"data plane at {concurrency} concurrent: fleetrl {o:.0f} tok/s, plain OpenAI client {t:.0f} tok/s, "
-                      f"ratio fleetrl / plain {o / t:.2f}")
-                record(f"data plane tokens/s, fleetrl / plain client, {concurrency} concurrent", o / t,
-                       f"{o:.0f} vs {t:.0f} tok/s")
+            if "fence" in args.sections:
+                await bench_fence_and_publish(fleet, model, total_bytes, args, Path(tmp))
+            if "data" in args.sections:
+                await bench_data_plane(fleet, tokenizer, token, args)
         finally:
             await fleet.close()
 
@@ -272,6 +287,9 @@ if __name__ == "__main__":
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--sections", default="probe,fence", help="probe: the agreement probe alone; "
-                        "fence: fence, publish and data plane (the default runs both)")
+    parser.add_argument("--core-plan", choices=["off", "workers"], default="off",
+                        help="workers: each worker bound to CPUs of its own (inference.vllm.omp_threads_bind from "
+                        "run.core_plan's plan); off: vLLM's own binding")
+    parser.add_argument("--sections", default="probe,fence,data", help="comma-separated: probe (the agreement "
+                        "probe), fence (fence and publish), data (the data plane); the default runs all three")
     asyncio.run(main(parser.parse_args()))

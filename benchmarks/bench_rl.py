@@ -3,6 +3,7 @@ and what each run costs before its first step and in memory.
 
     .venv/bin/python benchmarks/bench_rl.py [--steps 8] [--workers 1] [--world-size 1] [--core-plan off|auto]
                                             [--batch-prompts N]
+    .venv/bin/python benchmarks/bench_rl.py --memory [--steps 2]
 
 Runs the same job twice, back to back, differing only in `orchestrator.max_off_policy_steps`,
 and compares the wall time per step measured from the runs' own timestamps (from the first
@@ -13,6 +14,9 @@ Each run also reports its time to first rollout and to the end of its first step
 launch of `fleetrl rl`), and the peak resident memory of the trainer (the `fleetrl rl` process
 and its trainer ranks) and of each inference worker (its server, engine core and the engine's
 workers), sampled every 0.5 s from /proc. Results go to docs/benchmarks.md.
+
+With --memory it runs k = 1 only, three times: as configured, with twice the prompts per batch,
+and with one worker more, and reports how each peak grows with batch size and with workers.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import psutil
@@ -54,15 +59,17 @@ def _rss(proc: psutil.Process) -> int:
         return 0
 
 
-def run(k: int, args, root: Path) -> dict:
-    run_dir = root / f"k{k}"
+def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int | None = None) -> dict:
+    batch_prompts = args.batch_prompts if batch_prompts is None else batch_prompts
+    workers = args.workers if workers is None else workers
+    run_dir = root / f"k{k}-b{batch_prompts}-w{workers}"
     cmd = [sys.executable, "-m", "fleetrl", "rl", "@", "configs/default.toml",
            "--run.dir", str(run_dir), "--run.max_steps", str(args.steps),
            "--orchestrator.max_off_policy_steps", str(k),
-           "--inference.workers", str(args.workers), "--trainer.world_size", str(args.world_size),
+           "--inference.workers", str(workers), "--trainer.world_size", str(args.world_size),
            "--trainer.checkpoint_interval", "0", "--run.core_plan", args.core_plan]
-    if args.batch_prompts is not None:
-        cmd += ["--orchestrator.batch_prompts", str(args.batch_prompts)]
+    if batch_prompts is not None:
+        cmd += ["--orchestrator.batch_prompts", str(batch_prompts)]
     launched = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     root = psutil.Process(proc.pid)
@@ -96,15 +103,16 @@ def main() -> None:
                         help="run.core_plan of both runs: auto gives the worker and the trainer CPUs of their own")
     parser.add_argument("--batch-prompts", type=int, default=None,
                         help="orchestrator.batch_prompts of both runs (default: configs/default.toml's)")
+    parser.add_argument("--memory", action="store_true",
+                        help="k = 1 only: as configured, with twice the batch, and with one worker more")
     args = parser.parse_args()
+    if args.memory:
+        memory_growth(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         results = {k: run(k, args, Path(tmp)) for k in (0, 1)}
     for k, r in results.items():
-        print(f"k = {k}: {r['step_s']:.1f} s/step (rollouts {r['rollout_s']:.1f} s, train {r['train_s']:.1f} s, "
-              f"publish {r['publish_s']:.1f} s per step; max off-policy distance {r['distance_max']})")
-        print(f"  first rollout {r['first_rollout_s']:.1f} s and first step done {r['first_step_s']:.1f} s after launch; "
-              f"peak RSS trainer {r['trainer_peak_gib']:.2f} GiB, workers "
-              + ", ".join(f"{w:.2f}" for w in r["worker_peak_gib"]) + " GiB")
+        print(f"k = {k}: " + describe(r))
     ratio = results[1]["step_s"] / results[0]["step_s"]
     print(f"ratio step time k=1 / k=0: {ratio:.2f}")
     on_policy = results[0]  # each part as it takes alone, without overlap
@@ -119,6 +127,41 @@ def main() -> None:
     record("peak RSS, workers / trainer (k = 1)", sum(first["worker_peak_gib"]) / first["trainer_peak_gib"],
            f"trainer {first['trainer_peak_gib']:.2f} GiB, workers "
            + ", ".join(f"{w:.2f}" for w in first["worker_peak_gib"]) + f" GiB ({args.workers} worker(s))")
+
+
+def describe(r: dict) -> str:
+    return (f"{r['step_s']:.1f} s/step (rollouts {r['rollout_s']:.1f} s, train {r['train_s']:.1f} s, "
+            f"publish {r['publish_s']:.1f} s per step; max off-policy distance {r['distance_max']})\n"
+            f"  first rollout {r['first_rollout_s']:.1f} s and first step done {r['first_step_s']:.1f} s after launch; "
+            f"peak RSS trainer {r['trainer_peak_gib']:.2f} GiB, workers "
+            + ", ".join(f"{w:.2f}" for w in r["worker_peak_gib"]) + " GiB")
+
+
+def memory_growth(args) -> None:
+    """Peak memory of the trainer and of each worker against batch size and worker count."""
+    with open("configs/default.toml", "rb") as f:
+        batch = args.batch_prompts or tomllib.load(f)["orchestrator"]["batch_prompts"]
+    cases = {"as configured": (batch, args.workers), "twice the batch": (2 * batch, args.workers),
+             "one worker more": (batch, args.workers + 1)}
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {name: run(1, args, Path(tmp), b, w) for name, (b, w) in cases.items()}
+    for name, r in results.items():
+        b, w = cases[name]
+        print(f"{name} ({b} prompts per batch, {w} worker(s)): " + describe(r))
+    base, batch2, more = (results[name] for name in cases)
+    per_worker = lambda r: max(r["worker_peak_gib"])  # noqa: E731
+    for label, ratio, detail in [
+        ("peak RSS trainer, twice the batch / as configured", batch2["trainer_peak_gib"] / base["trainer_peak_gib"],
+         f"{batch2['trainer_peak_gib']:.2f} vs {base['trainer_peak_gib']:.2f} GiB"),
+        ("peak RSS per worker, twice the batch / as configured", per_worker(batch2) / per_worker(base),
+         f"{per_worker(batch2):.2f} vs {per_worker(base):.2f} GiB"),
+        (f"peak RSS trainer, {args.workers + 1} workers / {args.workers}", more["trainer_peak_gib"] / base["trainer_peak_gib"],
+         f"{more['trainer_peak_gib']:.2f} vs {base['trainer_peak_gib']:.2f} GiB"),
+        (f"peak RSS per worker, {args.workers + 1} workers / {args.workers}", per_worker(more) / per_worker(base),
+         f"{per_worker(more):.2f} vs {per_worker(base):.2f} GiB"),
+    ]:
+        print(f"{label}: {ratio:.2f} ({detail})")
+        record(label, ratio, detail)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,14 @@ DATA_TOKEN_ENV = "FLEETRL_DATA_TOKEN"
 WEIGHT_STATE_METHOD = "fleetrl_weight_state"
 # Where a rank's time in an update goes: opening vLLM's layerwise reload; waiting for and
 # receiving the bytes (a broadcast bucket, or reading and verifying a manifest's shards);
-# hashing them; loading them into the model, which includes re-processing each layer as it
-# completes; closing the reload (re-processing what it left: the tied head).
-WEIGHT_UPDATE_PHASES = ("start", "receive", "hash", "load", "finalize")
+# hashing them and loading them into the model (re-processing each layer as it completes),
+# both on threads of their own beside the receive (engine/load_pipeline.py), so these two
+# overlap the others; waiting for them (while the pipeline is full, and for the last load);
+# closing the reload (re-processing what it left: the tied head). On the rank's own thread,
+# start + receive + wait + finalize is its whole update.
+WEIGHT_UPDATE_PHASES = ("start", "receive", "hash", "load", "wait", "finalize")
+# The phases on the rank's own thread: they add up to its whole update.
+WEIGHT_UPDATE_SERIAL_PHASES = ("start", "receive", "wait", "finalize")
 
 # Dynamo worker flag: run fleetrl's worker kind, which reports the version of every token.
 TOKEN_VERSIONS_FLAG = "--fleetrl-token-versions"

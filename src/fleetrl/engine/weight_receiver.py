@@ -17,6 +17,11 @@ Two transports share the lifecycle:
 - filesystem: update_info names a manifest.json of a published version; it is verified in
   full (READY marker, every shard's sha256, names/dtypes/shapes) before a tensor is loaded.
 
+Each rank hashes and loads what it received on threads of its own (`LoadPipeline`), so an
+update_weights call returns once the bytes are in and the next bucket's broadcast overlaps
+this one's hash and load; finish_weight_update waits for the last load before it closes the
+reload.
+
 Loading goes through vLLM's layerwise reload: each layer is rebuilt and re-processed (CPU
 prepacking, quantization) once all its tensors arrived, so only a bucket plus the layers
 in flight are held, never a second copy of the model. A plain `model.load_weights` fails
@@ -44,6 +49,8 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from fleetrl.contract import WEIGHT_UPDATE_PHASES
+from fleetrl.cores import parse_cpus
+from fleetrl.engine.load_pipeline import LoadPipeline
 from fleetrl.weights import group as broadcast_group
 from fleetrl.weights.buckets import TensorMeta, layout, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
@@ -71,6 +78,9 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         self.phases: dict[str, float] = {}
         self._open_phases: dict[str, float] = {}
         self._hasher: WeightsHasher | None = None  # set while an update is open
+        # Made at the first update, once vLLM has bound the engine's threads, and kept: see
+        # load_pipeline.py for why its threads live across updates.
+        self._pipeline: LoadPipeline[list[tuple[str, torch.Tensor]]] | None = None
 
     # -- protocol ---------------------------------------------------------------------------
 
@@ -92,6 +102,8 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
             clear_shared_kv_storage(self.vllm_config)
             initialize_layerwise_reload(self.model)
         self._hasher = WeightsHasher()
+        if self._pipeline is None:
+            self._pipeline = LoadPipeline(self._hash, self._load, cpus=process_cpus())
         self.checksum = None  # the weights are in flux until finish_weight_update
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> BucketInfo | ManifestInfo:
@@ -114,6 +126,12 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
     def finish_weight_update(self) -> None:
         if self._hasher is None:
             raise RuntimeError("fleetrl weight receiver: finish_weight_update without an open update")
+        try:
+            with self._timed("wait"):
+                self._pipeline.drain()
+        except BaseException:
+            self._abort()
+            raise
         with self._timed("finalize"):
             self._close_reload()
         self.checksum = self._hasher.hexdigest()
@@ -152,23 +170,29 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
                              device=broadcast_group.buffer_device(self.group.backend_name))
         with self._timed("receive"):
             self.group.broadcast(buffer)
-        # One device-to-host copy per bucket (none on the CPU) rather than one per tensor.
-        with self._timed("hash"):
-            for name, tensor in unpack_bucket(buffer.cpu(), metas):
-                self._hasher.update(name, tensor)
-        with self._timed("load"):
-            self.model.load_weights(unpack_bucket(buffer, metas))
+        self._submit(unpack_bucket(buffer, metas))
 
     def _receive_manifest(self, manifest_path: Path) -> None:
         with self._timed("receive"):
             manifest = read_manifest(manifest_path)  # verifies everything before anything loads
         # One tensor at a time, never a second copy of the model; reading each one is receiving.
-        for name, tensor in self._timed_each("receive", iter_tensors(manifest)):
-            # Loaded from the CPU: the weight loaders copy into the model's device.
-            with self._timed("hash"):
-                self._hasher.update(name, tensor)
-            with self._timed("load"):
-                self.model.load_weights([(name, tensor)])
+        # Loaded from the CPU: the weight loaders copy into the model's device.
+        for named in self._timed_each("receive", iter_tensors(manifest)):
+            self._submit([named])
+
+    # -- the pipeline's stages (hash and load run on its threads) ----------------------------
+
+    def _submit(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with self._timed("wait"):  # for earlier items while the pipeline is full
+            self._pipeline.submit(tensors)
+
+    def _hash(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with self._timed("hash"):
+            self._hasher.update_all(tensors)  # on a GPU, each tensor is copied to the host to be hashed
+
+    def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with self._timed("load"):
+            self.model.load_weights(tensors)
 
     def _abort(self) -> None:
         """Close the reload after a failed update so the model is whole again: layers that
@@ -177,6 +201,8 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         A broken broadcast group is dropped too; the sender re-forms it."""
         self._hasher = None
         self.checksum = None
+        if self._pipeline is not None:
+            self._pipeline.cancel()  # nothing loads into the model while the reload closes
         self._close_reload()
         if self.transport == "broadcast":
             self.shutdown()
@@ -204,6 +230,26 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
             quant_method = getattr(layer, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(layer)
+
+
+def process_cpus() -> set[int] | None:
+    """Every CPU a thread of this process may run on (None where unknown).
+
+    vLLM on a CPU binds its engine thread to one core of the worker's CPUs
+    (VLLM_CPU_OMP_THREADS_BIND), and threads it starts inherit that one core; threads started
+    before the binding keep the mask the process was launched with. The union of all is what
+    the worker may use: during a publish it is paused, and its receive, hash and load can each
+    have a core."""
+    cpus: set[int] = set()
+    for status in Path("/proc/self/task").glob("*/status"):  # none without /proc
+        try:
+            text = status.read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        for line in text.splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                cpus.update(parse_cpus(line.split(":", 1)[1].strip()))
+    return cpus or None
 
 
 KV_FOLDER = re.compile(r"[0-9a-f]{32}")

@@ -4,9 +4,9 @@ the CPU, NCCL when they are on CUDA, unless `inference.weights.backend` says oth
 
 The tensors are pulled, packed and hashed off the event loop: on a CUDA trainer they are
 gathered from the ranks' shards as they are pulled (`trainer.gather`), each one a collective
-of the trainer's group. Each tensor is packed into its bucket as it comes, so the GPU holds one
-bucket (and the tensor in hand) beyond the shards; the checksum is taken from the packed bucket,
-as the receiver takes it.
+of the trainer's group. Each tensor is packed into its bucket as it comes, and the next bucket
+is packed while one goes out, so the GPU holds two buckets (and the tensor in hand) beyond the
+shards; the checksum is taken from the packed bucket, as the receiver takes it.
 
 Why not vLLM's own NCCL weight-transfer engine (vllm/distributed/weight_transfer/nccl_engine.py)
 on CUDA: its sender needs vLLM's PyNcclCommunicator in the trainer, which has no vLLM; its
@@ -150,18 +150,26 @@ class BroadcastTransport:
         device = broadcast_group.buffer_device(group.backend_name)
         hasher = WeightsHasher()
         buckets = packed_buckets(tensors, self.bucket_bytes, device)
-        while (packed := await asyncio.to_thread(next, buckets, None)) is not None:
-            buffer, metas = packed
-            update_info = BucketInfo.of(metas).to_dict()
-            await fanout.run_together(
-                *(w.update_weights(update_info, self.timeout_s) for w in workers),
-                asyncio.to_thread(group.broadcast, buffer),
-                # Hashing overlaps the broadcast (hashlib releases the GIL); from the packed
-                # bytes, one device-to-host copy per bucket, as the receiver hashes them.
-                asyncio.to_thread(_hash_bucket, hasher, buffer, metas),
-                on_failure=group.close,
-            )
-            del packed, buffer  # freed before the next bucket is gathered
+        packing = asyncio.ensure_future(asyncio.to_thread(next, buckets, None))
+        try:
+            while (packed := await packing) is not None:
+                # The workers return once a bucket is in, and hash and load it on threads of
+                # their own (engine/load_pipeline.py); so the next bucket is packed while this
+                # one goes out, and on the wire while they load this one.
+                packing = asyncio.ensure_future(asyncio.to_thread(next, buckets, None))
+                buffer, metas = packed
+                update_info = BucketInfo.of(metas).to_dict()
+                await fanout.run_together(
+                    *(w.update_weights(update_info, self.timeout_s) for w in workers),
+                    asyncio.to_thread(group.broadcast, buffer),
+                    # Hashing overlaps the broadcast (hashlib releases the GIL); from the packed
+                    # bytes, one device-to-host copy per bucket, as the receiver hashes them.
+                    asyncio.to_thread(_hash_bucket, hasher, buffer, metas),
+                    on_failure=group.close,
+                )
+                del packed, buffer  # freed before the bucket after next is packed
+        finally:
+            await asyncio.gather(packing, return_exceptions=True)  # the generator is never left mid-step
         return hasher.hexdigest()
 
 
