@@ -92,7 +92,7 @@ class VllmConfig(Section):
         default_factory=list,
         description="Per launched worker (in launch order, cycled), the CPUs its engine's threads are bound to, "
         "as a CPU list (\"0\", \"2-3\"): vLLM's VLLM_CPU_OMP_THREADS_BIND. Empty: vLLM's own choice (which "
-        "puts every worker on the same first cores). Filled by run.core_plan = \"auto\".",
+        "puts every worker on the same first cores). Filled by run.core_plan for two workers or more.",
     )
 
     @field_validator("omp_threads_bind")
@@ -430,10 +430,12 @@ class RunConfig(Section):
     dir: Path = Field(Path("runs/latest"), description="Run directory: config, logs, metrics.")
     max_steps: int = Field(10, ge=1, description="Trainer steps (= policy versions) to run.")
     seed: int = Field(0, description="Seed for sampling and training.")
-    core_plan: Literal["auto", "off"] = Field(
-        "off", description="auto: `fleetrl rl` gives its launched inference workers and its trainer ranks CPUs of "
-        "their own where inference.vllm.omp_threads_bind and trainer.cpu_cores are empty (the plan is printed at "
-        "the start); off: the OS and vLLM place them.")
+    core_plan: Literal["workers", "auto", "off"] = Field(
+        "workers", description="workers: when `fleetrl rl` launches two inference workers or more, each gets CPUs "
+        "of its own where inference.vllm.omp_threads_bind is empty (vLLM's own choice puts them all on the same "
+        "first cores); one worker keeps vLLM's choice, and the trainer ranks go where the OS puts them. auto: "
+        "the launched workers and the trainer ranks all get CPUs of their own, where trainer.cpu_cores is empty "
+        "too (not under torchrun). off: vLLM and the OS place everything. The plan is printed at the start.")
     live_view: Literal["auto", "off"] = Field(
         "auto", description="auto: on a terminal, `fleetrl rl` shows a live view (steps with ETA, rollouts, the "
         "trainer's phase, the workers) and progress bars; off: plain lines only, as when output is not a terminal.")

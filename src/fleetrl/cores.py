@@ -1,5 +1,6 @@
 """Which CPUs each process of a run gets: CPU lists ("0", "2-3", "0,2") and the plan that
-`run.core_plan = "auto"` computes.
+`run.core_plan` applies (to the launched workers by default, to the trainer ranks too with
+"auto").
 
 On a CPU machine the inference workers and the trainer ranks compete for the same cores: left
 to themselves, vLLM binds every worker's OpenMP threads to the first cores it sees (two workers

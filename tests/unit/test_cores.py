@@ -1,4 +1,4 @@
-"""CPU lists, and the plan of `run.core_plan = "auto"`."""
+"""CPU lists, and the plans of `run.core_plan` ("workers", the default, and "auto")."""
 
 import pytest
 
@@ -47,7 +47,28 @@ def test_the_run_fills_only_what_the_user_left_empty_and_says_so(monkeypatch):
     rl.apply_core_plan(config, lines.append)
     assert config.inference.vllm.omp_threads_bind == ["0-1", "2"] and config.trainer.cpu_cores == ["3"]
     assert lines == ["fleetrl: core plan: worker 0 on CPU 0-1; worker 1 on CPU 2; trainer rank 0 on CPU 3"]
-    mine = load_config([], [("trainer.cpu_cores", '["1"]'), ("inference.urls", '["http://h:1"]')])
+    mine = load_config([], [("trainer.cpu_cores", '["1"]'), ("inference.urls", '["http://h:1"]'),
+                            ("run.core_plan", "auto")])
     rl.apply_core_plan(mine, lines.append)  # attached workers: none to place; the trainer's CPUs are the user's
     assert mine.trainer.cpu_cores == ["1"] and mine.inference.vllm.omp_threads_bind == []
     assert lines[-1] == "fleetrl: core plan: trainer rank 0 on CPU 1"
+
+
+def test_the_default_plan_spreads_two_launched_workers_and_leaves_one_worker_and_the_ranks_alone(monkeypatch):
+    from fleetrl.app import rl
+
+    monkeypatch.setattr(rl.os, "sched_getaffinity", lambda pid: {0, 1})
+    lines = []
+    two = load_config([], [("inference.workers", "2")])
+    assert two.run.core_plan == "workers"
+    rl.apply_core_plan(two, lines.append)
+    # vLLM's own choice would bind both to CPU 0 beside an idle CPU 1.
+    assert two.inference.vllm.omp_threads_bind == ["0", "1"] and two.trainer.cpu_cores == []
+    assert lines == ["fleetrl: core plan: worker 0 on CPU 0; worker 1 on CPU 1"]
+    one = load_config([], [])
+    rl.apply_core_plan(one, lines.append)
+    assert one.inference.vllm.omp_threads_bind == [] and one.trainer.cpu_cores == [] and len(lines) == 1
+    mine = load_config([], [("inference.workers", "2"), ("inference.vllm.omp_threads_bind", '["1", "1"]')])
+    rl.apply_core_plan(mine, lines.append)  # the user's binding stands
+    assert mine.inference.vllm.omp_threads_bind == ["1", "1"]
+    assert lines[-1] == "fleetrl: core plan: worker 0 on CPU 1; worker 1 on CPU 1"

@@ -109,7 +109,7 @@ class RLRun:
             # Everything is checked before the run directory is touched: a refused command
             # leaves a finished run as it was (`fleetrl verify` still passes on it).
             env = check_config(self.config)
-            if self.config.run.core_plan == "auto":
+            if self.config.run.core_plan != "off":
                 apply_core_plan(self.config, self.log)
             fleet, self.model_dir = build_fleet(self.config)
             from transformers import AutoTokenizer
@@ -337,21 +337,28 @@ def check_sees_rank0(run_dir: RunDir, rank0: dict, where: str) -> Path:
 
 
 def apply_core_plan(config: Config, log=print) -> None:
-    """`run.core_plan = "auto"`: CPUs of their own for the workers fleetrl launches and for the
-    trainer ranks (`cores.plan_cores`), written into the config where the user set none, so the
+    """`run.core_plan`: CPUs of their own (`cores.plan_cores`, beside the trainer ranks on this
+    machine) for the workers fleetrl launches, when there are two or more ("workers"), and, with
+    "auto", for the trainer ranks too. Written into the config where the user set none, so the
     launchers and every rank (which read config.toml) apply them."""
     inference = config.inference
     if inference.provider == "vllm":
         launched = 0 if inference.urls else inference.workers
     else:
         launched = 0 if inference.dynamo.frontend_url else inference.workers + inference.dynamo.prefill_workers
-    plan = plan_cores(sorted(os.sched_getaffinity(0)), launched, config.trainer.world_size)
+    pin_ranks = config.run.core_plan == "auto"
+    if not pin_ranks and launched < 2:
+        return  # one worker: vLLM's own binding gives it the first cores, and nothing shares them
+    torchrun = launched_rank()
+    local_ranks = torchrun.local_world_size if torchrun else config.trainer.world_size
+    plan = plan_cores(sorted(os.sched_getaffinity(0)), launched, local_ranks)
     inference.vllm.omp_threads_bind = inference.vllm.omp_threads_bind or plan.workers
-    config.trainer.cpu_cores = config.trainer.cpu_cores or plan.ranks
+    if pin_ranks:
+        config.trainer.cpu_cores = config.trainer.cpu_cores or plan.ranks
     log("fleetrl: core plan: " + "; ".join(
         [*(f"worker {i} on CPU {inference.vllm.cpu_env(i)['VLLM_CPU_OMP_THREADS_BIND']}" for i in range(launched)),
          *(f"trainer rank {r} on CPU {config.trainer.cpu_cores[r % len(config.trainer.cpu_cores)]}"
-           for r in range(config.trainer.world_size))]))
+           for r in range(config.trainer.world_size) if config.trainer.cpu_cores)]))
 
 
 async def ready_versions(fleet: Fleet) -> dict[str, int]:

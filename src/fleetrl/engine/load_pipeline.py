@@ -29,7 +29,6 @@ starts with cold per-thread state, its allocator arena and the kernels' caches).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -40,18 +39,16 @@ T = TypeVar("T")
 
 
 class LoadPipeline(Generic[T]):
-    def __init__(self, hash_item: Callable[[T], None], load_item: Callable[[T], None], depth: int = 2,
-                 cpus: set[int] | None = None) -> None:
-        """`cpus`: the CPUs the two threads may run on; None: those of the thread that makes
-        the pipeline (which its threads inherit). The threads start with the first item."""
+    def __init__(self, hash_item: Callable[[T], None], load_item: Callable[[T], None], depth: int = 2) -> None:
+        """The threads start with the first item, on the CPUs of the thread that makes the
+        pipeline: vLLM binds a CPU worker's whole process to its cores."""
         if depth < 1:
             raise ValueError(f"load pipeline depth must be at least 1, not {depth}")
         self._hash_item = hash_item
         self._load_item = load_item
         self._depth = depth
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="fleetrl-hash", initializer=pin)
-        self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="fleetrl-load", initializer=pin)
+        self._hash_thread = ThreadPoolExecutor(1, thread_name_prefix="fleetrl-hash")
+        self._load_thread = ThreadPoolExecutor(1, thread_name_prefix="fleetrl-load")
         self._in_flight: deque[Future[None]] = deque()  # each item's load, oldest first
         self._failed = threading.Event()  # set at the first failure: later items are skipped until drained
 

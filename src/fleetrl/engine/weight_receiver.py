@@ -49,7 +49,6 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from fleetrl.contract import WEIGHT_UPDATE_PHASES
-from fleetrl.cores import parse_cpus
 from fleetrl.engine.load_pipeline import LoadPipeline
 from fleetrl.weights import group as broadcast_group
 from fleetrl.weights.buckets import TensorMeta, layout, unpack_bucket
@@ -78,8 +77,8 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         self.phases: dict[str, float] = {}
         self._open_phases: dict[str, float] = {}
         self._hasher: WeightsHasher | None = None  # set while an update is open
-        # Made at the first update, once vLLM has bound the engine's threads, and kept: see
-        # load_pipeline.py for why its threads live across updates.
+        # Made at the first update and kept: see load_pipeline.py for why its threads live
+        # across updates.
         self._pipeline: LoadPipeline[list[tuple[str, torch.Tensor]]] | None = None
 
     # -- protocol ---------------------------------------------------------------------------
@@ -103,7 +102,7 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
             initialize_layerwise_reload(self.model)
         self._hasher = WeightsHasher()
         if self._pipeline is None:
-            self._pipeline = LoadPipeline(self._hash, self._load, cpus=process_cpus())
+            self._pipeline = LoadPipeline(self._hash, self._load)
         self.checksum = None  # the weights are in flux until finish_weight_update
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> BucketInfo | ManifestInfo:
@@ -230,26 +229,6 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
             quant_method = getattr(layer, "quant_method", None)
             if quant_method is not None:
                 quant_method.process_weights_after_loading(layer)
-
-
-def process_cpus() -> set[int] | None:
-    """Every CPU a thread of this process may run on (None where unknown).
-
-    vLLM on a CPU binds its engine thread to one core of the worker's CPUs
-    (VLLM_CPU_OMP_THREADS_BIND), and threads it starts inherit that one core; threads started
-    before the binding keep the mask the process was launched with. The union of all is what
-    the worker may use: during a publish it is paused, and its receive, hash and load can each
-    have a core."""
-    cpus: set[int] = set()
-    for status in Path("/proc/self/task").glob("*/status"):  # none without /proc
-        try:
-            text = status.read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        for line in text.splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                cpus.update(parse_cpus(line.split(":", 1)[1].strip()))
-    return cpus or None
 
 
 KV_FOLDER = re.compile(r"[0-9a-f]{32}")
