@@ -27,6 +27,7 @@ import pytest_asyncio
 
 from fleetrl.app.providers import Tokens, build_provider, start_recorded
 from fleetrl.app.providers import base_weights as base_weights_of
+from fleetrl.app.rl import apply_core_plan
 from fleetrl.batch import Sample
 from fleetrl.config import Config, DynamoConfig, InferenceConfig, RunConfig, VllmConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV
@@ -69,8 +70,10 @@ async def fleet(request, model_dir, tmp_path_factory):
     """One provider's fleet for every test that runs on it; always stopped, pass or fail."""
     inference = InferenceConfig(**PROVIDERS[request.param], vllm=VllmConfig(max_model_len=512), admin_timeout_s=120,
                                 startup_timeout_s=900)
-    # Built by name through the registry, as `fleetrl rl` builds it.
+    # Built by name through the registry, as `fleetrl rl` builds it, on the CPUs its default
+    # core plan gives the workers (two workers: one CPU each).
     config = Config(inference=inference, run=RunConfig(dir=tmp_path_factory.mktemp(request.param)))
+    apply_core_plan(config, log=lambda line: None)
     provider = build_provider(config, model_dir, Tokens(admin=TOKEN, data=DATA_TOKEN))
     async with running(Fleet(provider, pause_mode=inference.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
         yield fleet
