@@ -2,15 +2,17 @@
 fleetrl's step on 2 ranks against 1.
 
     .venv/bin/python benchmarks/bench_trainer.py [--reps 3] [--prompts 8] [--group 4]
-        [--prompt-tokens 48] [--completion-tokens 24] [--micro-batch-tokens 1024] [--threads N]
+        [--prompt-tokens 128] [--completion-tokens 8] [--micro-batch-tokens 1024] [--threads N]
+        [--batch RUN_DIR/batches/step_N.json]
 
 Both steps take the same batch (the embedded model, `--prompts` x `--group` samples with random
-token ids at the given lengths: the shape of `make run`'s batches), the same micro-batch budget
-(rows x padded length), fp32, AdamW, gradient clipping, and the same number of threads. The
-bare step is what a user would write with transformers alone: a plain forward over each
-right-padded micro-batch (all logits), log-softmax, the policy-gradient loss, backward, clip,
-step. fleetrl's is `trainer.step.train_step` (the PPO-clipped, importance-corrected loss and its
-statistics). They run alternately, `--reps` times each after one warm-up step, and the ratio
+token ids at the given lengths: the shape of `make run`'s reverse_text batches, a prompt of
+about 128 tokens shared by the group and a few completion tokens; or, with --batch, a batch a
+run wrote), the same micro-batch budget (rows x padded length), fp32, AdamW, gradient clipping,
+and the same number of threads. The bare step is what a user would write with transformers
+alone: a plain forward over each right-padded micro-batch of samples (all logits), log-softmax,
+the policy-gradient loss, backward, clip, step. fleetrl's is `trainer.step.train_step` (each
+group's prompt once in its row, the PPO-clipped, importance-corrected loss and its statistics). They run alternately, `--reps` times each after one warm-up step, and the ratio
 of their median tokens/s is the figure (prompt + completion tokens per second of step time).
 
 The 2-rank figure runs fleetrl's step in 2 processes (FSDP2 over gloo, half the threads each)
@@ -36,7 +38,7 @@ from fleetrl.config import ModelConfig
 from fleetrl.model import resolve_model
 from fleetrl.trainer import distributed
 from fleetrl.trainer.model import load_policy
-from fleetrl.trainer.step import PAD_ID, StepConfig, build_optimizer, micro_batches, train_step
+from fleetrl.trainer.step import PAD_ID, StepConfig, build_optimizer, train_step
 from fleetrl.versions import VersionSpan
 
 
@@ -57,12 +59,23 @@ def tokens_of(batch: Batch) -> int:
     return sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch.samples)
 
 
+def padded_micro_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    """Samples longest first, in runs whose rows x padded length fit `max_tokens`."""
+    ordered = sorted(samples, key=lambda s: -(len(s.prompt_ids) + len(s.completion_ids)))
+    out: list[list[Sample]] = []
+    for s in ordered:
+        if out and (len(out[-1]) + 1) * (len(out[-1][0].prompt_ids) + len(out[-1][0].completion_ids)) <= max_tokens:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
 def bare_step(model, optimizer, batch: Batch, cfg: StepConfig) -> None:
-    """The step a user writes with transformers alone, over the same micro-batches."""
+    """The step a user writes with transformers alone, under the same micro-batch budget."""
     completion_tokens = sum(len(s.completion_ids) for s in batch.samples)
-    ordered = sorted(batch.samples, key=lambda s: -(len(s.prompt_ids) + len(s.completion_ids)))
     model.train()
-    for micro in micro_batches(ordered, cfg.micro_batch_tokens):
+    for micro in padded_micro_batches(batch.samples, cfg.micro_batch_tokens):
         length = max(len(s.prompt_ids) + len(s.completion_ids) for s in micro)
         ids = torch.full((len(micro), length), PAD_ID, dtype=torch.long)
         mask = torch.zeros(len(micro), length - 1)
@@ -139,17 +152,20 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--prompt-tokens", type=int, default=48)
-    parser.add_argument("--completion-tokens", type=int, default=24)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--completion-tokens", type=int, default=8)
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--batch", type=Path, default=None,
+                        help="a batch file a run wrote (RUN_DIR/batches/step_N.json) instead of the synthetic batch")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(ModelConfig())
     from transformers import AutoConfig
 
-    batch = synthetic_batch(AutoConfig.from_pretrained(model_dir).vocab_size, args)
+    batch = (Batch.from_json(args.batch.read_text()) if args.batch
+             else synthetic_batch(AutoConfig.from_pretrained(model_dir).vocab_size, args))
     cfg = StepConfig(lr=2e-5, micro_batch_tokens=args.micro_batch_tokens)
     print(f"batch: {len(batch.samples)} samples, {tokens_of(batch)} tokens; micro-batches of <= "
           f"{cfg.micro_batch_tokens} tokens; {args.threads} thread(s); {args.reps} rep(s) after a warm-up")

@@ -389,7 +389,8 @@ class TrainerConfig(Section):
     )
     micro_batch_tokens: int = Field(
         4096, ge=1,
-        description="Rows x padded length of one forward/backward: bounds activation memory.",
+        description="Rows x padded length of one forward/backward, a row holding a group's prompt once and its "
+        "completions: bounds activation memory.",
     )
     clip_low: float = Field(
         0.2, ge=0, le=1, description="PPO clip floor of the trainer/inference ratio, 1 - clip_low; 1 = off."

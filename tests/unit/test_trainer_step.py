@@ -17,8 +17,8 @@ from fleetrl.trainer import checkpoint, loop, step
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.loop import Hooks
 from fleetrl.trainer.model import load_policy, named_tensors, prompt_logprobs
-from fleetrl.trainer.step import (StepConfig, build_optimizer, finite_or_none, micro_batches, rank_samples,
-                                  train_step)
+from fleetrl.trainer.step import (StepConfig, build_optimizer, finite_or_none, micro_batches, pack, prompt_units,
+                                  rank_units, token_logprobs, train_step)
 from fleetrl.versions import VersionSpan
 
 VOCAB = 128
@@ -87,11 +87,29 @@ def weights(model) -> dict[str, torch.Tensor]:
 # -- the step ----------------------------------------------------------------------------------
 
 
-def test_padded_logprobs_agree_with_a_plain_forward(model_dir):
+def test_a_groups_prompt_is_packed_once_and_each_completion_gets_its_plain_forwards_logprobs(model_dir):
+    model = load_policy(model_dir, CPU)
+    batch = make_batch(model, samples=8)
+    units = prompt_units(batch.samples, 10_000)
+    assert [len(u.samples) for u in units] == [2, 2, 2, 2]  # one unit per group, its prompt once
+    assert [u.tokens for u in units] == [len(u.prompt_ids) + sum(len(s.completion_ids) for s in u.samples)
+                                         for u in units]
+    packed = pack(units, CPU)
+    assert packed.input_ids.shape == (4, max(u.tokens for u in units))
+    with torch.no_grad():
+        logprobs = token_logprobs(model, packed)
+    for row, sample in enumerate(s for u in units for s in u.samples):
+        size = len(sample.completion_ids)
+        torch.testing.assert_close(logprobs[row, :size], torch.tensor(reference_logprobs(model, sample)),
+                                   rtol=0, atol=1e-5)
+        assert not logprobs[row, size:].any()
+
+
+def test_packed_logprobs_agree_with_a_plain_forward(model_dir):
     model = load_policy(model_dir, CPU)
     batch = make_batch(model)
     metrics = train_step(model, build_optimizer(model, FAST), batch, FAST)
-    # The sampler's logprobs equal the trainer's: padding and column alignment are right.
+    # The sampler's logprobs equal the trainer's: packing, masks, positions and columns are right.
     assert metrics.mismatch_kl == pytest.approx(0.0, abs=1e-9)
     assert metrics.ratio_mean == pytest.approx(1.0, abs=1e-6)
     assert metrics.clip_frac == 0 and metrics.truncated_frac == 0
@@ -151,17 +169,22 @@ def test_gradient_clipping_bounds_the_update(model_dir):
 
 def test_the_split_over_ranks_is_deterministic_complete_and_balanced():
     rng = random.Random(1)
-    lengths = [(rng.randint(1, 20), rng.randint(0, 20)) for _ in range(11)]
-    samples = [Sample([1] * p, [2] * c, [0.0] * c, [VersionSpan(0, 0)], 0.0, 0.0, i)
-               for i, (p, c) in enumerate(lengths)]
-    shares = [rank_samples(samples, r, 3) for r in range(3)]
-    assert shares == [rank_samples(samples, r, 3) for r in range(3)]
-    assert sorted(s.group for share in shares for s in share) == list(range(11))
-    sizes = [sum(len(s.prompt_ids) + len(s.completion_ids) for s in share) for share in shares]
-    assert max(sizes) - min(sizes) <= 40  # at most one sample's length apart
+    samples = []
+    for group in range(11):
+        prompt = [1 + group] * rng.randint(1, 20)
+        for _ in range(rng.randint(1, 4)):
+            c = rng.randint(0, 20)
+            samples.append(Sample(prompt, [2] * c, [0.0] * c, [VersionSpan(0, 0)], 0.0, 0.0, group))
+    units = prompt_units(samples, 40)
+    assert all(u.tokens <= 40 or len(u.samples) == 1 for u in units)  # a group too long is split
+    assert sorted(id(s) for u in units for s in u.samples) == sorted(id(s) for s in samples)
+    shares = [rank_units(units, r, 3) for r in range(3)]
+    assert shares == [rank_units(units, r, 3) for r in range(3)]
+    assert sorted(id(s) for share in shares for u in share for s in u.samples) == sorted(id(s) for s in samples)
+    sizes = [sum(u.tokens for u in share) for share in shares]
+    assert max(sizes) - min(sizes) <= max(u.tokens for u in units)  # at most one unit apart
     for mb in micro_batches(shares[0], 50):
-        longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in mb)
-        assert len(mb) == 1 or len(mb) * longest <= 50
+        assert len(mb) == 1 or len(mb) * mb[0].tokens <= 50
 
 
 # -- numbers that are not finite ---------------------------------------------------------------

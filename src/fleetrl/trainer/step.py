@@ -1,17 +1,21 @@
 """One trainer step: batch `n` in, one optimizer step, policy version `n` out.
 
 Layout of the work:
-- Every rank reads the whole batch and takes its share of the samples (sorted by length, dealt
-  round-robin: deterministic, and no rank gets more than one sample's worth of extra tokens).
+- The samples of one group share their prompt, and the prompt is most of their tokens (a
+  reverse_text sample: about 130 prompt tokens, 6 completion tokens). So each group is one
+  *unit*: its prompt once, then each of its completions, in one row of the forward. A 4D
+  attention mask lets every completion see its prompt and itself only, and position ids give it
+  the positions it would have alone, so each token's logprob is what a forward of its own
+  sample gives (up to float rounding), at a fraction of the tokens: 4 samples of 130 + 6 tokens
+  take 154 positions instead of 544. The gradient of the shared prompt sums over its
+  completions, as it would over separate rows. A group too long for one micro-batch is split
+  into units that each repeat the prompt.
+- Every rank reads the whole batch and takes its share of the units (largest first, dealt
+  round-robin: deterministic, and no rank gets more than one unit's worth of extra tokens).
 - A rank's share is cut into micro-batches of at most `micro_batch_tokens` (rows x padded
-  length), so peak memory is bounded whatever the batch size. Every rank runs the *same number*
-  of micro-batches, because each FSDP forward/backward is a collective; a rank that runs out of
+  length), one row per unit, right-padded, so peak memory is bounded whatever the batch size. Every rank runs the *same number* of
+  micro-batches, because each FSDP forward/backward is a collective; a rank that runs out of
   samples runs a zero-weight forward/backward to keep in step.
-- Samples are right-padded, not packed. Right padding needs neither an attention mask nor
-  position ids (causal attention never lets a real token see the padding after it), so every
-  attention kernel works unchanged; sorting by length before cutting micro-batches keeps the
-  padding small. Packing several samples into one row would need a block-diagonal mask that
-  only some kernels take.
 - Only positions that predict completion tokens go through the LM head (`logits_to_keep`):
   the [tokens x vocab] logits are the largest activation of a small model.
 - A step whose loss or gradient norm is not finite is not applied (no optimizer step, the
@@ -42,7 +46,7 @@ class StepConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    micro_batch_tokens: int = 4096  # rows x padded length of one forward/backward
+    micro_batch_tokens: int = 4096  # rows x padded length of one forward/backward (a row: one unit)
     loss: LossConfig = field(default_factory=LossConfig)
 
 
@@ -74,69 +78,148 @@ def build_optimizer(model: nn.Module, cfg: StepConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def rank_samples(samples: list[Sample], rank: int, world_size: int) -> list[Sample]:
-    """This rank's share of the batch, longest first."""
-    order = sorted(range(len(samples)), key=lambda i: (-_length(samples[i]), i))
-    return [samples[i] for i in order[rank::world_size]]
+@dataclass(frozen=True)
+class Unit:
+    """Samples that share one prompt: a group, or the part of one that fits a micro-batch."""
+
+    prompt_ids: list[int]
+    samples: list[Sample]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt_ids) + sum(len(s.completion_ids) for s in self.samples)
 
 
-def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
-    """Consecutive runs of `samples` (longest first) whose padded size fits `max_tokens`;
-    a sample longer than that gets a micro-batch of its own."""
-    out: list[list[Sample]] = []
+def prompt_units(samples: list[Sample], max_tokens: int) -> list[Unit]:
+    """The samples by shared prompt, in the order groups first appear; a group whose units
+    would pass `max_tokens` is split into several, each with the prompt (a single sample
+    longer than that gets a unit of its own)."""
+    groups: dict[tuple[int, tuple[int, ...]], list[Sample]] = {}
     for sample in samples:
-        if out and (len(out[-1]) + 1) * _length(out[-1][0]) <= max_tokens:
-            out[-1].append(sample)
+        if not sample.prompt_ids:
+            raise ValueError(f"a sample of group {sample.group} has an empty prompt: no position predicts "
+                             "its first token")
+        groups.setdefault((sample.group, tuple(sample.prompt_ids)), []).append(sample)
+    units = []
+    for (_, prompt), members in groups.items():
+        part: list[Sample] = []
+        for sample in members:
+            if part and Unit(list(prompt), [*part, sample]).tokens > max_tokens:
+                units.append(Unit(list(prompt), part))
+                part = []
+            part.append(sample)
+        units.append(Unit(list(prompt), part))
+    return units
+
+
+def rank_units(units: list[Unit], rank: int, world_size: int) -> list[Unit]:
+    """This rank's share of the units, largest first."""
+    order = sorted(range(len(units)), key=lambda i: (-units[i].tokens, i))
+    return [units[i] for i in order[rank::world_size]]
+
+
+def micro_batches(units: list[Unit], max_tokens: int) -> list[list[Unit]]:
+    """Consecutive runs of `units` (largest first) whose padded size, rows x the first unit's
+    tokens, fits `max_tokens`; a larger unit gets a micro-batch of its own."""
+    out: list[list[Unit]] = []
+    for unit in units:
+        if out and (len(out[-1]) + 1) * out[-1][0].tokens <= max_tokens:
+            out[-1].append(unit)
         else:
-            out.append([sample])
+            out.append([unit])
     return out
 
 
 @dataclass
-class PaddedBatch:
-    """A right-padded micro-batch, cut to the positions whose logits predict completion tokens:
-    column j is sequence position `first + j + 1`, predicted from position `first + j`."""
+class PackedBatch:
+    """A micro-batch, one row per unit (right-padded), and where its predictions go.
+
+    Row layout: the unit's prompt, then each completion. The loss-side tensors are
+    [samples, columns], column k holding completion token k of the sample (samples in unit
+    order)."""
 
     input_ids: torch.Tensor  # [rows, length]
-    keep: torch.Tensor  # [columns]: positions fed to the LM head
-    targets: torch.Tensor  # [rows, columns]
-    mask: torch.Tensor  # [rows, columns]: 1 on the completion tokens the loss sees
-    inference_logprobs: torch.Tensor  # [rows, columns]
-    advantages: torch.Tensor  # [rows]
+    position_ids: torch.Tensor  # [rows, length]: each completion numbered on from its prompt
+    attention: torch.Tensor  # [rows, 1, length, length] bool: True where a query may see a key
+    keep: torch.Tensor  # [kept]: positions fed to the LM head (those that predict any token)
+    row: torch.Tensor  # [predictions]: each completion token's row,
+    kept_at: torch.Tensor  # [predictions]: the index into `keep` of the position predicting it,
+    targets: torch.Tensor  # [predictions]: and the token
+    sample: torch.Tensor  # [predictions]: where its logprob goes in [samples, columns]
+    column: torch.Tensor  # [predictions]
+    mask: torch.Tensor  # [samples, columns]: 1 on the completion tokens the loss sees
+    inference_logprobs: torch.Tensor  # [samples, columns]
+    advantages: torch.Tensor  # [samples]
 
 
-def pad_batch(samples: list[Sample], device: torch.device) -> PaddedBatch:
-    if any(not s.prompt_ids for s in samples):
-        raise ValueError("a sample has an empty prompt: no position predicts its first token")
-    length = max(_length(s) for s in samples)
-    first = min(len(s.prompt_ids) for s in samples) - 1
-    columns = length - 1 - first
-    input_ids = torch.full((len(samples), length), PAD_ID, dtype=torch.long)
+def pack(units: list[Unit], device: torch.device) -> PackedBatch:
+    samples = [s for unit in units for s in unit.samples]
+    length = max(unit.tokens for unit in units)
+    columns = max(1, max(len(s.completion_ids) for s in samples))
+    input_ids = torch.full((len(units), length), PAD_ID, dtype=torch.long)
+    position_ids = torch.zeros(len(units), length, dtype=torch.long)
+    # Per position: which completion of its unit it belongs to (0: the prompt; -1: padding).
+    branch = torch.full((len(units), length), -1, dtype=torch.long)
+    predict_row, predict_at, targets, sample_of, column_of = [], [], [], [], []
     mask = torch.zeros(len(samples), columns)
     inference = torch.zeros(len(samples), columns)
-    for row, s in enumerate(samples):
-        ids = s.prompt_ids + s.completion_ids
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        start = len(s.prompt_ids) - 1 - first  # column of the first completion token
-        end = start + len(s.completion_ids)
-        mask[row, start:end] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
-        inference[row, start:end] = torch.tensor(s.inference_logprobs)
-    return PaddedBatch(
+    index = 0
+    for row, unit in enumerate(units):
+        prompt = len(unit.prompt_ids)
+        input_ids[row, :prompt] = torch.tensor(unit.prompt_ids)
+        position_ids[row, :prompt] = torch.arange(prompt)
+        branch[row, :prompt] = 0
+        end = prompt
+        for number, s in enumerate(unit.samples, start=1):
+            start, size = end, len(s.completion_ids)
+            end = start + size
+            input_ids[row, start:end] = torch.tensor(s.completion_ids, dtype=torch.long)
+            position_ids[row, start:end] = torch.arange(prompt, prompt + size)
+            branch[row, start:end] = number
+            # Token k is predicted at the position before it: the prompt's last for k = 0.
+            predict_row += [row] * size
+            predict_at += [prompt - 1, *range(start, end - 1)][:size]
+            targets += s.completion_ids
+            sample_of += [index] * size
+            column_of += range(size)
+            mask[index, :size] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
+            inference[index, :size] = torch.tensor(s.inference_logprobs)
+            index += 1
+    position = torch.arange(length)
+    causal = position[None, :, None] >= position[None, None, :]  # [1, query, key]
+    same_branch = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+    # Padding (branch -1) sees only padding before it and itself, never a real token; no real
+    # token sees it.
+    attention = causal & same_branch & ((branch[:, None, :] >= 0) == (branch[:, :, None] >= 0))
+    keep = sorted(set(predict_at))
+    where = {p: i for i, p in enumerate(keep)}
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return PackedBatch(
         input_ids=input_ids.to(device),
-        keep=torch.arange(first, length - 1, device=device),
-        targets=input_ids[:, first + 1 :].to(device),
+        position_ids=position_ids.to(device),
+        attention=attention[:, None].to(device),
+        keep=as_tensor(keep),
+        row=as_tensor(predict_row),
+        kept_at=as_tensor([where[p] for p in predict_at]),
+        targets=as_tensor(targets),
+        sample=as_tensor(sample_of),
+        column=as_tensor(column_of),
         mask=mask.to(device),
         inference_logprobs=inference.to(device),
         advantages=torch.tensor([s.advantage for s in samples], device=device),
     )
 
 
-def token_logprobs(model: nn.Module, padded: PaddedBatch) -> torch.Tensor:
-    """log pi(target) at every kept position, in fp32: [rows, columns]. Untempered: `fleetrl rl`
-    samples at temperature 1, the distribution the workers report logprobs of."""
-    logits = model(input_ids=padded.input_ids, logits_to_keep=padded.keep).logits.float()
-    picked = logits.gather(-1, padded.targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+def token_logprobs(model: nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """log pi(target) of every completion token, in fp32: [samples, columns] (0 past each
+    completion's end). Untempered: `fleetrl rl` samples at temperature 1, the distribution the
+    workers report logprobs of."""
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.attention,
+                   logits_to_keep=packed.keep).logits
+    predicting = logits[packed.row, packed.kept_at].float()  # [predictions, vocab]
+    picked = predicting.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(predicting, dim=-1)
+    out = torch.zeros(packed.mask.shape, dtype=picked.dtype, device=picked.device)
+    return out.index_put((packed.sample, packed.column), picked)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: StepConfig) -> StepMetrics:
@@ -148,19 +231,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     if num_tokens == 0:
         raise ValueError(f"batch {batch.step} has no completion tokens to train on")
 
-    plans = [micro_batches(rank_samples(batch.samples, r, world_size), cfg.micro_batch_tokens)
-             for r in range(world_size)]
+    units = prompt_units(batch.samples, cfg.micro_batch_tokens)
+    plans = [micro_batches(rank_units(units, r, world_size), cfg.micro_batch_tokens) for r in range(world_size)]
     mine = plans[rank] + [[]] * (max(len(p) for p in plans) - len(plans[rank]))
 
     model.train()
     sums = torch.zeros(len(fields(LossStats)), dtype=torch.float64, device=device)
-    for samples in mine:
+    for micro in mine:
         with compute_precision(model, device):
-            if samples:
-                padded = pad_batch(samples, device)
-                logprobs = token_logprobs(model, padded)
-                loss, stats = policy_loss(logprobs, padded.inference_logprobs, padded.advantages,
-                                          padded.mask, num_tokens, cfg.loss)
+            if micro:
+                packed = pack(micro, device)
+                logprobs = token_logprobs(model, packed)
+                loss, stats = policy_loss(logprobs, packed.inference_logprobs, packed.advantages,
+                                          packed.mask, num_tokens, cfg.loss)
                 sums += stats.stack()
             else:
                 # Nothing left on this rank: a one-token forward whose loss is 0 joins the
