@@ -6,8 +6,8 @@ and what each run costs before its first step and in memory.
     .venv/bin/python benchmarks/bench_rl.py --memory [--steps 2]
 
 Runs the same job twice, back to back, differing only in `orchestrator.max_off_policy_steps`,
-and compares the wall time per step measured from the runs' own timestamps (from the first
-rollout of step 2 to the end of the last step, so the fleet's start-up and the first step,
+and compares the wall time per step measured from the runs' own timestamps (from the end of
+step 1's training to the end of the last step's, so the fleet's start-up and the first step,
 which cannot overlap anything, are left out).
 
 Each run also reports its time to first rollout and to the end of its first step (from the
@@ -82,7 +82,10 @@ def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int
         raise SystemExit(f"bench_rl: {' '.join(cmd)} failed ({proc.returncode})")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = metrics[1:]
-    seconds = (steady[-1]["train_finished"] - steady[0]["rollout_started"]) / len(steady)
+    # From the end of step 1's training to the end of the last's, per step: at k = 1 a step's
+    # rollouts start during the previous step's training, so a window opened at the first
+    # steady rollout would hold more than its steps and charge k = 1 for its own overlap.
+    seconds = (steady[-1]["train_finished"] - metrics[0]["train_finished"]) / len(steady)
     rollout = sum(m["rollout_finished"] - m["rollout_started"] for m in steady) / len(steady)
     train = sum(m["train_finished"] - m["train_started"] for m in steady) / len(steady)
     publish = sum(m["publish_s"] for m in steady) / len(steady)
