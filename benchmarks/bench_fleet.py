@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
 import secrets
 import statistics
 import tempfile
@@ -33,9 +32,9 @@ import torch
 
 from bench_report import record
 
-from fleetrl.config import InferenceConfig, ModelConfig, VllmConfig
+from fleetrl.app.rl import apply_core_plan
+from fleetrl.config import Config, InferenceConfig, ModelConfig, VllmConfig
 from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES, WEIGHT_UPDATE_SERIAL_PHASES
-from fleetrl.cores import plan_cores
 from fleetrl.inference.fleet import AgreementProbe, Fleet
 from fleetrl.inference.http import SERVED_MODEL_NAME
 from fleetrl.inference.provider import WeightTransport
@@ -260,10 +259,13 @@ async def main(args) -> None:
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     token = secrets.token_urlsafe(16)
     with tempfile.TemporaryDirectory() as tmp:
-        # --core-plan workers: each worker on CPUs of its own, as `run.core_plan` plans them
-        # beside one trainer rank; off: vLLM's own choice (every worker on the first CPUs).
-        bind = plan_cores(sorted(os.sched_getaffinity(0)), args.workers, 1).workers if args.core_plan == "workers" else []
-        config = InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512, omp_threads_bind=bind))
+        # --core-plan workers: the CPUs `fleetrl rl`'s default plan gives its workers (beside one
+        # trainer rank); off: vLLM's own choice (every worker on the first CPUs).
+        run_config = Config(inference=InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512)))
+        if args.core_plan == "workers":
+            apply_core_plan(run_config, log=lambda line: None)
+        config = run_config.inference
+        bind = config.vllm.omp_threads_bind
         provider = VllmProvider(config, model_dir, Path(tmp) / "logs", token, secrets.token_urlsafe(16))
         fleet = Fleet(provider, discovery_interval_s=3600)
         await fleet.start()

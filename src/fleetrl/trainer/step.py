@@ -103,11 +103,13 @@ def prompt_units(samples: list[Sample], max_tokens: int) -> list[Unit]:
     units = []
     for (_, prompt), members in groups.items():
         part: list[Sample] = []
+        size = len(prompt)  # the tokens of the unit being filled
         for sample in members:
-            if part and Unit(list(prompt), [*part, sample]).tokens > max_tokens:
+            if part and size + len(sample.completion_ids) > max_tokens:
                 units.append(Unit(list(prompt), part))
-                part = []
+                part, size = [], len(prompt)
             part.append(sample)
+            size += len(sample.completion_ids)
         units.append(Unit(list(prompt), part))
     return units
 
