@@ -22,9 +22,10 @@ most `depth` + 1 buckets beyond the layers the reload has in flight.
 Failures: after a hash or a load raises, nothing more is loaded; the next `submit`, or `drain`,
 raises that error, and `cancel` waits for what is running and drops the rest.
 
-The two threads live as long as the pipeline (the receiver's: the worker's), across updates: a rank that started fresh threads
-for every update loaded about twice as slowly (measured on vLLM CPU workers: each new thread
-starts with cold per-thread state, its allocator arena and the kernels' caches).
+The two threads live as long as the pipeline (the receiver's: the worker's), across updates:
+a rank that started fresh threads for every update loaded about twice as slowly (measured on
+vLLM CPU workers: each new thread starts with cold per-thread state, its allocator arena and
+the kernels' caches).
 """
 
 from __future__ import annotations

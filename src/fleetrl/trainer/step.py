@@ -13,9 +13,10 @@ Layout of the work:
 - Every rank reads the whole batch and takes its share of the units (largest first, dealt
   round-robin: deterministic, and no rank gets more than one unit's worth of extra tokens).
 - A rank's share is cut into micro-batches of at most `micro_batch_tokens` (rows x padded
-  length), one row per unit, right-padded, so peak memory is bounded whatever the batch size. Every rank runs the *same number* of
-  micro-batches, because each FSDP forward/backward is a collective; a rank that runs out of
-  samples runs a zero-weight forward/backward to keep in step.
+  length), one row per unit, right-padded, so peak memory is bounded whatever the batch size.
+  Every rank runs the *same number* of micro-batches, because each FSDP forward/backward is a
+  collective; a rank that runs out of samples runs a zero-weight forward/backward to keep in
+  step.
 - Only positions that predict completion tokens go through the LM head (`logits_to_keep`):
   the [tokens x vocab] logits are the largest activation of a small model.
 - A step whose loss or gradient norm is not finite is not applied (no optimizer step, the
@@ -65,7 +66,7 @@ class StepMetrics:
     max_off_policy: int  # the batch's largest off-policy distance, recomputed from its spans
     samples: int
     completion_tokens: int  # the tokens the loss saw (of a multi-turn episode: the model's turns)
-    tokens: int  # prompt + completion tokens of the batch: the forward passes' real work
+    tokens: int  # prompt + completion tokens of the batch's samples (the forward takes a group's prompt once)
     tokens_per_s: float
 
 
