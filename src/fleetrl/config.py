@@ -316,6 +316,12 @@ class InferenceConfig(Section):
     def resolved_pause_mode(self) -> PauseMode:
         return self.pause_mode or self._pause_modes()[0]
 
+    def attaches(self) -> bool:
+        """Whether the fleet attaches to workers someone else started (inference.urls, or a Dynamo
+        deployment's frontend_url) rather than launching its own: every trainer rank then takes
+        part in handing the fleet the base weights (trainer/loop.py)."""
+        return bool(self.dynamo.frontend_url) if self.provider == "dynamo" else bool(self.urls)
+
     def _token_versions(self) -> bool:
         return self.provider == "vllm" or self.dynamo.worker == "fleetrl"
 

@@ -9,6 +9,9 @@ items 8 and 13), packed into one sequence of runs on one pair of vLLM servers:
     run 6  finishes the run; its final model (RUN_DIR/final_model, equal to `fleetrl export` of
            the final checkpoint) is served by a plain vLLM server with the workers' logprobs
 
+Before them, on the same servers, the quickstart's attached run exactly as written (one trainer
+rank), which the sequence's two ranks do not cover.
+
 Each run is the same command (two trainer ranks, FSDP2 over gloo) with a failpoint
 (fleetrl/failpoints.py) that holds it where the signal must land. The servers are started
 here, as an operator would, so they outlive each run: every run attaches to what the previous
@@ -229,6 +232,28 @@ async def paused_and_versions(urls) -> list[tuple[bool, int | None]]:
         finally:
             await admin.close()
     return states
+
+
+def test_the_quickstarts_attached_run_as_written(servers, tmp_path):
+    """docs/quickstart.md section 6 exactly as a user runs it: one trainer rank (the default), the
+    tokens exported in the shell, only the run directory, the ports and the step count changed.
+    Its trainer and the fleet's start once loaded the model at the same time and crashed on meta
+    tensors (issue 25); the base weights now come from the trainer's own copy."""
+    run_dir = tmp_path / "attached"
+    line = documented(ATTACHED_RUN, "--run.max_steps", "2",
+                      replace={"8001": servers[0].rsplit(":", 1)[1], "8002": servers[1].rsplit(":", 1)[1],
+                               "runs/attached": str(run_dir)})
+    env = {**os.environ, ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}
+    env.pop(FAILPOINT_ENV, None)
+    done = subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "1 trainer rank(s)" in done.stdout
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+    final = json.loads((run_dir / "final.json").read_text())
+    assert sorted(final["workers"]) == sorted(servers)
+    assert all(w["version"] == 2 for w in final["workers"].values())
+    verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stderr
 
 
 @pytest.mark.timeout(1800)  # six runs of `fleetrl rl`: about 10 minutes here, more on a busy machine

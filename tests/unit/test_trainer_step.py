@@ -278,8 +278,12 @@ class Run:
         latest = checkpoint.latest(self.run_dir.checkpoints_dir)
         self.checkpointed_at_on_step.append(latest[0] if latest else 0)
 
+    def hand_base(self, weights, probe_ids, reference):
+        self.base = weights, probe_ids, reference
+
     def train(self):
-        hooks = Hooks(wait_batch=self.batches.__getitem__, publish=self.publish, on_step=self.on_step)
+        hooks = Hooks(wait_batch=self.batches.__getitem__, publish=self.publish, base=self.hand_base,
+                      on_step=self.on_step)
         loop.train(self.config, self.run_dir, self.model_dir, World(0, 1, CPU), hooks, log=self.lines.append)
 
 
@@ -344,6 +348,31 @@ def test_the_agreement_probe_goes_out_with_the_logprobs_of_the_published_weights
         served.load_state_dict(run.published[version], strict=False)
         assert prompt_logprobs(served, probe_ids, CPU) == pytest.approx(reference, abs=1e-5)
     assert run.probes[1][1] != pytest.approx(run.probes[3][1], abs=1e-6)  # training moved them
+
+
+@pytest.mark.parametrize("attaches", [True, False], ids=["attached workers", "launched workers"])
+def test_attached_workers_get_the_base_weights_from_the_trainers_own_copy(model_dir, tmp_path, monkeypatch,
+                                                                          attaches):
+    """The base weights attached workers are held to come from the model the trainer loaded,
+    copied before step 1 changes it: one model load in the process, never a second one beside
+    the trainer's (the race of issue 25). Launched workers start from the model folder: nothing
+    is handed."""
+    run = Run(model_dir, tmp_path)
+    if attaches:
+        run.config.inference.urls = ["http://127.0.0.1:1"]
+    loads = []
+    monkeypatch.setattr(loop, "load_policy", lambda *a, **k: loads.append(a) or load_policy(*a, **k))
+    run.train()
+    assert len(loads) == 1
+    if not attaches:
+        assert not hasattr(run, "base")
+        return
+    weights, probe_ids, reference = run.base
+    base = load_policy(model_dir, CPU)
+    for name, tensor in named_tensors(base):
+        assert torch.equal(weights[name], tensor), name  # the base, not the weights step 3 left
+    assert probe_ids == run.probes[1][0]
+    assert prompt_logprobs(base, probe_ids, CPU) == pytest.approx(reference, abs=1e-6)
 
 
 def test_the_collective_timeout_covers_the_longest_legal_publish():

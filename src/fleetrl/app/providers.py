@@ -125,9 +125,10 @@ def build_transport(config: Config, run_dir: RunDir) -> WeightTransport:
 def base_weights(provider: InferenceProvider, model_dir: Path,
                  transport: WeightTransport) -> Callable[[], WeightSource] | None:
     """What attached workers are held to before they are labelled v0 (`Fleet.start` calls it
-    once they answered): the base model's weights as the trainer publishes them, their
-    checksum, and their logprobs of the agreement probe. None where the provider launches its
-    workers from `model_dir` itself."""
+    once they answered), in a process with no trainer (`fleetrl inference`): the base model's
+    weights loaded from `model_dir`, their checksum, and their logprobs of the agreement probe.
+    None where the provider launches its workers from `model_dir` itself. `fleetrl rl` takes
+    them from the trainer's own copy instead (`RLRun.hand_base`)."""
     return None if provider.launches_workers else functools.partial(_load_base_weights, model_dir, transport)
 
 
@@ -138,10 +139,14 @@ def _load_base_weights(model_dir: Path, transport: WeightTransport) -> WeightSou
 
     from fleetrl.trainer.model import agreement_probe, load_policy, named_tensors, prompt_logprobs
 
-    model = load_policy(model_dir, torch.device("cpu"), sharded=False).eval()  # rank 0 alone: no collective
+    model = load_policy(model_dir, torch.device("cpu"), sharded=False).eval()
     tensors = dict(named_tensors(model))
     probe_ids = agreement_probe(model)
-    probe = AgreementProbe(probe_ids, prompt_logprobs(model, probe_ids, torch.device("cpu")))
+    return base_source(transport, tensors, AgreementProbe(probe_ids, prompt_logprobs(model, probe_ids, torch.device("cpu"))))
+
+
+def base_source(transport: WeightTransport, tensors: dict, probe: AgreementProbe) -> WeightSource:
+    """The base weights as the fleet refits workers with them until the first publish."""
     return WeightSource(transport, lambda: iter(tensors.items()), checksum_of(tensors.items()), probe)
 
 

@@ -32,14 +32,14 @@ from pathlib import Path
 from fleetrl import progress
 from fleetrl.app.checks import check_config, check_prompts_fit
 from fleetrl.app.live import LiveView
-from fleetrl.app.providers import base_weights, build_fleet, build_transport, start_recorded
+from fleetrl.app.providers import base_source, build_fleet, build_transport, start_recorded
 from fleetrl.batch import Batch
 from fleetrl.config import Config, load_config
 from fleetrl.cores import plan_cores
 from fleetrl.envs import Environment
 from fleetrl.errors import FleetrlError
 from fleetrl.files import sha256_file
-from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport
+from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport, WeightSource
 from fleetrl.inference.provider import NamedTensors
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import Monitors
@@ -88,6 +88,9 @@ class RLRun:
         self.ranks: list[ManagedProcess] = []
         self.rollouts: list[Future] = []
         self.fleet: Fleet | None = None
+        # Attached workers' base weights (`hand_base`): set by the training loop once it has
+        # loaded the model, waited for by the fleet's start on the control loop.
+        self.base: Future[WeightSource] = Future()
         self.monitors: Monitors | None = None
         # The last version's probe, and its weights where they are kept (a CPU snapshot; on CUDA none
         # is: the final model was written while the ranks gathered the last version, see publish).
@@ -139,27 +142,32 @@ class RLRun:
                                          config.run.seed, max_context=config.inference.vllm.max_model_len, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
-        base = base_weights(fleet.provider, self.model_dir, self.transport)
+        base = None if fleet.provider.launches_workers else self.base.result
         self.fleet_started = self.control.submit(start_recorded(fleet, self.run_dir, base))
         if self.view is not None:
             self.watching = self.control.submit(self.view.watch(fleet, self.orchestrator))
 
     def start_ranks(self) -> None:
         """Ranks 1..N-1 as children (unless a launcher started them); this process joins the
-        same group as rank 0."""
+        same group as rank 0. The rendezvous is handed to each rank, never written into this
+        process's environment: os.environ is process-wide, and the control loop starts workers
+        meanwhile (`start_process` copies it), which must neither see it change under the copy
+        nor inherit a trainer rank's variables."""
         world_size = self.config.trainer.world_size
         launched = launched_rank() is not None
+        rendezvous = None
         if world_size > 1 and not launched:
-            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "WORLD_SIZE": str(world_size)}
-            os.environ.update({**env, "RANK": "0", "LOCAL_RANK": "0"})
+            group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),
+                     "WORLD_SIZE": str(world_size)}
+            rendezvous = {**group, "RANK": "0", "LOCAL_RANK": "0"}
             self.ranks = [
                 start_process(f"trainer-rank-{rank}",
                               [sys.executable, "-m", "fleetrl.trainer", str(self.run_dir.root), str(self.model_dir)],
                               self.run_dir.log_path(f"trainer-rank-{rank}"),
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                              env={**group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
                 for rank in range(1, world_size)
             ]
-        self.world = distributed.init(timeout_s=distributed.collective_timeout_s(self.config))
+        self.world = distributed.init(distributed.collective_timeout_s(self.config), rendezvous)
         if launched:  # what the peers must see as rank 0 does (run_peer_rank)
             distributed.broadcast_from_rank0({"config_sha256": sha256_file(self.run_dir.config_path),
                                               "model_dir": str(self.model_dir)})
@@ -167,7 +175,7 @@ class RLRun:
 
     def train(self) -> None:
         hooks = Hooks(wait_batch=self.wait_batch, start_rollouts=self.start_rollouts, publish=self.publish,
-                      on_step=self.on_step)
+                      base=self.hand_base, on_step=self.on_step)
         try:
             train(self.config, self.run_dir, self.model_dir, self.world, hooks, log=self.log)
         except FleetrlError:
@@ -192,6 +200,7 @@ class RLRun:
         self.log(f"fleetrl: done: {self.run_dir.root} (check it with `fleetrl verify {self.run_dir.root}`)")
 
     def stop(self) -> None:
+        self.base.cancel()  # a fleet start still waiting for the base weights gives up
         for future in self.rollouts + ([self.watching] if self.watching else []):
             future.cancel()
         if self.fleet is not None:
@@ -208,6 +217,11 @@ class RLRun:
             self.view.stop()
 
     # -- what the training loop calls ------------------------------------------------------
+
+    def hand_base(self, weights: Snapshot, probe_ids: list[int], reference: list[float]) -> None:
+        """The base weights, from the trainer's own copy, for the fleet's start to hold attached
+        workers to (`Fleet.start`)."""
+        self.base.set_result(base_source(self.transport, weights, AgreementProbe(probe_ids, reference)))
 
     def wait_batch(self, step: int) -> Batch:
         self.phase(f"waiting for batch {step}")
@@ -342,10 +356,8 @@ def apply_core_plan(config: Config, log=print) -> None:
     "auto", for the trainer ranks too. Written into the config where the user set none, so the
     launchers and every rank (which read config.toml) apply them."""
     inference = config.inference
-    if inference.provider == "vllm":
-        launched = 0 if inference.urls else inference.workers
-    else:
-        launched = 0 if inference.dynamo.frontend_url else inference.workers + inference.dynamo.prefill_workers
+    # prefill_workers is 0 unless the provider is Dynamo (config.py refuses it otherwise)
+    launched = 0 if inference.attaches() else inference.workers + inference.dynamo.prefill_workers
     pin_ranks = config.run.core_plan == "auto"
     if not pin_ranks and launched < 2:
         return  # one worker: vLLM's own binding gives it the first cores, and nothing shares them

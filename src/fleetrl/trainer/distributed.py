@@ -12,6 +12,7 @@ stateless group (`fleetrl.weights.group`), never this one.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,9 +51,12 @@ def collective_timeout_s(config: Config) -> float:
     return i.startup_timeout_s + publish_s + TRAIN_STEP_BOUND_S
 
 
-def init(timeout_s: float) -> World:
-    """Joins the default group (gloo on CPU, NCCL on CUDA) when WORLD_SIZE > 1."""
-    launched = launched_rank() or LaunchedRank(rank=0, world_size=1, local_rank=0, local_world_size=1)
+def init(timeout_s: float, rendezvous: Mapping[str, str] | None = None) -> World:
+    """Joins the default group (gloo on CPU, NCCL on CUDA) when WORLD_SIZE > 1: from the
+    launcher's variables in this process's environment, or from `rendezvous` (the same
+    variables, for rank 0 of the ranks `fleetrl rl` starts itself: os.environ is left alone, so
+    the workers it launches meanwhile inherit none of them)."""
+    launched = launched_rank(rendezvous) or LaunchedRank(rank=0, world_size=1, local_rank=0, local_world_size=1)
     rank, world_size, local_rank = launched.rank, launched.world_size, launched.local_rank
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -65,6 +69,7 @@ def init(timeout_s: float) -> World:
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
+            init_method=f"tcp://{rendezvous['MASTER_ADDR']}:{rendezvous['MASTER_PORT']}" if rendezvous else None,
             # Binding the device lets NCCL connect eagerly; gloo takes no device.
             device_id=device if device.type == "cuda" else None,
         )

@@ -67,6 +67,9 @@ class Hooks:
     # rank 0 only: (version, weights, probe token ids, the trainer's logprobs of them); the
     # weights are a Snapshot on the CPU, a WeightGather (valid during the call only) on CUDA
     publish: Callable[[int, Snapshot | WeightGather, list[int], list[float]], object] | None = None
+    # rank 0 only, where the fleet attaches to workers: (the base model's weights as CPU copies,
+    # probe token ids, the trainer's logprobs of them), before a checkpoint or a step changes them
+    base: Callable[[Snapshot, list[int], list[float]], None] | None = None
     on_step: Callable[[Batch, StepMetrics, object, float, float], None] = lambda *a: None
 
 
@@ -121,6 +124,18 @@ def publish_streamed(step: int, model: torch.nn.Module, world: World, probe_ids:
         return hooks.publish(step, weights, probe_ids, reference) if hooks.publish else None
 
 
+def hand_base_weights(model: torch.nn.Module, world: World, probe_ids: list[int], hooks: Hooks) -> None:
+    """The base weights that attached workers are held to before they are labelled v0
+    (`Fleet.start`), copied from the trainer's freshly loaded model; every rank must call this,
+    in step. Never a second model load in this process: transformers patches module creation
+    process-wide while it loads, so a load on the control loop beside the trainer's would build
+    one of the two models on the meta device."""
+    weights = snapshot(model, world.rank)
+    reference = prompt_logprobs(model, probe_ids, world.device)
+    if hooks.base:
+        hooks.base(weights, probe_ids, reference)
+
+
 def nonfinite_step(metrics: StepMetrics) -> str:
     """What made a skipped step skip, e.g. "loss is nan, grad norm is inf"."""
     values = {"loss": metrics.loss, "grad norm": metrics.grad_norm}
@@ -141,6 +156,8 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
     model = load_policy(model_dir, world.device)
     optimizer = build_optimizer(model, cfg)
     probe_ids = agreement_probe(model)
+    if config.inference.attaches():
+        hand_base_weights(model, world, probe_ids, hooks)
     start = checkpoint.load(run_dir.checkpoints_dir, model, optimizer, log=log) or 0
     if start:
         log(f"fleetrl: resumed from checkpoint step {start}")

@@ -14,6 +14,7 @@ native bf16 are several times slower in it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -25,15 +26,24 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
+# One model load at a time in a process: while transformers loads a model it patches module
+# creation for the whole process (parameters are made on the meta device, then filled from the
+# files), so a model built on another thread meanwhile comes out empty ("Cannot copy out of meta
+# tensor"). fleetrl rl loads once (the trainer's copy also gives attached workers their base
+# weights); the lock keeps any other pair of loads from overlapping.
+_loading = threading.Lock()
+
+
 def load_policy(path: Path, device: torch.device, sharded: bool = True) -> nn.Module:
     """The HF model in `path`, fp32 on `device`, in train mode; sharded when the default
     process group has several ranks (every rank must call this), unless `sharded` is False: a
-    whole copy in this process alone (export, the base weights of attached workers)."""
+    whole copy in this process alone (`fleetrl inference`'s base weights of attached workers)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # fleetrl prints its own progress, a line per step
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with _loading:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False  # a training forward never reuses a KV cache
     model.to(device)
     if sharded and dist.is_initialized() and dist.get_world_size() > 1:

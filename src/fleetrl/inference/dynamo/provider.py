@@ -43,7 +43,7 @@ class DynamoProvider:
         self.run_dir = run_dir
         self.log = log
         self.deployment: DynamoDeployment | None = None  # None when attached
-        self.launches_workers = not config.dynamo.frontend_url
+        self.launches_workers = not config.attaches()
         # Attached: known now, so `fleetrl status` can discover without start(); launched: set by start().
         self._frontend_url, self._rl_url = config.dynamo.frontend_url, config.dynamo.rl_url
         self._data: DynamoDataClient | None = None  # set by start()

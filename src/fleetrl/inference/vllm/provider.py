@@ -45,7 +45,7 @@ class VllmProvider:
         self.data_token = data_token
         self.log = log
         self.launched: list[LaunchedServer] = []
-        self.launches_workers = not config.urls
+        self.launches_workers = not config.attaches()
         self._admins: dict[str, VllmAdminClient] = {}
         self._data = VllmDataClient(data_token, config.request_timeout_s)
 
