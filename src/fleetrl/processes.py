@@ -56,10 +56,6 @@ class ManagedProcess:
         """SIGTERM the whole process group, then SIGKILL whatever is left after `grace_s`."""
         stop_groups([self], grace_s)
 
-    def group_alive(self) -> bool:
-        """Whether a process of its group can still run."""
-        return bool(_running([self]))
-
 
 def _running(procs: list[ManagedProcess]) -> list[ManagedProcess]:
     """Those of `procs` whose process group has a process that is not a zombie."""

@@ -20,10 +20,11 @@ import torch
 
 from fleetrl.config import ModelConfig
 from fleetrl.inference.fleet import Fleet
-from fleetrl.inference.probe import PROBE_TEXTS
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.model import resolve_model
 from fleetrl.processes import stop_all
+
+from .probes import PROBE_TEXTS
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: where the quickstart's commands run

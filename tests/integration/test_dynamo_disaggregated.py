@@ -15,12 +15,12 @@ import torch
 from fleetrl.config import DynamoConfig, InferenceConfig, VllmConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
-from fleetrl.inference.probe import probe_fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.versions import VersionSpan
 from fleetrl.weights.factory import make_transport
 
 from .conftest import chat_ids, model_with, perturbed, running
+from .probes import probe_fleet
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MAX_TOKENS = 12

@@ -27,13 +27,13 @@ from fleetrl.config import DynamoConfig, InferenceConfig
 from fleetrl.inference.dynamo.cluster import find_binary
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
-from fleetrl.inference.probe import probe_fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.processes import listening_ports, running_groups
 from fleetrl.versions import VersionSpan
 from fleetrl.weights.factory import make_transport
 
 from .conftest import ROOT, chat_ids, model_with, perturbed
+from .probes import probe_fleet
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -37,7 +37,6 @@ from fleetrl.envs.tools import Tool
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.launcher import wait_ready
 from fleetrl.inference.fleet import AgreementProbe, Fleet
-from fleetrl.inference.probe import probe_fleet, reference_logprobs
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
@@ -47,6 +46,7 @@ from fleetrl.versions import VersionSpan, off_policy_distance
 from fleetrl.weights.factory import make_transport
 
 from .conftest import chat_ids, greedy, greedy_response, model_with, perturbed, running
+from .probes import probe_fleet, reference_logprobs
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -87,7 +87,8 @@ def transport_for(kind: str, tmp_path_factory, bucket_bytes: int = 32 << 20):
 def stop_now(fleet: Fleet, worker):
     """Returns a call that stops the launched process serving `worker` at once."""
     if isinstance(fleet.provider, VllmProvider):
-        return lambda: fleet.provider.stop_worker(worker.id)
+        server = next(s for s in fleet.provider.launched if s.name == worker.id)
+        return lambda: server.process.stop(grace_s=0)
     return launched_dynamo_worker(fleet, worker).stop
 
 

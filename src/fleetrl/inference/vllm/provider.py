@@ -133,12 +133,6 @@ class VllmProvider:
                                       self.admin_token, self.data_token)
         return True
 
-    def stop_worker(self, worker_id: str) -> None:
-        """Stop one launched server at once (a worker that misbehaves; failure tests)."""
-        for server in self.launched:
-            if server.name == worker_id:
-                server.process.stop(grace_s=0)
-
     async def close(self) -> None:
         for admin in self._admins.values():
             await admin.close()

@@ -1,9 +1,10 @@
-"""Weight-agreement probe: do the workers really hold the weights the trainer holds?
+"""The tests' own agreement probe: do the workers really hold the weights a test gave them?
 
-After a publish, a fixed probe batch is scored on every worker (prompt logprobs, which do not
-depend on sampling) and by transformers from the trainer's own weights; the per-worker
-mean/max absolute difference exposes a worker whose weights never synced, which a version
-label alone would not. fp32 serving agrees with transformers fp32 to about 1e-4.
+A fixed probe batch of texts is scored on every worker (prompt logprobs, which do not depend on
+sampling) and by transformers from the test's own model; the per-worker mean/max absolute
+difference exposes a worker whose weights never synced, which a version label alone would not.
+fp32 serving agrees with transformers fp32 to about 1e-4. (fleetrl's own probe, after every
+publish, is `inference.fleet.AgreementProbe`: token ids the trainer scores.)
 """
 
 from __future__ import annotations
