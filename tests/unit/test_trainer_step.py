@@ -375,6 +375,27 @@ def test_attached_workers_get_the_base_weights_from_the_trainers_own_copy(model_
     assert prompt_logprobs(base, probe_ids, CPU) == pytest.approx(reference, abs=1e-6)
 
 
+def test_the_fleet_takes_the_handed_base_weights_once_and_a_stopped_run_releases_its_wait(tmp_path):
+    """`RLRun.take_base` (the fleet's start, on the control loop) gets what the training loop
+    handed, and nothing keeps it after; a run that stops before the trainer handed anything
+    ends that wait with one line instead of leaving a thread blocked."""
+    from fleetrl.app.rl import RLRun
+
+    run = RLRun(load_config([], [("run.dir", str(tmp_path / "handed"))]), log=lambda *_: None)
+    run.transport = None
+    try:
+        run.hand_base({"w": torch.ones(2)}, [1, 2, 3], [-0.5, -0.25])
+        source = run.take_base()
+        assert source.probe.token_ids == [1, 2, 3] and dict(source.named_tensors())["w"].sum() == 2
+        assert run.base.empty()
+    finally:
+        run.control.stop()
+    stopped = RLRun(load_config([], [("run.dir", str(tmp_path / "stopped"))]), log=lambda *_: None)
+    stopped.stop()
+    with pytest.raises(FleetrlError, match="^the run stopped before the trainer handed the fleet the base weights$"):
+        stopped.take_base()
+
+
 def test_the_collective_timeout_covers_the_longest_legal_publish():
     """Not a fixed 600 s: a rank waits for rank 0's fleet start, one publish (admin calls with
     their retries, transfer steps) and a train step, whatever the config makes of them."""

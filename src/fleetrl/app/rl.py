@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+import queue
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -88,9 +89,10 @@ class RLRun:
         self.ranks: list[ManagedProcess] = []
         self.rollouts: list[Future] = []
         self.fleet: Fleet | None = None
-        # Attached workers' base weights (`hand_base`): set by the training loop once it has
-        # loaded the model, waited for by the fleet's start on the control loop.
-        self.base: Future[WeightSource] = Future()
+        # Attached workers' base weights (`hand_base`): put by the training loop once it has
+        # loaded the model, taken by the fleet's start on the control loop (`take_base`), which
+        # keeps them only until the first publish replaces them; None: the run stopped first.
+        self.base: queue.Queue[WeightSource | None] = queue.Queue(maxsize=1)
         self.monitors: Monitors | None = None
         # The last version's probe, and its weights where they are kept (a CPU snapshot; on CUDA none
         # is: the final model was written while the ranks gathered the last version, see publish).
@@ -142,7 +144,8 @@ class RLRun:
                                          config.run.seed, max_context=config.inference.vllm.max_model_len, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
-        base = None if fleet.provider.launches_workers else self.base.result
+        # The same check as the training loop's, which hands the base weights (trainer/loop.py).
+        base = self.take_base if config.inference.attaches() else None
         self.fleet_started = self.control.submit(start_recorded(fleet, self.run_dir, base))
         if self.view is not None:
             self.watching = self.control.submit(self.view.watch(fleet, self.orchestrator))
@@ -200,7 +203,10 @@ class RLRun:
         self.log(f"fleetrl: done: {self.run_dir.root} (check it with `fleetrl verify {self.run_dir.root}`)")
 
     def stop(self) -> None:
-        self.base.cancel()  # a fleet start still waiting for the base weights gives up
+        try:
+            self.base.put_nowait(None)  # a fleet start still waiting for the base weights gives up
+        except queue.Full:
+            pass
         for future in self.rollouts + ([self.watching] if self.watching else []):
             future.cancel()
         if self.fleet is not None:
@@ -221,7 +227,15 @@ class RLRun:
     def hand_base(self, weights: Snapshot, probe_ids: list[int], reference: list[float]) -> None:
         """The base weights, from the trainer's own copy, for the fleet's start to hold attached
         workers to (`Fleet.start`)."""
-        self.base.set_result(base_source(self.transport, weights, AgreementProbe(probe_ids, reference)))
+        self.base.put(base_source(self.transport, weights, AgreementProbe(probe_ids, reference)))
+
+    def take_base(self) -> WeightSource:
+        """What `Fleet.start` holds attached workers to (it waits, off the event loop, until the
+        trainer has loaded the model); nothing here keeps them after."""
+        source = self.base.get()
+        if source is None:
+            raise FleetrlError("the run stopped before the trainer handed the fleet the base weights")
+        return source
 
     def wait_batch(self, step: int) -> Batch:
         self.phase(f"waiting for batch {step}")

@@ -148,9 +148,15 @@ def agreement_probe(model: nn.Module, length: int = 24) -> list[int]:
 
 @torch.no_grad()
 def prompt_logprobs(model: nn.Module, token_ids: list[int], device: torch.device) -> list[float]:
-    """log p(token_i | tokens_<i) for i >= 1 under the model; on a sharded model every rank
+    """log p(token_i | tokens_<i) for i >= 1 under the model in eval mode, as the workers serve
+    it (a model with dropout would score at random in train mode); on a sharded model every rank
     must call this, in step (the forward is a collective)."""
     ids = torch.tensor([token_ids], device=device)
-    with compute_precision(model, device):
-        logits = model(input_ids=ids).logits[0, :-1].float()
+    training = model.training
+    model.eval()
+    try:
+        with compute_precision(model, device):
+            logits = model(input_ids=ids).logits[0, :-1].float()
+    finally:
+        model.train(training)
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
