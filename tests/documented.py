@@ -1,9 +1,16 @@
-"""The commands of docs/quickstart.md, as the tests run them.
+"""The commands of README.md and docs/quickstart.md, as the tests run them: as written.
 
-Every command on that page (each line of its ```bash blocks) is run by a test through
-`documented(...)`, with the test's own arguments added and its own paths and ports put in;
-tests/unit/test_quickstart.py checks that each one is. So a command renamed, a flag dropped or
-a path moved breaks a test, not a new user's first hour.
+Every command in those pages (each line of their ```bash blocks) is run by a test through
+`documented(...)`; tests/unit/test_quickstart.py checks that each one is. A test may change only
+what makes a command fit a test, never its code path:
+
+- `replace`: a port by another port, a path under `runs/` by another path;
+- `extra`: `--run.dir PATH`, `--run.max_steps N`, and `--port N` (a server's port).
+
+Anything else — a config file, the world size, the workers, the provider, the environment, k —
+would run another command than the page's, and is refused here. So a command renamed, a flag
+dropped or a path moved breaks a test, not a new user's first hour; and a command the suite
+cannot afford as written is changed on the page, not in the test.
 """
 
 from __future__ import annotations
@@ -13,27 +20,59 @@ import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "docs" / "quickstart.md"
+PAGES = (ROOT / "README.md", ROOT / "docs" / "quickstart.md")
+# Run by CI itself (.ci/run), not by a test of the suite it starts.
+NOT_RUN_BY_A_TEST = {"make test": "CI runs it (.ci/run): a test of the suite cannot run the suite"}
 # Leading NAME=value assignments of a command line (the environment it runs with).
 ASSIGNMENTS = re.compile(r"^((?:[A-Z_][A-Z0-9_]*=\S+\s+)*)(.*)$", re.DOTALL)
+# The flags a test may add, each with one value: where output goes, how long it runs, its port.
+ALLOWED_EXTRA = {"--run.dir", "--run.max_steps", "--port"}
 
 
-def quickstart_commands() -> list[str]:
+def page_commands(page: Path) -> list[str]:
+    """Each line of the page's ```bash blocks, without a trailing `# comment`."""
     commands, in_bash = [], False
-    for line in QUICKSTART.read_text().splitlines():
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
             in_bash = line.strip() == "```bash"
         elif in_bash and line.strip():
-            commands.append(line.strip())
+            commands.append(re.sub(r"\s+#\s.*$", "", line.strip()))
     return commands
 
 
+def documented_commands() -> list[str]:
+    """Every command of README.md and docs/quickstart.md that a test runs, once each."""
+    seen: dict[str, None] = {}
+    for page in PAGES:
+        seen.update(dict.fromkeys(c for c in page_commands(page) if c not in NOT_RUN_BY_A_TEST))
+    return list(seen)
+
+
+def check_extra(extra: tuple[str, ...]) -> None:
+    """Refuses any added argument but the allowed flags, each with its one value."""
+    pairs = list(zip(extra[::2], extra[1::2]))
+    if len(extra) % 2 or any(flag not in ALLOWED_EXTRA for flag, _ in pairs):
+        raise ValueError(f"a documented command runs as written: a test may add only {sorted(ALLOWED_EXTRA)}, "
+                         f"each with a value, not {list(extra)}")
+
+
+def check_replace(old: str, new: str) -> None:
+    """Refuses any replacement but a port by a port and a `runs/` path by a path."""
+    port = old.isdigit() and new.isdigit()
+    path = old.startswith("runs/") and "/" in new and not new.startswith("-")
+    if not (port or path):
+        raise ValueError(f"a documented command runs as written: a test may replace only ports and runs/ paths, "
+                         f"not {old!r} by {new!r}")
+
+
 def documented(command: str, *extra: str, replace: dict[str, str] | None = None) -> str:
-    """The quickstart's `command` as one bash line to run from the repository root: each key of
-    `replace` replaced by its value (a path, a port), `extra` appended (inside ARGS="..." for
-    `make run`), and the command exec'd by bash, so the process started is the command's own."""
-    assert command in quickstart_commands(), f"not a command of {QUICKSTART.name}: {command}"
+    """The documented `command` as one bash line to run from the repository root: each key of
+    `replace` replaced by its value, `extra` appended (inside ARGS="..." for `make run`), and the
+    command exec'd by bash, so the process started is the command's own."""
+    assert command in documented_commands(), f"not a command of {', '.join(p.name for p in PAGES)}: {command}"
+    check_extra(extra)
     for old, new in (replace or {}).items():
+        check_replace(old, new)
         assert old in command, (old, command)
         command = command.replace(old, new)
     added = " ".join(shlex.quote(arg) for arg in extra)

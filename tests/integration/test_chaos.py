@@ -1,15 +1,17 @@
 """Faults against a real `fleetrl rl` (issue 10), several packed into one run where that is
-sound, to keep CI time flat:
+sound, to keep CI time flat (tests/integration/runs.py lists both runs):
 
 1. a worker hung (SIGSTOP of its whole process group: server and engine core) is detected
    within a bounded time, leaves the publish fence, and the run goes on with the other;
 2. the hung worker is restarted (inference.max_restarts), refitted, and readmitted;
 3. SIGTERM of `fleetrl rl` (one trainer rank: every process starts on the control loop's
    thread) leaves no process behind within 10 s;
+4. the run's task is multi-turn (arithmetic_retry): every episode's turns carry their spans;
 
-and, on Dynamo, SIGKILL of `fleetrl rl` mid-run: the frontend, the worker and its engine-core
-grandchildren end by themselves within 10 s. (Resuming after a kill at every point of a step,
-SIGINT, and two trainer ranks: test_kill_points.py.)
+and the quickstart's Dynamo command as written, SIGKILLed once it has trained two steps: the
+frontend, the worker and its engine-core grandchildren end by themselves within 10 s.
+(Resuming after a kill at every point of a step, SIGINT, and two trainer ranks:
+test_kill_points.py.)
 
 Every assertion on samples is the version promise: no trained sample is off-policy beyond k
 or misversioned.
@@ -23,11 +25,14 @@ import time
 
 import pytest
 
-from .conftest import TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups, read_metrics
+from tests.documented import documented
+
+from .conftest import ROOT, TINY_ROLLOUTS, _term_with_parent, alive_in, check_episodes, child_groups, read_metrics
+from .runs import RUNS
 
 pytestmark = pytest.mark.chaos
 
-CONFIG = TINY_ROLLOUTS + """
+CONFIG = TINY_ROLLOUTS.replace('env = "reverse_text"', 'env = "arithmetic_retry"\nmax_turns = 2') + """
 [inference]
 workers = 2
 request_timeout_s = 45
@@ -48,13 +53,16 @@ max_steps = 10
 """
 
 
-def start_rl(tmp_path, log_name, *flags):
+def start_rl(tmp_path, log_name, shell: str | None = None):
+    """`fleetrl rl` on CONFIG, or the documented command line `shell` (bash execs it: the
+    process started is fleetrl's own)."""
     config = tmp_path / "rl.toml"
     config.write_text(CONFIG)
+    argv = ["bash", "-c", shell] if shell else [sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir",
+                                                str(tmp_path / "run")]
     with open(tmp_path / log_name, "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir",
-                                 str(tmp_path / "run"), *flags],
-                                stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=_term_with_parent)
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                preexec_fn=_term_with_parent)
 
 
 def wait_until(proc, what, predicate, timeout_s, log_path):
@@ -119,17 +127,20 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
     done = read_metrics(run_dir)
     assert [m["step"] for m in done] == list(range(1, len(done) + 1))
     assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
+    check_episodes(run_dir, len(done), max_turns=2)
 
 
-def test_sigkill_on_dynamo_leaves_no_process(tmp_path):
-    """SIGKILL leaves fleetrl no chance to clean up: the Dynamo frontend dies with it (the
-    kernel's parent-death signal), the worker takes its process group, engine core included,
-    down with it (engine/orphan.py)."""
-    log_path = tmp_path / "dynamo.log"
-    proc = start_rl(tmp_path, "dynamo.log", "--inference.provider", "dynamo", "--inference.workers", "1")
+def test_the_quickstarts_dynamo_run_then_sigkill_leaves_no_process(tmp_path):
+    """The quickstart's Dynamo command as written trains two steps; then SIGKILL, which leaves
+    fleetrl no chance to clean up: the Dynamo frontend dies with it (the kernel's parent-death
+    signal), the worker takes its process group, engine core included, down with it
+    (engine/orphan.py)."""
+    log_path, run_dir = tmp_path / "dynamo.log", tmp_path / "dynamo"
+    shell = documented(RUNS["dynamo"].command, "--run.max_steps", "3", replace={"runs/dynamo": str(run_dir)})
+    proc = start_rl(tmp_path, "dynamo.log", shell)
     groups: set[int] = set()
     try:
-        wait_until(proc, "step 1", lambda: read_metrics(tmp_path / "run"), 900, log_path)
+        wait_until(proc, "step 2", lambda: len(read_metrics(run_dir)) >= 2, 900, log_path)
         groups = child_groups(proc.pid)
         assert len(groups) == 2, groups  # the frontend and the worker, each leading its group
         assert len(alive_in(groups)) >= 3, alive_in(groups)  # and the worker's engine core
@@ -147,3 +158,7 @@ def test_sigkill_on_dynamo_leaves_no_process(tmp_path):
             except ProcessLookupError:
                 pass
     print(f"\nchaos: Dynamo frontend, worker and engine core gone {gone_after:.1f} s after SIGKILL of fleetrl rl")
+    done = read_metrics(run_dir)
+    assert [m["step"] for m in done[:2]] == [1, 2] and "1 trainer rank(s), env reverse_text" in log_path.read_text()
+    assert all(m["distance_max"] <= 1 and m["misversioned"] == 0 for m in done)
+    assert list(done[1]["worker_versions"].values()) == [2]  # Dynamo's one worker, at v2 after step 2

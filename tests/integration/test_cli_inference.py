@@ -1,9 +1,14 @@
-"""The README's main job, `fleetrl inference`, as a user runs it: a real vLLM CPU server."""
+"""The README's commands that start no training run, as written: `fleetrl inference` on a real
+vLLM CPU server, the resolved config, the help; and `fleetrl inference` stopped by Ctrl-C and by
+SIGKILL, where a process-level property is cheapest to check."""
 
 import signal
+import subprocess
 import time
 
-from .conftest import alive_in, child_groups, fleetrl_process
+from tests.documented import documented
+
+from .conftest import ROOT, alive_in, child_groups, fleetrl_process
 
 
 def fleetrl(*args):
@@ -11,25 +16,44 @@ def fleetrl(*args):
 
 
 def test_inference_samples_prints_and_leaves_no_process(tmp_path, model_dir):
-    with fleetrl("--prompt", "What is 2 + 2?", "--orchestrator.max_tokens", "12", "--run.dir", str(tmp_path)) as proc:
+    shell = documented('.venv/bin/fleetrl inference --prompt "Hi!"', "--run.dir", str(tmp_path))
+    with fleetrl_process(shell=shell) as proc:
         groups: set[int] = set()
         while proc.poll() is None:  # note the server's process group while it runs
             groups |= child_groups(proc.pid)
             time.sleep(0.5)
         out = proc.stdout.read()
     assert proc.returncode == 0, out
-    assert "> What is 2 + 2?" in out and "versions v0@0" in out and "worker vllm-0" in out
+    assert "> Hi!" in out and "versions v0@0" in out and "worker vllm-0" in out
     assert (tmp_path / "logs" / "vllm-0.log").exists()
     assert groups and not alive_in(groups)
+
+
+def readme(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", documented(command)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_readmes_dry_run_prints_the_default_config_and_starts_nothing():
+    done = readme(".venv/bin/fleetrl rl --dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "[inference]" in done.stdout and 'provider = "vllm"' in done.stdout and "[trainer]" in done.stdout
+
+
+def test_the_readmes_help_lists_every_command():
+    done = readme(".venv/bin/python -m fleetrl --help")
+    assert done.returncode == 0, done.stderr
+    for command in ("rl", "inference", "status", "verify", "plot", "export", "model", "bench"):
+        assert f"\n    {command}" in done.stdout, command
 
 
 def test_ctrl_c_during_startup_stops_the_servers(tmp_path, model_dir):
     with fleetrl("--run.dir", str(tmp_path)) as proc:
         deadline = time.monotonic() + 300
-        while not (groups := child_groups(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert groups, "the server never started"
-        time.sleep(5)  # let it spawn its engine core
+        groups: set[int] = set()
+        # Until the server has spawned its engine core (a second process in its group).
+        while len(alive_in(groups := groups | child_groups(proc.pid))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(alive_in(groups)) >= 2, "the server never started its engine core"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out

@@ -4,8 +4,8 @@ shared-storage connector, and every publish (broadcast and filesystem) reaching 
 
 Dynamo's own worker kind is the same worker without the per-token version layer; its prefill
 and decode deployment is driven end to end by
-test_rl_e2e.py::test_four_ranks_on_dynamo_with_etcd_and_nats_prefill_and_decode (every rollout
-prefilled on the prefill worker, 5 broadcast publishes verified on both, the agreement probe
+the torchrun-dynamo run of runs.py (test_rl_e2e.py: every rollout
+prefilled on the prefill worker, 3 broadcast publishes verified on both, the agreement probe
 after each), so it gets no deployment of its own here: CI time."""
 
 import pytest

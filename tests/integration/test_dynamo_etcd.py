@@ -5,7 +5,7 @@ One deployment that fleetrl did not start — etcd, NATS, a frontend and two of 
 workers behind fleetrl's worker entry, started by deploy/dynamo/start_etcd_deployment.py as an
 operator would — which fleetrl attaches to and finds through etcd; it lives for the module and is
 stopped however the module ends. fleetrl's own launch mode (it starts etcd and NATS itself) is
-driven end to end by test_rl_e2e.py::test_four_ranks_on_dynamo_with_etcd_and_nats_prefill_and_decode.
+driven end to end by the torchrun-dynamo run of runs.py (test_rl_e2e.py).
 """
 
 import asyncio

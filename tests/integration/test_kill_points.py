@@ -47,6 +47,7 @@ from fleetrl.trainer import checkpoint
 from tests.documented import documented
 
 from .conftest import ROOT, TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups, fleetrl_pid, read_metrics
+from .runs import ATTACHED_RUN
 
 pytestmark = pytest.mark.chaos
 
@@ -68,17 +69,15 @@ max_steps = 5
 """
 
 
-# The quickstart's commands this test runs (tests/documented.py): an operator's own server, a
-# run attached to two of them, the resume, and the final model exported and served.
+# The quickstart's commands this module runs as written (tests/documented.py): an operator's own
+# server, a run attached to two of them, and the final model exported and served. The sequence's
+# runs add their own config to the same command line: they are not the documented command.
 SERVE = ("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server "
          '--model "$(.venv/bin/fleetrl model)" --served-model-name policy '
          "--host 127.0.0.1 --port 8001 --dtype float32 --max-model-len 512 --enforce-eager --enable-scale-out "
          "--middleware fleetrl.engine.admin_auth.AdminTokenMiddleware "
          "--worker-extension-cls fleetrl.engine.worker_extension.FleetrlWorkerExtension "
          "--weight-transfer-config '{\"backend\": \"fleetrl\"}'")
-ATTACHED_RUN = (".venv/bin/fleetrl rl @ configs/default.toml --inference.urls "
-                "'[\"http://127.0.0.1:8001\", \"http://127.0.0.1:8002\"]' --run.dir runs/attached")
-RESUME = 'make run ARGS="--run.max_steps 15"'
 EXPORT = ".venv/bin/fleetrl export runs/default runs/default-step5 --step 5"
 SERVE_FINAL = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server "
                "--model runs/default/final_model --dtype float32 --max-model-len 512 --enforce-eager --port 8000")
@@ -134,11 +133,10 @@ def servers(model_dir, tmp_path_factory):
 
 
 class Run:
-    """One `fleetrl rl` of the sequence, its output in its own log: the quickstart's attached run
-    (fleetrl itself is the process: the signals reach it), or its resume (`make run`, which
-    starts fleetrl)."""
+    """One `fleetrl rl` of the sequence, its output in its own log: the attached run with this
+    module's config (fleetrl itself is the process: the signals reach it)."""
 
-    def __init__(self, tmp_path, urls, name: str, failpoint: str | None = None, command: str = ATTACHED_RUN) -> None:
+    def __init__(self, tmp_path, urls, name: str, failpoint: str | None = None) -> None:
         config = tmp_path / "rl.toml"
         config.write_text(CONFIG)
         self.log_path = tmp_path / f"{name}.log"
@@ -146,12 +144,10 @@ class Run:
         env.pop(FAILPOINT_ENV, None)
         if failpoint:
             env[FAILPOINT_ENV] = failpoint
-        ports = [url.rsplit(":", 1)[1] for url in urls]
-        args = ["@", str(config), "--run.dir", str(tmp_path / "run"), "--inference.urls", json.dumps(urls),
-                "--run.max_steps", str(STEPS)]
-        line = documented(command, *args, replace={"8001": ports[0], "8002": ports[1]} if command == ATTACHED_RUN else None)
+        argv = [str(ROOT / ".venv" / "bin" / "fleetrl"), "rl", "@", str(ROOT / "configs" / "default.toml"), "@",
+                str(config), "--inference.urls", json.dumps(urls), "--run.dir", str(tmp_path / "run")]
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(["bash", "-c", line], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+            self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                          env=env, preexec_fn=_term_with_parent)
         self.groups: set[int] = set()
 
@@ -256,14 +252,26 @@ def test_the_quickstarts_attached_run_as_written(servers, tmp_path):
     assert verify.returncode == 0, verify.stderr
 
 
+def test_the_readmes_status_of_any_fleet(servers):
+    """README's `fleetrl status --inference.urls ...` with the admin token exported, on a server
+    the attached run above left at v2."""
+    line = documented(".venv/bin/fleetrl status --inference.urls '[\"http://127.0.0.1:8000\"]'",
+                      replace={"8000": servers[0].rsplit(":", 1)[1]})
+    done = subprocess.run(["bash", "-c", line], cwd=ROOT, env={**os.environ, ADMIN_TOKEN_ENV: ADMIN},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith(servers[0])]
+    assert row.split()[1:4] == ["aggregated", "ready", "v2"], done.stdout
+
+
 @pytest.mark.timeout(1800)  # six runs of `fleetrl rl`: about 10 minutes here, more on a busy machine
 def test_killed_at_each_point_then_run_again(servers, tmp_path):
     run_dir = tmp_path / "run"
     gone: dict[str, float] = {}
     runs: list[Run] = []
 
-    def start(name: str, failpoint: str | None = None, command: str = ATTACHED_RUN) -> Run:
-        runs.append(Run(tmp_path, servers, name, failpoint, command))
+    def start(name: str, failpoint: str | None = None) -> Run:
+        runs.append(Run(tmp_path, servers, name, failpoint))
         return runs[-1]
 
     try:
@@ -307,7 +315,7 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
         assert "Traceback" not in run.out()
         assert latest_checkpoint(run_dir) == 4
 
-        run = start("6-finish", command=RESUME)  # the quickstart's resume, as a user types it
+        run = start("6-finish")
         assert run.finish() == 0, run.out()[-3000:]
         assert "resuming after step 4" in run.out()
     finally:

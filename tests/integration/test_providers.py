@@ -92,6 +92,31 @@ def stop_now(fleet: Fleet, worker):
     return launched_dynamo_worker(fleet, worker).stop
 
 
+async def generated_tokens(fleet: Fleet, worker=None) -> int:
+    """Tokens the worker's engine has generated since it started (vLLM's counter, on the admin
+    port of native servers and Dynamo workers alike), or the sum over the ready workers."""
+    total = 0
+    async with httpx.AsyncClient(timeout=30) as client:
+        for w in [worker] if worker else fleet.ready_workers():
+            headers = {"Authorization": f"Bearer {TOKEN}"} if isinstance(fleet.provider, VllmProvider) else {}
+            response = await client.get(f"{w.admin_url}/metrics", headers=headers)
+            response.raise_for_status()
+            text = response.text
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.split("{", 1)[0].split(" ", 1)[0] == "vllm:generation_tokens_total")
+    return round(total)
+
+
+async def until_generating(fleet: Fleet, before: int, worker=None, tokens: int = 4, timeout_s: float = 300) -> None:
+    """Returns once `tokens` more than `before` (`generated_tokens` before the request started)
+    were generated: the request is in flight, past its prefill. Progress, not a sleep: a fault
+    or publish fired after this lands inside the request however fast or slow the machine is."""
+    deadline = time.monotonic() + timeout_s
+    while await generated_tokens(fleet, worker) < before + tokens:
+        assert time.monotonic() < deadline, f"no {tokens} tokens generated in {timeout_s} s"
+        await asyncio.sleep(0.05)
+
+
 def launched_dynamo_worker(fleet: Fleet, worker):
     """The launched Dynamo worker whose system server listens at the worker's admin URL."""
     port = int(worker.admin_url.rsplit(":", 1)[1])
@@ -379,13 +404,20 @@ async def test_the_agreement_probe_passes_the_installed_weights_and_catches_othe
         await transport.close()
 
 
+# How long the requests that a publish or a fault must land inside are: enough tokens for a
+# publish fired at the 4th to pause the worker before the last, on a slow machine too.
+IN_FLIGHT_TOKENS = 160
+
+
 async def publish_during_request(fleet, base_weights, storage, kind, prompt, max_tokens):
-    """Start a greedy request, publish the next version by `kind` while it runs, return it."""
+    """Start a greedy request, publish the next version by `kind` once it is generating,
+    return it."""
     version = fleet.version + 1
     transport = make_transport(kind, host="127.0.0.1", bucket_bytes=32 << 20, storage_dir=storage)
     try:
+        before = await generated_tokens(fleet)
         in_flight = asyncio.create_task(greedy_response(fleet, prompt, max_tokens))
-        await asyncio.sleep(2.0)
+        await until_generating(fleet, before)
         await fleet.publish(version, transport, perturbed(base_weights, seed=version))
         return await in_flight
     finally:
@@ -396,14 +428,15 @@ async def check_keep_mode_span_boundary(fleet, base_weights, tokenizer, storage,
     """Keep mode: a request in flight across a publish gets two spans, split at the exact token."""
     old = fleet.version
     prompt = chat_ids(tokenizer, "Write a long story about a lighthouse keeper.")
-    reference = await greedy(fleet, prompt, 400)  # all at `old`
-    out = await publish_during_request(fleet, base_weights, storage, kind, prompt, 400)
+    length = IN_FLIGHT_TOKENS
+    reference = await greedy(fleet, prompt, length)  # all at `old`
+    out = await publish_during_request(fleet, base_weights, storage, kind, prompt, length)
     assert [s.version for s in out.spans] == [old, old + 1], out.spans
     boundary = out.spans[1].start
-    assert 0 < boundary < 400
+    assert 0 < boundary < length
     assert out.token_ids[:boundary] == reference[:boundary]
     # From the boundary on, the tokens are the new policy's greedy continuation of the prefix.
-    continuation = await greedy(fleet, prompt + reference[:boundary], 400 - boundary)
+    continuation = await greedy(fleet, prompt + reference[:boundary], length - boundary)
     assert out.token_ids[boundary:] == continuation
     assert continuation[0] != reference[boundary]  # the weights really changed right there
 
@@ -414,13 +447,13 @@ async def check_abort_mode_joins_spans(fleet, base_weights, tokenizer, storage, 
     prompt = chat_ids(tokenizer, "List every prime number you know, one per line.")
     fleet.pause_mode = "abort"
     try:
-        out = await publish_during_request(fleet, base_weights, storage, kind, prompt, 300)
+        out = await publish_during_request(fleet, base_weights, storage, kind, prompt, IN_FLIGHT_TOKENS)
     finally:
         fleet.pause_mode = mode
-    assert len(out.token_ids) == 300 and out.finish_reason == "length"
+    assert len(out.token_ids) == IN_FLIGHT_TOKENS and out.finish_reason == "length"
     assert [s.version for s in out.spans] == [old, old + 1], out.spans
     boundary = out.spans[1].start
-    continuation = await greedy(fleet, prompt + out.token_ids[:boundary], 300 - boundary)
+    continuation = await greedy(fleet, prompt + out.token_ids[:boundary], IN_FLIGHT_TOKENS - boundary)
     assert out.token_ids[boundary:] == continuation
 
 
@@ -444,10 +477,13 @@ async def test_wait_mode_attributes_a_request_in_flight_to_the_version_that_prod
     the `wait` pause drains it on the old weights, and its one span says so."""
     old = fleet.version
     request = GenerateRequest(chat_ids(tokenizer, "Write a long story about a lighthouse."),
-                              SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True), session_id="straddle")
+                              SamplingParams(max_tokens=IN_FLIGHT_TOKENS, temperature=0.0, ignore_eos=True),
+                              session_id="straddle")
     (reference,) = await fleet.generate(request)
+    before = await generated_tokens(fleet)
     in_flight = asyncio.create_task(fleet.generate(request))
-    await asyncio.sleep(1.5)
+    await until_generating(fleet, before)  # the publish starts while it runs, never after it ended
+    assert not in_flight.done() and sum(fleet.in_flight(w.id) for w in fleet.ready_workers()) == 1
     transport = transport_for("filesystem", tmp_path_factory)
     try:
         await fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
@@ -535,25 +571,27 @@ async def test_publishes_inside_a_turn_and_between_turns_give_each_turn_exact_sp
     old, old_mode = fleet.version, fleet.pause_mode
     env = Answers("Go on.", opened=False)
     text = "Write a long story about a lighthouse."
-    sampling = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    reference = await greedy(fleet, chat_ids(tokenizer, text), 200)  # all at v
+    length = IN_FLIGHT_TOKENS
+    sampling = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+    reference = await greedy(fleet, chat_ids(tokenizer, text), length)  # all at v
     transport = transport_for("broadcast", tmp_path_factory)
     fleet.pause_mode = mode
     try:
+        before = await generated_tokens(fleet)
         running_episode = asyncio.create_task(episode_of(fleet, tokenizer, env, text, sampling, old + 4, max_turns=2))
-        await asyncio.sleep(2.0)
+        await until_generating(fleet, before)
         await fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
         assert await asyncio.to_thread(env.asked.wait, 300)
         await fleet.publish(old + 2, transport, perturbed(base_weights, seed=old + 2))
         env.opened.set()
         episode = await running_episode
         (first, first_end), (second, second_end) = episode.turns
-        assert first_end - first == 200 and second_end - second == 200, episode.turns
+        assert first_end - first == length and second_end - second == length, episode.turns
         assert [s.version for s in episode.spans] == [old, old + 1, old + 2], episode.spans
         boundary = episode.spans[1].start
         assert episode.spans[0].start == first < boundary < first_end and episode.spans[2].start == second
         ids = episode.prompt_ids + episode.token_ids
-        assert episode.token_ids[second:second_end] == await greedy(fleet, ids[:len(episode.prompt_ids) + second], 200)
+        assert episode.token_ids[second:second_end] == await greedy(fleet, ids[:len(episode.prompt_ids) + second], length)
         # v+1's weights again (as v+3), to replay the first turn from the boundary on.
         await fleet.publish(old + 3, transport, perturbed(base_weights, seed=old + 1))
         tail = await greedy(fleet, ids[:len(episode.prompt_ids) + boundary], first_end - boundary)
@@ -642,12 +680,13 @@ async def test_worker_killed_mid_rollout_does_not_fail_the_samples(fleet, tokeni
     workers = fleet.ready_workers()
     victim = workers[0]
     prompt = chat_ids(tokenizer, "Write a long story about a lighthouse.")
-    sampling = SamplingParams(max_tokens=160, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=IN_FLIGHT_TOKENS, ignore_eos=True)
+    before = await generated_tokens(fleet, victim)
     requests = [asyncio.create_task(fleet.generate(GenerateRequest(prompt, sampling))) for _ in workers]
-    await asyncio.sleep(3.0)
+    await until_generating(fleet, before, victim)  # its request is on it, under way
     launched_dynamo_worker(fleet, victim).stop()
     outs = [o for (o,) in await asyncio.gather(*requests)]
-    assert all(len(o.token_ids) == 160 and o.spans == [VersionSpan(version, 0)] for o in outs)
+    assert all(len(o.token_ids) == IN_FLIGHT_TOKENS and o.spans == [VersionSpan(version, 0)] for o in outs)
     assert victim.id not in {o.worker_id for o in outs}
     assert fleet.workers[victim.id].state == WorkerState.DEAD
 

@@ -1,7 +1,10 @@
-"""`fleetrl rl` end to end, as a user runs it: 2 vLLM CPU workers (native, or Dynamo's behind a
-Dynamo frontend with etcd and NATS), 2 trainer ranks (FSDP2 over gloo) that fleetrl starts
-itself, or 4 that two torchrun "nodes" start, 5 orchestrator and 5 trainer steps, then
-`fleetrl verify` on what it left behind."""
+"""`fleetrl rl` end to end, as users run it (tests/integration/runs.py lists every run): the
+README's and quickstart's `make run` as written, the quickstart's resume of it, and a cluster as
+this machine can simulate one (4 trainer ranks on two torchrun "nodes", Dynamo with etcd, NATS,
+a prefill and a decode worker). Each run is a module fixture; each check is a small test that
+reads it, so one failed check does not hide the others."""
+
+from __future__ import annotations
 
 import json
 import re
@@ -9,27 +12,27 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 from fleetrl.processes import free_port
 from fleetrl.rundir import RunDir
 
 from tests.documented import documented
 
-from .conftest import ROOT, alive_in, child_groups, descendant_groups, fleetrl_pid, fleetrl_process, output, read_metrics
+from .conftest import (ROOT, alive_in, check_episodes, child_groups, descendant_groups, fleetrl_pid, fleetrl_process,
+                       output, read_metrics)
+from .runs import RUNS
 
-STEPS = 5
-CONFIG = """
-[inference]
-workers = 2
-
+# The torchrun run's own config (make-run and resume take configs/default.toml as written).
+CLUSTER_CONFIG = """
 [inference.vllm]
 max_model_len = 512
 
 [orchestrator]
-env = "reverse_text"
 batch_prompts = 2
 group_size = 4
 max_tokens = 16
@@ -37,53 +40,30 @@ max_tokens = 16
 [trainer]
 lr = 1e-5
 checkpoint_interval = 5
-
-[run]
-max_steps = 5
 """
 
 
-def rl_args(tmp_path, k: int, *flags: str) -> tuple[Path, list[str]]:
-    """The run directory, and the arguments of `fleetrl rl` on CONFIG with `flags`."""
-    config = tmp_path / "rl.toml"
-    config.write_text(CONFIG)
-    run_dir = tmp_path / "run"
-    return run_dir, ["@", str(config), "--run.dir", str(run_dir), "--orchestrator.max_off_policy_steps", str(k), *flags]
+@dataclass
+class Finished:
+    """What a finished run left, read once as it ended (a later run may continue its directory)."""
 
+    run_dir: Path
+    out: str
+    returncode: int
+    groups: set[int]  # the process groups it started, seen while it ran
+    steps: int
+    k: int
+    workers: int
+    metrics: list[dict] = field(default_factory=list)
+    final: dict = field(default_factory=dict)
+    events: list[dict] = field(default_factory=list)
 
-def run_rl(tmp_path, k: int, *flags: str, command: str | None = None, replace: dict[str, str] | None = None,
-           terminal: bool = False) -> tuple[Path, set[int], str]:
-    """`fleetrl rl` on CONFIG with 2 trainer ranks and `flags`; or the quickstart's `command`
-    (the run directory's name in it replaced by `replace`'s key), with the same added to it."""
-    run_dir, args = rl_args(tmp_path, k, "--trainer.world_size", "2", *flags)
-    shell = documented(command, *args, replace=replace) if command else None
-    with fleetrl_process(*(["rl"] + args if shell is None else []), shell=shell, terminal=terminal) as proc:
-        # every server and trainer rank it starts
-        groups = watch_run(run_dir, [proc], lambda: child_groups(fleetrl_pid(proc)))
-    out = output(proc)
-    assert proc.returncode == 0, out[-5000:]
-    return run_dir, groups, out
-
-
-def run_on_two_torchrun_nodes(tmp_path, k: int, *flags: str, command: str | None = None) -> tuple[Path, set[int], str]:
-    """`fleetrl rl` on CONFIG and `flags` on every rank of two torchrun "nodes" on this machine
-    (two agents meeting at a c10d rendezvous, 2 ranks each), as docs/cluster.md runs it; or the
-    quickstart's `command` (a `.venv/bin/fleetrl rl` line) with `torchrun ... -m fleetrl` in place
-    of the executable, and CONFIG and `flags` added."""
-    run_dir, args = rl_args(tmp_path, k, *flags)
-    endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
-    torchrun = shlex.join([str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2",
-                           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e", "-m", "fleetrl"])
-    if command is None:
-        shell = f"exec {torchrun} rl {shlex.join(args)}"
-    else:
-        shell = documented(command, *args, replace={".venv/bin/fleetrl": torchrun})
-    with fleetrl_process(shell=shell) as node_a, fleetrl_process(shell=shell) as node_b:
-        groups = watch_run(run_dir, [node_a, node_b], lambda: descendant_groups(node_a.pid) | descendant_groups(node_b.pid))
-    out = output(node_a) + output(node_b)
-    assert node_a.returncode == 0 and node_b.returncode == 0, out[-5000:]
-    assert "4 trainer rank(s)" in out
-    return run_dir, groups, out
+    def read(self) -> "Finished":
+        self.metrics = read_metrics(self.run_dir)
+        if (self.run_dir / "final.json").exists():
+            self.final = json.loads((self.run_dir / "final.json").read_text())
+        self.events = [json.loads(line) for line in (self.run_dir / "events.jsonl").read_text().splitlines()]
+        return self
 
 
 def watch_run(run_dir: Path, procs: list, started_groups) -> set[int]:
@@ -99,60 +79,6 @@ def watch_run(run_dir: Path, procs: list, started_groups) -> set[int]:
     return groups
 
 
-def check_common(run_dir, groups, out, k):
-    metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    assert all(m["distance_max"] <= k for m in metrics), [m["distance_max"] for m in metrics]
-    # Every worker ends at the final version, holding exactly what the trainer sent.
-    final = json.loads((run_dir / "final.json").read_text())
-    assert final["version"] == STEPS
-    assert len(final["workers"]) == 2
-    for worker in final["workers"].values():
-        assert worker["version"] == STEPS
-        assert worker["checksum"] == metrics[-1]["checksum"]
-    assert len(final["tokens"]) == 16 and final["spans"] == [[STEPS, 0]]
-    assert (run_dir / "reward.png").stat().st_size > 0 and (run_dir / "off_policy.png").stat().st_size > 0
-    assert (run_dir / "checkpoints" / f"step_{STEPS:06d}").is_dir()
-    check_final_model(run_dir, final)
-    check_events(run_dir, final, k)
-    # No process is left: servers, engine cores and trainer ranks all ended with the run.
-    assert len(groups) >= 3 and not alive_in(groups)
-    verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
-    assert verify.returncode == 0, verify.stderr
-    assert f"max off-policy distance {max(m['distance_max'] for m in metrics)} <= k = {k}" in verify.stdout
-    return metrics
-
-
-def check_episodes(run_dir: Path, max_turns: int) -> None:
-    """Every sample of a multi-turn run is an episode: up to max_turns model turns, the loss on
-    exactly those, a span opened by each; feedback after a wrong answer gave some a second turn."""
-    run = RunDir(run_dir)
-    records = [json.loads(line) for step in range(1, STEPS + 1) for line in run.rollouts_path(step).read_text().splitlines()]
-    assert records and all(1 <= len(r["turns"]) <= max_turns and r["end"] in ("done", "max_turns") for r in records)
-    assert any(len(r["turns"]) == 2 for r in records), [r["messages"] for r in records]
-    for sample in run.read_batch(1).samples:
-        model = {i for start, end in sample.turns for i in range(start, end)}
-        assert {i for i, m in enumerate(sample.loss_mask) if m} == model
-        assert {start for start, _ in sample.turns} <= {span.start for span in sample.spans}
-
-
-def check_verifiers_traces(run_dir: Path) -> None:
-    """verifiers' own record of the run: an episode per sample, each model turn of its trace
-    with the policy versions that produced it (k = 0: the step's policy), the episode stamped
-    with the step and the versions it spans."""
-    episodes = [json.loads(line) for line in RunDir(run_dir).verifiers_episodes_path.read_text().splitlines()]
-    assert len(episodes) == STEPS * 2 * 4  # batch_prompts x group_size per step
-    for episode in episodes:
-        (trace,) = episode["traces"]
-        stamp = trace["info"]["fleetrl"]
-        step = stamp["step"]
-        assert 1 <= len(stamp["turns"]) <= 2
-        for turn in stamp["turns"]:
-            assert turn["policy"] == {"start": step - 1, "end": step - 1}, stamp
-        work = episode["run"]["work"]
-        assert work["step"] == step and work["policy"] == {"start": step - 1, "end": step - 1}
-
-
 def check_the_fleet_record(run_dir) -> None:
     """While the run's fleet is up, what `fleetrl status RUN_DIR` reads: its settings, and its
     tokens in a file that only this user can read (none with Dynamo, which takes no tokens)."""
@@ -165,27 +91,103 @@ def check_the_fleet_record(run_dir) -> None:
     assert mode == 0o600, oct(mode)
 
 
-def check_events(run_dir, final: dict, k: int) -> None:
-    """events.jsonl, which the timeline is drawn from, as the run recorded it: a fence opened
-    and closed for each version, every worker updating inside the fences, and every step's
-    samples with spans that start at token 0, grow in version and stay within their tokens."""
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    fences = [(e["phase"], e["version"]) for e in events if e["event"] == "fence"]
-    assert fences == [(phase, v) for v in range(1, STEPS + 1) for phase in ("start", "end")], fences
-    updating = {e["worker"] for e in events if e["event"] == "worker" and e["state"] == "updating"}
-    assert updating == set(final["workers"]), updating
-    samples = [e for e in events if e["event"] == "sample" and e["tokens"]]  # an empty one has no span
-    assert {e["step"] for e in samples} >= set(range(1, STEPS + 1))
-    for e in samples:
-        versions, starts = [v for v, _ in e["spans"]], [start for _, start in e["spans"]]
-        assert starts[0] == 0 and starts == sorted(set(starts)) and starts[-1] < e["tokens"], e
-        assert versions == sorted(versions) and e["start"] <= e["end"], e
-        if k == 0:  # sampled only once the step before was published: all of it at that version
-            assert set(versions) == {e["step"] - 1}, e  # (a span per turn of a multi-turn episode)
-    assert not (run_dir / "fleet.json").exists() and not (run_dir / "tokens.json").exists()  # gone with the fleet
+def plain(out: str) -> str:
+    """What a terminal showed, without its control sequences."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)
 
 
-def check_final_model(run_dir, final) -> None:
+def make_run(run_dir: Path, command: str, steps: int) -> Finished:
+    """A documented `make run` command in a terminal, as from a user's shell."""
+    shell = documented(command, "--run.dir", str(run_dir), "--run.max_steps", str(steps))
+    with fleetrl_process(shell=shell, terminal=True) as proc:
+        groups = watch_run(run_dir, [proc], lambda: child_groups(fleetrl_pid(proc)))
+    return Finished(run_dir, output(proc), proc.returncode, groups, steps, k=1, workers=1).read()
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> Finished:
+    return make_run(tmp_path_factory.mktemp("make-run") / "run", RUNS["make-run"].command, steps=2)
+
+
+@pytest.fixture(scope="module")
+def resumed(first_run) -> Finished:
+    return make_run(first_run.run_dir, RUNS["resume"].command, steps=3)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, monkeypatch_module) -> Finished:
+    """`fleetrl rl` on every rank of two torchrun "nodes" on this machine (two agents meeting at
+    a c10d rendezvous, 2 ranks each), as docs/cluster.md runs it."""
+    tmp_path = tmp_path_factory.mktemp("torchrun-dynamo")
+    monkeypatch_module.setenv("PYTHONPATH", str(Path(__file__).parent / "tasksets"))  # the taskset, for every rank
+    config = tmp_path / "rl.toml"
+    config.write_text(CLUSTER_CONFIG)
+    run_dir, steps = tmp_path / "run", 3
+    flags = RUNS["torchrun-dynamo"].command.split(" rl @ rl.toml ", 1)[1]
+    endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
+    torchrun = shlex.join([str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e", "-m", "fleetrl"])
+    shell = f"exec {torchrun} rl @ {shlex.quote(str(config))} {flags} --run.dir {shlex.quote(str(run_dir))} " \
+            f"--run.max_steps {steps}"
+    with fleetrl_process(shell=shell) as node_a, fleetrl_process(shell=shell) as node_b:
+        groups = watch_run(run_dir, [node_a, node_b],
+                           lambda: descendant_groups(node_a.pid) | descendant_groups(node_b.pid))
+    out = output(node_a) + output(node_b)
+    returncode = node_a.returncode or node_b.returncode
+    return Finished(run_dir, out, returncode, groups, steps, k=0, workers=2).read()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module", params=["first_run", "resumed", "cluster"])
+def run(request) -> Finished:
+    """Each run, for the checks of what it recorded as it ended."""
+    finished = request.getfixturevalue(request.param)
+    assert finished.returncode == 0, finished.out[-5000:]
+    return finished
+
+
+@pytest.fixture(scope="module", params=["resumed", "cluster"])
+def last_run(request) -> Finished:
+    """Each run whose directory no later run continues, for the checks that read the directory
+    (the resume continues the first run's: its directory holds both)."""
+    finished = request.getfixturevalue(request.param)
+    assert finished.returncode == 0, finished.out[-5000:]
+    return finished
+
+
+# -- every run ---------------------------------------------------------------------------------
+
+
+def test_every_step_ran_once_within_k(run):
+    assert [m["step"] for m in run.metrics] == list(range(1, run.steps + 1))
+    assert all(m["distance_max"] <= run.k for m in run.metrics), [m["distance_max"] for m in run.metrics]
+
+
+def test_every_worker_ends_at_the_final_version_holding_what_the_trainer_sent(run):
+    assert run.final["version"] == run.steps
+    assert len(run.final["workers"]) == run.workers
+    for worker in run.final["workers"].values():
+        assert worker["version"] == run.steps
+        assert worker["checksum"] == run.metrics[-1]["checksum"]
+    assert len(run.final["tokens"]) == 16 and run.final["spans"] == [[run.steps, 0]]
+
+
+def test_the_run_leaves_plots_a_checkpoint_and_passes_verify(last_run):
+    run_dir = last_run.run_dir
+    assert (run_dir / "reward.png").stat().st_size > 0 and (run_dir / "off_policy.png").stat().st_size > 0
+    assert (run_dir / "checkpoints" / f"step_{last_run.steps:06d}").is_dir()
+    verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stderr
+    distance = max(m["distance_max"] for m in last_run.metrics)
+    assert f"max off-policy distance {distance} <= k = {last_run.k}" in verify.stdout
+
+
+def test_the_final_model_scores_the_probe_as_the_trainer_did(last_run):
     """RUN_DIR/final_model, listed in the manifest, loads in transformers and scores the
     agreement probe as the trainer did at the final version."""
     import torch
@@ -193,11 +195,79 @@ def check_final_model(run_dir, final) -> None:
 
     from fleetrl.trainer.model import prompt_logprobs
 
-    listed = json.loads((run_dir / "manifest.json").read_text())["artifacts"]
+    listed = json.loads((last_run.run_dir / "manifest.json").read_text())["artifacts"]
     assert {"final_model/model.safetensors", "final_model/config.json", "final_model/tokenizer.json"} <= set(listed)
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "final_model", dtype=torch.float32).eval()
-    scored = prompt_logprobs(model, final["probe"]["token_ids"], torch.device("cpu"))
-    assert max(abs(a - b) for a, b in zip(scored, final["probe"]["trainer_logprobs"], strict=True)) < 1e-4
+    model = AutoModelForCausalLM.from_pretrained(last_run.run_dir / "final_model", dtype=torch.float32).eval()
+    scored = prompt_logprobs(model, last_run.final["probe"]["token_ids"], torch.device("cpu"))
+    assert max(abs(a - b) for a, b in zip(scored, last_run.final["probe"]["trainer_logprobs"], strict=True)) < 1e-4
+
+
+def test_events_hold_a_fence_per_version_and_each_samples_spans(run):
+    """events.jsonl, which the timeline is drawn from: a fence opened and closed for each
+    version this run published, every worker updating inside the fences, and every step's
+    samples with spans that start at token 0, grow in version and stay within their tokens."""
+    resumed_after = next((int(m) for m in re.findall(r"resuming after step (\d+)", plain(run.out))), 0)
+    fences = [(e["phase"], e["version"]) for e in run.events if e["event"] == "fence"]
+    # a resumed run publishes the checkpoint's version again before its first rollout
+    versions = list(range(1, run.steps + 1)) if not resumed_after else \
+        list(range(1, resumed_after + 1)) + list(range(resumed_after, run.steps + 1))
+    assert fences == [(phase, v) for v in versions for phase in ("start", "end")], fences
+    updating = {e["worker"] for e in run.events if e["event"] == "worker" and e["state"] == "updating"}
+    assert updating == set(run.final["workers"]), updating
+    samples = [e for e in run.events if e["event"] == "sample" and e["tokens"]]  # an empty one has no span
+    assert {e["step"] for e in samples} >= set(range(1, run.steps + 1))
+    for e in samples:
+        versions, starts = [v for v, _ in e["spans"]], [start for _, start in e["spans"]]
+        assert starts[0] == 0 and starts == sorted(set(starts)) and starts[-1] < e["tokens"], e
+        assert versions == sorted(versions) and e["start"] <= e["end"], e
+        if run.k == 0:  # sampled only once the step before was published: all of it at that version
+            assert set(versions) == {e["step"] - 1}, e  # (a span per turn of a multi-turn episode)
+    assert not (run.run_dir / "fleet.json").exists() and not (run.run_dir / "tokens.json").exists()
+
+
+def test_no_process_is_left(run):
+    """Servers, engine cores, etcd, NATS and trainer ranks all ended with the run."""
+    assert len(run.groups) >= 1 and not alive_in(run.groups)
+
+
+# -- make run, as written, and its resume --------------------------------------------------------
+
+
+def test_make_run_is_the_default_one_worker_one_rank(first_run):
+    assert "steps, k = 1, 1 trainer rank(s), env reverse_text" in plain(first_run.out)
+
+
+def test_make_run_overlaps_rollouts_with_training(first_run):
+    """k = 1: rollouts for step n+1 ran while step n trained (recorded timestamps)."""
+    metrics = first_run.metrics
+    overlaps = [nxt["rollout_started"] < prev["train_finished"] for prev, nxt in zip(metrics, metrics[1:])]
+    assert any(overlaps), [(m["rollout_started"], m["train_started"], m["train_finished"]) for m in metrics]
+
+
+def test_make_run_shows_the_live_view_and_its_log_lines(first_run):
+    """What a terminal showed: startup bars, the step bar at the end, the rollouts of a step, the
+    trainer's phases, the worker table; and every plain line the run logs, above the view."""
+    text = plain(first_run.out)
+    steps = first_run.steps
+    assert re.search(r"starting 1 vLLM worker\(s\) +[━╸╺ ]+ *\d/1", text)  # a bar ...
+    assert "fleetrl: waiting for" not in text  # ... not the plain "waiting" lines
+    assert re.search(rf"steps\s.*\s{steps}/{steps}\s", text), text[-3000:]
+    assert re.search(r"rollouts of step \d\s.*\s32/32\s", text)  # batch_prompts x group_size
+    for phase in ("waiting for batch 1", "training step 2", "publishing v2"):  # phases that last seconds
+        assert f"trainer: {phase}" in text, phase
+    assert re.search(r"worker\s+role\s+state\s+version\s+in flight", text)
+    assert re.search(rf"vllm-0\s+aggregated\s+ready\s+v{steps}\s+0", text)
+    assert f"step {steps}/{steps}  reward" in text and "fleetrl: done:" in text
+
+
+def test_the_resume_goes_on_from_the_checkpoint_at_its_version(resumed):
+    """The workers (launched anew, at the base model) are brought to the checkpoint's version
+    before any rollout: the resumed step's samples are all of it."""
+    checkpoint = resumed.steps - 1
+    assert f"resuming after step {checkpoint}" in plain(resumed.out)
+    batch = json.loads((resumed.run_dir / "batches" / f"step_{resumed.steps:06d}.json").read_text())
+    assert batch["meta"]["dispatch_version"] == checkpoint
+    assert all(span["version"] == checkpoint for sample in batch["samples"] for span in sample["spans"])
 
 
 def quickstart(command: str, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -205,20 +275,24 @@ def quickstart(command: str, run_dir: Path, *extra: str) -> subprocess.Completed
     return subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def check_what_the_run_leaves(run_dir: Path) -> None:
-    """The quickstart's status, verify, plot and TensorBoard on a finished run."""
+def test_the_quickstarts_status_verify_and_plot_on_the_finished_run(resumed):
+    run_dir = resumed.run_dir
     status = quickstart(".venv/bin/fleetrl status runs/default", run_dir)
     assert status.returncode == 0, status.stderr
-    assert f"finished at v{STEPS}" in status.stdout and status.stdout.count(" stopped ") == 2, status.stdout
+    assert f"finished at v{resumed.steps}" in status.stdout, status.stdout
+    assert status.stdout.count(" stopped ") == 1, status.stdout  # its one worker
     verify = quickstart(".venv/bin/fleetrl verify runs/default", run_dir)
     assert verify.returncode == 0 and "artifacts match the manifest" in verify.stdout, verify.stderr
     before = (run_dir / "timeline.png").read_bytes()
     plot = quickstart(".venv/bin/fleetrl plot runs/default", run_dir)
     assert plot.returncode == 0 and f"wrote {run_dir / 'timeline.png'}" in plot.stdout, plot.stderr
     assert (run_dir / "timeline.png").read_bytes() == before  # the same records draw the same picture
+
+
+def test_the_quickstarts_tensorboard_serves_the_runs_scalars(resumed):
     port = free_port("127.0.0.1")
     with fleetrl_process(shell=documented(".venv/bin/tensorboard --logdir runs/default/tensorboard", "--port", str(port),
-                                          replace={"runs/default": str(run_dir)})) as board:
+                                          replace={"runs/default": str(resumed.run_dir)})) as board:
         deadline = time.monotonic() + 120
         while True:
             assert board.poll() is None and time.monotonic() < deadline, output(board)[-2000:]
@@ -229,80 +303,51 @@ def check_what_the_run_leaves(run_dir: Path) -> None:
             except httpx.TransportError:
                 pass
             time.sleep(1)
-    (scalars,) = tags.json().values()  # one run: the event file of this run
-    assert {"reward_mean", "loss", "worker/vllm-0/tokens_per_s", "worker/vllm-1/publish_s"} <= set(scalars)
+    (scalars,) = tags.json().values()  # one run: the event files of this run
+    assert {"reward_mean", "loss", "worker/vllm-0/tokens_per_s", "worker/vllm-0/publish_s"} <= set(scalars)
 
 
-def check_live_view(out: str) -> None:
-    """What a terminal showed: startup bars, the step bar at the end, the rollouts of a step, the
-    trainer's phases, the worker table; and every plain line the run logs, above the view."""
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)  # the control sequences
-    assert re.search(r"starting 2 vLLM worker\(s\) +[━╸╺ ]+ *\d/2", text)  # a bar ...
-    assert "fleetrl: waiting for" not in text  # ... not the plain "waiting" lines
-    assert re.search(rf"steps\s.*\s{STEPS}/{STEPS}\s", text), text[-3000:]
-    assert re.search(r"rollouts of step \d\s.*\s8/8\s", text)  # batch_prompts x group_size
-    for phase in ("waiting for batch 1", "training step 2", "publishing v2"):  # phases that last seconds
-        assert f"trainer: {phase}" in text, phase
-    assert re.search(r"worker\s+role\s+state\s+version\s+in flight", text)
-    assert re.search(rf"vllm-0\s+aggregated\s+ready\s+v{STEPS}\s+0", text)
-    assert f"step {STEPS}/{STEPS}  reward" in text and "fleetrl: done:" in text
+# -- the cluster -------------------------------------------------------------------------------
 
 
-def test_four_ranks_on_two_torchrun_nodes(tmp_path):
-    """A cluster as this machine can simulate one: two torchrun "nodes" (two agents meeting at a
-    c10d rendezvous), 2 ranks each, so 4 FSDP2 trainer ranks; `fleetrl rl` on every rank, global
-    rank 0 (on whichever node torchrun put it) hosting the fleet of 2 native workers. Strictly on
-    policy, on the multi-turn arithmetic_retry task (`fleetrl verify` checks each episode's
-    turns and spans); with W&B on too (offline): its run holds the steps, and its files stay out
-    of the manifest."""
-    run_dir, groups, out = run_on_two_torchrun_nodes(tmp_path, 0, "--run.wandb", "true", "--orchestrator.env",
-                                                     "arithmetic_retry", "--orchestrator.max_turns", "2")
-    metrics = check_common(run_dir, groups, out, k=0)
-    check_episodes(run_dir, max_turns=2)
-    (wandb_run,) = (run_dir / "wandb" / "wandb").glob("offline-run-*")
-    assert list(wandb_run.glob("run-*.wandb")) and f"W&B run {wandb_run.name.rsplit('-', 1)[1]} (offline)" in out
-    assert not any(name.startswith("wandb/") for name in json.loads((run_dir / "manifest.json").read_text())["artifacts"])
-    assert all(m["distance_max"] == 0 for m in metrics)
-    # k = 0: sampling for batch n+1 starts only after step n has been published.
-    for prev, nxt in zip(metrics, metrics[1:]):
+def test_the_cluster_runs_four_ranks_strictly_on_policy(cluster):
+    """k = 0: sampling for batch n+1 starts only after step n has been published."""
+    assert "4 trainer rank(s)" in cluster.out
+    assert all(m["distance_max"] == 0 for m in cluster.metrics)
+    for prev, nxt in zip(cluster.metrics, cluster.metrics[1:]):
         assert nxt["rollout_started"] >= prev["train_finished"]
 
 
-def test_one_step_off_policy_overlaps_rollouts_with_training(tmp_path):
-    """The quickstart's first run (`make run`, with this module's config and k = 1), in a
-    terminal as from a user's shell: the live view shows and the log lines still print. Then
-    the quickstart's commands on what it left."""
-    run_dir, groups, out = run_rl(tmp_path, k=1, command="make run", terminal=True)
-    metrics = check_common(run_dir, groups, out, k=1)
-    check_live_view(out)
-    check_what_the_run_leaves(run_dir)
-    # k = 1: rollouts for step n+1 ran while step n trained (recorded timestamps).
-    overlaps = [nxt["rollout_started"] < prev["train_finished"] for prev, nxt in zip(metrics, metrics[1:])]
-    assert any(overlaps), [(m["rollout_started"], m["train_started"], m["train_finished"]) for m in metrics]
-
-
-def test_four_ranks_on_dynamo_with_etcd_and_nats_prefill_and_decode(tmp_path, monkeypatch):
-    """The same loop, unchanged, on Dynamo as a cluster runs it: the quickstart's Dynamo command
-    on two torchrun "nodes" (4 trainer ranks), with etcd discovery and the NATS event plane, both
-    launched by fleetrl; a frontend, one prefill and one decode worker (Dynamo's own vLLM
-    workers): every rollout's prompt is prefilled on the one and decoded on the other, and both
-    are in every publish. The task is a verifiers multi-turn taskset, whose own Env asks again
-    after a wrong answer: every turn of every trace carries its policy versions."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent / "tasksets"))  # the taskset, for every rank
-    run_dir, groups, out = run_on_two_torchrun_nodes(
-        tmp_path, 0, "--inference.workers", "1", "--inference.dynamo.prefill_workers", "1",
-        "--inference.dynamo.discovery", "etcd", "--inference.dynamo.event_plane", "nats",
-        "--orchestrator.env", "verifiers:fleetrl_retry_sum", "--orchestrator.max_turns", "2",
-        command=".venv/bin/fleetrl rl @ configs/default.toml --inference.provider dynamo "
-                "--run.dir runs/dynamo")  # the test's --run.dir comes later, and wins
-    metrics = check_common(run_dir, groups, out, k=0)  # etcd and NATS among the groups: none left either
-    check_episodes(run_dir, max_turns=2)
-    check_verifiers_traces(run_dir)
-    assert all(m["distance_max"] == 0 for m in metrics)
-    assert "Dynamo frontend and 2 worker(s) ready" in out
-    assert (run_dir / "logs" / "etcd.log").stat().st_size > 0 and (run_dir / "logs" / "nats.log").stat().st_size > 0
-    final = json.loads((run_dir / "final.json").read_text())
-    assert sorted(w["role"] for w in final["workers"].values()) == ["decode", "prefill"]
-    prefill_id = next(i for i, w in final["workers"].items() if w["role"] == "prefill")
-    rollouts = [json.loads(line) for line in (run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+def test_the_cluster_prefills_on_one_worker_and_decodes_on_the_other(cluster):
+    assert "Dynamo frontend and 2 worker(s) ready" in cluster.out
+    assert (cluster.run_dir / "logs" / "etcd.log").stat().st_size > 0
+    assert (cluster.run_dir / "logs" / "nats.log").stat().st_size > 0
+    assert sorted(w["role"] for w in cluster.final["workers"].values()) == ["decode", "prefill"]
+    prefill_id = next(i for i, w in cluster.final["workers"].items() if w["role"] == "prefill")
+    rollouts = [json.loads(line) for line in (cluster.run_dir / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
     assert rollouts and all(r["prefill_worker"] == prefill_id for r in rollouts), rollouts[0]
+
+
+def test_the_clusters_verifiers_episodes_carry_versions_in_every_turn(cluster):
+    """verifiers' own record of the run: an episode per sample, each model turn of its trace
+    with the policy versions that produced it (k = 0: the step's policy), the episode stamped
+    with the step and the versions it spans; fleetrl's episodes a span per turn."""
+    check_episodes(cluster.run_dir, cluster.steps, max_turns=2)
+    episodes = [json.loads(line) for line in RunDir(cluster.run_dir).verifiers_episodes_path.read_text().splitlines()]
+    assert len(episodes) == cluster.steps * 2 * 4  # batch_prompts x group_size per step
+    for episode in episodes:
+        (trace,) = episode["traces"]
+        stamp = trace["info"]["fleetrl"]
+        step = stamp["step"]
+        assert 1 <= len(stamp["turns"]) <= 2
+        for turn in stamp["turns"]:
+            assert turn["policy"] == {"start": step - 1, "end": step - 1}, stamp
+        work = episode["run"]["work"]
+        assert work["step"] == step and work["policy"] == {"start": step - 1, "end": step - 1}
+
+
+def test_the_clusters_wandb_run_holds_the_steps_outside_the_manifest(cluster):
+    (wandb_run,) = (cluster.run_dir / "wandb" / "wandb").glob("offline-run-*")
+    assert list(wandb_run.glob("run-*.wandb")) and f"W&B run {wandb_run.name.rsplit('-', 1)[1]} (offline)" in cluster.out
+    listed = json.loads((cluster.run_dir / "manifest.json").read_text())["artifacts"]
+    assert not any(name.startswith("wandb/") for name in listed)

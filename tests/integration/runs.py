@@ -1,0 +1,69 @@
+"""Every `fleetrl rl` run the suite makes, in one table: its name, its command, what it covers,
+and the test module that makes it.
+
+A documented command (README.md, docs/quickstart.md) runs as written, changed only in its run
+directory, ports and step count (tests/documented.py). The other runs add what their coverage
+needs. The runs of test_rl_e2e.py are module fixtures that small tests read; the fault runs
+are sequences driven by one test each, since each of their steps depends on the one before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    command: str  # a documented command as written, or what the test adds to `fleetrl rl`
+    covers: str
+    module: str
+
+
+ATTACHED_RUN = (".venv/bin/fleetrl rl @ configs/default.toml --inference.urls "
+                "'[\"http://127.0.0.1:8001\", \"http://127.0.0.1:8002\"]' --run.dir runs/attached")
+DYNAMO_RUN = ".venv/bin/fleetrl rl @ configs/default.toml --inference.provider dynamo --run.dir runs/dynamo"
+
+RUNS: dict[str, RunSpec] = {
+    "make-run": RunSpec(
+        "make run",
+        "README's and the quickstart's first run as written (1 vLLM worker, 1 trainer rank, k = 1), 2 steps, in a "
+        "terminal: the live view and the log lines, rollouts overlapping training, the final model, the events",
+        "test_rl_e2e.py"),
+    "resume": RunSpec(
+        'make run ARGS="--run.max_steps 15"',
+        "the quickstart's resume as written, on what make-run left (to step 3): it resumes from the checkpoint, "
+        "the workers serve the checkpoint's version first; then the quickstart's status, verify, plot and "
+        "TensorBoard on the finished run",
+        "test_rl_e2e.py"),
+    "torchrun-dynamo": RunSpec(
+        "torchrun --nnodes 2 --nproc-per-node 2 -m fleetrl rl @ rl.toml --inference.provider dynamo "
+        "--inference.workers 1 --inference.dynamo.prefill_workers 1 --inference.dynamo.discovery etcd "
+        "--inference.dynamo.event_plane nats --orchestrator.env verifiers:fleetrl_retry_sum "
+        "--orchestrator.max_turns 2 --orchestrator.max_off_policy_steps 0 --run.wandb true",
+        "a cluster as this machine can simulate one: 4 FSDP2 ranks on two torchrun nodes, Dynamo with etcd and "
+        "NATS launched by fleetrl, a prefill and a decode worker in every publish, a verifiers multi-turn taskset "
+        "(versions in every turn of every trace), k = 0 (no overlap), W&B offline, 3 steps",
+        "test_rl_e2e.py"),
+    "attached": RunSpec(
+        ATTACHED_RUN,
+        "the quickstart's section 6 as written (1 trainer rank) on two servers started by its own command: the "
+        "base weights from the trainer's own copy, 2 steps",
+        "test_kill_points.py"),
+    "kill-points": RunSpec(
+        "fleetrl rl @ configs/default.toml @ rl.toml --inference.urls [two servers] (2 trainer ranks, k = 0; six "
+        "runs, each with a failpoint)",
+        "killed at each point of a step (SIGKILL mid-rollout and mid-publish, SIGINT mid-train, SIGTERM "
+        "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same two servers; the "
+        "final model exported and served by plain vLLM",
+        "test_kill_points.py"),
+    "hung-worker": RunSpec(
+        "fleetrl rl @ rl.toml (2 launched workers, 1 rank, k = 0, the multi-turn arithmetic_retry task)",
+        "a worker frozen with SIGSTOP leaves the fence, is restarted and readmitted; multi-turn episodes with a "
+        "span per turn; SIGTERM of fleetrl with one rank leaves no process",
+        "test_chaos.py"),
+    "dynamo": RunSpec(
+        DYNAMO_RUN,
+        "the quickstart's section 7 as written (Dynamo's own worker, wait pauses): 2 steps trained, then SIGKILL "
+        "(the frontend, the worker and its engine core gone within 10 s)",
+        "test_chaos.py"),
+}
