@@ -36,11 +36,11 @@ RUNS: dict[str, RunSpec] = {
         "TensorBoard on the finished run",
         "test_rl_e2e.py"),
     "torchrun-dynamo": RunSpec(
-        "torchrun --nnodes 2 --nproc-per-node 2 -m fleetrl rl @ rl.toml --inference.provider dynamo "
+        "torchrun --nnodes 2 --nproc-per-node 1 -m fleetrl rl @ rl.toml --inference.provider dynamo "
         "--inference.workers 1 --inference.dynamo.prefill_workers 1 --inference.dynamo.discovery etcd "
         "--inference.dynamo.event_plane nats --orchestrator.env verifiers:fleetrl_retry_sum "
         "--orchestrator.max_turns 2 --orchestrator.max_off_policy_steps 0 --run.wandb true",
-        "a cluster as this machine can simulate one: 4 FSDP2 ranks on two torchrun nodes, Dynamo with etcd and "
+        "a cluster as this machine can simulate one: 2 FSDP2 ranks on two torchrun nodes, Dynamo with etcd and "
         "NATS launched by fleetrl, a prefill and a decode worker in every publish, a verifiers multi-turn taskset "
         "(versions in every turn of every trace), k = 0 (no overlap), W&B offline, 3 steps",
         "test_rl_e2e.py"),

@@ -406,7 +406,7 @@ async def test_the_agreement_probe_passes_the_installed_weights_and_catches_othe
 
 # How long the requests that a publish or a fault must land inside are: enough tokens for a
 # publish fired at the 4th to pause the worker before the last, on a slow machine too.
-IN_FLIGHT_TOKENS = 160
+IN_FLIGHT_TOKENS = 96
 
 
 async def publish_during_request(fleet, base_weights, storage, kind, prompt, max_tokens):
