@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from fleetrl.inference.fleet import Fleet
+from fleetrl.trainer.model import prompt_logprobs
 
 PROBE_TEXTS = [
     "The capital of France is Paris. The capital of Italy is",
@@ -30,18 +31,11 @@ class ProbeResult:
     max_abs_diff: float
 
 
-@torch.no_grad()
-def reference_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[float]:
-    ids = torch.tensor([token_ids])
-    logits = model(input_ids=ids).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
-
-
 async def probe_fleet(fleet: Fleet, model: torch.nn.Module, probe: list[list[int]]) -> list[ProbeResult]:
     """Score `probe` (token id sequences) on every routable worker and against `model`
     (through a ready prefill worker where the fleet has them; those are also checked by
     checksum at every publish)."""
-    reference = [await asyncio.to_thread(reference_logprobs, model, ids) for ids in probe]
+    reference = [await asyncio.to_thread(prompt_logprobs, model, ids, torch.device("cpu")) for ids in probe]
     results = []
     prefill = next(iter(fleet.ready_prefill_workers()), None)
     for worker in fleet.routable_workers():

@@ -56,10 +56,12 @@ max_steps = 10
 def start_rl(tmp_path, log_name, shell: str | None = None):
     """`fleetrl rl` on CONFIG, or the documented command line `shell` (bash execs it: the
     process started is fleetrl's own)."""
-    config = tmp_path / "rl.toml"
-    config.write_text(CONFIG)
-    argv = ["bash", "-c", shell] if shell else [sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir",
-                                                str(tmp_path / "run")]
+    if shell:
+        argv = ["bash", "-c", shell]
+    else:
+        config = tmp_path / "rl.toml"
+        config.write_text(CONFIG)
+        argv = [sys.executable, "-m", "fleetrl", "rl", "@", str(config), "--run.dir", str(tmp_path / "run")]
     with open(tmp_path / log_name, "w") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                 preexec_fn=_term_with_parent)

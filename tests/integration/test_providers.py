@@ -24,6 +24,7 @@ import httpx
 import psutil
 import pytest
 import pytest_asyncio
+import torch
 
 from fleetrl.app.providers import Tokens, build_provider, start_recorded
 from fleetrl.app.providers import base_weights as base_weights_of
@@ -37,19 +38,22 @@ from fleetrl.envs.tools import Tool
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.launcher import wait_ready
 from fleetrl.inference.fleet import AgreementProbe, Fleet
+from fleetrl.inference.http import metric_total
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import Episode, EpisodeLimits, run_episode
 from fleetrl.rundir import RunDir, check_turns
+from fleetrl.trainer.model import prompt_logprobs
 from fleetrl.versions import VersionSpan, off_policy_distance
 from fleetrl.weights.factory import make_transport
 
 from .conftest import chat_ids, greedy, greedy_response, model_with, perturbed, running
-from .probes import probe_fleet, reference_logprobs
+from .probes import probe_fleet
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+CPU = torch.device("cpu")
 PROVIDERS = {
     "vllm": dict(provider="vllm", workers=2),
     "dynamo": dict(provider="dynamo", workers=2),
@@ -102,8 +106,7 @@ async def generated_tokens(fleet: Fleet, worker=None) -> int:
             response = await client.get(f"{w.admin_url}/metrics", headers=headers)
             response.raise_for_status()
             text = response.text
-            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                         if line.split("{", 1)[0].split(" ", 1)[0] == "vllm:generation_tokens_total")
+            total += metric_total(text, ("vllm:generation_tokens_total",)) or 0.0
     return round(total)
 
 
@@ -384,12 +387,12 @@ async def test_the_agreement_probe_passes_the_installed_weights_and_catches_othe
     try:
         version = fleet.version + 1
         weights = perturbed(base_weights, seed=version)
-        right = AgreementProbe(ids, reference_logprobs(model_with(base_weights, weights), ids))
+        right = AgreementProbe(ids, prompt_logprobs(model_with(base_weights, weights), ids, CPU))
         report = await fleet.publish(version, transport, weights, right)
         scored = sorted(fleet.workers) if not fleet.ready_prefill_workers() else [w.id for w in fleet.routable_workers()]
         assert sorted(report.probe) == scored and all(d < 2e-3 for d in report.probe.values()), report.probe
 
-        wrong = AgreementProbe(ids, reference_logprobs(base_weights, ids))
+        wrong = AgreementProbe(ids, prompt_logprobs(base_weights, ids, CPU))
         report = await fleet.publish(version + 1, transport, perturbed(base_weights, seed=version + 1), wrong)
         assert all(d > fleet.probe_tolerance for d in report.probe.values()), report.probe
         assert all(fleet.workers[w].state == WorkerState.STALE and "agreement probe" in report.failed[w]
@@ -397,7 +400,7 @@ async def test_the_agreement_probe_passes_the_installed_weights_and_catches_othe
         assert not fleet.routable_workers()
 
         weights = perturbed(base_weights, seed=version + 2)
-        right = AgreementProbe(ids, reference_logprobs(model_with(base_weights, weights), ids))
+        right = AgreementProbe(ids, prompt_logprobs(model_with(base_weights, weights), ids, CPU))
         report = await fleet.publish(version + 2, transport, weights, right)
         assert sorted(report.ready) == sorted(fleet.workers) and not report.failed, report
     finally:

@@ -142,7 +142,8 @@ def _load_base_weights(model_dir: Path, transport: WeightTransport) -> WeightSou
     model = load_policy(model_dir, torch.device("cpu"), sharded=False).eval()
     tensors = dict(named_tensors(model))
     probe_ids = agreement_probe(model)
-    return base_source(transport, tensors, AgreementProbe(probe_ids, prompt_logprobs(model, probe_ids, torch.device("cpu"))))
+    probe = AgreementProbe(probe_ids, prompt_logprobs(model, probe_ids, torch.device("cpu")))
+    return base_source(transport, tensors, probe)
 
 
 def base_source(transport: WeightTransport, tensors: dict, probe: AgreementProbe) -> WeightSource:

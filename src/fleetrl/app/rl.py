@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import socket
 import sys
 import threading
 import time
-import queue
 from concurrent.futures import Future
 from pathlib import Path
 

@@ -125,8 +125,8 @@ class Fleet:
         construction. Attached ones were started by someone else: a previous run may have left
         them at vN, or they may serve another model. With `base` (the run's base weights and
         the trainer's logprobs of the probe under them, got from `base()` once the provider has
-        started, off the event loop: it may wait for the trainer to load the model), a worker is labelled v0 only once its ranks report the base
-        checksum — one that reports another is refitted with them — and it scores the probe like
+        started, off the event loop: it may wait for the trainer to load the model), a worker is
+        labelled v0 only once its ranks report the base checksum — one that reports another is refitted with them — and it scores the probe like
         the trainer."""
         if base is None and not self.provider.launches_workers:
             raise FleetrlError(f"the {self.provider.name} fleet attaches to workers fleetrl did not launch: "

@@ -94,13 +94,20 @@ IN_ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 def requests_in_engine(metrics_text: str) -> int | None:
     """Requests running or waiting in the engine, from its Prometheus text (every sample of
     both gauges summed: one per model and engine); None when neither gauge is there."""
+    total = metric_total(metrics_text, IN_ENGINE_GAUGES)
+    return None if total is None else round(total)
+
+
+def metric_total(metrics_text: str, names: Sequence[str]) -> float | None:
+    """Every sample of the Prometheus metrics `names` in `metrics_text`, summed; None when none
+    of them is there."""
     total, seen = 0.0, False
     for line in metrics_text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in IN_ENGINE_GAUGES:
+        if name in names:
             total += float(line.rsplit(" ", 1)[1])
             seen = True
-    return round(total) if seen else None
+    return total if seen else None
 
 
 def check_rank_checksums(worker_id: str, ranks: list[RankWeights], sender_checksum: str | None) -> None:
