@@ -42,7 +42,7 @@ RUNS: dict[str, RunSpec] = {
         "--orchestrator.max_turns 2 --orchestrator.max_off_policy_steps 0 --run.wandb true",
         "a cluster as this machine can simulate one: 2 FSDP2 ranks on two torchrun nodes, Dynamo with etcd and "
         "NATS launched by fleetrl, a prefill and a decode worker in every publish, a verifiers multi-turn taskset "
-        "(versions in every turn of every trace), k = 0 (no overlap), W&B offline, 3 steps",
+        "(versions in every turn of every trace), k = 0 (no overlap), W&B offline, 2 steps",
         "test_rl_e2e.py"),
     "attached": RunSpec(
         ATTACHED_RUN,
@@ -50,10 +50,10 @@ RUNS: dict[str, RunSpec] = {
         "base weights from the trainer's own copy, 2 steps",
         "test_kill_points.py"),
     "kill-points": RunSpec(
-        "fleetrl rl @ configs/default.toml @ rl.toml --inference.urls [two servers] (2 trainer ranks, k = 0; six "
+        "fleetrl rl @ configs/default.toml @ rl.toml --inference.urls [one server] (2 trainer ranks, k = 0; six "
         "runs, each with a failpoint)",
         "killed at each point of a step (SIGKILL mid-rollout and mid-publish, SIGINT mid-train, SIGTERM "
-        "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same two servers; the "
+        "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same server; the "
         "final model exported and served by plain vLLM",
         "test_kill_points.py"),
     "hung-worker": RunSpec(

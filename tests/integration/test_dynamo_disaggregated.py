@@ -5,7 +5,7 @@ shared-storage connector, and every publish (broadcast and filesystem) reaching 
 Dynamo's own worker kind is the same worker without the per-token version layer; its prefill
 and decode deployment is driven end to end by
 the torchrun-dynamo run of runs.py (test_rl_e2e.py: every rollout
-prefilled on the prefill worker, 3 broadcast publishes verified on both, the agreement probe
+prefilled on the prefill worker, 2 broadcast publishes verified on both, the agreement probe
 after each), so it gets no deployment of its own here: CI time."""
 
 import pytest
