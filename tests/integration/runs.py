@@ -47,7 +47,7 @@ RUNS: dict[str, RunSpec] = {
     "attached": RunSpec(
         ATTACHED_RUN,
         "the quickstart's section 6 as written (1 trainer rank) on two servers started by its own command: the "
-        "base weights from the trainer's own copy, 2 steps",
+        "base weights from the trainer's own copy, 1 step",
         "test_kill_points.py"),
     "kill-points": RunSpec(
         "fleetrl rl @ configs/default.toml @ rl.toml --inference.urls [one server] (2 trainer ranks, k = 0; six "
