@@ -25,16 +25,51 @@ from fleetrl.model import resolve_model
 from fleetrl.processes import stop_all
 from fleetrl.rundir import RunDir
 
+from .deployments import ROOT, DeploymentPool, _term_with_parent, deployment_of
 from .probes import PROBE_TEXTS
 
-
-ROOT = Path(__file__).resolve().parents[2]  # the repository: where the quickstart's commands run
+_POOL = pytest.StashKey[DeploymentPool]()
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
+    """Every test here is an integration test; the modules of one shared deployment run next
+    to each other, where the first of them was collected (deployments.py)."""
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
         if "tests/integration" in str(item.path):
             item.add_marker(pytest.mark.integration)
+        if deployment_of(item):
+            first.setdefault(deployment_of(item), i)
+    position = {id(item): first.get(deployment_of(item), i) for i, item in enumerate(items)}
+    items.sort(key=lambda item: position[id(item)])
+
+
+@pytest.fixture(scope="session")
+def deployments(request, tmp_path_factory) -> DeploymentPool:
+    """The session's shared deployments (deployments.py)."""
+    if _POOL not in request.config.stash:
+        request.config.stash[_POOL] = DeploymentPool(tmp_path_factory.mktemp("deployments"))
+    return request.config.stash[_POOL]
+
+
+@pytest.fixture(scope="module")
+def operator_servers(deployments) -> list[str]:
+    """The URLs of two vLLM servers an operator started with the quickstart's command."""
+    return deployments.operator_servers()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A shared deployment stops as soon as the next test does not use it (or none is left)."""
+    pool = item.config.stash.get(_POOL, None)
+    if pool is not None and pool.name and (nextitem is None or deployment_of(nextitem) != pool.name):
+        pool.release()
+
+
+def pytest_sessionfinish(session):
+    pool = session.config.stash.get(_POOL, None)
+    if pool is not None:
+        pool.release()
 
 
 @pytest.fixture(scope="session")
@@ -181,15 +216,6 @@ def read_metrics(run_dir) -> list[dict]:
     """A run's metrics lines so far ([] before its first step)."""
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _term_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    # As from a terminal: a test runner started as a background job (`cmd &`) ignores
-    # SIGINT, and a child would inherit that, so Ctrl-C tests would test nothing.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @contextmanager

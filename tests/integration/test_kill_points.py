@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,11 +49,11 @@ from fleetrl.trainer import checkpoint
 from tests.documented import documented
 
 from .conftest import ROOT, TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups, fleetrl_pid, read_metrics
+from .deployments import ADMIN, DATA, OPERATOR_SERVERS, serving
 from .runs import ATTACHED_RUN
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.deployment(OPERATOR_SERVERS)]
 
-ADMIN, DATA = "kill-points-admin-token", "kill-points-data-token"
 STEPS = 5
 CONFIG = TINY_ROLLOUTS + """
 [inference]
@@ -72,15 +71,9 @@ max_steps = 5
 """
 
 
-# The quickstart's commands this module runs as written (tests/documented.py): an operator's own
-# server, a run attached to two of them, and the final model exported and served. The sequence's
-# runs add their own config to the same command line: they are not the documented command.
-SERVE = ("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server "
-         '--model "$(.venv/bin/fleetrl model)" --served-model-name policy '
-         "--host 127.0.0.1 --port 8001 --dtype float32 --max-model-len 512 --enforce-eager --enable-scale-out "
-         "--middleware fleetrl.engine.admin_auth.AdminTokenMiddleware "
-         "--worker-extension-cls fleetrl.engine.worker_extension.FleetrlWorkerExtension "
-         "--weight-transfer-config '{\"backend\": \"fleetrl\"}'")
+# The quickstart's commands this module runs as written (tests/documented.py): a run attached to
+# two operator-started servers (deployments.py: SERVE), and the final model exported and served.
+# The sequence's runs add their own config to the same command line: not the documented command.
 EXPORT = ".venv/bin/fleetrl export runs/default runs/default-step5 --step 5"
 SERVE_FINAL = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server "
                "--model runs/default/final_model --dtype float32 --max-model-len 512 --enforce-eager --port 8000")
@@ -89,50 +82,11 @@ CHAT = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: app
         "\"max_tokens\": 16}'")
 
 
-@contextmanager
-def serving(command: str, url: str, log_path, env: dict | None = None):
-    """A quickstart server command, run until the block ends (its whole session stopped then,
-    however the block ends); it answers /health before the block starts."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_term_with_parent)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"{command} exited: {log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"{url} not healthy in time: {log_path.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        yield proc
-    finally:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-
-
 @pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
+def servers(operator_servers):
     """Two vLLM servers that no run of fleetrl started, each started by the quickstart's
-    command as an operator would; stopped however the module ends."""
-    logs = tmp_path_factory.mktemp("servers")
-    ports = [free_port("127.0.0.1"), free_port("127.0.0.1")]
-    tokens = {ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}
-    with ExitStack() as stack:
-        for i, port in enumerate(ports):
-            stack.enter_context(serving(documented(SERVE, replace={"8001": str(port)}), f"http://127.0.0.1:{port}",
-                                        logs / f"server-{i}.log", tokens))
-        yield [f"http://127.0.0.1:{port}" for port in ports]
+    command as an operator would (deployments.py: test_weight_transfer.py used the first)."""
+    return operator_servers
 
 
 class Run:

@@ -1,15 +1,16 @@
 """Weight transfer into a real vLLM CPU server, through each transport.
 
-One server for the module (`model_dir` and `tokenizer` come from conftest.py). A publish
-swaps two rows of the (tied) embedding: a model whose token ids A and B trade places must
-produce the original greedy completion with A and B traded, which checks that every layer,
-the tied LM head included, took the new weights.
+One server for the module: the first of the operator-started pair that test_kill_points.py
+attaches to next (deployments.py), brought to the base weights first, whatever it served
+before (`model_dir` and `tokenizer` come from conftest.py). A publish swaps two rows of the
+(tied) embedding: a model whose token ids A and B trade places must produce the original
+greedy completion with A and B traded, which checks that every layer, the tied LM head
+included, took the new weights.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from pathlib import Path
 
@@ -17,16 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fleetrl.config import InferenceConfig, VllmConfig
 from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES, WEIGHT_UPDATE_SERIAL_PHASES
 from fleetrl.inference.provider import WeightTransport
 from fleetrl.inference.vllm.admin import VllmAdminClient
-from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers
-from fleetrl.processes import stop_all
 from fleetrl.weights import manifest
 from fleetrl.weights.factory import make_transport
 
-pytestmark = pytest.mark.integration
+from .deployments import ADMIN, OPERATOR_SERVERS
+
+pytestmark = [pytest.mark.integration, pytest.mark.deployment(OPERATOR_SERVERS)]
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
@@ -36,19 +36,21 @@ Weights = list[tuple[str, torch.Tensor]]
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    token = secrets.token_hex(16)
-    try:
-        (launched,) = asyncio.run(launch_vllm_servers(
-            model_dir, InferenceConfig(vllm=VllmConfig(max_model_len=256)), 1, tmp_path_factory.mktemp("logs"), token,
-            secrets.token_hex(16)))
-    except BaseException:
-        stop_all()  # a server that never became healthy is still running
-        raise
-    try:
-        yield launched, token
-    finally:
-        launched.process.stop()
+def server(operator_servers, original, tmp_path_factory) -> str:
+    """The first operator-started server's URL, holding the base weights (published as v100:
+    a shared server may hold what its last user left)."""
+    url = operator_servers[0]
+
+    async def restore(client: VllmAdminClient) -> None:
+        transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=64 << 20,
+                                   storage_dir=tmp_path_factory.mktemp("base"))
+        try:
+            await publish(client, transport, original, 100)
+        finally:
+            await transport.close()
+
+    asyncio.run(with_client(url, restore))
+    return url
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +106,8 @@ def hf_greedy(model_dir: Path, weights: Weights, prompt_ids: list[int]) -> list[
     return out[0, len(prompt_ids):].tolist()
 
 
-async def with_client(server: tuple[LaunchedServer, str], body):
-    launched, token = server
-    client = VllmAdminClient("worker-0", launched.url, token, timeout_s=120, retries=2)
+async def with_client(url: str, body):
+    client = VllmAdminClient("worker-0", url, ADMIN, timeout_s=120, retries=2)
     try:
         return await body(client)
     finally:

@@ -1,0 +1,126 @@
+"""Deployments that several test modules share, so the suite starts each once (issue 26).
+
+A module declares the deployment it uses with `pytest.mark.deployment(NAME)`; collection puts
+the modules of one deployment next to each other (conftest.py), the deployment starts when the
+first of their tests asks for it, and it is stopped as soon as the next test to run does not
+use it, so at most one is alive at a time and no other module runs beside its processes.
+
+Sharing is sound because each user either restores what it changed or leaves what an attached
+run must recover anyway: a fleet attached by URL brings every worker back to the base weights
+(checksum, then the agreement probe) before it labels it v0.
+
+OPERATOR_SERVERS: two native vLLM servers started by the quickstart's own command, as an
+operator would (docs/quickstart.md, section 6), so no run of fleetrl owns them. Used by
+test_weight_transfer.py (its tests publish into the first and restore the base weights) and
+then test_kill_points.py (the quickstart's attached run on both, the kill-point sequence on
+the first, which kills nothing but fleetrl).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+
+from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
+from fleetrl.processes import free_port
+
+from tests.documented import documented
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: where the quickstart's commands run
+
+OPERATOR_SERVERS = "operator-servers"
+
+# The tokens the operator started the servers with; a run attached to them must hold the same.
+ADMIN, DATA = "operator-admin-token", "operator-data-token"
+
+# The quickstart's server command (tests/documented.py: only its port is changed here).
+SERVE = ("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server "
+         '--model "$(.venv/bin/fleetrl model)" --served-model-name policy '
+         "--host 127.0.0.1 --port 8001 --dtype float32 --max-model-len 512 --enforce-eager --enable-scale-out "
+         "--middleware fleetrl.engine.admin_auth.AdminTokenMiddleware "
+         "--worker-extension-cls fleetrl.engine.worker_extension.FleetrlWorkerExtension "
+         "--weight-transfer-config '{\"backend\": \"fleetrl\"}'")
+
+
+def _term_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    # As from a terminal: a test runner started as a background job (`cmd &`) ignores
+    # SIGINT, and a child would inherit that, so Ctrl-C tests would test nothing.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextmanager
+def serving(command: str, url: str, log_path: Path, env: dict | None = None):
+    """A quickstart server command, run until the block ends (its whole session stopped then,
+    however the block ends); it answers /health before the block starts."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_term_with_parent)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"{command} exited: {log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"{url} not healthy in time: {log_path.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        yield proc
+    finally:
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class DeploymentPool:
+    """The session's shared deployments, at most one alive at a time."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.name: str | None = None  # the deployment alive now
+        self.urls: list[str] = []
+        self._stack = ExitStack()
+
+    def operator_servers(self) -> list[str]:
+        """The two operator-started servers' URLs, started on first use."""
+        if self.name != OPERATOR_SERVERS:
+            self.release()
+            ports = [free_port("127.0.0.1"), free_port("127.0.0.1")]
+            tokens = {ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}
+            try:
+                for i, port in enumerate(ports):
+                    self._stack.enter_context(serving(documented(SERVE, replace={"8001": str(port)}),
+                                                      f"http://127.0.0.1:{port}", self.logs / f"server-{i}.log", tokens))
+            except BaseException:
+                self._stack.close()
+                raise
+            self.name, self.urls = OPERATOR_SERVERS, [f"http://127.0.0.1:{port}" for port in ports]
+        return self.urls
+
+    def release(self) -> None:
+        """Stop the deployment alive now, if any."""
+        self._stack.close()
+        self.name, self.urls = None, []
+
+
+def deployment_of(item) -> str | None:
+    """The deployment a collected test declared (pytest.mark.deployment), if any."""
+    marker = item.get_closest_marker("deployment")
+    return marker.args[0] if marker else None
