@@ -15,8 +15,10 @@ cannot afford as written is changed on the page, not in the test.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,3 +86,11 @@ def documented(command: str, *extra: str, replace: dict[str, str] | None = None)
         command = f"{command} {added}"
     assignments, rest = ASSIGNMENTS.match(command).groups()
     return f"{assignments}exec {rest}"
+
+
+def run_documented(command: str, *extra: str, replace: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                   timeout: float = 300) -> subprocess.CompletedProcess:
+    """`documented(command, *extra, replace=replace)` run to its end from the repository root,
+    as from a user's shell with `env` exported too; its output captured as text."""
+    return subprocess.run(["bash", "-c", documented(command, *extra, replace=replace)], cwd=ROOT,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)

@@ -219,19 +219,20 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 @contextmanager
-def fleetrl_process(*args: str, shell: str | None = None, terminal: bool = False):
+def fleetrl_process(*args: str, shell: str | None = None, terminal: bool = False, env: dict[str, str] | None = None):
     """`python -m fleetrl ARGS` as a user runs it, or `shell`, a command line of the quickstart
-    (tests/documented.py) run by bash from the repository root in a session of its own. It gets
-    SIGTERM (and so stops everything it started) if the test ends early or pytest itself dies.
-    `terminal`: its stdout and stderr are a pseudo-terminal, as in a user's shell;
-    `output(proc)` is what it wrote."""
+    (tests/documented.py) run by bash from the repository root in a session of its own, with
+    `env` exported too. It gets SIGTERM (and so stops everything it started) if the test ends
+    early or pytest itself dies. `terminal`: its stdout and stderr are a pseudo-terminal, as in a
+    user's shell; `output(proc)` is what it wrote."""
     argv = ["bash", "-c", shell] if shell else [sys.executable, "-m", "fleetrl", *args]
-    options = dict(preexec_fn=_term_with_parent, cwd=ROOT, start_new_session=shell is not None)
+    options = dict(preexec_fn=_term_with_parent, cwd=ROOT, start_new_session=shell is not None,
+                   env={**os.environ, **(env or {})})
     if terminal:
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))  # 40 rows, 140 columns
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
-                                env={**os.environ, "TERM": "xterm"}, **options)
+        options["env"]["TERM"] = "xterm"
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, **options)
         os.close(slave)
         proc.chunks = []
         reader = threading.Thread(target=_read_terminal, args=(master, proc.chunks), daemon=True)

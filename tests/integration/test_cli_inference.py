@@ -3,12 +3,11 @@ vLLM CPU server, the resolved config, the help; and `fleetrl inference` stopped 
 SIGKILL, where a process-level property is cheapest to check."""
 
 import signal
-import subprocess
 import time
 
-from tests.documented import documented
+from tests.documented import documented, run_documented
 
-from .conftest import ROOT, alive_in, child_groups, fleetrl_process
+from .conftest import alive_in, child_groups, fleetrl_process
 
 
 def fleetrl(*args):
@@ -29,18 +28,15 @@ def test_inference_samples_prints_and_leaves_no_process(tmp_path, model_dir):
     assert groups and not alive_in(groups)
 
 
-def readme(command: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", documented(command)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-
 
 def test_the_readmes_dry_run_prints_the_default_config_and_starts_nothing():
-    done = readme(".venv/bin/fleetrl rl --dry-run")
+    done = run_documented(".venv/bin/fleetrl rl --dry-run")
     assert done.returncode == 0, done.stderr
     assert "[inference]" in done.stdout and 'provider = "vllm"' in done.stdout and "[trainer]" in done.stdout
 
 
 def test_the_readmes_help_lists_every_command():
-    done = readme(".venv/bin/python -m fleetrl --help")
+    done = run_documented(".venv/bin/python -m fleetrl --help")
     assert done.returncode == 0, done.stderr
     for command in ("rl", "inference", "status", "verify", "plot", "export", "model", "bench"):
         assert f"\n    {command}" in done.stdout, command

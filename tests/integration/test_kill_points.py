@@ -46,7 +46,7 @@ from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.processes import free_port
 from fleetrl.trainer import checkpoint
 
-from tests.documented import documented
+from tests.documented import documented, run_documented
 
 from .conftest import ROOT, TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups, fleetrl_pid, read_metrics
 from .deployments import ADMIN, DATA, OPERATOR_SERVERS, serving
@@ -193,12 +193,10 @@ def test_the_quickstarts_attached_run_as_written(servers, tmp_path):
     Its trainer and the fleet's start once loaded the model at the same time and crashed on meta
     tensors (issue 25); the base weights now come from the trainer's own copy."""
     run_dir = tmp_path / "attached"
-    line = documented(ATTACHED_RUN, "--run.max_steps", "1",
-                      replace={"8001": servers[0].rsplit(":", 1)[1], "8002": servers[1].rsplit(":", 1)[1],
-                               "runs/attached": str(run_dir)})
-    env = {**os.environ, ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}
-    env.pop(FAILPOINT_ENV, None)
-    done = subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = run_documented(ATTACHED_RUN, "--run.max_steps", "1",
+                          replace={"8001": servers[0].rsplit(":", 1)[1], "8002": servers[1].rsplit(":", 1)[1],
+                                   "runs/attached": str(run_dir)},
+                          env={ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "1 trainer rank(s)" in done.stdout
     assert [m["step"] for m in read_metrics(run_dir)] == [1]
@@ -212,10 +210,8 @@ def test_the_quickstarts_attached_run_as_written(servers, tmp_path):
 def test_the_readmes_status_of_any_fleet(servers):
     """README's `fleetrl status --inference.urls ...` with the admin token exported, on a server
     the attached run above left at v1."""
-    line = documented(".venv/bin/fleetrl status --inference.urls '[\"http://127.0.0.1:8000\"]'",
-                      replace={"8000": servers[0].rsplit(":", 1)[1]})
-    done = subprocess.run(["bash", "-c", line], cwd=ROOT, env={**os.environ, ADMIN_TOKEN_ENV: ADMIN},
-                          capture_output=True, text=True, timeout=120)
+    done = run_documented(".venv/bin/fleetrl status --inference.urls '[\"http://127.0.0.1:8000\"]'",
+                          replace={"8000": servers[0].rsplit(":", 1)[1]}, env={ADMIN_TOKEN_ENV: ADMIN}, timeout=120)
     assert done.returncode == 0, done.stderr
     (row,) = [line for line in done.stdout.splitlines() if line.startswith(servers[0])]
     assert row.split()[1:4] == ["aggregated", "ready", "v1"], done.stdout
@@ -303,7 +299,7 @@ def check_the_final_model_serves_like_the_workers(run_dir, workers, tmp_path) ->
     from safetensors.torch import load_file
 
     paths = {"runs/default": str(run_dir)}
-    export = subprocess.run(["bash", "-c", documented(EXPORT, replace=paths)], cwd=ROOT, capture_output=True, text=True)
+    export = run_documented(EXPORT, replace=paths)
     assert export.returncode == 0, export.stderr
     assert f"step {STEPS} of" in export.stdout
     exported, final_model = Path(f"{run_dir}-step5"), run_dir / "final_model"
@@ -313,8 +309,7 @@ def check_the_final_model_serves_like_the_workers(run_dir, workers, tmp_path) ->
     port = str(free_port("127.0.0.1"))
     url = f"http://127.0.0.1:{port}"
     with serving(documented(SERVE_FINAL, replace={**paths, "8000": port}), url, tmp_path / "plain-vllm.log"):
-        chat = subprocess.run(["bash", "-c", documented(CHAT, replace={**paths, "8000": port})], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
+        chat = run_documented(CHAT, replace={**paths, "8000": port}, timeout=120)
         assert chat.returncode == 0, chat.stderr
         reply = json.loads(chat.stdout)["choices"][0]["message"]
         assert reply["role"] == "assistant" and reply["content"], chat.stdout

@@ -21,9 +21,9 @@ import pytest
 from fleetrl.processes import free_port
 from fleetrl.rundir import RunDir
 
-from tests.documented import documented
+from tests.documented import documented, run_documented
 
-from .conftest import (ROOT, alive_in, check_episodes, child_groups, descendant_groups, fleetrl_pid, fleetrl_process,
+from .conftest import (alive_in, check_episodes, child_groups, descendant_groups, fleetrl_pid, fleetrl_process,
                        output, read_metrics)
 from .runs import RUNS
 
@@ -115,14 +115,14 @@ def resumed(first_run) -> Finished:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, monkeypatch_module) -> Finished:
+def cluster(tmp_path_factory) -> Finished:
     """`fleetrl rl` on every rank of two torchrun "nodes" on this machine (two agents meeting at
     a c10d rendezvous), as docs/cluster.md runs it. One rank a node: with two a node, the four
     ranks beside two Dynamo workers, etcd and NATS came within a few GB of this machine's 24 and
     were once killed for memory; several local ranks under torchrun are covered by
     test_trainer_ranks.py (four on one node)."""
     tmp_path = tmp_path_factory.mktemp("torchrun-dynamo")
-    monkeypatch_module.setenv("PYTHONPATH", str(Path(__file__).parent / "tasksets"))  # the taskset, for every rank
+    tasksets = {"PYTHONPATH": str(Path(__file__).parent / "tasksets")}  # the taskset, for every rank
     config = tmp_path / "rl.toml"
     config.write_text(CLUSTER_CONFIG)
     run_dir, steps = tmp_path / "run", 2
@@ -132,18 +132,12 @@ def cluster(tmp_path_factory, monkeypatch_module) -> Finished:
                            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "e2e", "-m", "fleetrl"])
     shell = f"exec {torchrun} rl @ {shlex.quote(str(config))} {flags} --run.dir {shlex.quote(str(run_dir))} " \
             f"--run.max_steps {steps}"
-    with fleetrl_process(shell=shell) as node_a, fleetrl_process(shell=shell) as node_b:
+    with fleetrl_process(shell=shell, env=tasksets) as node_a, fleetrl_process(shell=shell, env=tasksets) as node_b:
         groups = watch_run(run_dir, [node_a, node_b],
                            lambda: descendant_groups(node_a.pid) | descendant_groups(node_b.pid))
     out = output(node_a) + output(node_b)
     returncode = node_a.returncode or node_b.returncode
     return Finished(run_dir, out, returncode, groups, steps, k=0, workers=2).read()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 @pytest.fixture(scope="module", params=["first_run", "resumed", "cluster"])
@@ -285,9 +279,9 @@ def test_the_resume_goes_on_from_the_checkpoint_at_its_version(resumed):
     assert all(span["version"] == checkpoint for sample in batch["samples"] for span in sample["spans"])
 
 
-def quickstart(command: str, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    line = documented(command, *extra, replace={"runs/default": str(run_dir)})
-    return subprocess.run(["bash", "-c", line], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def quickstart(command: str, run_dir: Path) -> subprocess.CompletedProcess:
+    """A quickstart command on the run in `run_dir` (its `runs/default`)."""
+    return run_documented(command, replace={"runs/default": str(run_dir)})
 
 
 def test_the_quickstarts_status_verify_and_plot_on_the_finished_run(resumed):
