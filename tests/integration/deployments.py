@@ -30,9 +30,7 @@ import httpx
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.processes import free_port
 
-from tests.documented import documented
-
-ROOT = Path(__file__).resolve().parents[2]  # the repository: where the quickstart's commands run
+from tests.documented import ROOT, documented
 
 OPERATOR_SERVERS = "operator-servers"
 
@@ -106,8 +104,9 @@ class DeploymentPool:
             tokens = {ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}
             try:
                 for i, port in enumerate(ports):
-                    self._stack.enter_context(serving(documented(SERVE, replace={"8001": str(port)}),
-                                                      f"http://127.0.0.1:{port}", self.logs / f"server-{i}.log", tokens))
+                    command = documented(SERVE, replace={"8001": str(port)})
+                    self._stack.enter_context(serving(command, f"http://127.0.0.1:{port}", self.logs / f"server-{i}.log",
+                                                      tokens))
             except BaseException:
                 self._stack.close()
                 raise

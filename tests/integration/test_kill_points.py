@@ -82,13 +82,6 @@ CHAT = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: app
         "\"max_tokens\": 16}'")
 
 
-@pytest.fixture(scope="module")
-def servers(operator_servers):
-    """Two vLLM servers that no run of fleetrl started, each started by the quickstart's
-    command as an operator would (deployments.py: test_weight_transfer.py used the first)."""
-    return operator_servers
-
-
 class Run:
     """One `fleetrl rl` of the sequence, its output in its own log: the attached run with this
     module's config (fleetrl itself is the process: the signals reach it)."""
@@ -187,44 +180,46 @@ async def paused_and_versions(urls) -> list[tuple[bool, int | None]]:
     return states
 
 
-def test_the_quickstarts_attached_run_as_written(servers, tmp_path):
+def test_the_quickstarts_attached_run_as_written(operator_servers, tmp_path):
     """docs/quickstart.md section 6 exactly as a user runs it: one trainer rank (the default), the
     tokens exported in the shell, only the run directory, the ports and the step count changed.
     Its trainer and the fleet's start once loaded the model at the same time and crashed on meta
     tensors (issue 25); the base weights now come from the trainer's own copy."""
     run_dir = tmp_path / "attached"
     done = run_documented(ATTACHED_RUN, "--run.max_steps", "1",
-                          replace={"8001": servers[0].rsplit(":", 1)[1], "8002": servers[1].rsplit(":", 1)[1],
+                          replace={"8001": operator_servers[0].rsplit(":", 1)[1],
+                                   "8002": operator_servers[1].rsplit(":", 1)[1],
                                    "runs/attached": str(run_dir)},
                           env={ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "1 trainer rank(s)" in done.stdout
     assert [m["step"] for m in read_metrics(run_dir)] == [1]
     final = json.loads((run_dir / "final.json").read_text())
-    assert sorted(final["workers"]) == sorted(servers)
+    assert sorted(final["workers"]) == sorted(operator_servers)
     assert all(w["version"] == 1 for w in final["workers"].values())
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
 
 
-def test_the_readmes_status_of_any_fleet(servers):
+def test_the_readmes_status_of_any_fleet(operator_servers):
     """README's `fleetrl status --inference.urls ...` with the admin token exported, on a server
     the attached run above left at v1."""
     done = run_documented(".venv/bin/fleetrl status --inference.urls '[\"http://127.0.0.1:8000\"]'",
-                          replace={"8000": servers[0].rsplit(":", 1)[1]}, env={ADMIN_TOKEN_ENV: ADMIN}, timeout=120)
+                          replace={"8000": operator_servers[0].rsplit(":", 1)[1]}, env={ADMIN_TOKEN_ENV: ADMIN},
+                          timeout=120)
     assert done.returncode == 0, done.stderr
-    (row,) = [line for line in done.stdout.splitlines() if line.startswith(servers[0])]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith(operator_servers[0])]
     assert row.split()[1:4] == ["aggregated", "ready", "v1"], done.stdout
 
 
 @pytest.mark.timeout(1800)  # six runs of `fleetrl rl`: about 10 minutes here, more on a busy machine
-def test_killed_at_each_point_then_run_again(servers, tmp_path):
-    run_dir, server = tmp_path / "run", servers[:1]  # the attached run above left it at v1
+def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
+    run_dir, urls = tmp_path / "run", operator_servers[:1]  # the first server; the attached run left it at v1
     gone: dict[str, float] = {}
     runs: list[Run] = []
 
     def start(name: str, failpoint: str | None = None) -> Run:
-        runs.append(Run(tmp_path, server, name, failpoint))
+        runs.append(Run(tmp_path, urls, name, failpoint))
         return runs[-1]
 
     try:
@@ -248,7 +243,7 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
         gone["SIGKILL mid-publish"] = run.signal(signal.SIGKILL)
         assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3] and latest_checkpoint(run_dir) == 3
         # Left paused, the update of v4 open (it never finished: it still reports v3).
-        assert asyncio.run(paused_and_versions(server)) == [(True, 3)]
+        assert asyncio.run(paused_and_versions(urls)) == [(True, 3)]
 
         run = start("4-checkpoint", "checkpoint:4")
         run.hold_at("checkpoint:4")
@@ -284,12 +279,12 @@ def test_killed_at_each_point_then_run_again(servers, tmp_path):
     assert batch5["meta"]["dispatch_version"] == 4
     assert all(span["version"] == 4 for s in batch5["samples"] for span in s["spans"])
     final = json.loads((run_dir / "final.json").read_text())
-    assert sorted(final["workers"]) == server
+    assert sorted(final["workers"]) == urls
     assert all(w["version"] == STEPS and w["checksum"] == done[-1]["checksum"] for w in final["workers"].values())
-    assert asyncio.run(paused_and_versions(server)) == [(False, STEPS)]
+    assert asyncio.run(paused_and_versions(urls)) == [(False, STEPS)]
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
-    check_the_final_model_serves_like_the_workers(run_dir, server, tmp_path)
+    check_the_final_model_serves_like_the_workers(run_dir, urls, tmp_path)
 
 
 def check_the_final_model_serves_like_the_workers(run_dir, workers, tmp_path) -> None:

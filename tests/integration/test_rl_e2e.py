@@ -6,6 +6,7 @@ reads it, so one failed check does not hide the others."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
@@ -174,15 +175,11 @@ def test_every_worker_ends_at_the_final_version_holding_what_the_trainer_sent(ru
     assert len(run.final["tokens"]) == 16 and run.final["spans"] == [[run.steps, 0]]
 
 
-_verified: dict[Path, subprocess.CompletedProcess] = {}
-
-
+@functools.cache
 def verified(run_dir: Path) -> subprocess.CompletedProcess:
     """The quickstart's `fleetrl verify` of a run directory, run once per directory: it hashes
     every checkpoint, which takes tens of seconds here."""
-    if run_dir not in _verified:
-        _verified[run_dir] = quickstart(".venv/bin/fleetrl verify runs/default", run_dir)
-    return _verified[run_dir]
+    return quickstart(".venv/bin/fleetrl verify runs/default", run_dir)
 
 
 def test_the_run_leaves_plots_a_checkpoint_and_passes_verify(last_run):
