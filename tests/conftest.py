@@ -1,10 +1,15 @@
-"""What every test run shares: no model hub, unit tests first, and where the time went."""
+"""What every test run shares: no model hub, unit tests first, where the time went, and a
+bounded disk."""
 
 import os
+import shutil
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
+
+from tests.tmp_folders import KEPT_FOLDERS
 
 # Nothing in the tests may reach a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -12,6 +17,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 _module_seconds: dict[str, float] = defaultdict(float)
 _module_outcomes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 _started = time.monotonic()
+
+_BASETEMP = pytest.StashKey[Path]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _basetemp(request, tmp_path_factory) -> None:
+    request.config.stash[_BASETEMP] = tmp_path_factory.getbasetemp()
 
 
 @pytest.hookimpl(trylast=True)
@@ -28,6 +40,25 @@ def pytest_runtest_logreport(report):
     _module_seconds[module] += report.duration
     if report.when == "call" or report.outcome != "passed":
         _module_outcomes[module][report.outcome] += 1
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Once a module's last test and its fixtures have ended, the folders it made under the base
+    temp are deleted, unless one of its tests failed. A run keeps checkpoints of 1.6 GB each, and
+    a whole suite's runs add up to more than 20 GB, more than a CI machine may have free.
+    (pytest itself deletes a passed test's tmp_path: tmp_path_retention_policy in pyproject.)"""
+    module = item.nodeid.split("::", 1)[0]
+    if nextitem is not None and nextitem.nodeid.split("::", 1)[0] == module:
+        return
+    basetemp = item.config.stash.get(_BASETEMP, None)
+    if basetemp is not None and basetemp.is_dir():
+        made = {path for path in basetemp.iterdir() if path not in KEPT_FOLDERS}
+        if _module_outcomes[module].get("failed"):
+            KEPT_FOLDERS.update(made)
+        else:
+            for path in made:
+                path.unlink() if path.is_symlink() else shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):

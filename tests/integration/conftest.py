@@ -25,6 +25,8 @@ from fleetrl.model import resolve_model
 from fleetrl.processes import stop_all
 from fleetrl.rundir import RunDir
 
+from tests.tmp_folders import KEPT_FOLDERS
+
 from .deployments import ROOT, DeploymentPool, _term_with_parent, deployment_of
 from .probes import PROBE_TEXTS
 
@@ -48,7 +50,9 @@ def pytest_collection_modifyitems(items):
 def deployments(request, tmp_path_factory) -> DeploymentPool:
     """The session's shared deployments (deployments.py)."""
     if _POOL not in request.config.stash:
-        request.config.stash[_POOL] = DeploymentPool(tmp_path_factory.mktemp("deployments"))
+        logs = tmp_path_factory.mktemp("deployments")
+        KEPT_FOLDERS.add(logs)  # its servers outlive the module that started them
+        request.config.stash[_POOL] = DeploymentPool(logs)
     return request.config.stash[_POOL]
 
 
