@@ -13,7 +13,7 @@ run: setup
 
 # pytest exits 5 when it collected no test: that fails here like any other non-zero exit.
 test: setup
-	$(VENV)/bin/python -m pytest tests --durations=25
+	$(VENV)/bin/python -m pytest tests --durations=40
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest tests/unit
