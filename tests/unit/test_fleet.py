@@ -87,7 +87,7 @@ async def test_attached_workers_are_held_to_the_base_checksum_before_they_are_v0
     with pytest.raises(FleetrlError, match="needs the run's base weights"):
         await fleet.start()
     transport = FakeTransport(provider)
-    await fleet.start(lambda: WeightSource(transport, weights, "sum-v0", None))
+    await fleet.start(lambda: WeightSource(transport, weights, "sum-v0", None, version=0))
     assert sorted(ids for ids, _ in transport.transfers) == [["fresh"], ["left-at-v5"]]
     assert {i: e.abandoned for i, e in provider.engines.items()} == {"left-at-v5": 1, "fresh": 1, "at-base": 0}
     assert all(e.version == 0 and e.checksum == "sum-v0" and not e.paused for e in provider.engines.values())
@@ -102,6 +102,25 @@ async def test_attached_workers_are_held_to_the_base_checksum_before_they_are_v0
     await fleet.refresh()
     assert fleet.workers["wrong-install"].state == WorkerState.STALE
     assert "agreement probe" in fleet.workers["wrong-install"].error
+    await fleet.close()
+
+
+async def test_a_resumed_run_holds_attached_workers_to_the_checkpoints_version_sending_only_what_they_lack():
+    """A resumed run starts the fleet at its checkpoint's version: a worker the killed run left
+    there (version and checksum) is sent nothing; one at another version is refitted once, to
+    the checkpoint's weights, never to the base first."""
+    provider = FakeProvider("left-at-v4", "left-at-v5", launches_workers=False)
+    for worker_id, version in (("left-at-v4", 4), ("left-at-v5", 5)):
+        provider.engines[worker_id].version, provider.engines[worker_id].checksum = version, f"sum-v{version}"
+    fleet = Fleet(provider, discovery_interval_s=3600, log=lambda line: None)
+    transport = FakeTransport(provider)
+    await fleet.start(lambda: WeightSource(transport, weights, "sum-v4", None, version=4))
+    assert fleet.version == 4 and fleet.checksum == "sum-v4"
+    assert [(ids, version) for ids, version in transport.transfers] == [(["left-at-v5"], 4)]
+    assert all(e.version == 4 and e.checksum == "sum-v4" and not e.paused for e in provider.engines.values())
+    assert all(w.state == WorkerState.READY and w.version == 4 for w in fleet.workers.values())
+    report = await fleet.publish(5, transport, weights)
+    assert sorted(report.ready) == ["left-at-v4", "left-at-v5"] and fleet.version == 5
     await fleet.close()
 
 

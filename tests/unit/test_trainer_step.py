@@ -278,12 +278,12 @@ class Run:
         latest = checkpoint.latest(self.run_dir.checkpoints_dir)
         self.checkpointed_at_on_step.append(latest[0] if latest else 0)
 
-    def hand_base(self, weights, probe_ids, reference):
-        self.base = weights, probe_ids, reference
+    def hand_start_weights(self, version, weights, probe_ids, reference):
+        self.start = version, weights, probe_ids, reference
 
     def train(self):
-        hooks = Hooks(wait_batch=self.batches.__getitem__, publish=self.publish, base=self.hand_base,
-                      on_step=self.on_step)
+        hooks = Hooks(wait_batch=self.batches.__getitem__, publish=self.publish,
+                      start_weights=self.hand_start_weights, on_step=self.on_step)
         loop.train(self.config, self.run_dir, self.model_dir, World(0, 1, CPU), hooks, log=self.lines.append)
 
 
@@ -365,9 +365,10 @@ def test_attached_workers_get_the_base_weights_from_the_trainers_own_copy(model_
     run.train()
     assert len(loads) == 1
     if not attaches:
-        assert not hasattr(run, "base")
+        assert not hasattr(run, "start")
         return
-    weights, probe_ids, reference = run.base
+    version, weights, probe_ids, reference = run.start
+    assert version == 0
     base = load_policy(model_dir, CPU)
     for name, tensor in named_tensors(base):
         assert torch.equal(weights[name], tensor), name  # the base, not the weights step 3 left
@@ -375,8 +376,33 @@ def test_attached_workers_get_the_base_weights_from_the_trainers_own_copy(model_
     assert prompt_logprobs(base, probe_ids, CPU) == pytest.approx(reference, abs=1e-6)
 
 
-def test_the_fleet_takes_the_handed_base_weights_once_and_a_stopped_run_releases_its_wait(tmp_path):
-    """`RLRun.take_base` (the fleet's start, on the control loop) gets what the training loop
+@pytest.mark.parametrize("attaches", [True, False], ids=["attached workers", "launched workers"])
+def test_a_resumed_run_brings_the_fleet_to_the_checkpoints_version_before_any_rollout(model_dir, tmp_path,
+                                                                                      attaches):
+    """Attached workers are held to the checkpoint's weights at its version as the fleet starts,
+    and nothing is published for it: a worker the killed run left there is sent nothing, one
+    elsewhere is refitted once, not to the base first and then to the checkpoint. Launched
+    workers start at the base: the checkpoint's version is published to them."""
+    first = Run(model_dir, tmp_path)
+    first.config.run.max_steps = 2
+    first.train()
+    run = Run(model_dir, tmp_path)
+    if attaches:
+        run.config.inference.urls = ["http://127.0.0.1:1"]
+    run.train()
+    assert sorted(run.published) == ([3] if attaches else [2, 3])
+    if not attaches:
+        assert not hasattr(run, "start")
+        return
+    version, weights, probe_ids, reference = run.start
+    assert version == 2
+    for name, tensor in first.published[2].items():
+        assert torch.equal(weights[name], tensor), name
+    assert reference == pytest.approx(first.probes[2][1], abs=1e-6)
+
+
+def test_the_fleet_takes_the_handed_start_weights_once_and_a_stopped_run_releases_its_wait(tmp_path):
+    """`RLRun.take_start_weights` (the fleet's start, on the control loop) gets what the training loop
     handed, and nothing keeps it after; a run that stops before the trainer handed anything
     ends that wait with one line instead of leaving a thread blocked."""
     from fleetrl.app.rl import RLRun
@@ -384,16 +410,17 @@ def test_the_fleet_takes_the_handed_base_weights_once_and_a_stopped_run_releases
     run = RLRun(load_config([], [("run.dir", str(tmp_path / "handed"))]), log=lambda *_: None)
     run.transport = None
     try:
-        run.hand_base({"w": torch.ones(2)}, [1, 2, 3], [-0.5, -0.25])
-        source = run.take_base()
+        run.hand_start_weights(4, {"w": torch.ones(2)}, [1, 2, 3], [-0.5, -0.25])
+        source = run.take_start_weights()
         assert source.probe.token_ids == [1, 2, 3] and dict(source.named_tensors())["w"].sum() == 2
-        assert run.base.empty()
+        assert source.version == 4 and run.start_weights.empty()
     finally:
         run.control.stop()
     stopped = RLRun(load_config([], [("run.dir", str(tmp_path / "stopped"))]), log=lambda *_: None)
     stopped.stop()
-    with pytest.raises(FleetrlError, match="^the run stopped before the trainer handed the fleet the base weights$"):
-        stopped.take_base()
+    with pytest.raises(FleetrlError, match="^the run stopped before the trainer handed the fleet the weights it "
+                                           "starts from$"):
+        stopped.take_start_weights()
 
 
 def test_the_collective_timeout_covers_the_longest_legal_publish():

@@ -128,7 +128,7 @@ def base_weights(provider: InferenceProvider, model_dir: Path,
     once they answered), in a process with no trainer (`fleetrl inference`): the base model's
     weights loaded from `model_dir`, their checksum, and their logprobs of the agreement probe.
     None where the provider launches its workers from `model_dir` itself. `fleetrl rl` takes
-    them from the trainer's own copy instead (`RLRun.hand_base`)."""
+    them from the trainer's own copy instead (`RLRun.hand_start_weights`)."""
     return None if provider.launches_workers else functools.partial(_load_base_weights, model_dir, transport)
 
 
@@ -143,19 +143,20 @@ def _load_base_weights(model_dir: Path, transport: WeightTransport) -> WeightSou
     tensors = dict(named_tensors(model))
     probe_ids = agreement_probe(model)
     probe = AgreementProbe(probe_ids, prompt_logprobs(model, probe_ids, torch.device("cpu")))
-    return base_source(transport, tensors, probe)
+    return start_source(transport, tensors, probe, version=0)
 
 
-def base_source(transport: WeightTransport, tensors: dict, probe: AgreementProbe) -> WeightSource:
-    """The base weights as the fleet refits workers with them until the first publish."""
-    return WeightSource(transport, lambda: iter(tensors.items()), checksum_of(tensors.items()), probe)
+def start_source(transport: WeightTransport, tensors: dict, probe: AgreementProbe, version: int) -> WeightSource:
+    """The weights a run starts from (version 0, or a resumed checkpoint's), as the fleet
+    refits workers with them until the first publish."""
+    return WeightSource(transport, lambda: iter(tensors.items()), checksum_of(tensors.items()), probe, version)
 
 
-async def start_recorded(fleet: Fleet, run_dir: RunDir, base: Callable[[], WeightSource] | None) -> None:
-    """Start the fleet (`base`: see `base_weights`), then record in the run directory how to
+async def start_recorded(fleet: Fleet, run_dir: RunDir, weights: Callable[[], WeightSource] | None) -> None:
+    """Start the fleet (`weights`: see `Fleet.start`), then record in the run directory how to
     attach to it: where it runs (fleet.json) and its tokens (tokens.json, readable by this user
     alone). The run removes both when its fleet stops (`RunDir.forget_fleet`)."""
-    await fleet.start(base)
+    await fleet.start(weights)
     settings = fleet.provider.attach_settings()
     secret = secret_fields(InferenceConfig)
     run_dir.record_fleet({k: v for k, v in settings.items() if k not in secret},

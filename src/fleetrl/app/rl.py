@@ -33,7 +33,7 @@ from pathlib import Path
 from fleetrl import progress
 from fleetrl.app.checks import check_config, check_prompts_fit
 from fleetrl.app.live import LiveView
-from fleetrl.app.providers import base_source, build_fleet, build_transport, start_recorded
+from fleetrl.app.providers import build_fleet, build_transport, start_recorded, start_source
 from fleetrl.batch import Batch
 from fleetrl.config import Config, load_config
 from fleetrl.cores import plan_cores
@@ -89,10 +89,11 @@ class RLRun:
         self.ranks: list[ManagedProcess] = []
         self.rollouts: list[Future] = []
         self.fleet: Fleet | None = None
-        # Attached workers' base weights (`hand_base`): put by the training loop once it has
-        # loaded the model, taken by the fleet's start on the control loop (`take_base`), which
-        # keeps them only until the first publish replaces them; None: the run stopped first.
-        self.base: queue.Queue[WeightSource | None] = queue.Queue(maxsize=1)
+        # The weights attached workers start from (`hand_start_weights`): the base, or the
+        # checkpoint's the run resumes from, put by the training loop once it has loaded them,
+        # taken by the fleet's start on the control loop (`take_start_weights`), which keeps them
+        # only until the first publish replaces them; None: the run stopped first.
+        self.start_weights: queue.Queue[WeightSource | None] = queue.Queue(maxsize=1)
         self.monitors: Monitors | None = None
         # The last version's probe, and its weights where they are kept (a CPU snapshot; on CUDA none
         # is: the final model was written while the ranks gathered the last version, see publish).
@@ -144,9 +145,9 @@ class RLRun:
                                          config.run.seed, max_context=config.inference.vllm.max_model_len, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
-        # The same check as the training loop's, which hands the base weights (trainer/loop.py).
-        base = self.take_base if config.inference.attaches() else None
-        self.fleet_started = self.control.submit(start_recorded(fleet, self.run_dir, base))
+        # The same check as the training loop's, which hands the start weights (trainer/loop.py).
+        weights = self.take_start_weights if config.inference.attaches() else None
+        self.fleet_started = self.control.submit(start_recorded(fleet, self.run_dir, weights))
         if self.view is not None:
             self.watching = self.control.submit(self.view.watch(fleet, self.orchestrator))
 
@@ -178,7 +179,7 @@ class RLRun:
 
     def train(self) -> None:
         hooks = Hooks(wait_batch=self.wait_batch, start_rollouts=self.start_rollouts, publish=self.publish,
-                      base=self.hand_base, on_step=self.on_step)
+                      start_weights=self.hand_start_weights, on_step=self.on_step)
         try:
             train(self.config, self.run_dir, self.model_dir, self.world, hooks, log=self.log)
         except FleetrlError:
@@ -204,7 +205,7 @@ class RLRun:
 
     def stop(self) -> None:
         try:
-            self.base.put_nowait(None)  # a fleet start still waiting for the base weights gives up
+            self.start_weights.put_nowait(None)  # a fleet start still waiting for its weights gives up
         except queue.Full:
             pass
         for future in self.rollouts + ([self.watching] if self.watching else []):
@@ -224,17 +225,21 @@ class RLRun:
 
     # -- what the training loop calls ------------------------------------------------------
 
-    def hand_base(self, weights: Snapshot, probe_ids: list[int], reference: list[float]) -> None:
-        """The base weights, from the trainer's own copy, for the fleet's start to hold attached
-        workers to (`Fleet.start`)."""
-        self.base.put(base_source(self.transport, weights, AgreementProbe(probe_ids, reference)))
+    def hand_start_weights(self, version: int, weights: Snapshot, probe_ids: list[int],
+                           reference: list[float]) -> None:
+        """The weights of `version` the run starts from (the base, or a resumed checkpoint's),
+        from the trainer's own copy, for the fleet's start to hold attached workers to
+        (`Fleet.start`); until the first publish, they are also the ones the fleet serves."""
+        probe = AgreementProbe(probe_ids, reference)
+        self.published = weights, probe
+        self.start_weights.put(start_source(self.transport, weights, probe, version))
 
-    def take_base(self) -> WeightSource:
+    def take_start_weights(self) -> WeightSource:
         """What `Fleet.start` holds attached workers to (it waits, off the event loop, until the
-        trainer has loaded the model); nothing here keeps them after."""
-        source = self.base.get()
+        trainer has loaded them); nothing here keeps them after."""
+        source = self.start_weights.get()
         if source is None:
-            raise FleetrlError("the run stopped before the trainer handed the fleet the base weights")
+            raise FleetrlError("the run stopped before the trainer handed the fleet the weights it starts from")
         return source
 
     def wait_batch(self, step: int) -> Batch:

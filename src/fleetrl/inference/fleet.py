@@ -69,8 +69,9 @@ class AgreementProbe:
 
 @dataclass
 class WeightSource:
-    """Weights a joining or stale worker is refitted to: what the last publish sent, or, before
-    any publish, the run's base weights where the workers are attached (`Fleet.start`).
+    """Weights a joining or stale worker is refitted to, those of `version`: what the last
+    publish sent, or, before any publish, the weights the run starts from where the workers are
+    attached (`Fleet.start`).
 
     `named_tensors` is None when the weights were valid only during their publish (streamed
     from a CUDA trainer's shards, which keeps no copy): such a worker is refitted by the next
@@ -80,6 +81,7 @@ class WeightSource:
     named_tensors: NamedTensors | None
     checksum: str
     probe: AgreementProbe | None
+    version: int
 
 
 class Fleet:
@@ -118,22 +120,26 @@ class Fleet:
         workers the provider launched (they received none)."""
         return self._source.checksum if self._source else None
 
-    async def start(self, base: Callable[[], WeightSource] | None = None) -> None:
-        """Start the provider and bring its workers to v0 before any takes traffic.
+    async def start(self, weights: Callable[[], WeightSource] | None = None) -> None:
+        """Start the provider and bring its workers to the run's first version before any takes
+        traffic: v0, the base model, or the version of the checkpoint a run resumes from.
 
         Workers the provider launched from the run's model folder hold the base weights by
-        construction. Attached ones were started by someone else: a previous run may have left
-        them at vN, or they may serve another model. With `base` (the run's base weights and
-        the trainer's logprobs of the probe under them, got from `base()` once the provider has
-        started, off the event loop: it may wait for the trainer to load the model), a worker is
-        labelled v0 only once its ranks report the base checksum — one that reports another is refitted with them — and it scores the probe like
-        the trainer."""
-        if base is None and not self.provider.launches_workers:
+        construction (a resumed run publishes the checkpoint's version to them next). Attached
+        ones were started by someone else: a previous run may have left them at vN, or they may
+        serve another model. With `weights` (the weights the run starts from, their version and
+        the trainer's logprobs of the probe under them, got from `weights()` once the provider
+        has started, off the event loop: it may wait for the trainer to load them), a worker is
+        labelled at that version only once it reports it and its ranks report that checksum (one
+        that does not is refitted with them: a worker the killed run left at the checkpoint's
+        version is not), and it scores the probe like the trainer."""
+        if weights is None and not self.provider.launches_workers:
             raise FleetrlError(f"the {self.provider.name} fleet attaches to workers fleetrl did not launch: "
                                "it needs the run's base weights to check them against before labelling them v0")
         await self.provider.start()
-        if base is not None:
-            self._source = await asyncio.to_thread(base)
+        if weights is not None:
+            self._source = await asyncio.to_thread(weights)
+            self.version = self._source.version
         await self.refresh()
         if not self.routable_workers():
             raise FleetrlError("no inference worker became ready: " + self._describe_failures())
@@ -339,7 +345,7 @@ class Fleet:
                     raise PublishError(f"publish v{version} completed on no worker: {self._format(failed)}")
                 # From here on only workers verified at `version` take traffic: stale ones stay paused.
                 self.version = version
-                self._source = WeightSource(transport, named_tensors if keep else None, checksum, probe)
+                self._source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
                 resumed = await self._each(verified, lambda w: admin(w).resume(), failed, WorkerState.DEAD)
                 deltas: dict[str, float] = {}
                 if probe is not None:  # still UPDATING here: a worker that disagrees never takes a request

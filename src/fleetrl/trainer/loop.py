@@ -67,9 +67,9 @@ class Hooks:
     # rank 0 only: (version, weights, probe token ids, the trainer's logprobs of them); the
     # weights are a Snapshot on the CPU, a WeightGather (valid during the call only) on CUDA
     publish: Callable[[int, Snapshot | WeightGather, list[int], list[float]], object] | None = None
-    # rank 0 only, where the fleet attaches to workers: (the base model's weights as CPU copies,
-    # probe token ids, the trainer's logprobs of them), before a checkpoint or a step changes them
-    base: Callable[[Snapshot, list[int], list[float]], None] | None = None
+    # rank 0 only, where the fleet attaches to workers: (the version the loop starts from, its
+    # weights as CPU copies, probe token ids, the trainer's logprobs of them), before any step
+    start_weights: Callable[[int, Snapshot, list[int], list[float]], None] | None = None
     on_step: Callable[[Batch, StepMetrics, object, float, float], None] = lambda *a: None
 
 
@@ -124,16 +124,17 @@ def publish_streamed(step: int, model: torch.nn.Module, world: World, probe_ids:
         return hooks.publish(step, weights, probe_ids, reference) if hooks.publish else None
 
 
-def hand_base_weights(model: torch.nn.Module, world: World, probe_ids: list[int], hooks: Hooks) -> None:
-    """The base weights that attached workers are held to before they are labelled v0
-    (`Fleet.start`), copied from the trainer's freshly loaded model; every rank must call this,
-    in step. Never a second model load in this process: transformers patches module creation
-    process-wide while it loads, so a load on the control loop beside the trainer's would build
-    one of the two models on the meta device."""
+def hand_start_weights(model: torch.nn.Module, world: World, version: int, probe_ids: list[int],
+                       hooks: Hooks) -> None:
+    """The weights that attached workers are held to before they are labelled `version`
+    (`Fleet.start`): the base model's (v0) or a resumed checkpoint's, copied from the trainer's
+    freshly loaded model; every rank must call this, in step. Never a second model load in this
+    process: transformers patches module creation process-wide while it loads, so a load on the
+    control loop beside the trainer's would build one of the two models on the meta device."""
     weights = snapshot(model, world.rank)
     reference = prompt_logprobs(model, probe_ids, world.device)
-    if hooks.base:
-        hooks.base(weights, probe_ids, reference)
+    if hooks.start_weights:
+        hooks.start_weights(version, weights, probe_ids, reference)
 
 
 def nonfinite_step(metrics: StepMetrics) -> str:
@@ -156,12 +157,15 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
     model = load_policy(model_dir, world.device)
     optimizer = build_optimizer(model, cfg)
     probe_ids = agreement_probe(model)
-    if config.inference.attaches():
-        hand_base_weights(model, world, probe_ids, hooks)
     start = checkpoint.load(run_dir.checkpoints_dir, model, optimizer, log=log) or 0
     if start:
         log(f"fleetrl: resumed from checkpoint step {start}")
-        # The fleet must serve the checkpoint's version before any rollout.
+    # The fleet must serve the version the loop starts from before any rollout. Attached workers
+    # are brought to it as the fleet starts, which sends nothing to a worker that holds it already
+    # (a killed run's worker, left at the checkpoint's version); launched ones start at the base.
+    if config.inference.attaches():
+        hand_start_weights(model, world, start, probe_ids, hooks)
+    elif start:
         publish(start, model, world, probe_ids, hooks)
     hooks.start_rollouts(start)
     interval = config.trainer.checkpoint_interval
