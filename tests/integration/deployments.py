@@ -56,23 +56,13 @@ def _term_with_parent() -> None:
 
 
 @contextmanager
-def serving(command: str, url: str, log_path: Path, env: dict | None = None):
+def started(command: str, log_path: Path, env: dict | None = None):
     """A quickstart server command, run until the block ends (its whole session stopped then,
-    however the block ends); it answers /health before the block starts."""
+    however the block ends)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_term_with_parent)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"{command} exited: {log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"{url} not healthy in time: {log_path.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
         yield proc
     finally:
         for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
@@ -85,6 +75,27 @@ def serving(command: str, url: str, log_path: Path, env: dict | None = None):
                 break
             except subprocess.TimeoutExpired:
                 pass
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        assert proc.poll() is None, f"the server for {url} exited: {log_path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{url} not healthy in time: {log_path.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+
+
+@contextmanager
+def serving(command: str, url: str, log_path: Path, env: dict | None = None):
+    """`started`, and answering /health before the block starts."""
+    with started(command, log_path, env) as proc:
+        wait_healthy(proc, url, log_path)
+        yield proc
 
 
 class DeploymentPool:
@@ -102,15 +113,18 @@ class DeploymentPool:
             self.release()
             ports = [free_port("127.0.0.1"), free_port("127.0.0.1")]
             tokens = {ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}
+            urls = [f"http://127.0.0.1:{port}" for port in ports]
             try:
-                for i, port in enumerate(ports):
-                    command = documented(SERVE, replace={"8001": str(port)})
-                    self._stack.enter_context(serving(command, f"http://127.0.0.1:{port}", self.logs / f"server-{i}.log",
-                                                      tokens))
+                # Both start at once, as from an operator's two terminals, and are waited for after.
+                procs = [self._stack.enter_context(started(documented(SERVE, replace={"8001": str(port)}),
+                                                           self.logs / f"server-{i}.log", tokens))
+                         for i, port in enumerate(ports)]
+                for i, (proc, url) in enumerate(zip(procs, urls)):
+                    wait_healthy(proc, url, self.logs / f"server-{i}.log")
             except BaseException:
                 self._stack.close()
                 raise
-            self.name, self.urls = OPERATOR_SERVERS, [f"http://127.0.0.1:{port}" for port in ports]
+            self.name, self.urls = OPERATOR_SERVERS, urls
         return self.urls
 
     def release(self) -> None:
