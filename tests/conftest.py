@@ -46,7 +46,7 @@ def pytest_runtest_logreport(report):
 def pytest_runtest_teardown(item, nextitem):
     """Once a module's last test and its fixtures have ended, the folders it made under the base
     temp are deleted, unless one of its tests failed. A run keeps checkpoints of 1.6 GB each, and
-    a whole suite's runs add up to more than 20 GB, more than a CI machine may have free.
+    a whole suite's runs add up to 11-22 GB, more than a CI machine may have free.
     (pytest itself deletes a passed test's tmp_path: tmp_path_retention_policy in pyproject.)"""
     module = item.nodeid.split("::", 1)[0]
     if nextitem is not None and nextitem.nodeid.split("::", 1)[0] == module:

@@ -59,8 +59,9 @@ def check_extra(extra: tuple[str, ...]) -> None:
 
 
 def check_replace(old: str, new: str) -> None:
-    """Refuses any replacement but a port by a port and a `runs/` path by a path."""
-    port = old.isdigit() and new.isdigit()
+    """Refuses any replacement but a port by a port and a `runs/` path by a path. A port is a
+    number from 1024 on, so a step count or a model length cannot pass for one."""
+    port = all(p.isascii() and p.isdigit() and 1024 <= int(p) <= 65535 for p in (old, new))
     path = old.startswith("runs/") and "/" in new and not new.startswith("-")
     if not (port or path):
         raise ValueError(f"a documented command runs as written: a test may replace only ports and runs/ paths, "

@@ -8,8 +8,9 @@ sound, to keep CI time flat (tests/integration/runs.py lists both runs):
    thread) leaves no process behind within 10 s;
 4. the run's task is multi-turn (arithmetic_retry): every episode's turns carry their spans;
 
-and the quickstart's Dynamo command as written, SIGKILLed once it has trained two steps: the
-frontend, the worker and its engine-core grandchildren end by themselves within 10 s.
+and the quickstart's Dynamo command as written, SIGKILLed in its second step, once it has
+trained one: the frontend, the worker and its engine-core grandchildren end by themselves
+within 10 s.
 (Resuming after a kill at every point of a step, SIGINT, and two trainer ranks:
 test_kill_points.py.)
 

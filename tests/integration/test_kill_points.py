@@ -289,8 +289,8 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
 
 def check_the_final_model_serves_like_the_workers(run_dir, workers, tmp_path) -> None:
     """What a user takes home, with the quickstart's commands: RUN_DIR/final_model has the same
-    weights as `fleetrl export` of the final checkpoint; served by plain `vllm serve` (no fleetrl
-    code), it chats, and scores the agreement probe as the run's `workers` do at the final version."""
+    weights as `fleetrl export` of the final checkpoint; served by a plain vLLM server (the
+    quickstart's `python -m vllm.entrypoints.openai.api_server`, no fleetrl code), it chats, and scores the agreement probe as the run's `workers` do at the final version."""
     from safetensors.torch import load_file
 
     paths = {"runs/default": str(run_dir)}

@@ -52,8 +52,9 @@ def test_an_argument_that_changes_the_code_path_is_refused(extra):
 
 
 @pytest.mark.parametrize("old, new", [(".venv/bin/fleetrl", "torchrun -m fleetrl"), ("dynamo", "vllm"),
-                                      ("8001", "--inference.workers 2")])
+                                      ("8001", "--inference.workers 2"), ("512", "4096"), ("8001", "3")])
 def test_a_replacement_other_than_a_port_or_a_path_is_refused(old, new):
+    """A port is a number from 1024 on: a model length or a step count cannot pass for one."""
     attached = next(c for c in documented_commands() if "--inference.urls" in c)
     dynamo = next(c for c in documented_commands() if "--inference.provider dynamo" in c)
     with pytest.raises(ValueError, match="may replace only ports and runs/ paths"):
