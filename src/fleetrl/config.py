@@ -19,6 +19,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
+import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fleetrl.cores import parse_cpus
@@ -599,11 +600,29 @@ def _origin(loc: tuple[str, ...], source: dict) -> str:
 
 def to_toml(config: Config) -> str:
     """The resolved config as TOML, loadable again with `@ file`: one table per section.
-    Secrets (tokens) are left out: this text goes to config.toml and to --dry-run's output."""
-    lines: list[str] = []
+    Secrets (tokens) are left out: this text goes to config.toml and to --dry-run's output.
+    Written by tomli_w, which quotes what a hand-made writer got wrong (a newline in a string
+    was written raw, and config.toml could not be read back: no resume, no verify). The text
+    is read back before it is returned, so a config that TOML would not give back as it is
+    fails here, before a run starts, not when it resumes."""
+    text = tomli_w.dumps({name: _table(getattr(config, name)) for name in Config.model_fields})
+    read_back = Config.model_validate(tomllib.loads(text))
+    expected = without_secrets(config)
+    if read_back != expected:
+        key = next(f"{name}.{field}" for name in Config.model_fields
+                   for field, value in getattr(expected, name).model_dump().items()
+                   if getattr(getattr(read_back, name), field) != getattr(getattr(expected, name), field))
+        raise ConfigError(f"config key '{key}': its value does not read back from TOML as it was set")
+    return text
+
+
+def without_secrets(config: Config) -> Config:
+    """`config` as config.toml holds it: every secret field unset."""
+    updates = {}
     for name in Config.model_fields:
-        _append_table(lines, name, getattr(config, name))
-    return "\n".join(lines)
+        section = getattr(config, name)
+        updates[name] = section.model_copy(update=dict.fromkeys(secret_fields(type(section))))
+    return config.model_copy(update=updates)
 
 
 def secret_fields(section: type[Section]) -> set[str]:
@@ -612,27 +631,11 @@ def secret_fields(section: type[Section]) -> set[str]:
             if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("secret")}
 
 
-def _append_table(lines: list[str], name: str, section: Section) -> None:
+def _table(section: Section) -> dict[str, Any]:
+    """A section's values as TOML takes them: TOML has no null, so an unset value is left out."""
     values = section.model_dump(mode="json", exclude=secret_fields(type(section)))
-    subsections = {key: getattr(section, key) for key, field in type(section).model_fields.items()
-                   if _is_section(field.annotation)}
-    lines.append(f"[{name}]")
-    # A table's own keys come before its subtables: after `[a.b]`, every key belongs to a.b.
-    lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()
-              if value is not None and key not in subsections]
-    lines.append("")
-    for key, subsection in subsections.items():
-        _append_table(lines, f"{name}.{key}", subsection)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
+    table = {key: value for key, value in values.items() if value is not None}
+    for key, field in type(section).model_fields.items():
+        if _is_section(field.annotation):
+            table[key] = _table(getattr(section, key))
+    return table

@@ -158,6 +158,7 @@ class RunDir:
         holds nothing."""
         self._lock()
         try:
+            config_text = to_toml(config)  # read back as it was, or refused: before anything is removed
             metrics = self.read_metrics()
             episodes = read_json_lines(self.verifiers_episodes_path, self.log)
             if not resume and metrics:
@@ -175,7 +176,7 @@ class RunDir:
             if self.verifiers_episodes_path.exists():
                 atomic_write(self.verifiers_episodes_path,
                              json_lines([e for e in episodes if episode_step(e) <= resume]))
-            atomic_write(self.config_path, to_toml(config))
+            atomic_write(self.config_path, config_text)
             self.manifest_path.unlink(missing_ok=True)
             # The final model is the run's last version: one run on from a checkpoint writes its own.
             shutil.rmtree(self.final_model_dir, ignore_errors=True)

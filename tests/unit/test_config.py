@@ -71,6 +71,20 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config([out], []) == config
 
 
+def test_strings_that_need_quoting_round_trip(tmp_path):
+    """Newlines, quotes, tabs and backslashes: a W&B project name, a chat template in the
+    server's arguments, a multi-line prompt in an environment's options. A hand-made writer
+    once wrote the newline raw, and config.toml could not be read back."""
+    config = load_config([], [("run.wandb_project", "a\nb"),
+                              ("inference.vllm.extra_args", '["--chat-template", "{% for m in messages %}\\n{{ m }}"]'),
+                              ("orchestrator.env_options", '{prompt = """line one\nline \\"two\\"\tend\\\\"""}')])
+    assert config.run.wandb_project == "a\nb" and "\n" in config.inference.vllm.extra_args[1]
+    assert "\n" in config.orchestrator.env_options["prompt"] and '"' in config.orchestrator.env_options["prompt"]
+    out = tmp_path / "resolved.toml"
+    out.write_text(to_toml(config))
+    assert load_config([out], []) == config
+
+
 def test_every_field_is_documented():
     docs = field_docs()
     assert len(docs) > 10
