@@ -26,6 +26,11 @@ from fleetrl.cores import parse_cpus
 from fleetrl.errors import FleetrlError
 
 
+# The longest any timeout or interval may be: a week. Longer is a hang by another name, and
+# the timers under them overflow near 1e15 s (at the first publish, not at start).
+MAX_WAIT_S = 7 * 24 * 3600.0
+
+
 class ConfigError(FleetrlError):
     """A configuration problem, phrased as one line naming the key and its source."""
 
@@ -211,7 +216,7 @@ class WeightsConfig(Section):
         "127.0.0.1", description="Address at which workers reach the trainer's broadcast group."
     )
     transfer_timeout_s: float = Field(
-        600.0, gt=0, description="Limit for each weight-transfer step on a worker (join, bucket, load)."
+        600.0, gt=0, le=MAX_WAIT_S, description="Limit for each weight-transfer step on a worker (join, bucket, load)."
     )
 
 
@@ -232,13 +237,13 @@ class InferenceConfig(Section):
         "the admin routes.",
     )
     startup_timeout_s: float = Field(
-        600.0, gt=0, description="How long a launched worker may take to answer /health."
+        600.0, gt=0, le=MAX_WAIT_S, description="How long a launched worker may take to answer /health."
     )
     request_timeout_s: float = Field(
-        300.0, gt=0, description="Timeout of one generation request on the data plane."
+        300.0, gt=0, le=MAX_WAIT_S, description="Timeout of one generation request on the data plane."
     )
     admin_timeout_s: float = Field(
-        60.0, gt=0, description="Timeout of one admin call (pause, resume, version, weights)."
+        60.0, gt=0, le=MAX_WAIT_S, description="Timeout of one admin call (pause, resume, version, weights)."
     )
     admin_retries: int = Field(
         2, ge=0, description="Retries of an admin call that failed to connect or timed out."
@@ -256,7 +261,7 @@ class InferenceConfig(Section):
         json_schema_extra={"secret": True},
     )
     health_timeout_s: float = Field(
-        10.0, gt=0,
+        10.0, gt=0, le=MAX_WAIT_S,
         description="Timeout of one health check: a worker that does not answer in time (hung, "
         "not dead) is taken out of routing and of the next publish fence.",
     )
@@ -266,7 +271,7 @@ class InferenceConfig(Section):
         "Dynamo worker is not restarted); a restarted worker is refitted and verified before it serves.",
     )
     no_worker_timeout_s: float = Field(
-        600.0, gt=0,
+        600.0, gt=0, le=MAX_WAIT_S,
         description="The run stops, naming each worker and its last error, when no worker has "
         "been ready for this long.",
     )
@@ -283,7 +288,7 @@ class InferenceConfig(Section):
         "inference.dynamo.prefill_workers > 0.",
     )
     discovery_interval_s: float = Field(
-        5.0, gt=0, description="How often the fleet re-discovers workers and checks their health."
+        5.0, gt=0, le=MAX_WAIT_S, description="How often the fleet re-discovers workers and checks their health."
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     dynamo: DynamoConfig = Field(default_factory=DynamoConfig)
@@ -359,7 +364,7 @@ class OrchestratorConfig(Section):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     reward_timeout_s: float = Field(
-        30.0, gt=0,
+        30.0, gt=0, le=MAX_WAIT_S,
         description="Longest a reward function may take for one sample, and a multi-turn environment its answer "
         "to one turn; a reward that raises, hangs or returns a non-number drops its sample, which is counted "
         "(reward_failed; env_failed for an answer).",

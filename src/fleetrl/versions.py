@@ -48,7 +48,8 @@ def incomplete_version_name(version: int) -> str:
 
 
 def parse_version(name: str) -> int | None:
-    """`v3` -> 3; anything else (vLLM's initial "default", a foreign label) -> None."""
-    if name.startswith("v") and name[1:].isdigit():
+    """`v3` -> 3; anything else (vLLM's initial "default", a foreign label) -> None. ASCII
+    digits only: str.isdigit() also takes "²" (which int() refuses) and "١٢" (which it reads)."""
+    if name.startswith("v") and name[1:].isascii() and name[1:].isdigit():
         return int(name[1:])
     return None

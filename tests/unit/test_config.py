@@ -85,6 +85,17 @@ def test_strings_that_need_quoting_round_trip(tmp_path):
     assert load_config([out], []) == config
 
 
+@pytest.mark.parametrize("key", ["inference.weights.transfer_timeout_s", "inference.startup_timeout_s",
+                                 "inference.request_timeout_s", "inference.admin_timeout_s",
+                                 "inference.health_timeout_s", "inference.no_worker_timeout_s",
+                                 "inference.discovery_interval_s", "orchestrator.reward_timeout_s"])
+def test_timeouts_are_bounded_at_config_time(key):
+    """1e15 s once passed here and overflowed a timer at the first publish."""
+    with pytest.raises(ConfigError, match=rf"config key '{key}': Input should be less than or equal to 604800"):
+        load_config([], [(key, "1e15")])
+    assert load_config([], [(key, "604800")])
+
+
 def test_every_field_is_documented():
     docs = field_docs()
     assert len(docs) > 10
