@@ -12,6 +12,7 @@ from fleetrl import files
 from fleetrl.batch import Batch, Sample
 from fleetrl.config import load_config, to_toml
 from fleetrl.errors import FleetrlError
+from fleetrl.files import atomic_write
 from fleetrl.rundir import RunDir, VerifyError, step_name, step_of, verify_run
 from fleetrl.versions import VersionSpan
 
@@ -240,3 +241,24 @@ def test_a_resume_drops_the_verifiers_episodes_of_the_steps_it_redoes(tmp_path):
     kept = [json.loads(line) for line in run.verifiers_episodes_path.read_text().splitlines()]
     assert kept == [episode(1), episode(2), episode(2)]
     run.close()
+
+
+def test_two_writers_of_one_file_each_write_whole(tmp_path, monkeypatch):
+    """`fleetrl plot` while the run draws its own plots as it finishes: a second atomic write of
+    the same file lands between the first's write and its rename. Both complete (the last
+    rename wins), nothing is left beside the file. With one shared temporary name, the second
+    writer replaced the first's temporary file and the first's rename found it gone."""
+    target = tmp_path / "timeline.png"
+    replace = os.replace
+    interleaved = []
+
+    def replace_after_another_writer(src, dst):
+        if not interleaved:
+            interleaved.append(dst)
+            atomic_write(target, b"the other writer's")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_after_another_writer)
+    atomic_write(target, b"this writer's")
+    assert interleaved and target.read_bytes() == b"this writer's"
+    assert [p.name for p in tmp_path.iterdir()] == ["timeline.png"]
