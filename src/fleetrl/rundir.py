@@ -156,7 +156,7 @@ class RunDir:
         continues after step `resume` (0: a new run). Everything is checked before anything is
         written: a refused start leaves the directory as it was (but for the lock file) and
         holds nothing."""
-        self._lock()
+        self.lock()
         try:
             config_text = to_toml(config)  # read back as it was, or refused: before anything is removed
             metrics = self.read_metrics()
@@ -191,7 +191,11 @@ class RunDir:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def _lock(self) -> None:
+    def lock(self) -> None:
+        """Hold the directory for this run (a second run is refused, naming this one's pid);
+        a no-op where this RunDir holds it already."""
+        if self._lock_fd is not None:
+            return
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

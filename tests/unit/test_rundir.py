@@ -146,6 +146,33 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_first_ones_pid
     run.close()
 
 
+def test_the_step_to_resume_from_is_read_only_once_the_directory_is_locked(tmp_path, monkeypatch):
+    """`fleetrl rl` once picked its checkpoint before it held the directory, so another run
+    could add one under the decision; now a directory in use is refused before any is read."""
+    from fleetrl.app import rl
+
+    root = tmp_path / "run"
+    read = []
+    monkeypatch.setattr(rl.checkpoint, "latest", lambda *args, **kwargs: read.append(args))
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    run = None
+    try:
+        assert first.stdout.readline() == "locked\n"
+        run = rl.RLRun(load_config([], [("run.dir", str(root))]), log=lambda *_: None)
+        with pytest.raises(FleetrlError, match=rf"^run.dir {root} is in use by fleetrl pid {first.pid}; "):
+            run.find_resume()
+        assert read == []
+    finally:
+        first.kill()
+        first.wait()
+        if run is not None:
+            run.control.stop()
+    run.find_resume()  # free now: it holds the directory, then reads
+    assert len(read) == 1 and run.resume == 0
+    run.run_dir.close()
+
+
 def test_close_lets_go_of_the_directory(tmp_path):
     run, other = RunDir(tmp_path / "run"), RunDir(tmp_path / "run")
     run.start(load_config([], []), resume=0)

@@ -83,8 +83,7 @@ class RLRun:
         self.config = config
         self.log = log
         self.run_dir = RunDir(config.run.dir, log=log)
-        latest = checkpoint.latest(self.run_dir.checkpoints_dir, log=log)
-        self.resume = latest[0] if latest else 0  # the step of the checkpoint to resume from
+        self.resume = 0  # the step of the checkpoint to resume from (`find_resume`)
         self.control = ControlLoop()
         self.ranks: list[ManagedProcess] = []
         self.rollouts: list[Future] = []
@@ -101,10 +100,25 @@ class RLRun:
         self.view: LiveView | None = None  # on a terminal
         self.watching: Future | None = None  # the view's copy of the fleet's state, on the control loop
 
+    def find_resume(self) -> None:
+        """The step to resume from: the latest good checkpoint, read with the run directory
+        already locked, so no other run can add or replace one under the decision (a directory
+        that does not exist yet holds none: `RunDir.start` creates and locks it once all is
+        checked)."""
+        if self.run_dir.root.is_dir():
+            self.run_dir.lock()
+        try:
+            latest = checkpoint.latest(self.run_dir.checkpoints_dir, log=self.log)
+        except BaseException:
+            self.run_dir.close()
+            raise
+        self.resume = latest[0] if latest else 0
+
     def run(self) -> int:
         # Also with one rank, where every process starts on the control loop's thread: a SIGTERM
         # of fleetrl must stop the workers (Ctrl-C and exit are handled either way).
         install_signal_handlers()
+        self.find_resume()
         if self.config.run.live_view == "off":
             progress.set_interactive(False)
         if progress.interactive():
