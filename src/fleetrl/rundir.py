@@ -55,7 +55,7 @@ from pathlib import Path
 from fleetrl.batch import Batch, Sample
 from fleetrl.config import Config, load_config, to_toml
 from fleetrl.errors import FleetrlError
-from fleetrl.files import append_line, atomic_write, read_json_lines, sha256_file
+from fleetrl.files import append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import off_policy_plot, reward_plot, timeline_plot
 from fleetrl.versions import off_policy_distance
 
@@ -155,34 +155,57 @@ class RunDir:
         """Lock the directory for this run (`close` lets go) and make it ready for a run that
         continues after step `resume` (0: a new run). Everything is checked before anything is
         written: a refused start leaves the directory as it was (but for the lock file) and
-        holds nothing."""
+        holds nothing. What a finished run took home, its final model and manifest, stays until
+        this run writes their replacements (`replace_final_model`, `write_manifest`)."""
         self.lock()
         try:
             config_text = to_toml(config)  # read back as it was, or refused: before anything is removed
             metrics = self.read_metrics()
             episodes = read_json_lines(self.verifiers_episodes_path, self.log)
+            events = self.read_events()  # a torn last line is dropped, as from the metrics
             if not resume and metrics:
                 raise FleetrlError(f"run.dir {self.root} holds a run without a checkpoint to resume from; "
                                    f"choose another run.dir or remove it")
+            if not resume and not metrics and self._holds_other_files():
+                raise FleetrlError(f"run.dir {self.root} is not empty and holds no fleetrl run (no config.toml); "
+                                   f"choose an empty or new folder")
             if resume and self.config_path.exists():
                 self._check_resume_keeps_the_run(config)
             # Steps after the checkpoint are redone: drop their batches, rollouts, metric lines
-            # and verifiers episodes.
+            # and verifiers episodes. Each rewrite is synced to disk before it replaces the file.
             for folder in (self.batches_dir, self.rollouts_dir):
                 for path in folder.glob(f"{STEP_PREFIX}*"):
                     if step_of(path) > resume:
                         path.unlink()
-            atomic_write(self.metrics_path, json_lines([m for m in metrics if m["step"] <= resume]))
+            atomic_write(self.metrics_path, json_lines([m for m in metrics if m["step"] <= resume]), durable=True)
             if self.verifiers_episodes_path.exists():
                 atomic_write(self.verifiers_episodes_path,
-                             json_lines([e for e in episodes if episode_step(e) <= resume]))
-            atomic_write(self.config_path, config_text)
-            self.manifest_path.unlink(missing_ok=True)
-            # The final model is the run's last version: one run on from a checkpoint writes its own.
-            shutil.rmtree(self.final_model_dir, ignore_errors=True)
+                             json_lines([e for e in episodes if episode_step(e) <= resume]), durable=True)
+            if self.events_path.exists():  # the timeline keeps what happened, the redone steps too
+                atomic_write(self.events_path, json_lines(events), durable=True)
+            atomic_write(self.config_path, config_text, durable=True)
+            fsync_dir(self.root)
         except BaseException:
             self.close()
             raise
+
+    def _holds_other_files(self) -> bool:
+        """Whether the directory holds anything but what a start of fleetrl's may leave before
+        its config.toml (the lock): `run.dir` = "" or "/" must never be cleaned up as a run."""
+        return not self.config_path.exists() and any(p.name != LOCK for p in self.root.iterdir())
+
+    def replace_final_model(self, write: Callable[[Path], None]) -> Path:
+        """The final model, written by `write(folder)` beside the one there, then swapped in: a
+        resumed run that fails keeps the final model the run had."""
+        new, old = self.root / ".new-final_model", self.root / ".old-final_model"
+        for leftover in (new, old):  # of a run killed as it wrote
+            shutil.rmtree(leftover, ignore_errors=True)
+        write(new)
+        if self.final_model_dir.exists():
+            os.rename(self.final_model_dir, old)
+        os.rename(new, self.final_model_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        return self.final_model_dir
 
     def close(self) -> None:
         """Let go of the directory `start` locked. The lock also ends with the process, however

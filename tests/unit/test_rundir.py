@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,8 +110,61 @@ def test_a_resumed_run_drops_the_steps_after_its_checkpoint(tmp_path):
     run.start(config, resume=2)
     assert [m["step"] for m in run.read_metrics()] == [1, 2]
     assert sorted(p.name for p in run.batches_dir.iterdir()) == [step_name(1) + ".json", step_name(2) + ".json"]
-    assert not run.rollouts_path(3).exists() and not run.manifest_path.exists()
+    assert not run.rollouts_path(3).exists()
     run.close()
+
+
+def test_a_resumed_finished_run_keeps_its_final_model_and_manifest_until_replaced(tmp_path):
+    """Before, the resume deleted both as it started: a resume that then failed (a worker that
+    never came up) left a finished run without its final model, unable to verify."""
+    run = RunDir(make_run(tmp_path))
+    run.final_model_dir.mkdir()
+    (run.final_model_dir / "model.safetensors").write_bytes(b"v3")
+    manifest = run.manifest_path.read_bytes()
+    run.start(load_config([run.config_path], []), resume=3)
+    assert (run.final_model_dir / "model.safetensors").read_bytes() == b"v3"
+    assert run.manifest_path.read_bytes() == manifest
+
+    def write(folder):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"v5")
+
+    assert run.replace_final_model(write) == run.final_model_dir
+    assert (run.final_model_dir / "model.safetensors").read_bytes() == b"v5"
+    assert not [p for p in run.root.iterdir() if p.name.startswith(".") and p.name != ".lock"]
+    run.close()
+
+
+def test_a_resume_drops_a_torn_last_event(tmp_path):
+    """A kill mid-append tore the timeline's last line; appended after, it became a damaged
+    middle line, and `fleetrl plot` and the run's finish failed on it."""
+    run = RunDir(make_run(tmp_path))
+    run.append_event({"event": "fence", "phase": "start", "version": 3})
+    with open(run.events_path, "a") as f:
+        f.write('{"t": 1, "event": "fen')
+    warnings = []
+    run.log = warnings.append
+    run.start(load_config([run.config_path], []), resume=3)
+    run.append_event({"event": "fence", "phase": "start", "version": 4})
+    assert [e["version"] for e in run.read_events()] == [3, 4]
+    assert any("torn" in line for line in warnings)
+    run.close()
+
+
+@pytest.mark.parametrize("where", ["folder", "cwd"])
+def test_a_folder_that_holds_no_run_is_refused_and_left_as_it_was(tmp_path, monkeypatch, where):
+    """`--run.dir ""` (the current folder), or any folder with files but no config.toml: a
+    start once cleaned it up as a run (final_model/, manifest.json, step_* files)."""
+    (tmp_path / "manifest.json").write_text("mine")
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "batches" / "step_000001.json").write_text("mine too")
+    if where == "cwd":
+        monkeypatch.chdir(tmp_path)
+    run = RunDir(tmp_path if where == "folder" else Path(""))
+    with pytest.raises(FleetrlError, match=r"is not empty and holds no fleetrl run \(no config.toml\)"):
+        run.start(load_config([], []), resume=0)
+    assert (tmp_path / "manifest.json").read_text() == "mine"
+    assert (tmp_path / "batches" / "step_000001.json").read_text() == "mine too"
 
 
 def test_a_finished_run_without_a_checkpoint_is_not_overwritten(tmp_path):
