@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -179,6 +180,14 @@ def zero_division(rollout):
     return 1 / 0
 
 
+def exits(rollout):
+    sys.exit(3)
+
+
+def interrupts(rollout):
+    raise KeyboardInterrupt("in a reward")
+
+
 @pytest.mark.parametrize("bad, error", [
     (zero_division, r"raised ZeroDivisionError: division by zero"),
     (lambda r: math.nan, r"is nan, outside \[0, 1\]"),
@@ -186,6 +195,10 @@ def zero_division(rollout):
     (lambda r: "good", r"is 'good', not a number"),
     (lambda r: None, r"is None, not a number"),
     (hang, r"took longer than orchestrator.reward_timeout_s = 2 s"),
+    # Not errors to Python, but to the run they are: left as they were, they ended the control
+    # loop that awaited them, and the run hung.
+    (exits, r"raised SystemExit: 3"),
+    (interrupts, r"raised KeyboardInterrupt: in a reward"),
 ])
 async def test_a_failed_reward_drops_its_sample_and_the_batch_goes_on(bad, error):
     logged = []

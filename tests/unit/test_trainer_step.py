@@ -434,3 +434,22 @@ def test_the_collective_timeout_covers_the_longest_legal_publish():
     assert collective_timeout_s(default) == (i.startup_timeout_s + 3 * i.admin_timeout_s * (i.admin_retries + 1)
                                              + 4 * i.weights.transfer_timeout_s + TRAIN_STEP_BOUND_S)
     assert collective_timeout_s(slow) > collective_timeout_s(default) + 4 * (3600 - 600)
+
+
+def test_a_control_loop_that_ended_fails_every_wait_with_one_line():
+    """What escapes a task (a SystemExit, say) ends the loop's thread; a wait on it then named
+    nothing and never returned, and the run hung past SIGTERM."""
+    import asyncio
+
+    from fleetrl.app.rl import ControlLoop
+
+    control = ControlLoop()
+
+    async def escape():
+        raise SystemExit(3)
+
+    control.submit(escape())
+    control.thread.join(10)
+    assert not control.thread.is_alive()
+    with pytest.raises(FleetrlError, match=r"^the control loop \(the fleet and the rollouts\) has ended: SystemExit: 3$"):
+        control.run(asyncio.sleep(3600))

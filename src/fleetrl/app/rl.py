@@ -57,18 +57,43 @@ from fleetrl.trainer.step import StepMetrics, finite_or_none
 
 
 class ControlLoop:
-    """An asyncio loop in a daemon thread, for the fleet and the orchestrator."""
+    """An asyncio loop in a daemon thread, for the fleet and the orchestrator. Every wait on it
+    also watches the thread: a loop that ended (what escaped a task, a SystemExit say) fails the
+    wait with one line instead of hanging the run."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="fleetrl-control", daemon=True)
+        self.ended_by: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="fleetrl-control", daemon=True)
         self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.loop.run_forever()
+        except BaseException as e:  # escaped a task: the loop is gone; `check` names it
+            self.ended_by = e
+
+    def check(self) -> None:
+        """Raises if the loop's thread has ended."""
+        if not self.thread.is_alive():
+            why = f": {type(self.ended_by).__name__}: {self.ended_by}" if self.ended_by is not None else ""
+            raise FleetrlError(f"the control loop (the fleet and the rollouts) has ended{why}")
 
     def submit(self, coro) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro):
-        return self.submit(coro).result()
+        return self.wait(self.submit(coro))
+
+    def wait(self, future: Future):
+        """`future.result()`, checking every second that the loop still runs."""
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except TimeoutError:
+                if future.done():
+                    raise  # the coroutine's own TimeoutError
+                self.check()
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -224,8 +249,9 @@ class RLRun:
             pass
         for future in self.rollouts + ([self.watching] if self.watching else []):
             future.cancel()
-        if self.fleet is not None:
+        if self.fleet is not None and self.control.thread.is_alive():  # else the exit's stop_all ends its processes
             self.control.run(_close(self.fleet, self.transport))
+        if self.fleet is not None:
             self.run_dir.forget_fleet()
         self.control.stop()
         if self.monitors is not None:
@@ -339,6 +365,7 @@ class RLRun:
 
     def check_children(self) -> None:
         """Raises the failure of a trainer rank, the fleet's start or the rollouts, if any."""
+        self.control.check()
         for rank in self.ranks:
             if not rank.alive():
                 raise FleetrlError(f"{rank.name} died (exit code {rank.popen.returncode}); last lines of "

@@ -27,8 +27,20 @@ async def call_user_code(where: str, limit_s: float, limit_name: str, fn: Callab
         raise EnvError(f"{where} took longer than {limit_name} = {limit_s:g} s") from None
     except EnvError:
         raise
+    except Escaped as e:
+        raise EnvError(f"{where} raised {e}") from e.__cause__
     except Exception as e:
         raise EnvError(f"{where} raised {one_line(e)}") from e
+
+
+class Escaped(Exception):
+    """A SystemExit or KeyboardInterrupt that user code raised (a `sys.exit()` in a reward, say),
+    carried as an ordinary error. Left as it was, it would end the event loop that awaited it,
+    the control loop of the whole run, and the run would hang."""
+
+    def __init__(self, e: BaseException) -> None:
+        super().__init__(one_line(e))
+        self.__cause__ = e
 
 
 def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
@@ -53,8 +65,10 @@ def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
     def run() -> None:
         try:
             outcome = True, fn(*args)
-        except BaseException as e:  # the caller decides what an exception means
+        except Exception as e:  # the caller decides what an exception means
             outcome = False, e
+        except BaseException as e:  # SystemExit, KeyboardInterrupt: see Escaped
+            outcome = False, Escaped(e)
         try:
             loop.call_soon_threadsafe(settle, *outcome)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
