@@ -14,6 +14,7 @@ from pathlib import Path
 from fleetrl.app.bench import SUITE_CHOICES, SUITES
 from fleetrl.app.commands import check_command, run_command
 from fleetrl.config import ConfigError, field_docs, load_config, to_toml
+from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
 
 COMMANDS = {
@@ -30,6 +31,10 @@ COMMANDS = {
     "bench": "Run the benchmark suites of benchmarks/ (from a source checkout): print their ratios, "
              "write them to a JSON file.",
 }
+
+# Secrets a flag can set, and the variable to export instead: every local user can read a
+# process's command line (ps, /proc/PID/cmdline), none can read its environment.
+SECRET_FLAGS = {"inference.admin_token": ADMIN_TOKEN_ENV, "inference.data_token": DATA_TOKEN_ENV}
 
 # The commands that take a run directory as their one positional argument.
 RUN_DIR_COMMANDS = {
@@ -142,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         # names the key; anything else is argparse's to reject.
         overrides += unknown_dotted_flags(unknown, parser)
         config = load_config(files, overrides)
+        for key in sorted({key for key, _ in overrides} & SECRET_FLAGS.keys()):
+            print(f"fleetrl: warning: --{key} on the command line is readable by every local user (ps, "
+                  f"/proc/PID/cmdline); export {SECRET_FLAGS[key]} instead", file=sys.stderr)
         if args.dry_run:
             check_command(args, config)
             print(to_toml(config), end="")

@@ -19,7 +19,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
+
+# fleetrl's own tokens: never in a child's environment unless the caller names them (start_process).
+SECRET_ENV = (ADMIN_TOKEN_ENV, DATA_TOKEN_ENV)
 
 _PR_SET_PDEATHSIG = 1
 # How long a child may take to exit after SIGTERM before it is killed: every process fleetrl
@@ -144,7 +148,8 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
                   cwd: Path | None = None, watches_parent: bool = False) -> ManagedProcess:
     """Start `argv` in a new process group. Unless the program `watches_parent` itself (and
     then takes its own group down when fleetrl dies, children included), the kernel kills it
-    when fleetrl dies."""
+    when fleetrl dies. It gets fleetrl's environment without fleetrl's tokens, plus `env`: a
+    child that needs a token (a vLLM server's middleware) is given it there, by name."""
     install_signal_handlers()
     if stopping():
         raise FleetrlError(f"not starting {name}: fleetrl is stopping")
@@ -156,7 +161,7 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**{k: v for k, v in os.environ.items() if k not in SECRET_ENV}, **(env or {})},
             cwd=cwd,
             start_new_session=True,
             preexec_fn=None if watches_parent else _die_with_parent,

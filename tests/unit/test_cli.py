@@ -71,7 +71,9 @@ def test_at_file_without_space(tmp_path, capsys):
 )
 def test_bad_input_is_one_line_and_nonzero(args, message, capsys):
     assert main(args) == 1
-    err = capsys.readouterr().err.strip()
+    # (A token given as a flag is warned about on a line of its own: not the error's.)
+    err = "\n".join(line for line in capsys.readouterr().err.strip().splitlines()
+                    if not line.startswith("fleetrl: warning: --inference.admin_token on the command line"))
     assert err == f"fleetrl: error: {message}" or (err.startswith("fleetrl: error: ") and message in err)
     assert "\n" not in err and "Traceback" not in err
 
@@ -239,3 +241,12 @@ def test_max_tokens_and_the_longest_prompt_must_fit_the_engine():
     with pytest.raises(ConfigError, match=r"^orchestrator.max_tokens = 16 \+ the longest prompt of the run "
                                           r"\(\d+ tokens, task \d+\) > inference.vllm.max_model_len = 40$"):
         check_prompts_fit(tight, env, CharTokenizer())
+
+
+def test_a_token_given_as_a_flag_is_warned_about(capsys):
+    """A flag is readable by every local user (ps, /proc/PID/cmdline); the variable is not."""
+    assert main(["rl", "--dry-run", "--inference.admin_token", "t0k3n"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("fleetrl: warning: --inference.admin_token on the command line is readable by every local "
+                            "user (ps, /proc/PID/cmdline); export FLEETRL_ADMIN_TOKEN instead\n")
+    assert "t0k3n" not in captured.out + captured.err

@@ -1,5 +1,6 @@
 """Child processes: finding the one behind a hung server (a real process, stopped)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import time
 
 from fleetrl.config import InferenceConfig
+from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.inference.dynamo.launcher import DynamoDeployment
 from fleetrl.processes import free_port, listening_ports, running_groups, start_process
 
@@ -60,3 +62,21 @@ def _members(pgid: int) -> list[tuple[int, str]]:
     out = subprocess.run(["ps", "-eo", "pid,pgid,stat"], capture_output=True, text=True).stdout
     return [(int(pid), stat[0]) for pid, group, stat in (line.split() for line in out.splitlines()[1:])
             if int(group) == pgid]
+
+
+def test_children_get_fleetrls_tokens_only_where_they_are_given(tmp_path, monkeypatch):
+    """A trainer rank, etcd, NATS or a Dynamo process needs no token, yet each once inherited
+    both from fleetrl's environment; a vLLM server's middleware gets them by name."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "admin-secret")
+    monkeypatch.setenv(DATA_TOKEN_ENV, "data-secret")
+    monkeypatch.setenv("FLEETRL_TEST_OTHER", "kept")
+    show = [sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"]
+    plain = start_process("trainer-rank-1", show, tmp_path / "plain.log")
+    given = start_process("vllm-0", show, tmp_path / "given.log", env={ADMIN_TOKEN_ENV: "admin-secret"})
+    for proc in (plain, given):
+        proc.popen.wait(timeout=60)
+    plain_env = json.loads((tmp_path / "plain.log").read_text())
+    given_env = json.loads((tmp_path / "given.log").read_text())
+    assert ADMIN_TOKEN_ENV not in plain_env and DATA_TOKEN_ENV not in plain_env
+    assert plain_env["FLEETRL_TEST_OTHER"] == "kept"
+    assert given_env[ADMIN_TOKEN_ENV] == "admin-secret" and DATA_TOKEN_ENV not in given_env
