@@ -81,11 +81,19 @@ class VllmDataClient:
     def _parse_choice(worker_id: str, request: GenerateRequest, choice: dict) -> GenerateResponse:
         token_ids = list(choice["token_ids"])
         content = (choice.get("logprobs") or {}).get("content") or []
+        # A worker error, sent again elsewhere (Fleet._generate_once), never a sample: vLLM
+        # names every completion's end ("abort" for one a publish cut), and a logprob short
+        # would shift every later token's ratio in the loss.
+        if not choice.get("finish_reason"):
+            raise FleetrlError(f"worker {worker_id}: generate {request.request_id}: a completion without a finish_reason")
+        if request.sampling.logprobs and len(content) != len(token_ids):
+            raise FleetrlError(f"worker {worker_id}: generate {request.request_id}: {len(content)} logprobs for "
+                               f"{len(token_ids)} tokens")
         result = GenerateResponse(
             request_id=request.request_id,
             token_ids=token_ids,
             logprobs=[float(c["logprob"]) for c in content],
-            finish_reason=choice.get("finish_reason") or "abort",
+            finish_reason=choice["finish_reason"],
             worker_id=worker_id,
             spans=engine_spans(worker_id, request.request_id, choice.get("weight_versions") or []),
         )
