@@ -12,7 +12,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, RankWeights, WorkerInfo, WorkerRole
+from fleetrl.inference.types import (GenerateRequest, GenerateResponse, RankWeights, UnversionedTokens, WorkerInfo,
+                                     WorkerRole)
 from fleetrl.versions import VersionSpan
 
 
@@ -129,6 +130,8 @@ class FakeProvider:
         return list(await asyncio.gather(*(self._sample(engine, request, len(prompt_suffix)) for _ in range(request.n))))
 
     async def _sample(self, engine: FakeEngine, request: GenerateRequest, already: int) -> GenerateResponse:
+        if engine.version is None:  # vLLM labels such tokens "default", which engine_spans refuses
+            raise UnversionedTokens(engine.id, request.request_id, "default")
         tokens: list[int] = []
         spans: list[VersionSpan] = []
         finish = "length"

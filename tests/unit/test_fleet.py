@@ -528,3 +528,75 @@ def test_workers_that_die_together_share_the_restart_budget():
         await fleet.close()
 
     asyncio.run(scenario())
+
+
+def restarts_with_base_weights(provider):
+    """provider.restart as a launcher's: a new engine at the same address, base weights, no label."""
+    restarted = []
+
+    async def restart(worker):
+        restarted.append(worker.id)
+        provider.engines[worker.id] = FakeEngine(worker.id)
+        return True
+
+    provider.restart = restart
+    return restarted
+
+
+def test_the_one_worker_that_dies_is_waited_for_and_serves_again_after_its_restart():
+    """The default fleet (one worker, inference.max_restarts = 3) once ended the run as soon as
+    its worker died, restart or not: "no live inference worker". A request and a publish now
+    wait for the restart (at most no_worker_timeout_s), and go on at the fleet's version."""
+    async def scenario():
+        provider = FakeProvider("a", step_s=0.01)
+        fleet = Fleet(provider, discovery_interval_s=0.05, max_restarts=3, no_worker_timeout_s=60,
+                      log=lambda *_: None)
+        await fleet.start()
+        transport = FakeTransport(provider)
+        await fleet.publish(1, transport, weights)
+        restarted = restarts_with_base_weights(provider)
+        in_flight = asyncio.create_task(fleet.generate(request(max_tokens=50)))
+        await asyncio.sleep(0.1)
+        provider.engines["a"].alive = False  # dies under the request
+        (out,) = await asyncio.wait_for(in_flight, 30)
+        assert restarted == ["a"] and out.spans == [VersionSpan(1, 0)] and len(out.token_ids) == 50
+        provider.engines["a"].alive = False  # dies again, and a publish comes while it restarts
+        await fleet.refresh()
+        report = await asyncio.wait_for(fleet.publish(2, transport, weights), 30)
+        assert restarted == ["a", "a"] and report.ready == ["a"] and provider.engines["a"].version == 2
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_with_no_restart_left_a_fleet_without_a_live_worker_fails_at_once():
+    async def scenario():
+        provider = FakeProvider("a")
+        fleet = Fleet(provider, discovery_interval_s=0.05, max_restarts=0, no_worker_timeout_s=60,
+                      log=lambda *_: None)
+        await fleet.start()
+        provider.engines["a"].alive = False
+        await fleet.refresh()
+        with pytest.raises(FleetrlError, match="^no live inference worker: a "):
+            await asyncio.wait_for(fleet.generate(request()), 5)
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_restarted_behind_the_fleets_back_is_refitted_and_the_request_sent_again():
+    """Started again at its address before the fleet noticed: it labels its tokens "default".
+    That once failed every request sent to it until the run ended; now the worker is stale, the
+    discovery loop refits it, and the request is served at the fleet's version."""
+    async def scenario():
+        provider = FakeProvider("a")
+        fleet = Fleet(provider, discovery_interval_s=0.05, log=lambda *_: None)
+        await fleet.start()
+        await fleet.publish(1, FakeTransport(provider), weights)
+        provider.engines["a"] = FakeEngine("a")  # still ready, for the fleet
+        (out,) = await asyncio.wait_for(fleet.generate(request(max_tokens=8)), 30)
+        assert out.spans == [VersionSpan(1, 0)] and provider.engines["a"].version == 1
+        assert fleet.workers["a"].state == WorkerState.READY
+        await fleet.close()
+
+    asyncio.run(scenario())

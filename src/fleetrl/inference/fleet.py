@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import InferenceProvider, NamedTensors, PauseMode, WeightTransport
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole, WorkerState
+from fleetrl.inference.types import (GenerateRequest, GenerateResponse, UnversionedTokens, WorkerInfo, WorkerRole,
+                                     WorkerState)
 from fleetrl.processes import stopping
 from fleetrl.versions import VersionSpan
 
@@ -97,6 +98,7 @@ class Fleet:
         self.probe_tolerance = probe_tolerance
         self.restarts_left = max_restarts  # over the whole run, all workers together
         self._restarts: set[asyncio.Task] = set()
+        self._restarted: set[str] = set()  # workers started again, dead until discovery refits them
         self.log = log
         # Told of every worker state change and publish fence (the run's events file, which
         # its timeline is drawn from): {"event": "worker" | "fence", ...}.
@@ -315,6 +317,7 @@ class Fleet:
         """
         if version <= self.version:
             raise PublishError(f"publish v{version}: the fleet is already at v{self.version}")
+        await self._until_a_worker_lives()
         started = time.monotonic()
         failed: dict[str, str] = {}
         done_s: dict[str, float] = {}  # worker id -> when, from the fence's start, it was verified (and probed)
@@ -430,6 +433,12 @@ class Fleet:
             try:
                 responses = await self.provider.generate(worker, request, suffix, prefill)
                 break
+            except UnversionedTokens as e:
+                # Restarted behind the fleet's back (its address, its base weights): stale until
+                # the discovery loop refits it; the request waits for a ready worker meanwhile.
+                bad = self.workers.get(e.worker_id, worker)
+                self._mark(bad, WorkerState.STALE, str(e))
+                await self._notify()
             except Exception as e:  # a malformed answer surfaces as KeyError, ValueError, ...
                 dead = [w for w in serving if not await self._healthy(w)]
                 if dead and deaths_left:
@@ -513,7 +522,7 @@ class Fleet:
         """Raise when no worker can serve and none will soon: all are dead, or none has been
         ready, paused for a publish, or being refitted for `no_worker_timeout_s`."""
         decode = [w for w in self.workers.values() if w.role != WorkerRole.PREFILL]
-        if all(w.state == WorkerState.DEAD for w in decode):
+        if all(w.state == WorkerState.DEAD for w in decode) and not self.restart_pending():
             raise FleetrlError("no live inference worker: " + self._describe_failures())
         in_transition = (WorkerState.PAUSED, WorkerState.UPDATING, WorkerState.SYNCING)
         if any(w.state in in_transition for w in self.workers.values()):
@@ -562,8 +571,30 @@ class Fleet:
         if state != worker.state:
             self.on_event({"event": "worker", "worker": worker.id, "role": worker.role.value, "state": state.value,
                            "version": worker.version, "error": error})
+        if state == WorkerState.READY:
+            self._restarted.discard(worker.id)
         worker.state = state
         worker.error = error
+
+    async def _until_a_worker_lives(self) -> None:
+        """With every worker dead and one being started again (one worker, say), a publish
+        waits for it, at most `no_worker_timeout_s`: outside the fence, under which the
+        discovery loop brings it back at the fleet's version first."""
+        deadline = time.monotonic() + self.no_worker_timeout_s
+        async with self._changed:
+            while (self.restart_pending() and all(w.state == WorkerState.DEAD for w in self.workers.values())
+                   and time.monotonic() < deadline):
+                try:
+                    async with asyncio.timeout(self.discovery_interval_s):
+                        await self._changed.wait()
+                except TimeoutError:
+                    pass
+
+    def restart_pending(self) -> bool:
+        """Whether a dead worker is being started again, or was and awaits its refit: while one
+        is, a fleet with no live worker waits for it (bounded by `no_worker_timeout_s`)."""
+        return bool(self._restarts) or any(w.state == WorkerState.DEAD for w in self.workers.values()
+                                           if w.id in self._restarted)
 
     async def _restart(self, worker: WorkerInfo) -> None:
         """A dead (or hung) launched worker is started again; the discovery loop refits it once
@@ -582,6 +613,7 @@ class Fleet:
         if not restarted:
             self.restarts_left += 1
             return
+        self._restarted.add(worker.id)
         self.log(f"fleetrl: worker {worker.id} restarted ({self.restarts_left} restart(s) left, "
                  f"inference.max_restarts); it serves again once refitted")
 

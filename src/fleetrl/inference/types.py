@@ -62,6 +62,17 @@ class GenerateResponse:
             raise FleetrlError(f"request {self.request_id}: span starts past the completion {self.spans}")
 
 
+class UnversionedTokens(FleetrlError):
+    """A worker produced tokens under a weight label that names no fleetrl version: "default" is
+    a vLLM server started again at the same address with its base weights, before the fleet
+    noticed. The worker needs a refit; the request is sent again (`Fleet._generate_once`)."""
+
+    def __init__(self, worker_id: str, request_id: str, label: object) -> None:
+        super().__init__(f"worker {worker_id}: request {request_id} produced tokens under weight version "
+                         f"{label!r}, not a fleetrl policy version (restarted?)")
+        self.worker_id = worker_id
+
+
 def engine_spans(worker_id: str, request_id: str, items: list[dict]) -> list[VersionSpan]:
     """Spans from vLLM's per-token record (`[{"version": "v1", "start": 0, "end": 27}, ...]`),
     adjacent spans of one version merged."""
@@ -69,8 +80,7 @@ def engine_spans(worker_id: str, request_id: str, items: list[dict]) -> list[Ver
     for item in items:
         version = parse_version(str(item["version"]))
         if version is None:
-            raise FleetrlError(f"worker {worker_id}: request {request_id} produced tokens under weight "
-                               f"version {item['version']!r}, not a fleetrl policy version")
+            raise UnversionedTokens(worker_id, request_id, item["version"])
         if not spans or spans[-1].version != version:
             spans.append(VersionSpan(version=version, start=int(item["start"])))
     return spans
