@@ -50,9 +50,9 @@ async def test_start_brings_every_worker_to_v0():
 
 async def test_a_response_that_arrives_while_its_worker_is_resumed_is_no_fault():
     """Between resume and readmission the worker scores the agreement probe; a request that
-    was in flight across the publish completes meanwhile. It is a good response (spans v0 then
-    v1, both within what the fleet published while it ran), not a misversioned one, not a
-    transient error, and the worker is readmitted."""
+    was in flight across the publish completes meanwhile, and comes back once the worker has
+    agreed. It is a good response (spans v0 then v1, both within what the fleet published
+    while it ran), not a misversioned one, not a transient error, and the worker is readmitted."""
     fleet, provider, transport = await started("a")
     scoring = asyncio.Event()
 
@@ -67,7 +67,7 @@ async def test_a_response_that_arrives_while_its_worker_is_resumed_is_no_fault()
     publish = asyncio.create_task(fleet.publish(1, transport, weights, AgreementProbe([1, 2], [-1.0])))
     await scoring.wait()
     (out,) = await task
-    assert fleet.workers["a"].state == WorkerState.UPDATING  # answered during the resume
+    assert fleet.workers["a"].state == WorkerState.READY  # held until its worker agreed
     report = await publish
     assert out.version_error is None and [s.version for s in out.spans] == [0, 1]
     assert report.ready == ["a"] and not report.failed and fleet.transient_errors == 0
@@ -600,3 +600,30 @@ def test_a_worker_restarted_behind_the_fleets_back_is_refitted_and_the_request_s
         await fleet.close()
 
     asyncio.run(scenario())
+
+
+async def test_tokens_of_a_worker_that_then_fails_the_probe_are_never_trained():
+    """Keep mode: a request held across the publish runs on as soon as its worker resumes,
+    before the worker scores the probe. Its tokens at v1 were once trained as v1 though the
+    worker then failed the probe (weights received but not installed as sent). Now a response
+    that comes back while the probe is scored waits for its verdict, and is flagged."""
+    fleet, provider, transport = await started("a", step_s=0.005)
+    scoring = asyncio.Event()
+
+    async def wrong_install(worker, ids, prefill=None):
+        scoring.set()
+        await asyncio.sleep(0.3)  # the held request finishes while its worker is scored
+        return [-3.0]
+
+    provider.prompt_logprobs = wrong_install
+    held = asyncio.create_task(fleet.generate(request(max_tokens=40)))
+    await asyncio.sleep(0.02)
+    publish = asyncio.create_task(fleet.publish(1, transport, weights, AgreementProbe([1, 2], [-1.0])))
+    await scoring.wait()
+    report = await publish
+    (out,) = await held
+    assert [s.version for s in out.spans] == [0, 1] and "a" in report.failed
+    assert out.version_error == (f"worker a failed the agreement probe at v1 ({report.failed['a']}): its tokens at v1 "
+                                 "are not trained")
+    assert fleet.workers["a"].state == WorkerState.STALE
+    await fleet.close()

@@ -99,6 +99,10 @@ class Fleet:
         self.restarts_left = max_restarts  # over the whole run, all workers together
         self._restarts: set[asyncio.Task] = set()
         self._restarted: set[str] = set()  # workers started again, dead until discovery refits them
+        # (worker id, version) -> the verdict of its agreement probe at that version: None, it
+        # agreed; else why not. Pending from the worker's resume until it is scored; a failed
+        # one is kept, since a request held across that publish may still come back from it.
+        self._verdicts: dict[tuple[str, int], asyncio.Future[str | None]] = {}
         self.log = log
         # Told of every worker state change and publish fence (the run's events file, which
         # its timeline is drawn from): {"event": "worker" | "fence", ...}.
@@ -254,12 +258,17 @@ class Fleet:
                     await admin.abandon_weight_update(self.version)
                 checksum = await self._source.transport.transfer([admin], self._source.named_tensors, self.version)
                 await self._verify(worker, self.version, checksum)
+            probe = self._source.probe if self._source is not None else None
+            if probe is not None:
+                self._expect_verdicts([worker], self.version)
             await admin.resume()
-            if self._source is not None and self._source.probe is not None:
-                await self._agrees(worker, self._source.probe, self.ready_prefill_workers())
+            if probe is not None:
+                await self._agrees(worker, probe, self.ready_prefill_workers())
         except Exception as e:
+            self._settle_verdicts(self.version, set(), {worker.id: str(e)})
             self._mark(worker, WorkerState.STALE, f"refit to v{self.version} failed: {e}")
             return
+        self._settle_verdicts(self.version, {worker.id}, {})
         worker.version = self.version
         self._mark(worker, WorkerState.READY)
         self.log(f"fleetrl: worker {worker.id} ready at v{self.version}")
@@ -284,6 +293,38 @@ class Fleet:
         if reported != version:
             raise FleetrlError(f"reports version {reported}, expected v{version}")
         await admin.verify_weights(checksum)
+
+    def _expect_verdicts(self, workers: list[WorkerInfo], version: int) -> None:
+        """Before `workers` resume at `version`: their tokens at it are trusted only once they
+        have agreed (`_check_probed`)."""
+        loop = asyncio.get_running_loop()
+        for worker in workers:
+            self._verdicts[(worker.id, version)] = loop.create_future()
+
+    def _settle_verdicts(self, version: int, agreed: set[str], failed: dict[str, str]) -> None:
+        """Every verdict pending at `version`: agreed, or failed (why; a worker that never got as
+        far as its probe fails too). Agreed ones are dropped: no token of theirs waits on them."""
+        for (worker_id, at), verdict in list(self._verdicts.items()):
+            if at != version or verdict.done():
+                continue
+            if worker_id in agreed:
+                verdict.set_result(None)
+                del self._verdicts[(worker_id, at)]
+            else:
+                verdict.set_result(failed.get(worker_id, "its publish failed before its probe"))
+
+    async def _check_probed(self, serving: list[WorkerInfo], response: GenerateResponse) -> None:
+        """Tokens produced at a version whose agreement probe their worker (or its prefill
+        worker) then failed were not made by the trainer's weights: the response is flagged,
+        never trained. One that comes back while the probe is scored waits for its verdict: in
+        keep mode a request held across a publish runs on as soon as its worker resumes."""
+        for version in sorted({span.version for span in response.spans}):
+            for worker in serving:
+                verdict = self._verdicts.get((worker.id, version))
+                why = await asyncio.shield(verdict) if verdict is not None else None
+                if why is not None and response.version_error is None:
+                    response.version_error = (f"worker {worker.id} failed the agreement probe at v{version} ({why}): "
+                                              f"its tokens at v{version} are not trained")
 
     async def _agrees(self, worker: WorkerInfo, probe: AgreementProbe, prefills: list[WorkerInfo],
                       deltas: dict[str, float] | None = None) -> None:
@@ -329,6 +370,7 @@ class Fleet:
         async with self._fence:
             self.on_event({"event": "fence", "phase": "start", "version": version})
             resumed: list[WorkerInfo] = []
+            agreed: set[str] = set()  # scored the probe within tolerance
             try:
                 targets = [w for w in self.workers.values() if w.state != WorkerState.DEAD]
                 # One bounded health check first: a hung worker leaves the fence now, after one
@@ -349,17 +391,21 @@ class Fleet:
                 # From here on only workers verified at `version` take traffic: stale ones stay paused.
                 self.version = version
                 self._source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
+                if probe is not None:
+                    self._expect_verdicts(verified, version)
                 resumed = await self._each(verified, lambda w: admin(w).resume(), failed, WorkerState.DEAD)
                 deltas: dict[str, float] = {}
-                if probe is not None:  # still UPDATING here: a worker that disagrees never takes a request
+                if probe is not None:  # still UPDATING here: a worker that disagrees never takes a new request
                     prefills = [w for w in resumed if w.role == WorkerRole.PREFILL]
                     agree = await self._each(resumed, lambda w: checked(w, self._agrees(w, probe, prefills, deltas)),
                                              failed, WorkerState.STALE)
                     resumed = [w for w in resumed if w in agree]
+                    agreed = {w.id for w in resumed}
                 for worker in resumed:
                     worker.version = version
                     self._mark(worker, WorkerState.READY)
             finally:
+                self._settle_verdicts(version, agreed, failed)
                 self.on_event({"event": "fence", "phase": "end", "version": version,
                                "ready": sorted(w.id for w in resumed)})
         await self._notify()
@@ -459,6 +505,7 @@ class Fleet:
                     self._inflight[w.id] -= 1
         for response in responses:
             self._check_versions(worker, response, fleet_version)
+            await self._check_probed(serving, response)
         return responses
 
     def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, dispatched_at: int) -> None:
