@@ -26,6 +26,17 @@ ABANDON_TIMEOUT_S = 10.0
 READY_POLL_S = 1.0
 
 
+async def answered_within(timeout_s: float, request: Awaitable[httpx.Response]) -> httpx.Response:
+    """`request`'s response, whole within `timeout_s`, else httpx.ReadTimeout. httpx bounds each
+    read only: a worker that trickled its answer a byte at a time once held a publish fence
+    for 11.7 s with admin_timeout_s = 1."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request
+    except TimeoutError:
+        raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s") from None
+
+
 class AdminHttp:
     """The admin endpoint of one worker: every call goes straight to it, has a timeout, and is
     retried (`retries` times, backing off) where that is safe: an idempotent call on any
@@ -35,8 +46,12 @@ class AdminHttp:
                  headers: dict[str, str] | None = None) -> None:
         self.worker_id = worker_id
         self.base_url = base_url
+        self.timeout_s = timeout_s
         self.retries = retries
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, headers=headers)
+
+    async def _request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response:
+        return await answered_within(timeout_s, self._http.request(method, path, timeout=timeout_s, **kwargs))
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -44,7 +59,7 @@ class AdminHttp:
     async def probe(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response | None:
         """A health probe: one try, never retried; None when the worker cannot be reached."""
         try:
-            return await self._http.request(method, path, timeout=timeout_s, **kwargs)
+            return await self._request(method, path, timeout_s, **kwargs)
         except httpx.TransportError:
             return None
 
@@ -53,10 +68,10 @@ class AdminHttp:
         """The response of a call that succeeded (HTTP status below 400); WorkerCallError,
         naming the worker and `what` (default: the method and path), otherwise."""
         what = what or f"{method} {path}"
-        extra = {"timeout": timeout_s} if timeout_s is not None else {}
         for attempt in range(self.retries + 1):
             try:
-                response = await self._http.request(method, path, **kwargs, **extra)
+                response = await self._request(method, path, timeout_s if timeout_s is not None else self.timeout_s,
+                                               **kwargs)
             except httpx.ConnectError as e:
                 error = f"cannot connect to {self.base_url} ({e})"
             except httpx.TransportError as e:

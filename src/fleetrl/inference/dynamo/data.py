@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.http import prompt_logprobs_of
+from fleetrl.inference.http import answered_within, prompt_logprobs_of
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_spans
 
 EXTRA_FIELDS = ["completion_token_ids", "worker_id"]
@@ -30,6 +30,7 @@ class DynamoDataClient:
     def __init__(self, frontend_url: str, model_name: str, timeout_s: float, max_connections: int = 256) -> None:
         self.frontend_url = frontend_url
         self.model_name = model_name
+        self.timeout_s = timeout_s
         self._http = httpx.AsyncClient(
             base_url=frontend_url,
             timeout=timeout_s,
@@ -118,7 +119,8 @@ class DynamoDataClient:
         if prefill_id is not None:
             headers["x-prefill-instance-id"] = prefill_id
         try:
-            response = await self._http.post("/v1/completions", json=body, headers=headers)
+            response = await answered_within(self.timeout_s, self._http.post("/v1/completions", json=body,
+                                                                              headers=headers))
         except httpx.TransportError as e:
             raise FleetrlError(f"worker {worker_id}: {what} failed: {type(e).__name__} talking to {url}") from None
         if response.status_code != 200:

@@ -13,13 +13,14 @@ from typing import Any
 import httpx
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.http import SERVED_MODEL_NAME, prompt_logprobs_of
+from fleetrl.inference.http import SERVED_MODEL_NAME, answered_within, prompt_logprobs_of
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_spans
 
 
 class VllmDataClient:
     def __init__(self, data_token: str | None, timeout_s: float, max_connections: int = 256) -> None:
         # No token: a coordinator that only reads the workers' state (`fleetrl status`).
+        self.timeout_s = timeout_s
         self._http = httpx.AsyncClient(
             timeout=timeout_s,
             headers={"Authorization": f"Bearer {data_token}"} if data_token else None,
@@ -53,7 +54,7 @@ class VllmDataClient:
             "request_id": request.request_id,
         }
         try:
-            response = await self._http.post(f"{url}/inference/v1/generate", json=body)
+            response = await answered_within(self.timeout_s, self._http.post(f"{url}/inference/v1/generate", json=body))
         except httpx.TransportError as e:
             raise FleetrlError(f"worker {worker_id}: generate {request.request_id} failed: "
                                f"{type(e).__name__} talking to {url}") from None
@@ -70,7 +71,7 @@ class VllmDataClient:
             "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False},
         }
         try:
-            response = await self._http.post(f"{url}/inference/v1/generate", json=body)
+            response = await answered_within(self.timeout_s, self._http.post(f"{url}/inference/v1/generate", json=body))
         except httpx.TransportError as e:
             raise FleetrlError(f"worker {worker_id}: scoring failed: {type(e).__name__} talking to {url}") from None
         if response.status_code != 200:

@@ -1,0 +1,56 @@
+"""Deadlines of calls to workers (fleetrl/inference/http.py): a whole answer within the timeout,
+not each read within it. A real socket trickles the answer a byte at a time."""
+
+import asyncio
+
+import pytest
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.http import AdminHttp
+from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.inference.vllm.data import VllmDataClient
+
+BODY = b'{"choices": []}'  # a whole answer (no completion), 15 bytes
+
+
+async def trickling_server():
+    """A worker that answers at once, then sends its body a byte every 0.2 s (3 s in all: each
+    read well within a 1 s timeout, the whole past it)."""
+    async def answer(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(BODY))
+        try:
+            for byte in BODY:
+                if reader.at_eof():  # the caller gave up
+                    break
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.2)
+        except ConnectionError:
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_an_admin_call_that_trickles_past_its_timeout_fails():
+    server, url = await trickling_server()
+    admin = AdminHttp("w", url, timeout_s=1.0, retries=0)
+    try:
+        with pytest.raises(FleetrlError, match=r"^worker w: GET /version failed: ReadTimeout talking to http://127.0.0.1:\d+$"):
+            await admin.call("GET", "/version", idempotent=True)
+    finally:
+        await admin.close()
+        server.close()
+
+
+async def test_a_generate_that_trickles_past_its_timeout_fails():
+    server, url = await trickling_server()
+    data = VllmDataClient("token", timeout_s=1.0)
+    try:
+        with pytest.raises(FleetrlError, match=r"^worker w: generate \w+ failed: ReadTimeout talking to"):
+            await data.generate("w", url, GenerateRequest([1, 2], SamplingParams(max_tokens=1)))
+    finally:
+        await data.close()
+        server.close()
