@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import secrets
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +62,71 @@ def append_line(path: Path, line: str) -> None:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+class LineWriter:
+    """A file that grows by a line at a time, written and synced to disk by a thread of its
+    own, so a caller on an event loop (every sample of every rollout) never waits for the disk.
+    Lines land in the order appended; `flush` returns once every line appended before it is
+    synced; a crash loses at most the lines not yet synced (the last one perhaps torn, which
+    `read_json_lines` drops). What the writer raises (a full disk) is raised by the next call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._queue: queue.Queue[str | threading.Event | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start = threading.Lock()
+        self._error: BaseException | None = None
+
+    def append(self, line: str) -> None:
+        self._check()
+        with self._start:
+            if self._thread is None:  # on first use: the file may be rewritten before it (a resume's trim)
+                self._thread = threading.Thread(target=self._write, name=f"fleetrl-{self.path.name}", daemon=True)
+                self._thread.start()
+        self._queue.put(line)
+
+    def flush(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            synced = threading.Event()
+            self._queue.put(synced)
+            synced.wait()
+        self._check()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._check()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise FleetrlError(f"{self.path}: writing failed: {self._error}")
+
+    def _write(self) -> None:
+        items: list[str | threading.Event | None] = []
+        try:
+            with open(self.path, "a") as f:
+                while None not in items:
+                    items = [self._queue.get()]
+                    while not self._queue.empty():  # everything waiting goes out with one sync
+                        items.append(self._queue.get())
+                    f.writelines(item + "\n" for item in items if isinstance(item, str))
+                    f.flush()
+                    os.fsync(f.fileno())
+                    self._release(items)
+        except BaseException as e:
+            self._error = e
+            self._release(items)
+            while not self._queue.empty():  # nobody may wait on a flush forever
+                self._release([self._queue.get()])
+
+    @staticmethod
+    def _release(items: list) -> None:
+        for item in items:
+            if isinstance(item, threading.Event):
+                item.set()
 
 
 def read_json_lines(path: Path, warn: Callable[[str], None]) -> list:

@@ -55,7 +55,7 @@ from pathlib import Path
 from fleetrl.batch import Batch, Sample
 from fleetrl.config import Config, load_config, to_toml
 from fleetrl.errors import FleetrlError
-from fleetrl.files import append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
+from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import off_policy_plot, reward_plot, timeline_plot
 from fleetrl.versions import off_policy_distance
 
@@ -129,6 +129,7 @@ class RunDir:
         self.off_policy_plot_path = self.root / "off_policy.png"
         self.timeline_plot_path = self.root / "timeline.png"
         self.events_path = self.root / "events.jsonl"
+        self._events = LineWriter(self.events_path)  # appended from the event loop: synced off it
         self.verifiers_episodes_path = self.root / "verifiers_episodes.jsonl"
         self.fleet_path = self.root / "fleet.json"
         self.tokens_path = self.root / "tokens.json"
@@ -182,6 +183,7 @@ class RunDir:
                 atomic_write(self.verifiers_episodes_path,
                              json_lines([e for e in episodes if episode_step(e) <= resume]), durable=True)
             if self.events_path.exists():  # the timeline keeps what happened, the redone steps too
+                self._events.close()  # its next line goes to the file written here, not the one replaced
                 atomic_write(self.events_path, json_lines(events), durable=True)
             atomic_write(self.config_path, config_text, durable=True)
             fsync_dir(self.root)
@@ -210,6 +212,7 @@ class RunDir:
     def close(self) -> None:
         """Let go of the directory `start` locked. The lock also ends with the process, however
         it dies: it is an flock on an open file, which the kernel drops with the file."""
+        self._events.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -269,10 +272,12 @@ class RunDir:
         return atomic_write(self.final_path, json.dumps(final, indent=1))
 
     def append_event(self, event: dict) -> None:
-        """One event of the timeline (events.jsonl), stamped with the wall time now."""
-        append_line(self.events_path, json.dumps({"t": time.time(), **event}))
+        """One event of the timeline (events.jsonl), stamped with the wall time now; written
+        and synced by a thread of its own (`read_events` and `close` wait for it)."""
+        self._events.append(json.dumps({"t": time.time(), **event}))
 
     def read_events(self) -> list[dict]:
+        self._events.flush()
         return read_json_lines(self.events_path, self.log)
 
     def write_plots(self) -> list[Path]:
@@ -293,6 +298,7 @@ class RunDir:
         return sorted(p for p in self.root.rglob("*") if p.is_file() and p.name != MANIFEST and listed(p))
 
     def write_manifest(self) -> Path:
+        self._events.flush()  # every event appended so far is in the file it hashes
         entries = {str(p.relative_to(self.root)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                    for p in self.artifacts()}
         return atomic_write(self.manifest_path, json.dumps({"artifacts": entries}, indent=1, sort_keys=True))

@@ -140,6 +140,7 @@ def test_a_resume_drops_a_torn_last_event(tmp_path):
     middle line, and `fleetrl plot` and the run's finish failed on it."""
     run = RunDir(make_run(tmp_path))
     run.append_event({"event": "fence", "phase": "start", "version": 3})
+    assert len(run.read_events()) == 1  # on disk: the kill comes after it
     with open(run.events_path, "a") as f:
         f.write('{"t": 1, "event": "fen')
     warnings = []
@@ -343,3 +344,20 @@ def test_two_writers_of_one_file_each_write_whole(tmp_path, monkeypatch):
     atomic_write(target, b"this writer's")
     assert interleaved and target.read_bytes() == b"this writer's"
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.png"]
+
+
+def test_events_are_synced_off_the_thread_that_appends_them(tmp_path, monkeypatch):
+    """The event loop appends an event per sample: each once waited for its own fsync there."""
+    import threading
+
+    run = RunDir(tmp_path / "run")
+    run.start(load_config([], []), resume=0)
+    synced_on = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced_on.append(threading.current_thread()), fsync(fd))[1])
+    for i in range(50):
+        run.append_event({"event": "sample", "sample": i})
+    assert [e["sample"] for e in run.read_events()] == list(range(50))  # in order, all synced
+    assert synced_on and threading.current_thread() not in synced_on
+    run.close()
+    assert len(run.events_path.read_text().splitlines()) == 50
