@@ -35,8 +35,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
-
 from fleetrl.config import DynamoConfig, InferenceConfig, ModelConfig, VllmConfig
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write
@@ -45,7 +43,7 @@ from fleetrl.inference.dynamo.launcher import (PREFILL_PREFIX, WORKER_PREFIX, Dy
                                                deployment_env, file_discovery_dir, frontend_argv, frontend_env,
                                                wait_ready, worker_argv, worker_env)
 from fleetrl.model import resolve_model
-from fleetrl.processes import ManagedProcess, end_groups, free_port, running_groups
+from fleetrl.processes import ManagedProcess, end_groups, free_port, owned_group, running_groups, started_at
 
 RECORD = "deployment.json"
 STOP_GRACE_S = 10.0  # a worker withdraws its etcd registration as it stops
@@ -93,9 +91,9 @@ class Deployment:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
         self.record["processes"].append({"name": name, "pid": popen.pid,
-                                         "started_at": psutil.Process(popen.pid).create_time()})
+                                         "started_at": started_at(popen.pid)})
         self.save()
-        return ManagedProcess(name, popen, log_path)
+        return ManagedProcess(name, popen, log_path, started_at(popen.pid))
 
     def add_worker(self, prefill: bool) -> ManagedProcess:
         config = self.config()
@@ -148,12 +146,7 @@ def live_group(process: dict) -> bool:
     session of its own) still has a running process. A leader that runs must be the one recorded,
     not a later process that reuses its pid; a gone leader's pid is not reused while its group
     lives on (a worker's engine core, say)."""
-    if process["pid"] not in running_groups():
-        return False
-    try:
-        return abs(psutil.Process(process["pid"]).create_time() - process["started_at"]) < 0.01
-    except psutil.NoSuchProcess:
-        return True
+    return process["pid"] in running_groups() and owned_group(process["pid"], process["started_at"])
 
 
 def stop(deployment: Deployment) -> None:

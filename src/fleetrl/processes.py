@@ -42,6 +42,7 @@ class ManagedProcess:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    started_at: float | None = None  # its leader's start (`started_at`): its group is signalled only while it is this one
 
     @property
     def pid(self) -> int:
@@ -88,13 +89,36 @@ def running_groups() -> set[int]:
 def stop_groups(procs: list[ManagedProcess], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every process group of `procs` at once, then SIGKILL what is left after
     `grace_s`: all shut down in parallel, within grace_s + KILL_WAIT_S together."""
-    end_groups([proc.pid for proc in procs], grace_s)
+    end_groups([proc.pid for proc in procs if owned_group(proc.pid, proc.started_at)], grace_s)
     for proc in procs:
         proc.popen.poll()  # its leader has exited: reaped, not left a zombie
     with _lock:
         for proc in procs:
             if proc in _live:
                 _live.remove(proc)
+
+
+def started_at(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch, as psutil reads it from /proc);
+    None when there is no such process."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def owned_group(pid: int, leader_started_at: float | None) -> bool:
+    """Whether process group `pid`, whose leader started at `leader_started_at`, is still that
+    group: its leader is the same process, or the leader is gone (the kernel gives no new
+    process an id that a group still uses, so its members, if any, are that group's). A leader
+    of another start time has the id of one that ended: a group that is not ours, and that a
+    killpg must never reach. None: its start was not recorded, so it is taken as ours."""
+    if leader_started_at is None:
+        return True
+    now = started_at(pid)
+    return now is None or abs(now - leader_started_at) < 0.01
 
 
 def end_groups(groups: list[int], grace_s: float = STOP_GRACE_S) -> list[int]:
@@ -168,7 +192,7 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
         )
     finally:
         log.close()
-    proc = ManagedProcess(name=name, popen=popen, log_path=log_path)
+    proc = ManagedProcess(name=name, popen=popen, log_path=log_path, started_at=started_at(popen.pid))
     with _lock:
         _live.append(proc)
         started_while_stopping = _stopping.is_set()

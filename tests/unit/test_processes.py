@@ -10,7 +10,7 @@ import time
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.inference.dynamo.launcher import DynamoDeployment
-from fleetrl.processes import free_port, listening_ports, running_groups, start_process
+from fleetrl.processes import ManagedProcess, free_port, listening_ports, running_groups, start_process
 
 
 def test_the_process_behind_a_hung_instance_is_found_by_its_listening_port(tmp_path):
@@ -80,3 +80,20 @@ def test_children_get_fleetrls_tokens_only_where_they_are_given(tmp_path, monkey
     assert ADMIN_TOKEN_ENV not in plain_env and DATA_TOKEN_ENV not in plain_env
     assert plain_env["FLEETRL_TEST_OTHER"] == "kept"
     assert given_env[ADMIN_TOKEN_ENV] == "admin-secret" and DATA_TOKEN_ENV not in given_env
+
+
+def test_a_group_id_another_process_took_is_never_signalled(tmp_path):
+    """A group fleetrl started ends; its id is given to an unrelated process that leads a group
+    of its own. Stopping the old one must not reach the new one, as a killpg by id once would."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        # As if fleetrl's leader had had this pid, and had started at another time.
+        ended = ManagedProcess("vllm-0", other, tmp_path / "vllm-0.log", started_at=time.time() - 3600)
+        ended.stop(grace_s=0.5)
+        assert other.poll() is None  # not signalled
+        mine = start_process("vllm-1", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "mine.log")
+        mine.stop(grace_s=0.5)
+        assert mine.popen.poll() is not None  # its own group is stopped as before
+    finally:
+        other.kill()
+        other.wait()
