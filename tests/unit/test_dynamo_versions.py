@@ -139,3 +139,16 @@ async def test_is_paused_asks_the_route_that_runs_only_on_a_paused_worker():
     paused = True
     assert await admin.is_paused() is True
     await admin.close()
+
+
+def test_the_dynamo_worker_refuses_versions_its_changes_were_not_written_for():
+    """Its changes to Dynamo's and vLLM's internals are checked against the versions they were
+    written for, at start-up, with one line (not deep in a request, as once a renamed name)."""
+    from fleetrl.engine.dynamo_worker import PATCHED_AGAINST, check_patched_versions
+
+    check_patched_versions(PATCHED_AGAINST.get)
+    check_patched_versions({**PATCHED_AGAINST, "vllm": PATCHED_AGAINST["vllm"] + "+cpu"}.get)  # a local build tag
+    with pytest.raises(SystemExit, match=r"^fleetrl: error: fleetrl's Dynamo worker changes internals of vllm 0.32.0, "
+                                         r"but vllm 0.33.1 is installed \(install vllm==0.32.0\)$"):
+        check_patched_versions({**PATCHED_AGAINST, "vllm": "0.33.1"}.get)
+    assert set(PATCHED_AGAINST) == {"ai-dynamo", "vllm"}

