@@ -212,10 +212,12 @@ class RunDir:
     def close(self) -> None:
         """Let go of the directory `start` locked. The lock also ends with the process, however
         it dies: it is an flock on an open file, which the kernel drops with the file."""
-        self._events.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        try:
+            self._events.close()
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def lock(self) -> None:
         """Hold the directory for this run (a second run is refused, naming this one's pid);
