@@ -8,12 +8,15 @@ import stat
 import httpx
 import pytest
 
+from fleetrl import admin_signature
 from fleetrl.app.providers import Tokens, attached_to_run, resolve_tokens, start_recorded
 from fleetrl.config import Config, ConfigError, DynamoConfig, InferenceConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.engine.admin_auth import AdminTokenMiddleware
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.provider import WorkerCallError
 from fleetrl.inference.vllm import launcher
+from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.rundir import RunDir
 
@@ -68,6 +71,73 @@ def test_admin_routes_take_the_admin_token_only(guarded, method, path):
 def test_data_routes_take_the_data_token_and_the_admin_token(guarded, method, path):
     assert httpx.request(method, guarded + path, headers=bearer(DATA)).status_code == 200
     assert httpx.request(method, guarded + path, headers=bearer(ADMIN)).status_code == 200
+
+
+# -- signed admin calls: the admin token never crosses the wire from fleetrl ----------------------
+
+def signed(token: str, method: str, target: str) -> tuple[dict, str]:
+    value, nonce = admin_signature.authorization(token, method, target)
+    return {"Authorization": value}, nonce
+
+
+def test_a_signed_call_opens_the_admin_routes_once_and_its_answer_proves_the_worker_holds_the_token(guarded):
+    headers, nonce = signed(ADMIN, "POST", "/pause?mode=keep")
+    answer = httpx.post(guarded + "/pause?mode=keep", headers=headers)
+    assert answer.status_code == 200
+    assert admin_signature.proven(ADMIN, nonce, answer.headers.get(admin_signature.PROOF_HEADER))
+    assert not admin_signature.proven("other", nonce, answer.headers.get(admin_signature.PROOF_HEADER))
+    # Replayed (by whoever saw it), the same signature opens nothing.
+    assert httpx.post(guarded + "/pause?mode=keep", headers=headers).status_code == 401
+
+
+@pytest.mark.parametrize("case", ["other token", "other path", "other query", "other method", "stale", "data token"])
+def test_a_signed_call_that_is_not_the_admin_tokens_for_this_very_call_is_refused(guarded, case, monkeypatch):
+    token, method, target = {"other token": "wrong", "data token": DATA}.get(case, ADMIN), "POST", "/pause?mode=keep"
+    with monkeypatch.context() as clock:
+        if case == "stale":  # signed 301 s ago
+            now = admin_signature.time.time()
+            clock.setattr(admin_signature.time, "time", lambda: now - admin_signature.MAX_SKEW_S - 1)
+        headers, _ = signed(token, {"other method": "GET"}.get(case, method),
+                            {"other path": "/resume", "other query": "/pause?mode=abort"}.get(case, target))
+    answer = httpx.post(guarded + target, headers=headers)
+    assert answer.status_code == 401 and admin_signature.PROOF_HEADER not in answer.headers
+
+
+def recording(requests: list, unauthorized_without_header: bool = False):
+    """A process that took a worker's port: it answers /health, and every other request with
+    200 (or 401 with no Authorization header, as a middleware would), noting each request's
+    headers."""
+    async def app(scope, receive, send):
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        requests.append((scope["path"], headers))
+        status = 401 if unauthorized_without_header and "authorization" not in headers and \
+            scope["path"] != "/health" else 200
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"is_paused": false, "weight_version": "v3"}'})
+    return app
+
+
+async def test_a_process_on_a_workers_port_never_gets_the_admin_token_and_is_found_out_at_the_first_call():
+    requests: list = []
+    with serving(recording(requests)) as url:
+        admin = VllmAdminClient("vllm-0", url, ADMIN, timeout_s=5, retries=0)
+        try:
+            assert await admin.health()  # /health needs no token: it passes
+            with pytest.raises(WorkerCallError, match="vllm-0.*without proof that it holds the run's admin token"):
+                await admin.version()
+        finally:
+            await admin.close()
+    assert [path for path, _ in requests] == ["/health", "/weight_info"]
+    assert not any(ADMIN in value for _, headers in requests for value in headers.values()), requests
+
+
+async def test_an_attached_server_that_cannot_prove_it_holds_the_admin_token_is_refused_without_getting_it():
+    requests: list = []
+    with serving(recording(requests, unauthorized_without_header=True)) as url:
+        with pytest.raises(FleetrlError, match=f"worker {url}: it answered without proof that it holds the run's "
+                                               "admin token"):
+            await attach(url)
+    assert not any(ADMIN in value for _, headers in requests for value in headers.values()), requests
 
 
 @pytest.mark.parametrize("unset", [ADMIN_TOKEN_ENV, DATA_TOKEN_ENV])

@@ -5,7 +5,10 @@ the run's two bearer tokens on every route but the health probes.
   anyone the run hands it to, needs to draw completions.
 - The **admin token** opens every route: pause and resume, weight transfer, versions,
   `/collective_rpc`, and sampling too (its holder may already replace the weights, so
-  sampling adds nothing it could not do).
+  sampling adds nothing it could not do). fleetrl itself never sends it: its admin calls are
+  signed with it (fleetrl/admin_signature.py), and every answer to a signed call carries this
+  server's proof that it holds the token too, so a process that took a dead worker's port
+  learns nothing and is found out at the first call.
 
 vLLM's own `--api-key` guards only the API prefixes (/v1, /inference, ...): the admin routes
 that pause the engine or replace its weights (/pause, /update_weights, /collective_rpc, ...)
@@ -19,7 +22,10 @@ import hashlib
 import hmac
 import json
 import os
+import time
+from collections import OrderedDict
 
+from fleetrl import admin_signature
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 
 OPEN_PATHS = ("/health", "/ping")
@@ -34,12 +40,19 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-def _token_from_env(name: str) -> bytes:
+def _token_from_env(name: str) -> str:
     token = os.environ.get(name, "")
     if not token:
         raise RuntimeError(f"{name} is not set: refusing to serve without the run's tokens "
                            f"({ADMIN_TOKEN_ENV} and {DATA_TOKEN_ENV})")
-    return _digest(token)
+    return token
+
+
+def _target(scope) -> str:
+    """The request's path and query as the caller sent them (what a signature covers)."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string") or b""
+    return (path + (b"?" + query if query else b"")).decode("latin-1")
 
 
 def is_data_path(path: str) -> bool:
@@ -49,29 +62,55 @@ def is_data_path(path: str) -> bool:
 class AdminTokenMiddleware:
     def __init__(self, app) -> None:
         self.app = app
-        self._admin = _token_from_env(ADMIN_TOKEN_ENV)
-        self._data = _token_from_env(DATA_TOKEN_ENV)
+        self._admin_token = _token_from_env(ADMIN_TOKEN_ENV)
+        self._admin = _digest(self._admin_token)
+        self._data = _digest(_token_from_env(DATA_TOKEN_ENV))
+        self._seen: OrderedDict[str, int] = OrderedDict()  # nonces of signed calls, oldest first
 
-    def _bearer(self, scope) -> bytes | None:
-        """The digest of the request's bearer token; None without one."""
+    def _authorization(self, scope) -> str | None:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer":
-                    return _digest(token)
+                return value.decode("latin-1")
         return None
+
+    def _signed(self, scope, signature: admin_signature.Signature) -> bool:
+        """Whether a signed call is the admin token's, fresh, and not one seen before."""
+        now = int(time.time())
+        while self._seen and next(iter(self._seen.values())) < now - admin_signature.MAX_SKEW_S:
+            self._seen.popitem(last=False)
+        if abs(now - signature.timestamp) > admin_signature.MAX_SKEW_S or signature.nonce in self._seen:
+            return False
+        if not admin_signature.signed_by(self._admin_token, signature, scope["method"], _target(scope)):
+            return False
+        self._seen[signature.nonce] = signature.timestamp
+        return True
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         data_path = is_data_path(scope["path"])
-        presented = self._bearer(scope)
-        if presented is not None:
-            # Both comparisons always run, in constant time: the answer's timing says nothing
-            # about which token came close.
-            admin, data = hmac.compare_digest(presented, self._admin), hmac.compare_digest(presented, self._data)
-            if admin or (data and data_path):
-                return await self.app(scope, receive, send)
+        authorization = self._authorization(scope) or ""
+        signature = admin_signature.parse(authorization) if scope["type"] == "http" else None
+        if signature is not None:
+            if self._signed(scope, signature):
+                proof = admin_signature.proof(self._admin_token, signature.nonce).encode()
+
+                async def send_with_proof(message):
+                    if message["type"] == "http.response.start":
+                        headers = [*message.get("headers", ()), (admin_signature.PROOF_HEADER.encode(), proof)]
+                        message = {**message, "headers": headers}
+                    await send(message)
+
+                return await self.app(scope, receive, send_with_proof)
+        else:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() == "bearer":
+                presented = _digest(token)
+                # Both comparisons always run, in constant time: the answer's timing says nothing
+                # about which token came close.
+                admin, data = hmac.compare_digest(presented, self._admin), hmac.compare_digest(presented, self._data)
+                if admin or (data and data_path):
+                    return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
         needed = "the data or the admin token" if data_path else "the admin token"

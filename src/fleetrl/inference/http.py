@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from fleetrl import admin_signature
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import WorkerCallError
 from fleetrl.inference.types import RankWeights
@@ -37,21 +38,48 @@ async def answered_within(timeout_s: float, request: Awaitable[httpx.Response]) 
         raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s") from None
 
 
+def sign(request: httpx.Request, admin_token: str) -> str:
+    """Signs `request` with the admin token instead of carrying it (fleetrl/admin_signature.py);
+    returns the nonce that the answer's proof must be made of."""
+    value, nonce = admin_signature.authorization(admin_token, request.method, request.url.raw_path.decode("ascii"))
+    request.headers["Authorization"] = value
+    return nonce
+
+
+def unproven(response: httpx.Response, admin_token: str, nonce: str) -> str | None:
+    """Why the answer to a signed call does not come from a holder of the admin token; None if
+    it does."""
+    if admin_signature.proven(admin_token, nonce, response.headers.get(admin_signature.PROOF_HEADER)):
+        return None
+    return ("it answered without proof that it holds the run's admin token: it is not the server fleetrl "
+            "started or attached to (another process may have taken its port)")
+
+
 class AdminHttp:
     """The admin endpoint of one worker: every call goes straight to it, has a timeout, and is
     retried (`retries` times, backing off) where that is safe: an idempotent call on any
-    transport error, any other call only when the connection was never made."""
+    transport error, any other call only when the connection was never made. With the run's
+    admin token, each call is signed with it, and its answer must prove the worker holds it."""
 
     def __init__(self, worker_id: str, base_url: str, timeout_s: float, retries: int,
-                 headers: dict[str, str] | None = None) -> None:
+                 admin_token: str | None = None) -> None:
         self.worker_id = worker_id
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.retries = retries
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, headers=headers)
+        self._admin_token = admin_token
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
 
-    async def _request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response:
-        return await answered_within(timeout_s, self._http.request(method, path, timeout=timeout_s, **kwargs))
+    async def _request(self, method: str, path: str, timeout_s: float, signed: bool = False,
+                       **kwargs: Any) -> httpx.Response:
+        request = self._http.build_request(method, path, timeout=timeout_s, **kwargs)
+        if not (signed and self._admin_token):
+            return await answered_within(timeout_s, self._http.send(request))
+        nonce = sign(request, self._admin_token)
+        response = await answered_within(timeout_s, self._http.send(request))
+        if response.status_code != 401 and (why := unproven(response, self._admin_token, nonce)):
+            raise WorkerCallError(self.worker_id, f"{method} {path}", why)
+        return response
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -71,7 +99,7 @@ class AdminHttp:
         for attempt in range(self.retries + 1):
             try:
                 response = await self._request(method, path, timeout_s if timeout_s is not None else self.timeout_s,
-                                               **kwargs)
+                                               signed=True, **kwargs)
             except httpx.ConnectError as e:
                 error = f"cannot connect to {self.base_url} ({e})"
             except httpx.TransportError as e:

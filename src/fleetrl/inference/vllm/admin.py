@@ -1,9 +1,9 @@
 """Control plane of one native vLLM worker: pause, resume, versions, weight transfer.
 
-Every call goes straight to the worker (never through a router), carries the run's admin
-token (the only one its admin routes take), has a timeout, and is retried a bounded number of
-times where that is safe: idempotent calls on any transport error, the others only when the
-connection was never made.
+Every call goes straight to the worker (never through a router), is signed with the run's
+admin token (the only one its admin routes take; the token itself is never sent), has a
+timeout, and is retried a bounded number of times where that is safe: idempotent calls on any
+transport error, the others only when the connection was never made.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from fleetrl.versions import incomplete_version_name, parse_version, version_nam
 class VllmAdminClient:
     def __init__(self, worker_id: str, url: str, admin_token: str, timeout_s: float, retries: int) -> None:
         self.worker_id = worker_id
-        self._http = AdminHttp(worker_id, url, timeout_s, retries,
-                               headers={"Authorization": f"Bearer {admin_token}"})
+        self._http = AdminHttp(worker_id, url, timeout_s, retries, admin_token)
 
     async def close(self) -> None:
         await self._http.close()

@@ -19,6 +19,7 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.http import sign, unproven
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.data import VllmDataClient
@@ -65,9 +66,9 @@ class VllmProvider:
 
     async def _why_unusable(self, client: httpx.AsyncClient, url: str) -> str | None:
         """Why the server at `url`, started elsewhere, cannot join the fleet; None if it can.
-        fleetrl hands it the run's tokens and trusts what it reports about its weights, so a
-        server that would obey a caller without the admin token is refused, not merely warned
-        about."""
+        fleetrl signs its admin calls with the run's token and trusts what the server reports
+        about its weights, so a server that would obey a caller without the admin token is
+        refused, not merely warned about, and so is one that cannot prove it holds the token."""
         async def status(path: str, token: str | None = None) -> int:
             headers = {"Authorization": f"Bearer {token}"} if token else {}
             return (await client.get(f"{url}{path}", headers=headers)).status_code
@@ -79,9 +80,14 @@ class VllmProvider:
                 return (f"worker {url} accepts admin calls without a token: start it with fleetrl's admin "
                         f"middleware (--middleware {ADMIN_MIDDLEWARE}, tokens in ${ADMIN_TOKEN_ENV} and "
                         f"${DATA_TOKEN_ENV})")
-            if await status(ADMIN_CHECK_PATH, self.admin_token) in REFUSED:
+            request = client.build_request("GET", f"{url}{ADMIN_CHECK_PATH}")
+            nonce = sign(request, self.admin_token)
+            signed = await client.send(request)
+            if signed.status_code in REFUSED:
                 return (f"worker {url} refused the admin token: set inference.admin_token (or "
                         f"${ADMIN_TOKEN_ENV}) to the one it was started with")
+            if why := unproven(signed, self.admin_token, nonce):
+                return f"worker {url}: {why}"
             if await status(DATA_CHECK_PATH, self.data_token) in REFUSED:
                 return (f"worker {url} refused the data token: set inference.data_token (or "
                         f"${DATA_TOKEN_ENV}) to the one it was started with")

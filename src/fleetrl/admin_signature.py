@@ -1,0 +1,76 @@
+"""Signed admin calls: fleetrl proves it holds the run's admin token without sending it, and
+the worker proves the same in its answer (a leaf: imports nothing of fleetrl).
+
+A bearer token goes to whoever answers at a worker's port. After a worker dies, any local
+process may take that port, answer /health (which needs no token) and so receive the token
+with the next admin call. fleetrl's admin calls therefore carry, instead of the token, an HMAC
+of the call (method, path and query, a timestamp, a fresh nonce) keyed by the token. The
+worker's middleware (engine/admin_auth.py) checks it, refuses a timestamp off by more than
+MAX_SKEW_S or a nonce it has seen, and answers with an HMAC of the nonce keyed by the same
+token. A caller that gets no valid proof back is not talking to a server started with the
+run's token, and trusts nothing it said. Bearer tokens still open the routes, for an operator's
+curl.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+
+SCHEME = "Fleetrl-HMAC"
+PROOF_HEADER = "x-fleetrl-proof"
+# How far a signed call's clock may be from the worker's; a nonce is remembered this long.
+MAX_SKEW_S = 300
+
+
+@dataclass(frozen=True)
+class Signature:
+    timestamp: int
+    nonce: str
+    mac: str
+
+
+def _mac(token: str, message: str) -> str:
+    return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def _request_message(method: str, target: str, timestamp: int, nonce: str) -> str:
+    return f"fleetrl request\n{method.upper()}\n{target}\n{timestamp}\n{nonce}"
+
+
+def authorization(token: str, method: str, target: str) -> tuple[str, str]:
+    """The Authorization header's value for a call of `method` on `target` (path and query, as
+    sent), and the nonce the answer's proof must be made of."""
+    timestamp, nonce = int(time.time()), secrets.token_hex(16)
+    mac = _mac(token, _request_message(method, target, timestamp, nonce))
+    return f"{SCHEME} t={timestamp},n={nonce},s={mac}", nonce
+
+
+def parse(value: str) -> Signature | None:
+    """The signature in an Authorization header's value; None if it is not one."""
+    scheme, _, rest = value.partition(" ")
+    if scheme != SCHEME:
+        return None
+    fields = dict(part.partition("=")[::2] for part in rest.split(","))
+    t, n, s = fields.get("t", ""), fields.get("n", ""), fields.get("s", "")
+    if not (t.isascii() and t.isdigit() and n and n.isascii() and n.isalnum() and len(s) == 64):
+        return None
+    return Signature(int(t), n, s)
+
+
+def signed_by(token: str, signature: Signature, method: str, target: str) -> bool:
+    """Whether `signature` is `token`'s for this call (in constant time)."""
+    expected = _mac(token, _request_message(method, target, signature.timestamp, signature.nonce))
+    return hmac.compare_digest(expected, signature.mac)
+
+
+def proof(token: str, nonce: str) -> str:
+    """The worker's answer to a signed call with `nonce`: only a holder of `token` can make it."""
+    return _mac(token, f"fleetrl worker\n{nonce}")
+
+
+def proven(token: str, nonce: str, answer: str | None) -> bool:
+    return answer is not None and hmac.compare_digest(proof(token, nonce), answer)
