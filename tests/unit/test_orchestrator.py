@@ -17,6 +17,7 @@ import pytest
 from fleetrl.config import OrchestratorConfig
 from fleetrl.envs import Task
 from fleetrl.errors import FleetrlError
+from fleetrl.orchestrator import threads
 from fleetrl.inference.fleet import Fleet
 from fleetrl.orchestrator.advantages import group_advantages
 from fleetrl.orchestrator.rollouts import Orchestrator
@@ -218,6 +219,23 @@ async def test_a_failed_reward_drops_its_sample_and_the_batch_goes_on(bad, error
     assert batch.meta["reward_mean"] == pytest.approx(sum(s.reward for s in batch.samples) / 8)
     (line,) = [m for m in logged if "reward failed" in m]  # once per batch
     assert line.startswith("fleetrl: batch 1: dropped 4 sample(s) whose reward failed (the first: env fake: reward of task")
+    await fleet.close()
+
+
+async def test_rewards_that_keep_hanging_end_the_run_instead_of_piling_up_threads(monkeypatch):
+    """Python cannot stop a hung reward's thread; one per sample, without end, was the leak.
+    With MAX_HUNG_CALLS of them alive, the next call ends the run, naming the last one given up."""
+    monkeypatch.setattr(threads, "MAX_HUNG_CALLS", 3)
+    monkeypatch.setattr(threads, "_hung", {})  # none left by an earlier test's hung rewards
+    fleet, orch, _ = await make(k=1, env=Env(every_third_sample(hang)), reward_timeout_s=2)  # k = 1: no publish
+    batch = await orch.make_batch(1)  # its 4 hung rewards dropped, the batch goes on
+    assert batch.meta["reward_failed"] == 4 and len(threads._hung) == 4
+    started = sum(t.name == "fleetrl-user-code" for t in threading.enumerate())
+    with pytest.raises(threads.HungUserCode, match=r"^4 calls of user code still run past their time limits, each "
+                                                   r"holding a thread that Python cannot stop \(the last given up "
+                                                   r"on: env fake: reward of task t0-\d\); fix what hangs"):
+        await orch.make_batch(2)
+    assert sum(t.name == "fleetrl-user-code" for t in threading.enumerate()) == started  # batch 2 started none
     await fleet.close()
 
 

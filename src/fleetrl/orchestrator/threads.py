@@ -8,6 +8,26 @@ from collections.abc import Callable
 
 from fleetrl.envs import EnvError
 from fleetrl.envs.base import one_line
+from fleetrl.errors import FleetrlError
+
+# Calls given up on (past their time limit) whose threads still run. Python cannot stop a
+# thread, so each holds one until it returns; a reward that always hangs would leave one per
+# sample, without end. Past this many the run ends instead, naming the last.
+MAX_HUNG_CALLS = 32
+_hung: dict[threading.Thread, str] = {}  # each with what it was called for, oldest first
+
+
+class HungUserCode(FleetrlError):
+    """Too many calls of user code still run past their time limits: the run ends."""
+
+
+def _check_hung() -> None:
+    for thread in [t for t in _hung if not t.is_alive()]:
+        del _hung[thread]
+    if len(_hung) >= MAX_HUNG_CALLS:
+        raise HungUserCode(f"{len(_hung)} calls of user code still run past their time limits, each holding a "
+                           f"thread that Python cannot stop (the last given up on: {list(_hung.values())[-1]}); fix "
+                           f"what hangs in the environment")
 
 
 async def call_user_code(where: str, limit_s: float, limit_name: str, fn: Callable, *args):
@@ -16,14 +36,19 @@ async def call_user_code(where: str, limit_s: float, limit_name: str, fn: Callab
     (an `EnvError` it raises itself passes as it is).
 
     A call past the limit is given up on, not stopped: Python cannot kill a thread, so a hung
-    call's thread runs on (a daemon) until it returns or the process ends.
+    call's thread runs on (a daemon) until it returns or the process ends. With MAX_HUNG_CALLS
+    such threads alive, the next call raises HungUserCode, which ends the run.
     """
+    _check_hung()
+    thread = None
     try:
         # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
         # arrives as the call completes, and the run could then not stop.
         async with asyncio.timeout(limit_s):
-            return await in_daemon_thread(fn, *args)
+            future, thread = in_daemon_thread(fn, *args)
+            return await future
     except TimeoutError:
+        _hung[thread] = where
         raise EnvError(f"{where} took longer than {limit_name} = {limit_s:g} s") from None
     except EnvError:
         raise
@@ -43,8 +68,8 @@ class Escaped(Exception):
         self.__cause__ = e
 
 
-def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
-    """`fn(*args)` in a new daemon thread, as a future of the running event loop.
+def in_daemon_thread(fn: Callable, *args) -> tuple[asyncio.Future, threading.Thread]:
+    """`fn(*args)` in a new daemon thread, as a future of the running event loop (and the thread).
 
     Not an executor's thread: Python cannot stop a thread, so a reward that never returns holds
     its thread until the process ends, and `concurrent.futures` joins its threads at exit, so
@@ -74,5 +99,6 @@ def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
-    threading.Thread(target=run, name="fleetrl-user-code", daemon=True).start()
-    return future
+    thread = threading.Thread(target=run, name="fleetrl-user-code", daemon=True)
+    thread.start()
+    return future, thread
