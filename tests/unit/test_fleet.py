@@ -627,3 +627,42 @@ async def test_tokens_of_a_worker_that_then_fails_the_probe_are_never_trained():
                                  "are not trained")
     assert fleet.workers["a"].state == WorkerState.STALE
     await fleet.close()
+
+
+async def test_a_slow_discovery_round_never_holds_a_publish_back(monkeypatch):
+    """Discovery (an etcd read with its own retries, say) answers before the round takes the
+    publish fence, and the version check under it is bounded by health_timeout_s, not by the
+    admin client's retries: a publish waits for neither (issue 27, item 11)."""
+    fleet, provider, transport = await started("a", "b")
+    fleet.health_timeout_s = 0.2
+    discovering, answer = asyncio.Event(), asyncio.Event()
+    discover = provider.discover
+
+    async def slow_discover():
+        discovering.set()
+        await answer.wait()
+        return await discover()
+
+    monkeypatch.setattr(provider, "discover", slow_discover)
+    round_ = asyncio.create_task(fleet.refresh())
+    await discovering.wait()
+    report = await asyncio.wait_for(fleet.publish(1, transport, weights), 5)  # not behind the round
+    assert sorted(report.ready) == ["a", "b"]
+    answer.set()
+    await round_
+
+    version, calls = provider.admin(fleet.workers["a"]).version, []
+
+    async def retrying_version():  # the round's check: an admin client going through its retries
+        calls.append(1)
+        if len(calls) == 1:
+            await asyncio.sleep(60)
+        return await version()
+
+    monkeypatch.setattr(provider.admin(fleet.workers["a"]), "version", retrying_version)
+    round_ = asyncio.create_task(fleet.refresh())
+    await asyncio.sleep(0.05)
+    report = await asyncio.wait_for(fleet.publish(2, transport, weights), 5)  # held at most ~0.2 s
+    assert sorted(report.ready) == ["a", "b"]
+    await asyncio.wait_for(round_, 5)
+    await fleet.close()

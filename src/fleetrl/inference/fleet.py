@@ -182,9 +182,13 @@ class Fleet:
         return [w for w in self.ready_workers() if w.role == WorkerRole.PREFILL]
 
     async def refresh(self) -> None:
-        """Mark vanished workers dead; bring new, stale or returning ones to the fleet's version."""
+        """Mark vanished workers dead; bring new, stale or returning ones to the fleet's version.
+
+        The publish fence is taken only after the provider's discovery (an etcd read, say, with
+        its own retries) has answered, and every check under it is bounded by health_timeout_s:
+        a slow discovery round never holds a publish back."""
+        discovered = {w.id: w for w in await self.provider.discover()}
         async with self._fence:
-            discovered = {w.id: w for w in await self.provider.discover()}
             for worker in self.workers.values():
                 if worker.id not in discovered and worker.state != WorkerState.DEAD:
                     self._mark(worker, WorkerState.DEAD, "gone from discovery")
@@ -221,8 +225,9 @@ class Fleet:
         longer reports the version it was verified at, so it is stale until refitted. Only an
         answer counts: a busy worker that is slow to answer passed its health check."""
         try:
-            reported = await self.provider.admin(worker).version()
-        except FleetrlError:
+            async with asyncio.timeout(self.health_timeout_s):  # not through the admin client's retries
+                reported = await self.provider.admin(worker).version()
+        except (FleetrlError, TimeoutError):
             return
         if reported != worker.version:
             raise FleetrlError(f"reports version {reported} but was verified at v{worker.version} "
