@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -250,3 +251,28 @@ def test_a_token_given_as_a_flag_is_warned_about(capsys):
     assert captured.err == ("fleetrl: warning: --inference.admin_token on the command line is readable by every local "
                             "user (ps, /proc/PID/cmdline); export FLEETRL_ADMIN_TOKEN instead\n")
     assert "t0k3n" not in captured.out + captured.err
+
+
+def test_inference_on_a_live_runs_directory_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """A live run's directory holds its workers' logs and its weights' storage (which the
+    filesystem transport prunes): `fleetrl inference` there is refused with the run's pid, and
+    starts no worker (issue 27, item 3)."""
+    from fleetrl.app import inference
+
+    started = []
+
+    class Unstarted:
+        async def start(self, base):
+            started.append(base)
+
+    monkeypatch.setattr(inference, "build_fleet", lambda config: (Unstarted(), tmp_path))
+    live = RunDir(tmp_path / "run")
+    live.lock()
+    try:
+        assert main(["inference", "--run.dir", str(tmp_path / "run")]) == 1
+    finally:
+        live.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fleetrl: error: run.dir {tmp_path / 'run'} is in use by fleetrl pid {os.getpid()}; "
+                   "one run at a time per run.dir (stop that one, or choose another run.dir)"], err
+    assert not started

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from fleetrl.app.providers import base_weights, build_fleet, build_transport
 from fleetrl.config import Config
+from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.rundir import RunDir
@@ -15,10 +17,21 @@ DEFAULT_PROMPTS = ["Name three primary colors.", "What is 7 + 5?", "Write the wo
 
 
 async def run_inference(config: Config, prompts: list[str]) -> int:
+    fleet, model_dir = build_fleet(config)  # bad input is refused here, before the directory is touched
+    # The run directory holds the workers' logs and the weights' storage: a live run's directory
+    # (the default one of `make run`, say) is that run's alone, and this command is refused there.
+    run_dir = RunDir(config.run.dir)
+    run_dir.lock()
+    try:
+        return await _sample(config, prompts, fleet, model_dir, run_dir)
+    finally:
+        run_dir.close()
+
+
+async def _sample(config: Config, prompts: list[str], fleet: Fleet, model_dir: Path, run_dir: RunDir) -> int:
     from transformers import AutoTokenizer
 
-    fleet, model_dir = build_fleet(config)
-    transport = build_transport(config, RunDir(config.run.dir))
+    transport = build_transport(config, run_dir)
     try:
         # Attached workers are labelled v0 only once they hold the base weights.
         await fleet.start(base_weights(fleet.provider, model_dir, transport))
