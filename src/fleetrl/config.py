@@ -131,8 +131,10 @@ class DynamoConfig(Section):
         description="Attach mode: base URL of that frontend's RL discovery (its DYN_RL_PORT; "
         "fleetrl reads GET /v1/rl/workers).",
     )
-    namespace: str = Field(
-        "fleetrl", description="Dynamo namespace of the launched frontend and workers (DYN_NAMESPACE)."
+    namespace: str | None = Field(
+        None, description="Dynamo namespace of the launched frontend and workers (DYN_NAMESPACE); unset = "
+        "fleetrl-<8 hex digits of the run directory's path>, one per run, so that runs sharing an etcd never "
+        "see each other's workers.",
     )
     components: list[str] = Field(
         default_factory=lambda: ["backend", "prefill"],

@@ -151,7 +151,7 @@ def test_launched_dynamo_processes_get_the_discovery_backend(tmp_path):
 
     local = deployment_env(load_config([], [("inference.provider", "dynamo")]).inference, tmp_path)
     assert local["DYN_DISCOVERY_BACKEND"] == "file" and local["DYN_FILE_KV"] == str(tmp_path)
-    assert local["DYN_SYSTEM_HOST"] == "127.0.0.1" and local["DYN_NAMESPACE"] == "fleetrl"
+    assert local["DYN_SYSTEM_HOST"] == "127.0.0.1"  # the namespace: test_dynamo_cluster.py
     etcd = load_config([], [("inference.provider", "dynamo"), ("inference.dynamo.discovery", "etcd"),
                             ("inference.dynamo.etcd_endpoints", '["http://e1:2379", "http://e2:2379"]'),
                             ("inference.dynamo.env", '{NATS_SERVER = "nats://n:4222"}')]).inference

@@ -84,3 +84,20 @@ def test_etcd_and_nats_listen_on_loopback_only(tmp_path):
     argv = nats_argv(tmp_path / "nats-server", tmp_path / "js", 5003, 5004)
     assert argv[argv.index("--addr") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "5003"
     assert argv[argv.index("--http_port") + 1] == "5004" and argv[argv.index("--store_dir") + 1] == str(tmp_path / "js")
+
+
+def test_each_run_launches_dynamo_in_a_namespace_of_its_own(tmp_path):
+    """Two runs on one etcd with one namespace each listed the other's workers, and put them in
+    their own fleet (issue 27, item 3). Unset, the namespace is the run's own, and the same on
+    resume; a namespace set is kept."""
+    from fleetrl.app.providers import Tokens, build_provider
+
+    def namespace(run_dir, *flags):
+        config = load_config([], [("inference.provider", "dynamo"), ("run.dir", str(run_dir)), *flags])
+        env = deployment_env(build_provider(config, tmp_path, Tokens(None, None)).config, tmp_path)
+        return env["DYN_NAMESPACE"]
+
+    a, b = namespace(tmp_path / "a"), namespace(tmp_path / "b")
+    assert a.startswith("fleetrl-") and b.startswith("fleetrl-") and a != b
+    assert namespace(tmp_path / "a") == a  # a resume finds its own
+    assert namespace(tmp_path / "a", ("inference.dynamo.namespace", "rl-run-7")) == "rl-run-7"
