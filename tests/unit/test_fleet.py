@@ -629,6 +629,30 @@ async def test_tokens_of_a_worker_that_then_fails_the_probe_are_never_trained():
     await fleet.close()
 
 
+async def test_a_failed_probe_verdict_stands_through_a_refit_at_the_same_version():
+    """The worker fails the probe at v1 while a request is held across the publish (keep mode);
+    a discovery round then refits it at v1, and it agrees. The held request's tokens at v1 came
+    partly from the weights that failed: the later verdict must not replace the failed one
+    (it did, and the response was trained)."""
+    fleet, provider, transport = await started("a", step_s=0.005)
+    scores = iter([[-3.0], [-1.0]])  # the publish's install is wrong, the refit's right
+
+    async def score(worker, ids, prefill=None):
+        return next(scores)
+
+    provider.prompt_logprobs = score
+    held = asyncio.create_task(fleet.generate(request(max_tokens=400)))
+    await asyncio.sleep(0.05)
+    report = await fleet.publish(1, transport, weights, AgreementProbe([1, 2], [-1.0]))
+    assert "a" in report.failed and fleet.workers["a"].state == WorkerState.STALE
+    await fleet.refresh()  # the refit at v1, which agrees
+    assert fleet.workers["a"].state == WorkerState.READY and not held.done()
+    (out,) = await held
+    assert [s.version for s in out.spans] == [0, 1]
+    assert out.version_error is not None and "failed the agreement probe at v1" in out.version_error
+    await fleet.close()
+
+
 async def test_a_slow_discovery_round_never_holds_a_publish_back(monkeypatch):
     """Discovery (an etcd read with its own retries, say) answers before the round takes the
     publish fence, and the version check under it is bounded by health_timeout_s, not by the

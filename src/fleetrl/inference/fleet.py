@@ -304,6 +304,11 @@ class Fleet:
         have agreed (`_check_probed`)."""
         loop = asyncio.get_running_loop()
         for worker in workers:
+            previous = self._verdicts.get((worker.id, version))
+            if previous is not None and previous.done() and previous.result() is not None:
+                # A failed verdict stands, through a refit at the same version that agrees: a
+                # request held across both carries tokens of the bad weights under this label.
+                continue
             self._verdicts[(worker.id, version)] = loop.create_future()
 
     def _settle_verdicts(self, version: int, agreed: set[str], failed: dict[str, str]) -> None:
