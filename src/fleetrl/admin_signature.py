@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 SCHEME = "Fleetrl-HMAC"
+_HEX = frozenset("0123456789abcdef")
 PROOF_HEADER = "x-fleetrl-proof"
 # How far a signed call's clock may be from the worker's; a nonce is remembered this long.
 MAX_SKEW_S = 300
@@ -31,6 +32,11 @@ class Signature:
     timestamp: int
     nonce: str
     mac: str
+
+
+def _is_mac(value: object) -> bool:
+    """64 lowercase hex digits: what `_mac` makes (anything else is compared with nothing)."""
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
 
 
 def _mac(token: str, message: str) -> str:
@@ -56,7 +62,7 @@ def parse(value: str) -> Signature | None:
         return None
     fields = dict(part.partition("=")[::2] for part in rest.split(","))
     t, n, s = fields.get("t", ""), fields.get("n", ""), fields.get("s", "")
-    if not (t.isascii() and t.isdigit() and n and n.isascii() and n.isalnum() and len(s) == 64):
+    if not (t.isascii() and t.isdigit() and n and n.isascii() and n.isalnum() and _is_mac(s)):
         return None
     return Signature(int(t), n, s)
 
@@ -64,7 +70,7 @@ def parse(value: str) -> Signature | None:
 def signed_by(token: str, signature: Signature, method: str, target: str) -> bool:
     """Whether `signature` is `token`'s for this call (in constant time)."""
     expected = _mac(token, _request_message(method, target, signature.timestamp, signature.nonce))
-    return hmac.compare_digest(expected, signature.mac)
+    return hmac.compare_digest(expected.encode(), signature.mac.encode())
 
 
 def proof(token: str, nonce: str) -> str:
@@ -73,4 +79,4 @@ def proof(token: str, nonce: str) -> str:
 
 
 def proven(token: str, nonce: str, answer: str | None) -> bool:
-    return answer is not None and hmac.compare_digest(proof(token, nonce), answer)
+    return _is_mac(answer) and hmac.compare_digest(proof(token, nonce).encode(), answer.encode())

@@ -7,6 +7,7 @@ import pytest
 from fleetrl.errors import FleetrlError
 from fleetrl.inference import fleet as fleet_module
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightSource, join_completions
+from fleetrl.inference.provider import ImpostorWorker
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState
 from fleetrl.versions import VersionSpan
 
@@ -689,4 +690,25 @@ async def test_a_slow_discovery_round_never_holds_a_publish_back(monkeypatch):
     report = await asyncio.wait_for(fleet.publish(2, transport, weights), 5)  # held at most ~0.2 s
     assert sorted(report.ready) == ["a", "b"]
     await asyncio.wait_for(round_, 5)
+    await fleet.close()
+
+
+async def test_an_impostor_at_a_workers_address_is_dead_at_the_next_discovery_round(monkeypatch):
+    """A process that took a ready worker's port answers /health; the fleet's health check is
+    signed, and an answer without the worker's proof (ImpostorWorker) takes the worker out of
+    the fleet, naming why (it stayed ready, and its tokens could be trained)."""
+    logged = []
+    provider = FakeProvider("a", "b")
+    fleet = Fleet(provider, discovery_interval_s=3600, log=logged.append)
+    await fleet.start()
+
+    async def impostor():
+        raise ImpostorWorker("a", "GET /health", "it answered (HTTP 200: '') without proof that it holds the run's "
+                             "admin token")
+
+    monkeypatch.setattr(provider.admin(fleet.workers["a"]), "health", impostor)
+    await fleet.refresh()
+    assert fleet.workers["a"].state == WorkerState.DEAD and fleet.workers["b"].state == WorkerState.READY
+    assert any("worker a" in line and "without proof that it holds the run's admin token" in line for line in logged)
+    assert all(out.worker_id == "b" for out in await fleet.generate(request(max_tokens=2, n=4)))
     await fleet.close()

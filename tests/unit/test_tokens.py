@@ -14,7 +14,7 @@ from fleetrl.config import Config, ConfigError, DynamoConfig, InferenceConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.engine.admin_auth import AdminTokenMiddleware
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import WorkerCallError
+from fleetrl.inference.provider import ImpostorWorker
 from fleetrl.inference.vllm import launcher
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.provider import VllmProvider
@@ -103,39 +103,69 @@ def test_a_signed_call_that_is_not_the_admin_tokens_for_this_very_call_is_refuse
     assert answer.status_code == 401 and admin_signature.PROOF_HEADER not in answer.headers
 
 
-def recording(requests: list, unauthorized_without_header: bool = False):
+def recording(requests: list, unauthorized_without_header: bool = False, proof: bytes | None = None):
     """A process that took a worker's port: it answers /health, and every other request with
     200 (or 401 with no Authorization header, as a middleware would), noting each request's
-    headers."""
+    headers; with `proof`, a made-up proof header."""
     async def app(scope, receive, send):
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         requests.append((scope["path"], headers))
         status = 401 if unauthorized_without_header and "authorization" not in headers and \
             scope["path"] != "/health" else 200
-        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+        answer = [(b"content-type", b"application/json")]
+        if proof is not None:
+            answer.append((admin_signature.PROOF_HEADER.encode(), proof))
+        await send({"type": "http.response.start", "status": status, "headers": answer})
         await send({"type": "http.response.body", "body": b'{"is_paused": false, "weight_version": "v3"}'})
     return app
 
 
-async def test_a_process_on_a_workers_port_never_gets_the_admin_token_and_is_found_out_at_the_first_call():
+@pytest.mark.parametrize("proof", [None, b"0" * 64, "\u00fc".encode() * 32], ids=["none", "wrong", "not hex"])
+async def test_a_process_on_a_workers_port_never_gets_the_admin_token_and_is_found_out_at_once(proof):
+    """Its /health passed before; now the fleet's health check is signed too, and an answer
+    without the worker's proof (none, a wrong one, one that is not even hex) is an impostor's."""
     requests: list = []
-    with serving(recording(requests)) as url:
+    with serving(recording(requests, proof=proof)) as url:
         admin = VllmAdminClient("vllm-0", url, ADMIN, timeout_s=5, retries=0)
         try:
-            assert await admin.health()  # /health needs no token: it passes
-            with pytest.raises(WorkerCallError, match="vllm-0.*without proof that it holds the run's admin token"):
-                await admin.version()
+            for call in (admin.health, admin.version):
+                with pytest.raises(ImpostorWorker, match="vllm-0.*without proof that it holds the run's admin token"):
+                    await call()
         finally:
             await admin.close()
     assert [path for path, _ in requests] == ["/health", "/weight_info"]
     assert not any(ADMIN in value for _, headers in requests for value in headers.values()), requests
 
 
+def test_a_signed_health_check_gets_the_proof_and_an_unsigned_one_still_passes(guarded):
+    headers, nonce = signed(ADMIN, "GET", "/health")
+    answer = httpx.get(guarded + "/health", headers=headers)
+    assert answer.status_code == 200
+    assert admin_signature.proven(ADMIN, nonce, answer.headers.get(admin_signature.PROOF_HEADER))
+    assert httpx.get(guarded + "/health").status_code == 200  # a load balancer's probe, say
+
+
+def test_an_error_the_server_raises_is_answered_with_its_text_and_the_proof(monkeypatch):
+    """vLLM's handler of last resort answers from outside the middleware: the caller took a
+    real error ("a weight update is already active") for an impostor's answer."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
+
+    async def failing(scope, receive, send):
+        raise RuntimeError("start_weight_update called while a weight update is already active")
+
+    with serving(AdminTokenMiddleware(failing)) as url:
+        headers, nonce = signed(ADMIN, "POST", "/collective_rpc")
+        answer = httpx.post(url + "/collective_rpc", headers=headers)
+    assert answer.status_code == 500 and "a weight update is already active" in answer.json()["error"]
+    assert admin_signature.proven(ADMIN, nonce, answer.headers.get(admin_signature.PROOF_HEADER))
+
+
 async def test_an_attached_server_that_cannot_prove_it_holds_the_admin_token_is_refused_without_getting_it():
     requests: list = []
     with serving(recording(requests, unauthorized_without_header=True)) as url:
-        with pytest.raises(FleetrlError, match=f"worker {url}: it answered without proof that it holds the run's "
-                                               "admin token"):
+        with pytest.raises(FleetrlError, match=f"worker {url}: it answered \\(HTTP 200: .*\\) without proof that it "
+                                               "holds the run's admin token"):
             await attach(url)
     assert not any(ADMIN in value for _, headers in requests for value in headers.values()), requests
 

@@ -85,23 +85,46 @@ class AdminTokenMiddleware:
         self._seen[signature.nonce] = signature.timestamp
         return True
 
+    async def _proven(self, scope, receive, send, nonce: str) -> None:
+        """The app's answer to a signed call, with this server's proof in its headers. An error
+        the app raises is answered here, proven, with its text: vLLM's handler of last resort
+        answers from outside this middleware, and the caller would take that answer for an
+        impostor's."""
+        proof = admin_signature.proof(self._admin_token, nonce).encode()
+        started = False
+
+        async def send_with_proof(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (admin_signature.PROOF_HEADER.encode(), proof)]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_proof)
+        except Exception as e:
+            if started:
+                raise
+            body = json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
+            await send_with_proof({"type": "http.response.start", "status": 500,
+                                   "headers": [(b"content-type", b"application/json")]})
+            await send_with_proof({"type": "http.response.body", "body": body})
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        data_path = is_data_path(scope["path"])
         authorization = self._authorization(scope) or ""
         signature = admin_signature.parse(authorization) if scope["type"] == "http" else None
+        if scope["path"] in OPEN_PATHS:
+            # Open to anyone; signed, the answer proves this is the server started with the token.
+            if signature is not None and self._signed(scope, signature):
+                return await self._proven(scope, receive, send, signature.nonce)
+            return await self.app(scope, receive, send)
+        data_path = is_data_path(scope["path"])
         if signature is not None:
             if self._signed(scope, signature):
-                proof = admin_signature.proof(self._admin_token, signature.nonce).encode()
-
-                async def send_with_proof(message):
-                    if message["type"] == "http.response.start":
-                        headers = [*message.get("headers", ()), (admin_signature.PROOF_HEADER.encode(), proof)]
-                        message = {**message, "headers": headers}
-                    await send(message)
-
-                return await self.app(scope, receive, send_with_proof)
+                return await self._proven(scope, receive, send, signature.nonce)
         else:
             scheme, _, token = authorization.partition(" ")
             if scheme.lower() == "bearer":

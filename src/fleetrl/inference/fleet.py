@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import InferenceProvider, NamedTensors, PauseMode, WeightTransport
+from fleetrl.inference.provider import ImpostorWorker, InferenceProvider, NamedTensors, PauseMode, WeightTransport
 from fleetrl.inference.types import (GenerateRequest, GenerateResponse, UnversionedTokens, WorkerInfo, WorkerRole,
                                      WorkerState)
 from fleetrl.processes import stopping
@@ -205,19 +205,28 @@ class Fleet:
             await self._each(self.ready_workers(), self._check_version, {}, WorkerState.STALE)
         await self._notify()
 
-    async def _healthy(self, worker: WorkerInfo) -> bool:
+    async def _health(self, worker: WorkerInfo) -> bool:
         """Whether the worker answers its health check within `health_timeout_s`: a hung
-        process (SIGSTOP, a wedged engine) keeps its socket open and never answers."""
+        process (SIGSTOP, a wedged engine) keeps its socket open and never answers. Raises
+        ImpostorWorker when what answers cannot prove it is the worker."""
         # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
         # arrives as the call completes, and the discovery loop would then never stop.
         try:
             async with asyncio.timeout(self.health_timeout_s):
                 return await self.provider.admin(worker).health()
+        except ImpostorWorker:
+            raise
         except Exception:  # TimeoutError included
             return False
 
+    async def _healthy(self, worker: WorkerInfo) -> bool:
+        try:
+            return await self._health(worker)
+        except ImpostorWorker:
+            return False
+
     async def _check_health(self, worker: WorkerInfo) -> None:
-        if not await self._healthy(worker):
+        if not await self._health(worker):
             raise FleetrlError(f"failed its health check (no healthy answer within {self.health_timeout_s:g} s)")
 
     async def _check_version(self, worker: WorkerInfo) -> None:
@@ -227,6 +236,8 @@ class Fleet:
         try:
             async with asyncio.timeout(self.health_timeout_s):  # not through the admin client's retries
                 reported = await self.provider.admin(worker).version()
+        except ImpostorWorker:
+            raise  # not an answer that is missing: an answer from something else
         except (FleetrlError, TimeoutError):
             return
         if reported != worker.version:

@@ -14,7 +14,7 @@ import httpx
 
 from fleetrl import admin_signature
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import WorkerCallError
+from fleetrl.inference.provider import ImpostorWorker, WorkerCallError
 from fleetrl.inference.types import RankWeights
 from fleetrl.processes import ManagedProcess
 from fleetrl.progress import progress_bar
@@ -51,8 +51,9 @@ def unproven(response: httpx.Response, admin_token: str, nonce: str) -> str | No
     it does."""
     if admin_signature.proven(admin_token, nonce, response.headers.get(admin_signature.PROOF_HEADER)):
         return None
-    return ("it answered without proof that it holds the run's admin token: it is not the server fleetrl "
-            "started or attached to (another process may have taken its port)")
+    return (f"it answered (HTTP {response.status_code}: {response.text[:120]!r}) without proof that it holds "
+            f"the run's admin token: it is not the server fleetrl started or attached to (another process may "
+            f"have taken its port)")
 
 
 class AdminHttp:
@@ -78,16 +79,18 @@ class AdminHttp:
         nonce = sign(request, self._admin_token)
         response = await answered_within(timeout_s, self._http.send(request))
         if response.status_code != 401 and (why := unproven(response, self._admin_token, nonce)):
-            raise WorkerCallError(self.worker_id, f"{method} {path}", why)
+            raise ImpostorWorker(self.worker_id, f"{method} {path}", why)
         return response
 
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def probe(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response | None:
-        """A health probe: one try, never retried; None when the worker cannot be reached."""
+    async def probe(self, method: str, path: str, timeout_s: float, signed: bool = False,
+                    **kwargs: Any) -> httpx.Response | None:
+        """A health probe: one try, never retried; None when the worker cannot be reached.
+        Signed (with the admin token), an answer without the worker's proof raises ImpostorWorker."""
         try:
-            return await self._request(method, path, timeout_s, **kwargs)
+            return await self._request(method, path, timeout_s, signed=signed, **kwargs)
         except httpx.TransportError:
             return None
 

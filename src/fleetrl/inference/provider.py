@@ -33,6 +33,12 @@ class WorkerCallError(FleetrlError):
         self.worker_id = worker_id
 
 
+class ImpostorWorker(WorkerCallError):
+    """What answered at a worker's address could not prove it holds the run's admin token: not
+    the server fleetrl started or attached to (fleetrl/admin_signature.py). Nothing it says is
+    trusted; the fleet takes it for dead."""
+
+
 class WorkerAdmin(Protocol):
     """Control plane of one worker (all of its tensor-parallel ranks)."""
 

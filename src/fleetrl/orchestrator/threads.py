@@ -12,8 +12,10 @@ from fleetrl.errors import FleetrlError
 
 # Calls given up on (past their time limit) whose threads still run. Python cannot stop a
 # thread, so each holds one until it returns; a reward that always hangs would leave one per
-# sample, without end. Past this many the run ends instead, naming the last.
-MAX_HUNG_CALLS = 32
+# sample, without end. Past this many the run ends instead, naming the last. Four times the
+# rewards that run at once (rollouts.REWARD_THREADS): one stall of a remote judge that times
+# out every reward of a batch, and then returns, does not end the run.
+MAX_HUNG_CALLS = 128
 _hung: dict[threading.Thread, str] = {}  # each with what it was called for, oldest first
 
 

@@ -32,7 +32,9 @@ class VllmAdminClient:
         return response.json() if response.content else None
 
     async def health(self) -> bool:
-        response = await self._http.probe("GET", "/health", timeout_s=5.0)
+        """Signed: the server proves it is the one started with the run's token (a process that
+        took a dead worker's port answers /health too)."""
+        response = await self._http.probe("GET", "/health", timeout_s=5.0, signed=True)
         return response is not None and response.status_code == 200
 
     async def pause(self, mode: PauseMode) -> None:
