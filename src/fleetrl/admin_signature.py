@@ -8,8 +8,9 @@ of the call (method, path and query, a timestamp, a fresh nonce) keyed by the to
 worker's middleware (engine/admin_auth.py) checks it, refuses a timestamp off by more than
 MAX_SKEW_S or a nonce it has seen, and answers with an HMAC of the nonce keyed by the same
 token. A caller that gets no valid proof back is not talking to a server started with the
-run's token, and trusts nothing it said. Bearer tokens still open the routes, for an operator's
-curl.
+run's token, and trusts nothing it said. fleetrl's data requests (which carry the data token as a
+bearer) name a nonce of their own (NONCE_HEADER), and their answers carry the same proof.
+Bearer tokens still open the routes, for an operator's curl.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import time
 from dataclasses import dataclass
 
 SCHEME = "Fleetrl-HMAC"
+# A data request (which carries the data token) may name a nonce here; the answer then carries
+# the worker's proof of it, as for a signed admin call.
+NONCE_HEADER = "x-fleetrl-nonce"
 _HEX = frozenset("0123456789abcdef")
 PROOF_HEADER = "x-fleetrl-proof"
 # How far a signed call's clock may be from the worker's; a nonce is remembered this long.
@@ -50,9 +54,17 @@ def _request_message(method: str, target: str, timestamp: int, nonce: str) -> st
 def authorization(token: str, method: str, target: str) -> tuple[str, str]:
     """The Authorization header's value for a call of `method` on `target` (path and query, as
     sent), and the nonce the answer's proof must be made of."""
-    timestamp, nonce = int(time.time()), secrets.token_hex(16)
+    timestamp, nonce = int(time.time()), fresh_nonce()
     mac = _mac(token, _request_message(method, target, timestamp, nonce))
     return f"{SCHEME} t={timestamp},n={nonce},s={mac}", nonce
+
+
+def fresh_nonce() -> str:
+    return secrets.token_hex(16)
+
+
+def is_nonce(value: str) -> bool:
+    return 0 < len(value) <= 64 and value.isascii() and value.isalnum()
 
 
 def parse(value: str) -> Signature | None:
@@ -62,7 +74,7 @@ def parse(value: str) -> Signature | None:
         return None
     fields = dict(part.partition("=")[::2] for part in rest.split(","))
     t, n, s = fields.get("t", ""), fields.get("n", ""), fields.get("s", "")
-    if not (t.isascii() and t.isdigit() and n and n.isascii() and n.isalnum() and _is_mac(s)):
+    if not (t.isascii() and t.isdigit() and is_nonce(n) and _is_mac(s)):
         return None
     return Signature(int(t), n, s)
 

@@ -137,6 +137,36 @@ async def test_a_process_on_a_workers_port_never_gets_the_admin_token_and_is_fou
     assert not any(ADMIN in value for _, headers in requests for value in headers.values()), requests
 
 
+async def test_a_process_on_a_workers_port_cannot_answer_fleetrls_data_requests():
+    """fleetrl's data client names a nonce with each request; an answer without the worker's
+    proof of it is an impostor's, never a sample (it could label made-up tokens v(n))."""
+    from fleetrl.inference.types import GenerateRequest, SamplingParams
+    from fleetrl.inference.vllm.data import VllmDataClient
+
+    requests: list = []
+    with serving(recording(requests)) as url:
+        data = VllmDataClient(DATA, 5, admin_token=ADMIN)
+        try:
+            with pytest.raises(ImpostorWorker, match="vllm-0: generate r1 failed: it answered .* without proof"):
+                await data.generate("vllm-0", url, GenerateRequest([1, 2], SamplingParams(max_tokens=2), request_id="r1"))
+            with pytest.raises(ImpostorWorker, match="vllm-0: scoring failed: it answered .* without proof"):
+                await data.prompt_logprobs("vllm-0", url, [1, 2, 3])
+        finally:
+            await data.close()
+    assert not any(ADMIN in value for _, headers in requests for value in headers.values()), requests
+
+
+def test_a_data_request_that_names_a_nonce_gets_the_proof_of_it(guarded):
+    nonce = admin_signature.fresh_nonce()
+    for token in (DATA, ADMIN):
+        answer = httpx.post(guarded + "/inference/v1/generate", headers={**bearer(token), "x-fleetrl-nonce": nonce})
+        assert answer.status_code == 200
+        assert admin_signature.proven(ADMIN, nonce, answer.headers.get(admin_signature.PROOF_HEADER))
+    # Without the data token, a nonce opens nothing and proves nothing.
+    answer = httpx.post(guarded + "/inference/v1/generate", headers={"x-fleetrl-nonce": nonce})
+    assert answer.status_code == 401 and admin_signature.PROOF_HEADER not in answer.headers
+
+
 def test_a_signed_health_check_gets_the_proof_and_an_unsigned_one_still_passes(guarded):
     headers, nonce = signed(ADMIN, "GET", "/health")
     answer = httpx.get(guarded + "/health", headers=headers)

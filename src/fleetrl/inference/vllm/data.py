@@ -12,15 +12,21 @@ from typing import Any
 
 import httpx
 
+from fleetrl import admin_signature
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.http import SERVED_MODEL_NAME, answered_within, prompt_logprobs_of
+from fleetrl.inference.http import SERVED_MODEL_NAME, answered_within, prompt_logprobs_of, unproven
+from fleetrl.inference.provider import ImpostorWorker
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_spans
 
 
 class VllmDataClient:
-    def __init__(self, data_token: str | None, timeout_s: float, max_connections: int = 256) -> None:
-        # No token: a coordinator that only reads the workers' state (`fleetrl status`).
+    def __init__(self, data_token: str | None, timeout_s: float, max_connections: int = 256,
+                 admin_token: str | None = None) -> None:
+        # No token: a coordinator that only reads the workers' state (`fleetrl status`). With
+        # the admin token, every answer must carry the worker's proof of a nonce of this client's
+        # (admin_signature.py): a process on a dead worker's port cannot answer for it.
         self.timeout_s = timeout_s
+        self._admin_token = admin_token
         self._http = httpx.AsyncClient(
             timeout=timeout_s,
             headers={"Authorization": f"Bearer {data_token}"} if data_token else None,
@@ -54,7 +60,7 @@ class VllmDataClient:
             "request_id": request.request_id,
         }
         try:
-            response = await answered_within(self.timeout_s, self._http.post(f"{url}/inference/v1/generate", json=body))
+            response = await self._post(worker_id, f"generate {request.request_id}", f"{url}/inference/v1/generate", body)
         except httpx.TransportError as e:
             raise FleetrlError(f"worker {worker_id}: generate {request.request_id} failed: "
                                f"{type(e).__name__} talking to {url}") from None
@@ -71,12 +77,22 @@ class VllmDataClient:
             "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False},
         }
         try:
-            response = await answered_within(self.timeout_s, self._http.post(f"{url}/inference/v1/generate", json=body))
+            response = await self._post(worker_id, "scoring", f"{url}/inference/v1/generate", body)
         except httpx.TransportError as e:
             raise FleetrlError(f"worker {worker_id}: scoring failed: {type(e).__name__} talking to {url}") from None
         if response.status_code != 200:
             raise FleetrlError(f"worker {worker_id}: scoring failed: HTTP {response.status_code}: {response.text[:300]}")
         return prompt_logprobs_of(token_ids, response.json()["prompt_logprobs"])
+
+    async def _post(self, worker_id: str, what: str, url: str, body: dict) -> httpx.Response:
+        if self._admin_token is None:
+            return await answered_within(self.timeout_s, self._http.post(url, json=body))
+        nonce = admin_signature.fresh_nonce()
+        response = await answered_within(self.timeout_s, self._http.post(
+            url, json=body, headers={admin_signature.NONCE_HEADER: nonce}))
+        if response.status_code != 401 and (why := unproven(response, self._admin_token, nonce)):
+            raise ImpostorWorker(worker_id, what, why)
+        return response
 
     @staticmethod
     def _parse_choice(worker_id: str, request: GenerateRequest, choice: dict) -> GenerateResponse:

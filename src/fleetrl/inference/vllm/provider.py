@@ -48,7 +48,7 @@ class VllmProvider:
         self.launched: list[LaunchedServer] = []
         self.launches_workers = not config.attaches()
         self._admins: dict[str, VllmAdminClient] = {}
-        self._data = VllmDataClient(data_token, config.request_timeout_s)
+        self._data = VllmDataClient(data_token, config.request_timeout_s, admin_token=admin_token)
 
     async def start(self) -> None:
         if self.config.urls:
