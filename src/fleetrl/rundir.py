@@ -200,6 +200,8 @@ class RunDir:
         """The final model, written by `write(folder)` beside the one there, then swapped in: a
         resumed run that fails keeps the final model the run had."""
         new, old = self.root / ".new-final_model", self.root / ".old-final_model"
+        if old.exists() and not self.final_model_dir.exists():
+            os.rename(old, self.final_model_dir)  # a run killed between the two renames: the model it had
         for leftover in (new, old):  # of a run killed as it wrote
             shutil.rmtree(leftover, ignore_errors=True)
         write(new)

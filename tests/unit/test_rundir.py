@@ -135,6 +135,22 @@ def test_a_resumed_finished_run_keeps_its_final_model_and_manifest_until_replace
     run.close()
 
 
+def test_a_final_model_left_between_the_two_renames_is_kept(tmp_path):
+    """A run killed after the old final model was moved aside and before the new one was moved
+    in left only `.old-final_model`; the next swap deleted it as a leftover, and a write that
+    then failed left the run without any final model."""
+    run = RunDir(tmp_path)
+    (tmp_path / ".old-final_model").mkdir()
+    (tmp_path / ".old-final_model" / "model.safetensors").write_bytes(b"v3")
+
+    def fails(folder):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        run.replace_final_model(fails)
+    assert (run.final_model_dir / "model.safetensors").read_bytes() == b"v3"
+
+
 def test_a_resume_drops_a_torn_last_event(tmp_path):
     """A kill mid-append tore the timeline's last line; appended after, it became a damaged
     middle line, and `fleetrl plot` and the run's finish failed on it."""
