@@ -90,12 +90,11 @@ def test_each_run_launches_dynamo_in_a_namespace_of_its_own(tmp_path):
     """Two runs on one etcd with one namespace each listed the other's workers, and put them in
     their own fleet (issue 27, item 3). Unset, the namespace is the run's own, and the same on
     resume; a namespace set is kept."""
-    from fleetrl.app.providers import Tokens, build_provider
+    from fleetrl.inference.dynamo.provider import DynamoProvider
 
     def namespace(run_dir, *flags):
-        config = load_config([], [("inference.provider", "dynamo"), ("run.dir", str(run_dir)), *flags])
-        env = deployment_env(build_provider(config, tmp_path, Tokens(None, None)).config, tmp_path)
-        return env["DYN_NAMESPACE"]
+        inference = load_config([], [("inference.provider", "dynamo"), *flags]).inference
+        return deployment_env(DynamoProvider(inference, tmp_path, run_dir).config, tmp_path)["DYN_NAMESPACE"]
 
     a, b = namespace(tmp_path / "a"), namespace(tmp_path / "b")
     assert a.startswith("fleetrl-") and b.startswith("fleetrl-") and a != b

@@ -10,7 +10,6 @@ nothing else given (`attached_to_run`).
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import secrets
 from collections.abc import Callable, Mapping
@@ -83,17 +82,7 @@ def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tok
         raise ConfigError(f"{' and '.join(given)} set with inference.provider = 'dynamo', whose frontend and "
                           "workers take no token: unset it, and protect the workers' system ports with the "
                           "network (docs/dynamo.md, \"Protecting the system port\")")
-    inference = config.inference
-    if inference.dynamo.namespace is None:
-        dynamo = inference.dynamo.model_copy(update={"namespace": run_namespace(run_dir.root)})
-        inference = inference.model_copy(update={"dynamo": dynamo})
-    return DynamoProvider(inference, model_dir, run_dir.root)
-
-
-def run_namespace(run_dir: Path) -> str:
-    """The default Dynamo namespace of a run: its own, and the same again on resume. One shared by
-    two runs on one etcd put each run's workers in the other's fleet (issue 27, item 3)."""
-    return f"fleetrl-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
+    return DynamoProvider(config.inference, model_dir, run_dir.root)
 
 
 def _dynamo_missing(inference: InferenceConfig) -> str | None:

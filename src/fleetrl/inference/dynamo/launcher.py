@@ -17,6 +17,7 @@ worker serves its RL admin routes on its own `DYN_SYSTEM_PORT`.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import sys
@@ -150,6 +151,12 @@ def deployment_env(config: InferenceConfig, discovery_dir: Path,
     if config.dynamo.etcd_endpoints:
         env["ETCD_ENDPOINTS"] = ",".join(config.dynamo.etcd_endpoints)
     return {**env, **cluster_env, **config.dynamo.env}
+
+
+def run_namespace(run_dir: Path) -> str:
+    """The default Dynamo namespace of a run: its own, and the same again on resume. One shared by
+    two runs on one etcd put each run's workers in the other's fleet (issue 27, item 3)."""
+    return f"fleetrl-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
 
 
 def frontend_argv(config: InferenceConfig, http_port: int) -> list[str]:

@@ -24,7 +24,7 @@ from fleetrl.inference.dynamo.admin import DynamoAdminClient
 from fleetrl.inference.dynamo.attribution import prefill_agrees, sequence_version, with_span
 from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, served_model
 from fleetrl.inference.dynamo.discovery import list_rl_workers
-from fleetrl.inference.dynamo.launcher import DynamoDeployment, launch_dynamo
+from fleetrl.inference.dynamo.launcher import DynamoDeployment, launch_dynamo, run_namespace
 from fleetrl.inference.http import SERVED_MODEL_NAME
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole
 
@@ -38,6 +38,9 @@ class DynamoProvider:
     name = "dynamo"
 
     def __init__(self, config: InferenceConfig, model_dir: Path, run_dir: Path, log=print) -> None:
+        if config.dynamo.namespace is None:  # the run's own (launcher.run_namespace)
+            config = config.model_copy(update={"dynamo": config.dynamo.model_copy(
+                update={"namespace": run_namespace(run_dir)})})
         self.config = config
         self.model_dir = model_dir
         self.run_dir = run_dir
