@@ -35,6 +35,7 @@ from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
+from fleetrl.versions import run_id
 from fleetrl.weights.factory import make_transport
 
 
@@ -88,7 +89,7 @@ def compared_fleets(compare: str, model_dir: Path, tmp: Path) -> dict[str, Fleet
         return {"fleetrl kind": dynamo("fleetrl-kind", dynamo=DynamoConfig(worker="fleetrl")),
                 "Dynamo kind": dynamo("dynamo-kind")}
     native = VllmProvider(InferenceConfig(workers=1, vllm=VllmConfig(max_model_len=512)), model_dir,
-                          tmp / "native", secrets.token_urlsafe(16), secrets.token_urlsafe(16))
+                          tmp / "native", secrets.token_urlsafe(16), secrets.token_urlsafe(16), run_id(tmp))
     return {"Dynamo": dynamo("dynamo"), "native": Fleet(native, discovery_interval_s=3600)}
 
 

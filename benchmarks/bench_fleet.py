@@ -42,6 +42,7 @@ from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.trainer.model import agreement_probe, prompt_logprobs
+from fleetrl.versions import run_id
 from fleetrl.weights import group as bgroup
 from fleetrl.weights.factory import make_transport
 
@@ -266,7 +267,7 @@ async def main(args) -> None:
             apply_core_plan(run_config, log=lambda line: None)
         config = run_config.inference
         bind = config.vllm.omp_threads_bind
-        provider = VllmProvider(config, model_dir, Path(tmp) / "logs", token, secrets.token_urlsafe(16))
+        provider = VllmProvider(config, model_dir, Path(tmp) / "logs", token, secrets.token_urlsafe(16), run_id(Path(tmp)))
         fleet = Fleet(provider, discovery_interval_s=3600)
         await fleet.start()
         try:

@@ -292,6 +292,14 @@ class InferenceConfig(Section):
     discovery_interval_s: float = Field(
         5.0, gt=0, le=MAX_WAIT_S, description="How often the fleet re-discovers workers and checks their health."
     )
+    claim_lease_s: float = Field(
+        30.0, gt=0, le=MAX_WAIT_S,
+        description="Native vLLM workers are held by one run at a time: each admin call of the run renews its "
+        "claim for this long, and another run that reaches the worker meanwhile (attached to the same URL) is "
+        "refused, naming this one. A run that stops lets its workers go at once; one killed holds them this "
+        "long, except from a resume of its own run directory. At least discovery_interval_s, whose health "
+        "checks renew it.",
+    )
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     dynamo: DynamoConfig = Field(default_factory=DynamoConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
@@ -307,6 +315,14 @@ class InferenceConfig(Section):
             raise ValueError("inference.dynamo.frontend_url is set but inference.provider is not 'dynamo'")
         if self.dynamo.prefill_workers:
             raise ValueError("inference.dynamo.prefill_workers is set but inference.provider is not 'dynamo'")
+        return self
+
+    @model_validator(mode="after")
+    def _claim_outlasts_discovery(self) -> "InferenceConfig":
+        if self.claim_lease_s < self.discovery_interval_s:
+            raise ValueError(f"inference.claim_lease_s ({self.claim_lease_s:g}) must be at least "
+                             f"inference.discovery_interval_s ({self.discovery_interval_s:g}): the run's claim on "
+                             "its workers would lapse between the health checks that renew it")
         return self
 
     @model_validator(mode="after")

@@ -53,3 +53,10 @@ TOKEN_VERSIONS_FLAG = "--fleetrl-token-versions"
 # (engine/orphan.py). A worker that an operator starts lives on its own: its starter (a
 # deployment script, a shell) may exit long before it.
 DIES_WITH_PARENT_ENV = "FLEETRL_DIES_WITH_PARENT"
+
+# A worker's claim by one run (engine/worker_claim.py): every signed admin call of a run names
+# the run and how long its claim lasts past the call; the run releases it with a DELETE of
+# CLAIM_PATH, which the worker's middleware answers itself.
+CLAIM_RUN_HEADER = "x-fleetrl-run"
+CLAIM_LEASE_HEADER = "x-fleetrl-lease-s"
+CLAIM_PATH = "/fleetrl/claim"

@@ -7,7 +7,10 @@ off-policy distance of a sample trained at step `n` is `(n - 1) - min(span versi
 
 from __future__ import annotations
 
+import hashlib
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -38,18 +41,49 @@ def span_ends(spans: list[VersionSpan], length: int) -> list[tuple[VersionSpan, 
 
 
 def version_name(version: int) -> str:
-    """The label a worker carries for policy `version` (vLLM's and Dynamo's weight version)."""
+    """How fleetrl shows policy `version` to people (`v3`)."""
     return f"v{version}"
 
 
-def incomplete_version_name(version: int) -> str:
+@dataclass(frozen=True)
+class Label:
+    """What a worker's weight label says: policy `version` of the run `run` (`v3@<run id>`).
+
+    The run's identity is in the label because a worker may be reached by two coordinators (two
+    runs attached to the same URLs): a bare `v3` would let one run train on the other's v3."""
+
+    version: int
+    run: str
+
+
+def run_id(run_dir: Path) -> str:
+    """A run's identity in its workers' labels and claims: the same for every start of one run
+    directory on one host (a resume takes back what it left), different for any other."""
+    where = f"{socket.gethostname()}\n{Path(run_dir).resolve()}"
+    return hashlib.sha256(where.encode()).hexdigest()[:12]
+
+
+def version_label(version: int, run: str) -> str:
+    """The label a worker carries for policy `version` of run `run` (vLLM's and Dynamo's weight
+    version, and every token's span)."""
+    return f"{version_name(version)}@{run}"
+
+
+def incomplete_label(version: int, run: str) -> str:
     """The label of a worker whose transfer of `version` failed: it names no policy version."""
-    return f"incomplete-{version_name(version)}"
+    return f"incomplete-{version_label(version, run)}"
 
 
-def parse_version(name: str) -> int | None:
-    """`v3` -> 3; anything else (vLLM's initial "default", a foreign label) -> None. ASCII
-    digits only: str.isdigit() also takes "²" (which int() refuses) and "١٢" (which it reads)."""
-    if name.startswith("v") and name[1:].isascii() and name[1:].isdigit():
-        return int(name[1:])
+def is_run_id(run: str) -> bool:
+    return 0 < len(run) <= 64 and run.isascii() and run.isalnum()
+
+
+def parse_label(label: str) -> Label | None:
+    """`v3@a1b2` -> Label(3, "a1b2"); anything else (vLLM's initial "default", a label of
+    another program, an incomplete transfer's) -> None. ASCII digits only: str.isdigit() also
+    takes "²" (which int() refuses) and "١٢" (which it reads)."""
+    name, _, run = label.partition("@")
+    digits = name[1:]
+    if name.startswith("v") and digits.isascii() and digits.isdigit() and is_run_id(run):
+        return Label(int(digits), run)
     return None

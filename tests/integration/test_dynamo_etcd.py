@@ -215,7 +215,8 @@ async def test_a_worker_that_registers_is_refitted_to_the_fleets_version_before_
     assert new in registered_in_etcd(deployment.record["etcd_endpoint"])
     # Quarantined first: seen holding no version, it was paused and sent v1's weights, and was
     # never ready before that.
-    assert f"fleetrl: worker {new} reports version None, not v1: refitting it with the weights of v1" in attached.logs
+    assert (f"fleetrl: worker {new} holds no version of this run (another run's, or none), not v1: refitting it "
+            "with the weights of v1") in attached.logs
     states = [e["state"] for e in attached.events[seen:] if e.get("worker") == new]
     assert states[0] == "syncing" and states[-1] == "ready" and states.count("ready") == 1, states
     admin = fleet.provider.admin(fleet.workers[new])

@@ -166,7 +166,7 @@ def latest_checkpoint(run_dir) -> int | None:
 
 
 def admin_of(url: str) -> VllmAdminClient:
-    return VllmAdminClient(url, url, ADMIN, timeout_s=30, retries=1)
+    return VllmAdminClient(url, url, ADMIN, timeout_s=30, retries=1, claim=None)  # looks only, as status does
 
 
 async def paused_and_versions(urls) -> list[tuple[bool, int | None]]:
@@ -314,7 +314,7 @@ def check_the_final_model_serves_like_the_workers(run_dir, workers, tmp_path) ->
         served = prompt_logprobs_of(probe, answer.json()["choices"][0]["prompt_logprobs"])
 
     async def workers_score() -> list[list[float]]:
-        data = VllmDataClient(DATA, 120)
+        data = VllmDataClient(DATA, 120, run=None)  # scores only
         try:
             return [await data.prompt_logprobs(url, url, probe) for url in workers]
         finally:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import asynccontextmanager
 
 import httpx
 import psutil
@@ -45,7 +46,7 @@ from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import Episode, EpisodeLimits, run_episode
 from fleetrl.rundir import RunDir, check_turns
 from fleetrl.trainer.model import prompt_logprobs
-from fleetrl.versions import VersionSpan, off_policy_distance
+from fleetrl.versions import VersionSpan, off_policy_distance, run_id
 from fleetrl.weights.factory import make_transport
 
 from .conftest import chat_ids, greedy, greedy_response, model_with, perturbed, running
@@ -59,6 +60,9 @@ PROVIDERS = {
     "dynamo": dict(provider="dynamo", workers=2),
     "dynamo-fleetrl": dict(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl"), workers=1),
 }
+# How long the module's fleet holds its native workers after its last call (inference.claim_lease_s):
+# short, so that a test can attach a second run to them once the fleet has let them lapse.
+CLAIM_LEASE_S = 5.0
 # Fixed tokens with a leading "-" and digits: they must pass the CLI as they are (issue 15).
 TOKEN = "-0123456789abcdef"  # admin
 DATA_TOKEN = "-fedcba9876543210"
@@ -73,7 +77,7 @@ def only(*names: str):
 async def fleet(request, model_dir, tmp_path_factory):
     """One provider's fleet for every test that runs on it; always stopped, pass or fail."""
     inference = InferenceConfig(**PROVIDERS[request.param], vllm=VllmConfig(max_model_len=512), admin_timeout_s=120,
-                                startup_timeout_s=900)
+                                startup_timeout_s=900, claim_lease_s=CLAIM_LEASE_S)
     # Built by name through the registry, as `fleetrl rl` builds it, on the CPUs its default
     # core plan gives the workers (two workers: one CPU each).
     config = Config(inference=inference, run=RunConfig(dir=tmp_path_factory.mktemp(request.param)))
@@ -81,6 +85,23 @@ async def fleet(request, model_dir, tmp_path_factory):
     provider = build_provider(config, model_dir, Tokens(admin=TOKEN, data=DATA_TOKEN))
     async with running(Fleet(provider, pause_mode=inference.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
         yield fleet
+
+
+@asynccontextmanager
+async def renewing(fleet: Fleet):
+    """The fleet's health checks every second, as a live run's discovery would make them."""
+    async def check() -> None:
+        while True:
+            await asyncio.gather(*(fleet.provider.admin(w).health() for w in fleet.workers.values()))
+            await asyncio.sleep(1.0)
+
+    task = asyncio.create_task(check())
+    await asyncio.sleep(0)
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def transport_for(kind: str, tmp_path_factory, bucket_bytes: int = 32 << 20):
@@ -209,22 +230,32 @@ def status_rows(out: str) -> dict[str, list[str]]:
 
 @only("vllm")
 async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, model_dir, tmp_path, tmp_path_factory):
-    """A second coordinator attached by URL (servers started elsewhere) serves at v0 too, and
-    `fleetrl status` finds the workers from the run directory it recorded, or from flags."""
+    """A second run attached by URL to the module fleet's workers is refused while that fleet
+    holds them, naming the worker and the run; once the fleet's claim has lapsed it serves at
+    v0 too, and `fleetrl status` finds the workers from the run directory it recorded, or from
+    flags."""
     urls = [w.admin_url for w in fleet.workers.values()]
     assert sorted(fleet.provider.attach_settings()["urls"]) == sorted(urls)
     config = InferenceConfig(urls=urls)
-    provider = VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN)
+    run_dir = RunDir(tmp_path / "run")
+    provider = VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN, run_id(run_dir.root))
+    transport = transport_for("broadcast", tmp_path_factory)
+    refused = Fleet(provider, discovery_interval_s=3600, log=lambda *_: None)
+    with pytest.raises(FleetrlError, match=rf"no inference worker became ready: .*held by another fleetrl run, "
+                                           rf"{fleet.provider.run}"):
+        async with renewing(fleet):  # a live run: its health checks renew its claim
+            await refused.start(base_weights_of(provider, model_dir, transport))
+    await refused.close()
+    await asyncio.sleep(CLAIM_LEASE_S + 0.5)  # the module fleet's claim lapses
+    provider = VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN, run_id(run_dir.root))
     logs = []
     attached = Fleet(provider, discovery_interval_s=3600, log=logs.append)
-    run_dir = RunDir(tmp_path / "run")
-    transport = transport_for("broadcast", tmp_path_factory)
     await start_recorded(attached, run_dir, base_weights_of(provider, model_dir, transport))
     try:
         assert sorted(w.id for w in attached.ready_workers()) == sorted(urls)
         # Launched by someone else, they received no weights: fleetrl cannot know what they
         # loaded, so each got the base weights before being labelled v0.
-        assert sum("reports version 0" in line or "holds other weights" in line for line in logs) == 2, logs
+        assert sum("holds no version of this run" in line or "holds other weights" in line for line in logs) == 2, logs
         for worker in attached.workers.values():
             await attached.provider.admin(worker).verify_weights(attached.checksum)
         (out,) = await attached.generate(GenerateRequest(chat_ids(tokenizer, "Hi"), SamplingParams(max_tokens=4)))
@@ -245,7 +276,8 @@ async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, mod
     assert status.returncode == 0, status.stderr
     assert [r[1:3] for r in status_rows(status.stdout).values()] == [["ready", "v0"]] * 2
     # A coordinator with other tokens is refused at start, naming the token.
-    other = Fleet(VllmProvider(config, model_dir, tmp_path, TOKEN, "not-the-data-token"), log=lambda *_: None)
+    other = Fleet(VllmProvider(config, model_dir, tmp_path, TOKEN, "not-the-data-token", "other"),
+                  log=lambda *_: None)
     with pytest.raises(FleetrlError, match="refused the data token"):
         await other.start(base_weights_of(other.provider, model_dir, None))
     await other.close()
@@ -354,17 +386,20 @@ async def test_status_shows_every_worker_as_the_workers_report_themselves(fleet)
 async def test_attached_workers_a_previous_run_left_at_vn_are_refitted_with_the_base(fleet, base_weights, probe,
                                                                                    model_dir, tokenizer, tmp_path,
                                                                                    tmp_path_factory):
-    """A second run attached to workers that the first left at vN: neither is labelled v0 until
-    it holds the base weights (checksum of every rank, then the agreement probe)."""
+    """A second run attached to workers that the first left at vN (its claim lapsed): its vN is
+    no version of the second run's, and neither worker is labelled v0 until it holds the base
+    weights (checksum of every rank, then the agreement probe)."""
     assert fleet.version > 0 and all(w.version == fleet.version for w in fleet.workers.values())
     urls = [w.admin_url for w in fleet.workers.values()]
-    provider = VllmProvider(InferenceConfig(urls=urls), model_dir, tmp_path, TOKEN, DATA_TOKEN)
+    provider = VllmProvider(InferenceConfig(urls=urls), model_dir, tmp_path, TOKEN, DATA_TOKEN, run_id(tmp_path))
     logs = []
     attached = Fleet(provider, discovery_interval_s=3600, log=logs.append)
     transport = transport_for("broadcast", tmp_path_factory)
+    await asyncio.sleep(CLAIM_LEASE_S + 0.5)  # the module fleet's claim lapses
     try:
         await attached.start(base_weights_of(provider, model_dir, transport))
-        assert sum(f"reports version {fleet.version}, not v0: refitting it" in line for line in logs) == 2, logs
+        assert sum(f"holds no version of this run (another run's, or none), not v0: refitting it" in line
+                   for line in logs) == 2, logs
         for worker in attached.workers.values():
             assert worker.state == WorkerState.READY and worker.version == 0
             await attached.provider.admin(worker).verify_weights(attached.checksum)

@@ -19,12 +19,16 @@ import torch
 from safetensors.torch import load_file
 
 from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES, WEIGHT_UPDATE_SERIAL_PHASES
+from fleetrl.inference.http import RunClaim
 from fleetrl.inference.provider import WeightTransport
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.weights import manifest
 from fleetrl.weights.factory import make_transport
 
 from .deployments import ADMIN, OPERATOR_SERVERS
+
+# The run these tests publish as: the labels they set carry it (versions.version_label).
+RUN = "weighttransfer"
 
 pytestmark = [pytest.mark.integration, pytest.mark.deployment(OPERATOR_SERVERS)]
 
@@ -107,7 +111,7 @@ def hf_greedy(model_dir: Path, weights: Weights, prompt_ids: list[int]) -> list[
 
 
 async def with_client(url: str, body):
-    client = VllmAdminClient("worker-0", url, ADMIN, timeout_s=120, retries=2)
+    client = VllmAdminClient("worker-0", url, ADMIN, timeout_s=120, retries=2, claim=RunClaim(RUN, 30))
     try:
         return await body(client)
     finally:
@@ -209,7 +213,7 @@ def test_filesystem_refuses_an_unready_version(server, tmp_path, prompt_ids, ori
             with pytest.raises(Exception, match="v301/READY is missing"):
                 await transport.transfer([client], lambda: iter(modified), 301)
             assert await client.version() is None
-            assert (await client.call("GET", "/weight_info", idempotent=True))["weight_version"] == "incomplete-v301"
+            assert (await client.call("GET", "/weight_info", idempotent=True))["weight_version"] == f"incomplete-v301@{RUN}"
             assert [s["checksum"] for s in await client.collective_rpc(WEIGHT_STATE_METHOD)] == [None]
         finally:
             await client.resume()

@@ -131,7 +131,7 @@ class FakeProvider:
 
     async def _sample(self, engine: FakeEngine, request: GenerateRequest, already: int) -> GenerateResponse:
         if engine.version is None:  # vLLM labels such tokens "default", which engine_spans refuses
-            raise UnversionedTokens(engine.id, request.request_id, "default")
+            raise UnversionedTokens(engine.id, request.request_id, "default", "fake-run")
         tokens: list[int] = []
         spans: list[VersionSpan] = []
         finish = "length"

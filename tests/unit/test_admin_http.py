@@ -47,7 +47,7 @@ async def test_an_admin_call_that_trickles_past_its_timeout_fails():
 
 async def test_a_generate_that_trickles_past_its_timeout_fails():
     server, url = await trickling_server()
-    data = VllmDataClient("token", timeout_s=1.0)
+    data = VllmDataClient("token", timeout_s=1.0, run="r1")
     try:
         with pytest.raises(FleetrlError, match=r"^worker w: generate \w+ failed: ReadTimeout talking to"):
             await data.generate("w", url, GenerateRequest([1, 2], SamplingParams(max_tokens=1)))

@@ -88,12 +88,21 @@ def test_strings_that_need_quoting_round_trip(tmp_path):
 @pytest.mark.parametrize("key", ["inference.weights.transfer_timeout_s", "inference.startup_timeout_s",
                                  "inference.request_timeout_s", "inference.admin_timeout_s",
                                  "inference.health_timeout_s", "inference.no_worker_timeout_s",
-                                 "inference.discovery_interval_s", "orchestrator.reward_timeout_s"])
+                                 "inference.discovery_interval_s", "inference.claim_lease_s",
+                                 "orchestrator.reward_timeout_s"])
 def test_timeouts_are_bounded_at_config_time(key):
     """1e15 s once passed here and overflowed a timer at the first publish."""
     with pytest.raises(ConfigError, match=rf"config key '{key}': Input should be less than or equal to 604800"):
         load_config([], [(key, "1e15")])
-    assert load_config([], [(key, "604800")])
+    # The claim is renewed by the health checks, so it lasts at least as long as their interval.
+    lease = [("inference.claim_lease_s", "604800")] if key == "inference.discovery_interval_s" else []
+    assert load_config([], [(key, "604800"), *lease])
+
+
+def test_a_claim_on_the_workers_outlasts_the_checks_that_renew_it():
+    with pytest.raises(ConfigError, match=r"inference.claim_lease_s \(30\) must be at least "
+                                          r"inference.discovery_interval_s \(60\)"):
+        load_config([], [("inference.discovery_interval_s", "60")])
 
 
 def test_every_field_is_documented():

@@ -69,7 +69,7 @@ def admin_answering(answer: dict) -> DynamoAdminClient:
         assert request.url.path == "/engine/update_weights_from_distributed"
         assert body == {"engine_rpc": WEIGHT_STATE_METHOD, "reset_prefix_cache": False, "allow_unpaused": True}
         return httpx.Response(200, json=answer)
-    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=2, timeout_s=1, retries=0)
+    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=2, timeout_s=1, retries=0, run="r1")
     admin._http._http = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(worker))
     return admin
 

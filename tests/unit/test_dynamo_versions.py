@@ -80,7 +80,7 @@ async def test_startup_waits_until_the_frontend_serves_every_decode_and_prefill_
         served = {"decode_worker_id": int(pins[0]), "prefill_worker_id": int(pins[1])}  # as Dynamo: numbers
         return httpx.Response(200, json={"choices": [{"finish_reason": "length"}],
                                          "nvext": {"completion_token_ids": [5], "worker_id": served}})
-    async with DynamoDataClient("http://f", "policy", timeout_s=1) as data:
+    async with DynamoDataClient("http://f", "policy", timeout_s=1, run="r1") as data:
         await data._http.aclose()  # replaced by the fake frontend, which the context closes
         data._http = httpx.AsyncClient(base_url="http://f", transport=httpx.MockTransport(frontend))
         assert "HTTP 404" in await why_not_serving(data, workers)
@@ -93,7 +93,7 @@ async def test_startup_waits_until_the_frontend_serves_every_decode_and_prefill_
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_keep_and_abort_pauses_need_per_token_versions(mode, monkeypatch):
-    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0)
+    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0, run="r1")
 
     async def dynamo_own_worker():
         return False
@@ -132,7 +132,7 @@ async def test_is_paused_asks_the_route_that_runs_only_on_a_paused_worker():
             return httpx.Response(200, json={"status": "ok"})
         return httpx.Response(200, json={"status": "error", "message": "Worker must be paused via "
                                          "pause_generation() before updating weights."})
-    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0)
+    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0, run="r1")
     await admin._http.close()
     admin._http._http = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(worker))
     assert await admin.is_paused() is False

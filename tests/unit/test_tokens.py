@@ -14,6 +14,7 @@ from fleetrl.config import Config, ConfigError, DynamoConfig, InferenceConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.engine.admin_auth import AdminTokenMiddleware
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.http import RunClaim
 from fleetrl.inference.provider import ImpostorWorker
 from fleetrl.inference.vllm import launcher
 from fleetrl.inference.vllm.admin import VllmAdminClient
@@ -126,14 +127,15 @@ async def test_a_process_on_a_workers_port_never_gets_the_admin_token_and_is_fou
     without the worker's proof (none, a wrong one, one that is not even hex) is an impostor's."""
     requests: list = []
     with serving(recording(requests, proof=proof)) as url:
-        admin = VllmAdminClient("vllm-0", url, ADMIN, timeout_s=5, retries=0)
+        admin = VllmAdminClient("vllm-0", url, ADMIN, timeout_s=5, retries=0, claim=RunClaim("r1", 30))
         try:
             for call in (admin.health, admin.version):
                 with pytest.raises(ImpostorWorker, match="vllm-0.*without proof that it holds the run's admin token"):
                     await call()
         finally:
             await admin.close()
-    assert [path for path, _ in requests] == ["/health", "/weight_info"]
+    # The last is the client letting the worker go as it closes: signed, like the others.
+    assert [path for path, _ in requests] == ["/health", "/weight_info", "/fleetrl/claim"]
     assert not any(ADMIN in value for _, headers in requests for value in headers.values()), requests
 
 
@@ -145,7 +147,7 @@ async def test_a_process_on_a_workers_port_cannot_answer_fleetrls_data_requests(
 
     requests: list = []
     with serving(recording(requests)) as url:
-        data = VllmDataClient(DATA, 5, admin_token=ADMIN)
+        data = VllmDataClient(DATA, 5, "r1", admin_token=ADMIN)
         try:
             with pytest.raises(ImpostorWorker, match="vllm-0: generate r1 failed: it answered .* without proof"):
                 await data.generate("vllm-0", url, GenerateRequest([1, 2], SamplingParams(max_tokens=2), request_id="r1"))
@@ -277,7 +279,7 @@ async def test_a_started_fleet_records_where_it_runs_and_its_tokens_apart(tmp_pa
 # -- what an attached server must prove ---------------------------------------------------------
 
 async def attach(url: str, admin: str = ADMIN, data: str = DATA) -> None:
-    provider = VllmProvider(InferenceConfig(urls=[url]), None, None, admin, data)
+    provider = VllmProvider(InferenceConfig(urls=[url]), None, None, admin, data, "r1")
     try:
         await provider.start()
     finally:

@@ -10,11 +10,11 @@ from fleetrl.inference.vllm.data import VllmDataClient
 
 CHOICE = {"token_ids": [5, 6, 7], "finish_reason": "length",
           "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.25}, {"logprob": -1.0}]},
-          "weight_versions": [{"version": "v2", "start": 0, "end": 3}]}
+          "weight_versions": [{"version": "v2@r1", "start": 0, "end": 3}]}
 
 
 async def answer(choice: dict):
-    client = VllmDataClient("data-token", 30)
+    client = VllmDataClient("data-token", 30, "r1")
     await client.close()
     client._http = httpx.AsyncClient(transport=httpx.MockTransport(
         lambda request: httpx.Response(200, json={"choices": [choice]})))

@@ -25,6 +25,7 @@ from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir
 from fleetrl.weights.checksum import checksum_of
+from fleetrl.versions import run_id
 from fleetrl.weights.factory import make_transport
 
 
@@ -55,14 +56,16 @@ def resolve_tokens(inference: InferenceConfig, *, draw_missing: bool,
 
 @dataclass(frozen=True)
 class ProviderEntry:
-    # (config, run directory, model folder — None when only attaching —, tokens) -> provider
-    build: Callable[[Config, RunDir, Path | None, Tokens], InferenceProvider]
+    # (config, run directory, model folder — None when only attaching —, tokens, whether the
+    # provider is a run's: it labels and holds the workers; else it only looks) -> provider
+    build: Callable[[Config, RunDir, Path | None, Tokens, bool], InferenceProvider]
     # What the config lacks to attach to a running fleet, as "fleetrl status needs ..." ends; None: nothing.
     missing_to_attach: Callable[[InferenceConfig], str | None]
 
 
-def _vllm(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens) -> VllmProvider:
-    return VllmProvider(config.inference, model_dir, run_dir.logs_dir, tokens.admin, tokens.data)
+def _vllm(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool) -> VllmProvider:
+    return VllmProvider(config.inference, model_dir, run_dir.logs_dir, tokens.admin, tokens.data,
+                        run_id(run_dir.root) if runs else None)
 
 
 def _vllm_missing(inference: InferenceConfig) -> str | None:
@@ -74,7 +77,7 @@ def _vllm_missing(inference: InferenceConfig) -> str | None:
     return None
 
 
-def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens) -> DynamoProvider:
+def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool) -> DynamoProvider:
     # Dynamo's frontend and its workers' system ports (the RL admin routes) take no token: a
     # token set for them would protect nothing, and saying nothing would let the user think so.
     given = [f"inference.{name}" for name in ("admin_token", "data_token") if getattr(config.inference, name)]
@@ -82,7 +85,7 @@ def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tok
         raise ConfigError(f"{' and '.join(given)} set with inference.provider = 'dynamo', whose frontend and "
                           "workers take no token: unset it, and protect the workers' system ports with the "
                           "network (docs/dynamo.md, \"Protecting the system port\")")
-    return DynamoProvider(config.inference, model_dir, run_dir.root)
+    return DynamoProvider(config.inference, model_dir, run_dir.root, runs=runs)
 
 
 def _dynamo_missing(inference: InferenceConfig) -> str | None:
@@ -98,8 +101,9 @@ PROVIDERS: dict[str, ProviderEntry] = {
 }
 
 
-def build_provider(config: Config, model_dir: Path | None, tokens: Tokens) -> InferenceProvider:
-    return PROVIDERS[config.inference.provider].build(config, RunDir(config.run.dir), model_dir, tokens)
+def build_provider(config: Config, model_dir: Path | None, tokens: Tokens, runs: bool = True) -> InferenceProvider:
+    """The configured provider; `runs` False: one that only looks at the workers (`fleetrl status`)."""
+    return PROVIDERS[config.inference.provider].build(config, RunDir(config.run.dir), model_dir, tokens, runs)
 
 
 def build_fleet(config: Config) -> tuple[Fleet, Path]:

@@ -26,7 +26,9 @@ import time
 from collections import OrderedDict
 
 from fleetrl import admin_signature
-from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
+from fleetrl.contract import ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH, CLAIM_RUN_HEADER, DATA_TOKEN_ENV
+from fleetrl.engine.worker_claim import WorkerClaim
+from fleetrl.versions import is_run_id
 
 OPEN_PATHS = ("/health", "/ping")
 # Sampling, and what a sampling client reads (the model list, tokenization); each path also
@@ -66,6 +68,7 @@ class AdminTokenMiddleware:
         self._admin = _digest(self._admin_token)
         self._data = _digest(_token_from_env(DATA_TOKEN_ENV))
         self._seen: OrderedDict[str, int] = OrderedDict()  # nonces of signed calls, oldest first
+        self.claim = WorkerClaim()  # which fleetrl run holds this worker (engine/worker_claim.py)
 
     @staticmethod
     def _header(scope, name: str) -> str | None:
@@ -115,6 +118,45 @@ class AdminTokenMiddleware:
                                    "headers": [(b"content-type", b"application/json")]})
             await send_with_proof({"type": "http.response.body", "body": body})
 
+    def _run_claim(self, scope) -> tuple[str, float] | None:
+        """The run a signed call names, and its lease; None for a call that only looks (no run)."""
+        run, lease = self._header(scope, CLAIM_RUN_HEADER), self._header(scope, CLAIM_LEASE_HEADER)
+        if run is None or not is_run_id(run):
+            return None
+        try:
+            return run, min(max(float(lease or 0), 0.0), 7 * 86400.0)
+        except ValueError:
+            return None
+
+    async def _signed_call(self, scope, receive, send, nonce: str) -> None:
+        """A signed call: within the claim of the run it names (engine/worker_claim.py), answered
+        with this server's proof."""
+        claim = self._run_claim(scope)
+        if claim is None:
+            return await self._proven(scope, receive, send, nonce)
+        run, lease_s = claim
+        if scope["path"] == CLAIM_PATH and scope["method"] == "DELETE":
+            self.claim.release(run)
+            return await self._answer(send, 200, {"released": run}, nonce)
+        holder = self.claim.begin(run, lease_s)
+        if holder is not None:
+            return await self._answer(send, 409, {
+                "error": f"fleetrl: this worker is held by run {holder} (its claim lapses "
+                         f"{self.claim.lease_left_s():.0f} s after that run's last call)",
+                "held_by": holder, "lease_left_s": self.claim.lease_left_s()}, nonce)
+        try:
+            return await self._proven(scope, receive, send, nonce)
+        finally:
+            self.claim.end(run, lease_s)
+
+    async def _answer(self, send, status: int, body: dict, nonce: str) -> None:
+        """An answer of the middleware itself, proven."""
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (admin_signature.PROOF_HEADER.encode(),
+                                 admin_signature.proof(self._admin_token, nonce).encode())]})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
@@ -123,12 +165,12 @@ class AdminTokenMiddleware:
         if scope["path"] in OPEN_PATHS:
             # Open to anyone; signed, the answer proves this is the server started with the token.
             if signature is not None and self._signed(scope, signature):
-                return await self._proven(scope, receive, send, signature.nonce)
+                return await self._signed_call(scope, receive, send, signature.nonce)
             return await self.app(scope, receive, send)
         data_path = is_data_path(scope["path"])
         if signature is not None:
             if self._signed(scope, signature):
-                return await self._proven(scope, receive, send, signature.nonce)
+                return await self._signed_call(scope, receive, send, signature.nonce)
         else:
             scheme, _, token = authorization.partition(" ")
             if scheme.lower() == "bearer":

@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import ImpostorWorker, InferenceProvider, NamedTensors, PauseMode, WeightTransport
+from fleetrl.inference.provider import (ImpostorWorker, InferenceProvider, NamedTensors, PauseMode, WeightTransport,
+                                        WorkerHeldByAnotherRun)
 from fleetrl.inference.types import (GenerateRequest, GenerateResponse, UnversionedTokens, WorkerInfo, WorkerRole,
                                      WorkerState)
 from fleetrl.processes import stopping
@@ -208,21 +209,28 @@ class Fleet:
     async def _health(self, worker: WorkerInfo) -> bool:
         """Whether the worker answers its health check within `health_timeout_s`: a hung
         process (SIGSTOP, a wedged engine) keeps its socket open and never answers. Raises
-        ImpostorWorker when what answers cannot prove it is the worker."""
+        ImpostorWorker when what answers cannot prove it is the worker, and
+        WorkerHeldByAnotherRun when another run holds it (the health check claims it)."""
         # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
         # arrives as the call completes, and the discovery loop would then never stop.
         try:
             async with asyncio.timeout(self.health_timeout_s):
                 return await self.provider.admin(worker).health()
-        except ImpostorWorker:
+        except (ImpostorWorker, WorkerHeldByAnotherRun):
             raise
         except Exception:  # TimeoutError included
             return False
 
     async def _healthy(self, worker: WorkerInfo) -> bool:
+        """Whether a worker out of routing may be refitted now. One that another run holds is
+        refused with one line naming it and the other run, and stays out (stale, not dead: it is
+        not this run's to restart) until that run lets it go."""
         try:
             return await self._health(worker)
         except ImpostorWorker:
+            return False
+        except WorkerHeldByAnotherRun as e:
+            self._mark(worker, WorkerState.STALE, str(e))
             return False
 
     async def _check_health(self, worker: WorkerInfo) -> None:
@@ -294,6 +302,8 @@ class Fleet:
         worker seen for the first time is only sent what it lacks."""
         admin = self.provider.admin(worker)
         reported = await admin.version()
+        if reported is None:
+            return f"holds no version of this run (another run's, or none), not v{version}"
         if reported != version:
             return f"reports version {reported}, not v{version}"
         try:

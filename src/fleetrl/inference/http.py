@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from fleetrl import admin_signature
+from fleetrl.contract import CLAIM_LEASE_HEADER, CLAIM_PATH, CLAIM_RUN_HEADER
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import ImpostorWorker, WorkerCallError
+from fleetrl.inference.provider import ImpostorWorker, WorkerCallError, WorkerHeldByAnotherRun
 from fleetrl.inference.types import RankWeights
 from fleetrl.processes import ManagedProcess
 from fleetrl.progress import progress_bar
@@ -56,19 +58,31 @@ def unproven(response: httpx.Response, admin_token: str, nonce: str) -> str | No
             f"have taken its port)")
 
 
+@dataclass(frozen=True)
+class RunClaim:
+    """The run a client's signed calls claim the worker for, and for how long past each call
+    (engine/worker_claim.py; inference.claim_lease_s)."""
+
+    run: str
+    lease_s: float
+
+
 class AdminHttp:
     """The admin endpoint of one worker: every call goes straight to it, has a timeout, and is
     retried (`retries` times, backing off) where that is safe: an idempotent call on any
     transport error, any other call only when the connection was never made. With the run's
-    admin token, each call is signed with it, and its answer must prove the worker holds it."""
+    admin token, each call is signed with it, and its answer must prove the worker holds it;
+    with a `claim`, each signed call also holds the worker for that run, and a worker another
+    run holds refuses it (WorkerHeldByAnotherRun)."""
 
     def __init__(self, worker_id: str, base_url: str, timeout_s: float, retries: int,
-                 admin_token: str | None = None) -> None:
+                 admin_token: str | None = None, claim: RunClaim | None = None) -> None:
         self.worker_id = worker_id
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.retries = retries
         self._admin_token = admin_token
+        self._claim = claim
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
 
     async def _request(self, method: str, path: str, timeout_s: float, signed: bool = False,
@@ -76,13 +90,25 @@ class AdminHttp:
         request = self._http.build_request(method, path, timeout=timeout_s, **kwargs)
         if not (signed and self._admin_token):
             return await answered_within(timeout_s, self._http.send(request))
+        if self._claim is not None:
+            request.headers[CLAIM_RUN_HEADER] = self._claim.run
+            request.headers[CLAIM_LEASE_HEADER] = f"{self._claim.lease_s:g}"
         nonce = sign(request, self._admin_token)
         response = await answered_within(timeout_s, self._http.send(request))
         if response.status_code != 401 and (why := unproven(response, self._admin_token, nonce)):
             raise ImpostorWorker(self.worker_id, f"{method} {path}", why)
+        if response.status_code == 409 and (held := _held_by(response)) is not None:
+            raise WorkerHeldByAnotherRun(self.worker_id, f"{method} {path}", *held)
         return response
 
     async def close(self) -> None:
+        """Let the worker go, if this client's run holds it (best effort: a dead worker holds
+        nothing), then close the connections."""
+        if self._claim is not None and self._admin_token:
+            try:
+                await self._request("DELETE", CLAIM_PATH, ABANDON_TIMEOUT_S, signed=True)
+            except (httpx.TransportError, WorkerCallError):
+                pass
         await self._http.aclose()
 
     async def probe(self, method: str, path: str, timeout_s: float, signed: bool = False,
@@ -118,6 +144,15 @@ class AdminHttp:
             if attempt < self.retries:
                 await asyncio.sleep(0.5 * 2**attempt)
         raise WorkerCallError(self.worker_id, what, error)
+
+
+def _held_by(response: httpx.Response) -> tuple[str, float] | None:
+    """(the holding run, its lease left) from a worker's refusal of a call by another run."""
+    try:
+        body = response.json()
+        return str(body["held_by"]), float(body["lease_left_s"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def abandon_weight_update(close_update: Callable[[], Awaitable[object]],

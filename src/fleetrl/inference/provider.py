@@ -39,6 +39,17 @@ class ImpostorWorker(WorkerCallError):
     trusted; the fleet takes it for dead."""
 
 
+class WorkerHeldByAnotherRun(WorkerCallError):
+    """The worker is another fleetrl run's (its claim, engine/worker_claim.py, is live): this run
+    must not publish into it, nor train on what it samples. The fleet takes it for dead."""
+
+    def __init__(self, worker_id: str, what: str, holder: str, lease_left_s: float) -> None:
+        super().__init__(worker_id, what, f"held by another fleetrl run, {holder} (its claim lapses "
+                                          f"{lease_left_s:.0f} s after that run's last call; "
+                                          "inference.claim_lease_s)")
+        self.holder = holder
+
+
 class WorkerAdmin(Protocol):
     """Control plane of one worker (all of its tensor-parallel ranks)."""
 

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
-from fleetrl.versions import VersionSpan, parse_version
+from fleetrl.versions import VersionSpan, parse_label
 
 
 @dataclass(frozen=True)
@@ -63,26 +63,30 @@ class GenerateResponse:
 
 
 class UnversionedTokens(FleetrlError):
-    """A worker produced tokens under a weight label that names no fleetrl version: "default" is
-    a vLLM server started again at the same address with its base weights, before the fleet
-    noticed. The worker needs a refit; the request is sent again (`Fleet._generate_once`)."""
+    """A worker produced tokens under a weight label that names no version of this run:
+    "default" is a vLLM server started again at the same address with its base weights, before
+    the fleet noticed; `v3@<other id>` is another run's v3 (two coordinators on one worker). The
+    worker needs a refit; the request is sent again (`Fleet._generate_once`)."""
 
-    def __init__(self, worker_id: str, request_id: str, label: object) -> None:
+    def __init__(self, worker_id: str, request_id: str, label: object, run: str) -> None:
+        parsed = parse_label(str(label))
+        why = (f"run {parsed.run}'s, not this run's ({run}): another fleetrl run changed its weights"
+               if parsed is not None else "not a fleetrl policy version (restarted?)")
         super().__init__(f"worker {worker_id}: request {request_id} produced tokens under weight version "
-                         f"{label!r}, not a fleetrl policy version (restarted?)")
+                         f"{label!r}, {why}")
         self.worker_id = worker_id
 
 
-def engine_spans(worker_id: str, request_id: str, items: list[dict]) -> list[VersionSpan]:
-    """Spans from vLLM's per-token record (`[{"version": "v1", "start": 0, "end": 27}, ...]`),
-    adjacent spans of one version merged."""
+def engine_spans(worker_id: str, request_id: str, items: list[dict], run: str) -> list[VersionSpan]:
+    """Spans from vLLM's per-token record (`[{"version": "v1@<run>", "start": 0, "end": 27}, ...]`),
+    adjacent spans of one version merged. Every span must be a version of run `run`."""
     spans: list[VersionSpan] = []
     for item in items:
-        version = parse_version(str(item["version"]))
-        if version is None:
-            raise UnversionedTokens(worker_id, request_id, item["version"])
-        if not spans or spans[-1].version != version:
-            spans.append(VersionSpan(version=version, start=int(item["start"])))
+        label = parse_label(str(item["version"]))
+        if label is None or label.run != run:
+            raise UnversionedTokens(worker_id, request_id, item["version"], run)
+        if not spans or spans[-1].version != label.version:
+            spans.append(VersionSpan(version=label.version, start=int(item["start"])))
     return spans
 
 

@@ -34,15 +34,19 @@ from fleetrl.inference.http import (ABANDON_TIMEOUT_S, AdminHttp, abandon_weight
                                     requests_in_engine)
 from fleetrl.inference.provider import PauseMode, WorkerCallError
 from fleetrl.inference.types import RankWeights
-from fleetrl.versions import incomplete_version_name, parse_version, version_name
+from fleetrl.versions import incomplete_label, parse_label, version_label
 
 # What Dynamo's weight-update route answers on a worker that is not paused.
 NOT_PAUSED = "must be paused"
 
 
 class DynamoAdminClient:
-    def __init__(self, worker_id: str, system_url: str, world_size: int, timeout_s: float, retries: int) -> None:
+    def __init__(self, worker_id: str, system_url: str, world_size: int, timeout_s: float, retries: int,
+                 run: str | None) -> None:
+        """`run`: the run whose versions this client labels the worker with; None for a client
+        that only looks (`fleetrl status`), which reads any run's version and labels nothing."""
         self.worker_id = worker_id
+        self.run = run
         self.admin_url = system_url
         self.world_size = world_size
         self.fence = FenceRecord()
@@ -109,13 +113,21 @@ class DynamoAdminClient:
         """The version the worker reports; None if it was never given a fleetrl version."""
         result = await self.call("get_weight_version")
         self._token_versions = bool(result.get("token_versions"))
-        return parse_version(str(result["version"])) if result.get("version_declared") else None
+        label = parse_label(str(result["version"])) if result.get("version_declared") else None
+        if label is None or (self.run is not None and label.run != self.run):
+            return None  # never given one, an incomplete transfer's, or another run's
+        return label.version
+
+    def _label(self, version: int, incomplete: bool = False) -> str:
+        if self.run is None:
+            raise WorkerCallError(self.worker_id, "label", "this admin client only looks; it labels nothing")
+        return (incomplete_label if incomplete else version_label)(version, self.run)
 
     async def set_version(self, version: int) -> None:
         if not self.fence.paused:
             # The data plane relies on versions changing only while the worker is paused.
             raise WorkerCallError(self.worker_id, "set_weight_version", "the worker is not paused")
-        await self.call("set_weight_version", {"weight_version": version_name(version)})
+        await self.call("set_weight_version", {"weight_version": self._label(version)})
         self.fence = self.fence.at_version(version)
 
     async def weight_state(self) -> list[RankWeights]:
@@ -158,14 +170,14 @@ class DynamoAdminClient:
     async def finish_weight_update(self, version: int, timeout_s: float) -> None:
         # One call closes the update, labels the worker and clears its prefix cache.
         await self.call("update_weights_from_distributed",
-                        {"engine_rpc": "finish_weight_update", "weight_version": version_name(version)},
+                        {"engine_rpc": "finish_weight_update", "weight_version": self._label(version)},
                         timeout_s=timeout_s, retry=False)
         self.fence = self.fence.at_version(version)
 
     async def abandon_weight_update(self, version: int) -> None:
         await abandon_weight_update(
             lambda: self._on_ranks("finish_weight_update", {}, ABANDON_TIMEOUT_S),
-            lambda: self.call("set_weight_version", {"weight_version": incomplete_version_name(version)},
+            lambda: self.call("set_weight_version", {"weight_version": self._label(version, incomplete=True)},
                               timeout_s=ABANDON_TIMEOUT_S),
         )
 

@@ -27,8 +27,12 @@ EXTRA_FIELDS = ["completion_token_ids", "worker_id"]
 
 
 class DynamoDataClient:
-    def __init__(self, frontend_url: str, model_name: str, timeout_s: float, max_connections: int = 256) -> None:
+    def __init__(self, frontend_url: str, model_name: str, timeout_s: float, run: str | None,
+                 max_connections: int = 256) -> None:
         self.frontend_url = frontend_url
+        # Every token's label must name a version of this run; None: a client that asks for no
+        # per-token versions (the launch's readiness check).
+        self.run = run
         self.model_name = model_name
         self.timeout_s = timeout_s
         self._http = httpx.AsyncClient(
@@ -90,7 +94,9 @@ class DynamoDataClient:
             if "weight_versions" not in engine:
                 raise FleetrlError(f"worker {worker_id}: generate {request.request_id} returned no per-token "
                                    "versions (engine_data.weight_versions): is it fleetrl's worker kind?")
-            response.spans = engine_spans(worker_id, request.request_id, engine["weight_versions"])
+            if self.run is None:
+                raise FleetrlError(f"worker {worker_id}: a client of no run cannot check per-token versions")
+            response.spans = engine_spans(worker_id, request.request_id, engine["weight_versions"], self.run)
             if str(engine.get("engine_finish_reason")).startswith("abort"):
                 response.finish_reason = "abort"  # cut by a pause; Dynamo reports it as "stop"
             if token_ids:

@@ -17,7 +17,6 @@ worker serves its RL admin routes on its own `DYN_SYSTEM_PORT`.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import sys
@@ -36,6 +35,7 @@ from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole
 from fleetrl.processes import ManagedProcess, free_port, listening_ports, start_process
+from fleetrl.versions import run_id
 
 # Launched workers' names: the kind, then a number.
 WORKER_PREFIX, PREFILL_PREFIX = "dynamo-worker-", "dynamo-prefill-"
@@ -156,7 +156,7 @@ def deployment_env(config: InferenceConfig, discovery_dir: Path,
 def run_namespace(run_dir: Path) -> str:
     """The default Dynamo namespace of a run: its own, and the same again on resume. One shared by
     two runs on one etcd put each run's workers in the other's fleet (issue 27, item 3)."""
-    return f"fleetrl-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
+    return f"fleetrl-{run_id(run_dir)[:8]}"
 
 
 def frontend_argv(config: InferenceConfig, http_port: int) -> list[str]:
@@ -263,7 +263,7 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
 async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float, log=print) -> None:
     """The frontend's RL discovery lists `count` workers and it serves completions on each."""
     async with (httpx.AsyncClient(timeout=5.0) as client,
-                DynamoDataClient(deployment.frontend_url, SERVED_MODEL_NAME, timeout_s=60.0) as data):
+                DynamoDataClient(deployment.frontend_url, SERVED_MODEL_NAME, timeout_s=60.0, run=None) as data):
         async def not_serving() -> tuple[int, str] | None:
             workers: list[WorkerInfo] = []
             try:

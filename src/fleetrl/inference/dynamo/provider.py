@@ -27,6 +27,7 @@ from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.launcher import DynamoDeployment, launch_dynamo, run_namespace
 from fleetrl.inference.http import SERVED_MODEL_NAME
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole
+from fleetrl.versions import run_id
 
 # A completion is attributable unless a whole pause-resume happened while it was in flight
 # (on its worker, or on its prefill worker); this many of those in a row means the fleet
@@ -37,13 +38,16 @@ ATTEMPTS = 3
 class DynamoProvider:
     name = "dynamo"
 
-    def __init__(self, config: InferenceConfig, model_dir: Path, run_dir: Path, log=print) -> None:
+    def __init__(self, config: InferenceConfig, model_dir: Path, run_dir: Path, log=print, runs: bool = True) -> None:
+        """`runs` False: a provider that only looks at the workers (`fleetrl status`): it reads any
+        run's versions and labels nothing."""
         if config.dynamo.namespace is None:  # the run's own (launcher.run_namespace)
             config = config.model_copy(update={"dynamo": config.dynamo.model_copy(
                 update={"namespace": run_namespace(run_dir)})})
         self.config = config
         self.model_dir = model_dir
         self.run_dir = run_dir
+        self.run = run_id(run_dir) if runs else None  # the run whose versions label the workers
         self.log = log
         self.deployment: DynamoDeployment | None = None  # None when attached
         self.launches_workers = not config.attaches()
@@ -63,7 +67,7 @@ class DynamoProvider:
                                                   self.log)
             self._frontend_url, self._rl_url = self.deployment.frontend_url, self.deployment.rl_url
             model_name = SERVED_MODEL_NAME
-        self._data = DynamoDataClient(self._frontend_url, model_name, self.config.request_timeout_s)
+        self._data = DynamoDataClient(self._frontend_url, model_name, self.config.request_timeout_s, self.run)
 
     def attach_settings(self) -> dict:
         """The inference settings with which another fleetrl attaches to this deployment while it
@@ -127,7 +131,8 @@ class DynamoProvider:
         known = self._admins.get(worker.id)
         if known is None or known.admin_url != worker.admin_url:
             self._admins[worker.id] = DynamoAdminClient(worker.id, worker.admin_url, worker.world_size,
-                                                        self.config.admin_timeout_s, self.config.admin_retries)
+                                                        self.config.admin_timeout_s, self.config.admin_retries,
+                                                        self.run)
         return self._admins[worker.id]
 
     async def close(self) -> None:

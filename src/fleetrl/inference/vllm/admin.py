@@ -11,17 +11,28 @@ from __future__ import annotations
 from typing import Any
 
 from fleetrl.contract import WEIGHT_STATE_METHOD
-from fleetrl.inference.http import (ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update, check_rank_checksums,
-                                    requests_in_engine)
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.http import (ABANDON_TIMEOUT_S, AdminHttp, RunClaim, abandon_weight_update,
+                                    check_rank_checksums, requests_in_engine)
 from fleetrl.inference.types import RankWeights
 from fleetrl.inference.provider import PauseMode
-from fleetrl.versions import incomplete_version_name, parse_version, version_name
+from fleetrl.versions import incomplete_label, parse_label, version_label
 
 
 class VllmAdminClient:
-    def __init__(self, worker_id: str, url: str, admin_token: str, timeout_s: float, retries: int) -> None:
+    def __init__(self, worker_id: str, url: str, admin_token: str, timeout_s: float, retries: int,
+                 claim: RunClaim | None) -> None:
+        """`claim`: the run this client labels versions for and holds the worker for
+        (engine/worker_claim.py); None for a client that only looks (`fleetrl status`), which
+        reads any run's version and changes nothing."""
         self.worker_id = worker_id
-        self._http = AdminHttp(worker_id, url, timeout_s, retries, admin_token)
+        self._claim = claim
+        self._http = AdminHttp(worker_id, url, timeout_s, retries, admin_token, claim)
+
+    def _run(self) -> str:
+        if self._claim is None:
+            raise FleetrlError(f"worker {self.worker_id}: this admin client only looks; it labels nothing")
+        return self._claim.run
 
     async def close(self) -> None:
         await self._http.close()
@@ -48,13 +59,17 @@ class VllmAdminClient:
         return bool((await self.call("GET", "/is_paused", idempotent=True))["is_paused"])
 
     async def version(self) -> int | None:
-        """The policy version the engine reports; None when it was never given a fleetrl version."""
+        """The policy version of this client's run that the engine reports; None when it holds
+        none (never given one, an incomplete transfer's, or another run's)."""
         info = await self.call("GET", "/weight_info", idempotent=True)
-        return parse_version(str(info["weight_version"]))
+        label = parse_label(str(info["weight_version"]))
+        if label is None or (self._claim is not None and label.run != self._claim.run):
+            return None
+        return label.version
 
     async def set_version(self, version: int) -> None:
         await self.call("POST", "/update_weight_version", idempotent=True,
-                        json={"new_version": version_name(version)})
+                        json={"new_version": version_label(version, self._run())})
 
     async def collective_rpc(self, method: str) -> list:
         """Call a method of fleetrl's worker extension on every rank of this worker; one
@@ -92,7 +107,7 @@ class VllmAdminClient:
 
     async def finish_weight_update(self, version: int, timeout_s: float) -> None:
         await self.call("POST", "/finish_weight_update", idempotent=False, timeout_s=timeout_s,
-                        json={"weight_version": version_name(version)})
+                        json={"weight_version": version_label(version, self._run())})
 
     async def abandon_weight_update(self, version: int) -> None:
         # Both calls may be retried: a repeated finish is refused, never applied twice. They
@@ -101,5 +116,5 @@ class VllmAdminClient:
         await abandon_weight_update(
             lambda: self.call("POST", "/finish_weight_update", idempotent=True, timeout_s=ABANDON_TIMEOUT_S),
             lambda: self.call("POST", "/update_weight_version", idempotent=True, timeout_s=ABANDON_TIMEOUT_S,
-                              json={"new_version": incomplete_version_name(version)}),
+                              json={"new_version": incomplete_label(version, self._run())}),
         )

@@ -20,12 +20,13 @@ from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_sp
 
 
 class VllmDataClient:
-    def __init__(self, data_token: str | None, timeout_s: float, max_connections: int = 256,
+    def __init__(self, data_token: str | None, timeout_s: float, run: str | None, max_connections: int = 256,
                  admin_token: str | None = None) -> None:
         # No token: a coordinator that only reads the workers' state (`fleetrl status`). With
         # the admin token, every answer must carry the worker's proof of a nonce of this client's
         # (admin_signature.py): a process on a dead worker's port cannot answer for it.
         self.timeout_s = timeout_s
+        self.run = run  # every token's label must name a version of this run; None: only looks
         self._admin_token = admin_token
         self._http = httpx.AsyncClient(
             timeout=timeout_s,
@@ -94,8 +95,9 @@ class VllmDataClient:
             raise ImpostorWorker(worker_id, what, why)
         return response
 
-    @staticmethod
-    def _parse_choice(worker_id: str, request: GenerateRequest, choice: dict) -> GenerateResponse:
+    def _parse_choice(self, worker_id: str, request: GenerateRequest, choice: dict) -> GenerateResponse:
+        if self.run is None:
+            raise FleetrlError(f"worker {worker_id}: a client of no run cannot check the versions of what it samples")
         token_ids = list(choice["token_ids"])
         content = (choice.get("logprobs") or {}).get("content") or []
         # A worker error, sent again elsewhere (Fleet._generate_once), never a sample: vLLM
@@ -112,7 +114,7 @@ class VllmDataClient:
             logprobs=[float(c["logprob"]) for c in content],
             finish_reason=choice["finish_reason"],
             worker_id=worker_id,
-            spans=engine_spans(worker_id, request.request_id, choice.get("weight_versions") or []),
+            spans=engine_spans(worker_id, request.request_id, choice.get("weight_versions") or [], self.run),
         )
         if token_ids:
             result.check()

@@ -19,7 +19,7 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.http import sign, unproven
+from fleetrl.inference.http import RunClaim, sign, unproven
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.data import VllmDataClient
@@ -37,8 +37,10 @@ class VllmProvider:
     name = "vllm"
 
     def __init__(self, config: InferenceConfig, model_dir: Path | None, log_dir: Path, admin_token: str,
-                 data_token: str | None, log=print) -> None:
-        """`data_token` None: a provider that only reads the workers' state (`fleetrl status`)."""
+                 data_token: str | None, run: str | None, log=print) -> None:
+        """`run`: the run whose versions the workers are labelled with and which holds them
+        (versions.run_id). `data_token` and `run` None: a provider that only reads the workers'
+        state (`fleetrl status`)."""
         self.config = config
         self.model_dir = model_dir
         self.log_dir = log_dir
@@ -48,7 +50,9 @@ class VllmProvider:
         self.launched: list[LaunchedServer] = []
         self.launches_workers = not config.attaches()
         self._admins: dict[str, VllmAdminClient] = {}
-        self._data = VllmDataClient(data_token, config.request_timeout_s, admin_token=admin_token)
+        self.run = run
+        self._claim = RunClaim(run, config.claim_lease_s) if run is not None else None
+        self._data = VllmDataClient(data_token, config.request_timeout_s, run, admin_token=admin_token)
 
     async def start(self) -> None:
         if self.config.urls:
@@ -122,8 +126,8 @@ class VllmProvider:
     def admin(self, worker: WorkerInfo) -> VllmAdminClient:
         if worker.id not in self._admins:
             self._admins[worker.id] = VllmAdminClient(
-                worker.id, worker.admin_url, self.admin_token, self.config.admin_timeout_s, self.config.admin_retries
-            )
+                worker.id, worker.admin_url, self.admin_token, self.config.admin_timeout_s, self.config.admin_retries,
+                self._claim)
         return self._admins[worker.id]
 
     async def restart(self, worker: WorkerInfo) -> bool:

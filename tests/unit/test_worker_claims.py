@@ -1,0 +1,148 @@
+"""Two coordinators on one worker (issue 27, item 3): version labels carry the run, and a
+worker is held by one run at a time (engine/worker_claim.py, through the admin middleware)."""
+
+import asyncio
+import json
+
+import pytest
+
+from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
+from fleetrl.engine.admin_auth import AdminTokenMiddleware
+from fleetrl.engine.worker_claim import WorkerClaim
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.http import RunClaim
+from fleetrl.inference.provider import WorkerHeldByAnotherRun
+from fleetrl.inference.types import UnversionedTokens, WorkerState, engine_spans
+from fleetrl.inference.vllm.admin import VllmAdminClient
+from fleetrl.versions import VersionSpan, run_id
+
+from .asgi_server import serving
+from .fake_fleet import FakeProvider
+
+ADMIN = "admin-secret"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_claim_is_one_runs_until_it_lets_go_or_its_lease_lapses():
+    clock = Clock()
+    claim = WorkerClaim(clock)
+    assert claim.begin("A", 30) is None
+    claim.end("A", 30)
+    assert claim.begin("B", 30) == "A"  # refused, naming the holder
+    clock.now += 29
+    assert claim.begin("B", 30) == "A"
+    clock.now += 2  # 31 s after A's last call
+    assert claim.begin("B", 30) is None and claim.holder() == "B"
+    claim.release("A")  # not A's to release
+    assert claim.holder() == "B"
+    claim.release("B")
+    assert claim.holder() is None and claim.begin("A", 30) is None
+
+
+def test_a_call_in_progress_holds_the_claim_however_long_it_takes():
+    clock = Clock()
+    claim = WorkerClaim(clock)
+    assert claim.begin("A", 1) is None  # a long transfer, say
+    clock.now += 600
+    assert claim.begin("B", 1) == "A"
+    claim.end("A", 1)
+    clock.now += 0.5
+    assert claim.begin("B", 1) == "A"  # the lease runs from the call's end
+    clock.now += 1
+    assert claim.begin("B", 1) is None
+
+
+def versioned(label: str):
+    """A worker's app that reports its weights as `label` to every call."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps({"weight_version": label}).encode()})
+    return app
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    """One worker behind fleetrl's middleware, at v3 of run A."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, "data-secret")
+    with serving(AdminTokenMiddleware(versioned("v3@runA"))) as url:
+        yield url
+
+
+def admin_of(url: str, run: str | None, lease_s: float = 30) -> VllmAdminClient:
+    return VllmAdminClient(url, url, ADMIN, timeout_s=5, retries=0,
+                           claim=RunClaim(run, lease_s) if run is not None else None)
+
+
+async def test_a_worker_another_run_holds_refuses_it_naming_both(worker):
+    """Two runs attached to one URL: the second is refused at its first call with one line that
+    names the worker and the run holding it, until the first lets go (its fleet stopped)."""
+    a, b, looker = admin_of(worker, "runA"), admin_of(worker, "runB"), admin_of(worker, None)
+    try:
+        assert await a.health() and await a.version() == 3
+        for call in (b.health, b.version, b.is_paused):
+            with pytest.raises(WorkerHeldByAnotherRun, match=rf"^worker {worker}: .* held by another fleetrl run, "
+                                                              r"runA \(its claim lapses 30 s after"):
+                await call()
+        assert await looker.version() == 3  # fleetrl status: looks, holds nothing, refused nothing
+        await a.close()  # lets the worker go
+        assert await b.health()
+        assert await b.version() is None  # run A's v3 is no version of run B's
+        with pytest.raises(WorkerHeldByAnotherRun, match="held by another fleetrl run, runB"):
+            await admin_of(worker, "runA").health()
+    finally:
+        for client in (b, looker):
+            await client.close()
+
+
+async def test_a_killed_runs_claim_lapses_after_its_lease(worker):
+    a, b = admin_of(worker, "runA", lease_s=0.3), admin_of(worker, "runB")
+    try:
+        assert await a.health()  # then run A is killed: it never lets go
+        with pytest.raises(WorkerHeldByAnotherRun):
+            await b.health()
+        await asyncio.sleep(0.4)
+        assert await b.health()
+    finally:
+        await b.close()
+
+
+def test_every_token_must_carry_a_version_of_this_run():
+    spans = engine_spans("w", "r", [{"version": "v2@runA", "start": 0}, {"version": "v3@runA", "start": 4}], "runA")
+    assert spans == [VersionSpan(2, 0), VersionSpan(3, 4)]
+    with pytest.raises(UnversionedTokens, match=r"^worker w: request r produced tokens under weight version "
+                                                r"'v3@runB', run runB's, not this run's \(runA\)"):
+        engine_spans("w", "r", [{"version": "v2@runA", "start": 0}, {"version": "v3@runB", "start": 4}], "runA")
+    with pytest.raises(UnversionedTokens, match="'v3', not a fleetrl policy version"):
+        engine_spans("w", "r", [{"version": "v3", "start": 0}], "runA")
+
+
+def test_a_run_is_the_same_on_resume_and_another_directory_is_another_run(tmp_path):
+    assert run_id(tmp_path / "run") == run_id(tmp_path / "run" / ".." / "run")
+    assert run_id(tmp_path / "run") != run_id(tmp_path / "other")
+
+
+async def test_a_fleet_whose_only_worker_another_run_holds_does_not_start_and_says_why(monkeypatch):
+    provider = FakeProvider("a")
+    logged = []
+
+    async def held():
+        raise WorkerHeldByAnotherRun("a", "GET /health", "runA", 12)
+
+    fleet = Fleet(provider, discovery_interval_s=3600, log=logged.append)
+    (worker,) = await provider.discover()
+    monkeypatch.setattr(provider.admin(worker), "health", held)
+    with pytest.raises(FleetrlError, match=r"no inference worker became ready: .*worker a: GET /health failed: "
+                                           r"held by another fleetrl run, runA"):
+        await fleet.start()
+    assert fleet.workers["a"].state == WorkerState.STALE  # not dead: not this run's to restart
+    assert sum("held by another fleetrl run, runA" in line for line in logged) == 1
+    await fleet.close()
