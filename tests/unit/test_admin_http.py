@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.http import AdminHttp
+from fleetrl.inference.http import SINGLE_TRY, AdminHttp
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.inference.vllm.data import VllmDataClient
 
@@ -53,4 +53,33 @@ async def test_a_generate_that_trickles_past_its_timeout_fails():
             await data.generate("w", url, GenerateRequest([1, 2], SamplingParams(max_tokens=1)))
     finally:
         await data.close()
+        server.close()
+
+
+async def test_in_a_discovery_round_an_admin_call_is_tried_once():
+    """Under the publish fence (the fleet's discovery task sets SINGLE_TRY), a worker that does
+    not answer holds a waiting publish back for one timeout, not admin_retries + 1 of them."""
+    server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)  # accepts, never answers
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    admin = AdminHttp("w", url, timeout_s=0.2, retries=2)
+    sent = []
+    send = admin._http.send
+
+    async def counted(request, **kwargs):
+        sent.append(request.url.path)
+        return await send(request, **kwargs)
+
+    admin._http.send = counted
+    try:
+        for single_try, tries in ((False, 3), (True, 1)):
+            sent.clear()
+            token = SINGLE_TRY.set(single_try)
+            try:
+                with pytest.raises(FleetrlError, match="ReadTimeout"):
+                    await admin.call("POST", "/pause", idempotent=True)
+            finally:
+                SINGLE_TRY.reset(token)
+            assert sent == ["/pause"] * tries
+    finally:
+        await admin.close()
         server.close()

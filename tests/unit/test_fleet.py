@@ -7,6 +7,7 @@ import pytest
 from fleetrl.errors import FleetrlError
 from fleetrl.inference import fleet as fleet_module
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightSource, join_completions
+from fleetrl.inference.http import SINGLE_TRY
 from fleetrl.inference.provider import ImpostorWorker
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState
 from fleetrl.versions import VersionSpan
@@ -690,6 +691,34 @@ async def test_a_slow_discovery_round_never_holds_a_publish_back(monkeypatch):
     report = await asyncio.wait_for(fleet.publish(2, transport, weights), 5)  # held at most ~0.2 s
     assert sorted(report.ready) == ["a", "b"]
     await asyncio.wait_for(round_, 5)
+    await fleet.close()
+
+
+async def test_the_discovery_rounds_refits_try_each_admin_call_once_and_the_starts_keep_the_retries(monkeypatch):
+    """A round's refit holds the publish fence: its admin calls are tried once (http.SINGLE_TRY),
+    so a worker that does not answer holds a publish back for one timeout, not for every retry.
+    The start's refits, which no publish waits for, keep them (issue 27, item 11)."""
+    provider = FakeProvider("a")
+    fleet = Fleet(provider, discovery_interval_s=0.02, log=lambda *_: None)
+    (worker,) = await provider.discover()
+    pauses = []
+    pause = provider.admin(worker).pause
+
+    async def recorded(mode):
+        pauses.append(SINGLE_TRY.get())
+        await pause(mode)
+
+    monkeypatch.setattr(provider.admin(worker), "pause", recorded)
+    await fleet.start()
+    provider.add("b")
+    (joining,) = [w for w in await provider.discover() if w.id == "b"]
+    monkeypatch.setattr(provider.admin(joining), "pause", recorded)
+    for _ in range(200):
+        if len(pauses) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert pauses == [False, True]  # a's refit at start, b's in a discovery round
+    assert not SINGLE_TRY.get()  # the round's setting stays in the discovery task
     await fleet.close()
 
 

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.http import SINGLE_TRY
 from fleetrl.inference.provider import (ImpostorWorker, InferenceProvider, NamedTensors, PauseMode, WeightTransport,
                                         WorkerHeldByAnotherRun)
 from fleetrl.inference.types import (GenerateRequest, GenerateResponse, UnversionedTokens, WorkerInfo, WorkerRole,
@@ -161,6 +162,12 @@ class Fleet:
         await self.provider.close()
 
     async def _discovery_loop(self) -> None:
+        # In this task only: a round's refits try each admin call once (http.SINGLE_TRY), so a
+        # worker that fails to answer holds a waiting publish back for one timeout, not for
+        # admin_retries + 1 of them; it is refitted at a later round. Fleet.start's refits, which
+        # no publish waits for, keep the retries (a worker a killed run left mid-publish drops
+        # the connection after the failed update's cleanup, and the next call needs one).
+        SINGLE_TRY.set(True)
         while True:
             await asyncio.sleep(self.discovery_interval_s)
             try:

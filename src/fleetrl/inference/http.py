@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,11 @@ SERVED_MODEL_NAME = "policy"
 ABANDON_TIMEOUT_S = 10.0
 # Seconds between the readiness probes of a launch.
 READY_POLL_S = 1.0
+# True in the fleet's discovery task, whose rounds refit workers holding the publish fence
+# (Fleet._discovery_loop): each admin call is tried once, so a worker that does not answer holds a
+# waiting publish back for one timeout, not for admin_retries + 1 of them. It is refitted at a
+# later round instead.
+SINGLE_TRY: ContextVar[bool] = ContextVar("fleetrl_admin_single_try", default=False)
 
 
 async def answered_within(timeout_s: float, request: Awaitable[httpx.Response]) -> httpx.Response:
@@ -125,7 +131,8 @@ class AdminHttp:
         """The response of a call that succeeded (HTTP status below 400); WorkerCallError,
         naming the worker and `what` (default: the method and path), otherwise."""
         what = what or f"{method} {path}"
-        for attempt in range(self.retries + 1):
+        retries = 0 if SINGLE_TRY.get() else self.retries
+        for attempt in range(retries + 1):
             try:
                 response = await self._request(method, path, timeout_s if timeout_s is not None else self.timeout_s,
                                                signed=True, **kwargs)
@@ -141,7 +148,7 @@ class AdminHttp:
                 if response.status_code >= 400:
                     raise WorkerCallError(self.worker_id, what, f"HTTP {response.status_code}: {response.text[:300]}")
                 return response
-            if attempt < self.retries:
+            if attempt < retries:
                 await asyncio.sleep(0.5 * 2**attempt)
         raise WorkerCallError(self.worker_id, what, error)
 
