@@ -134,3 +134,33 @@ async def test_the_worker_entry_answers_the_checksum_method_with_each_ranks_resu
     failing = FakeHandler(FakeEngineClient(error=RuntimeError("engine gone")))
     assert await route(failing, body) == {"status": "error",
                                           "message": f"{WEIGHT_STATE_METHOD}: RuntimeError: engine gone"}
+
+
+async def test_an_instance_a_launched_deployment_did_not_launch_is_refused_before_the_fleet_sees_it(tmp_path,
+                                                                                                   monkeypatch):
+    """Another deployment's worker registered in this run's namespace: it is never paused, sent
+    weights or routed to (issue 27, item 5); the refusal is logged once, naming it."""
+    from fleetrl.inference.dynamo import provider as dynamo_provider
+    from fleetrl.inference.types import WorkerInfo
+
+    logged = []
+    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, log=logged.append)
+
+    class Deployment:
+        def live_worker_at(self, admin_url):
+            return object() if admin_url == "http://127.0.0.1:9001" else None
+
+        def stop(self):
+            pass
+
+    async def listed(*args):
+        return [WorkerInfo(id=i, data_url="http://f", admin_url=f"http://127.0.0.1:{port}")
+                for i, port in (("1", 9001), ("2", 9002))]
+
+    provider.deployment, provider._rl_url = Deployment(), "http://rl"
+    monkeypatch.setattr(dynamo_provider, "list_rl_workers", listed)
+    for _ in range(2):
+        assert [w.id for w in await provider.discover()] == ["1"]
+    assert logged == [f"fleetrl: Dynamo worker 2 at http://127.0.0.1:9002 refused: this run did not launch it "
+                      f"(another deployment in namespace {provider.config.dynamo.namespace}?)"]
+    await provider.close()

@@ -8,7 +8,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference import fleet as fleet_module
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightSource, join_completions
 from fleetrl.inference.http import SINGLE_TRY
-from fleetrl.inference.provider import ImpostorWorker
+from fleetrl.inference.provider import ImpostorWorker, WorkerCallError
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState
 from fleetrl.versions import VersionSpan
 
@@ -719,6 +719,31 @@ async def test_the_discovery_rounds_refits_try_each_admin_call_once_and_the_star
         await asyncio.sleep(0.01)
     assert pauses == [False, True]  # a's refit at start, b's in a discovery round
     assert not SINGLE_TRY.get()  # the round's setting stays in the discovery task
+    await fleet.close()
+
+
+async def test_an_attached_worker_that_cannot_say_what_it_holds_is_refused_before_it_is_paused(monkeypatch):
+    """Dynamo's own worker started as plain `python -m dynamo.vllm` answers the weight check with
+    a bare "ok": it could never be verified, so it is refused before any refit (it used to be
+    paused and sent the weights, then fail the check) (issue 27, item 5)."""
+    provider = FakeProvider("plain", "ours", launches_workers=False)
+    for engine in provider.engines.values():
+        engine.checksum, engine.pause_mode = "base", "never paused"
+    logged = []
+    fleet = Fleet(provider, discovery_interval_s=3600, log=logged.append)
+    plain = next(w for w in await provider.discover() if w.id == "plain")
+    admin = provider.admin(plain)
+
+    async def proves_nothing():
+        raise WorkerCallError("plain", "weight check", "the worker answered without its ranks' checksums, which "
+                              "proves nothing: run it with `python -m fleetrl.engine.dynamo_worker`")
+
+    monkeypatch.setattr(admin, "weight_state", proves_nothing)
+    transport = FakeTransport(provider)
+    await fleet.start(lambda: WeightSource(transport, weights, "base", None, 0))
+    assert fleet.workers["plain"].state == WorkerState.STALE and fleet.workers["ours"].state == WorkerState.READY
+    assert "which proves nothing" in fleet.workers["plain"].error
+    assert provider.engines["plain"].pause_mode == "never paused"
     await fleet.close()
 
 

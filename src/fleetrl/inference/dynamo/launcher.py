@@ -78,12 +78,17 @@ class DynamoDeployment:
         """The launched worker behind the discovered instance at `admin_url`: the live one whose
         system server listens there (a hung one too: its socket stays open), else one of the
         same kind that exited. Discovery names instances, not processes."""
-        port = int(admin_url.rsplit(":", 1)[1])
-        for process in self.workers:
-            if process.alive() and port in listening_ports(process.pid):
-                return process
+        process = self.live_worker_at(admin_url)
+        if process is not None:
+            return process
         prefix = PREFILL_PREFIX if prefill else WORKER_PREFIX
         return next((p for p in self.workers if not p.alive() and p.name.startswith(prefix)), None)
+
+    def live_worker_at(self, admin_url: str) -> ManagedProcess | None:
+        """The live launched worker whose system server listens at `admin_url`; None when no
+        process of this deployment does (an instance someone else started in its namespace)."""
+        port = int(admin_url.rsplit(":", 1)[1])
+        return next((p for p in self.workers if p.alive() and port in listening_ports(p.pid)), None)
 
     def replace_worker(self, process: ManagedProcess) -> ManagedProcess:
         """Stop what is left of `process` (its engine core included) and launch a worker of the

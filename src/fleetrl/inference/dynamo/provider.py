@@ -56,6 +56,7 @@ class DynamoProvider:
         self._data: DynamoDataClient | None = None  # set by start()
         self._discovery = httpx.AsyncClient(timeout=10.0)
         self._admins: dict[str, DynamoAdminClient] = {}
+        self._refused: set[str] = set()  # admin URLs of instances a launched deployment did not launch
 
     async def start(self) -> None:
         if self._frontend_url:
@@ -76,9 +77,21 @@ class DynamoProvider:
         return {"provider": self.name, "dynamo": {"frontend_url": self._frontend_url, "rl_url": self._rl_url}}
 
     async def discover(self) -> list[WorkerInfo]:
+        """The deployment's workers. A launched deployment's are only those it launched: an
+        instance someone else started in its namespace is refused (once, in one line) before the
+        fleet sees it, so it is never paused, sent weights or routed to."""
         if self._rl_url is None:
             raise FleetrlError("the Dynamo provider was used before start()")
-        return await list_rl_workers(self._discovery, self._rl_url, self._frontend_url)
+        workers = await list_rl_workers(self._discovery, self._rl_url, self._frontend_url)
+        if self.deployment is None:
+            return workers
+        ours = [w for w in workers if self.deployment.live_worker_at(w.admin_url) is not None]
+        for worker in workers:
+            if worker not in ours and worker.admin_url not in self._refused:
+                self._refused.add(worker.admin_url)
+                self.log(f"fleetrl: Dynamo worker {worker.id} at {worker.admin_url} refused: this run did not launch "
+                         f"it (another deployment in namespace {self.config.dynamo.namespace}?)")
+        return ours
 
     async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix: list[int] = (),
                        prefill: WorkerInfo | None = None) -> list[GenerateResponse]:
