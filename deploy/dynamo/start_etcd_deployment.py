@@ -20,9 +20,10 @@ the frontend first, then NATS and etcd.
 
 The command lines and environments are the ones fleetrl's own launcher uses, built by the
 same functions (fleetrl.inference.dynamo.launcher and .cluster), so an attached deployment is
-the deployment fleetrl tests. Every listener binds --host (loopback by default): the workers'
-system ports carry admin routes without authentication (docs/dynamo.md, "Protecting the
-system port").
+the deployment fleetrl tests. Every listener binds --host (loopback by default): the system
+ports of Dynamo's own worker kind carry admin routes without authentication (docs/dynamo.md,
+"Protecting the system port"). `--worker-kind fleetrl` needs $FLEETRL_ADMIN_TOKEN, which its
+workers take in their environment and fleetrl attaches with.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import sys
 from pathlib import Path
 
 from fleetrl.config import DynamoConfig, InferenceConfig, ModelConfig, VllmConfig
+from fleetrl.contract import ADMIN_TOKEN_ENV
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write
 from fleetrl.inference.dynamo.cluster import ClusterServices, start_etcd, start_nats, wait_answering
@@ -192,6 +194,9 @@ def main() -> None:
     args = parser.parse_args()
     try:
         if args.command == "start":
+            if args.worker_kind == "fleetrl" and not os.environ.get(ADMIN_TOKEN_ENV):
+                raise FleetrlError(f"--worker-kind fleetrl needs ${ADMIN_TOKEN_ENV}: fleetrl's worker kind takes only "
+                                   "admin calls signed with it (fleetrl attaches with the same token)")
             record = asyncio.run(start(args.dir, args)).record
             attach = ["--inference.provider", "dynamo", "--inference.dynamo.frontend_url", record["frontend_url"],
                       "--inference.dynamo.rl_url", record["rl_url"]]

@@ -11,14 +11,20 @@ token. A caller that gets no valid proof back is not talking to a server started
 run's token, and trusts nothing it said. fleetrl's data requests (which carry the data token as a
 bearer) name a nonce of their own (NONCE_HEADER), and their answers carry the same proof.
 Bearer tokens still open the routes, for an operator's curl.
+
+fleetrl's Dynamo worker kind (engine/dynamo_worker.py) gets the same protection in the JSON body,
+the only part of a call its route handlers see: the signature rides in BODY_SIGNATURE_FIELD and
+also covers the rest of the body, and the answer carries the proof in BODY_PROOF_FIELD.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 SCHEME = "Fleetrl-HMAC"
@@ -92,3 +98,58 @@ def proof(token: str, nonce: str) -> str:
 
 def proven(token: str, nonce: str, answer: str | None) -> bool:
     return _is_mac(answer) and hmac.compare_digest(proof(token, nonce).encode(), answer.encode())
+
+
+# -- the same in a JSON body (Dynamo's RL routes pass their handlers the body alone) ----------
+
+BODY_SIGNATURE_FIELD = "fleetrl_signature"
+BODY_PROOF_FIELD = "fleetrl_proof"
+
+
+def _body_digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def signed_body(token: str, target: str, body: dict) -> tuple[dict, str]:
+    """`body` for a POST to `target` (`/engine/<route>`), signed with `token` (target, time,
+    nonce and the body itself); and the nonce that the answer's proof must be made of."""
+    timestamp, nonce = int(time.time()), fresh_nonce()
+    mac = _mac(token, _request_message("POST", target, timestamp, nonce) + "\n" + _body_digest(body))
+    return {**body, BODY_SIGNATURE_FIELD: {"t": timestamp, "n": nonce, "s": mac}}, nonce
+
+
+def body_signature(body: dict) -> tuple[Signature | None, dict]:
+    """The signature a body carries (None if none, or not one), and the body without it."""
+    rest = {k: v for k, v in body.items() if k != BODY_SIGNATURE_FIELD}
+    fields = body.get(BODY_SIGNATURE_FIELD)
+    if not isinstance(fields, dict):
+        return None, rest
+    t, n, s = fields.get("t"), fields.get("n"), fields.get("s")
+    if not (isinstance(t, int) and isinstance(n, str) and is_nonce(n) and _is_mac(s)):
+        return None, rest
+    return Signature(t, n, s), rest
+
+
+def body_signed_by(token: str, signature: Signature, target: str, body: dict) -> bool:
+    """Whether `signature` is `token`'s for a POST to `target` with this body (without the signature)."""
+    expected = _mac(token, _request_message("POST", target, signature.timestamp, signature.nonce) + "\n"
+                    + _body_digest(body))
+    return hmac.compare_digest(expected.encode(), signature.mac.encode())
+
+
+class FreshCalls:
+    """What a worker remembers of the signed calls it let in: each nonce for MAX_SKEW_S, so a
+    call is let in once, and only within MAX_SKEW_S of its time."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[str, int] = OrderedDict()  # nonce -> its call's time, oldest first
+
+    def admit(self, signature: Signature) -> bool:
+        """Whether a call whose signature checked out is fresh; it is remembered if so."""
+        now = int(time.time())
+        while self._seen and next(iter(self._seen.values())) < now - MAX_SKEW_S:
+            self._seen.popitem(last=False)
+        if abs(now - signature.timestamp) > MAX_SKEW_S or signature.nonce in self._seen:
+            return False
+        self._seen[signature.nonce] = signature.timestamp
+        return True

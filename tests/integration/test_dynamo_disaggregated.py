@@ -29,8 +29,10 @@ MAX_TOKENS = 12
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pd_fleet(model_dir, tmp_path_factory):
     """One prefill + one decode worker of fleetrl's kind (spans from the decode engine)."""
+    # fleetrl's kind takes only admin calls signed with the run's token, which its workers get by environment.
     config = InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl", prefill_workers=1), workers=1,
-                             vllm=VllmConfig(max_model_len=768), admin_timeout_s=120, startup_timeout_s=900)
+                             vllm=VllmConfig(max_model_len=768), admin_timeout_s=120, startup_timeout_s=900,
+                             admin_token="pd-admin-token")
     provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-pd-run"))
     async with running(Fleet(provider, pause_mode=config.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
         yield fleet

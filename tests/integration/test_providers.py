@@ -312,10 +312,19 @@ async def test_dynamos_own_worker_pauses_only_in_wait_mode_and_sets_versions(fle
 
 
 @only("dynamo-fleetrl")
-async def test_fleetrls_worker_kind_reports_per_token_versions(fleet):
+async def test_fleetrls_worker_kind_reports_per_token_versions_and_takes_only_signed_admin_calls(fleet):
     (worker,) = fleet.workers.values()
     assert await fleet.provider.admin(worker).reports_token_versions()
     assert fleet.pause_mode == "keep"
+    # Whoever reaches the system port without the run's token changes nothing (issue 27, item 5);
+    # the fleet's own calls above and in every publish are signed, and proven.
+    async with httpx.AsyncClient(base_url=worker.admin_url, timeout=30) as anyone:
+        for route, body in (("pause_generation", {"mode": "keep"}), ("set_weight_version", {"weight_version": "v9"})):
+            answer = (await anyone.post(f"/engine/{route}", json=body)).json()
+            assert answer["status"] == "error" and "needs the run's admin token" in answer["message"], (route, answer)
+        assert (await anyone.post("/engine/liveness_probe", json={})).json().get("alive") is True
+    assert not await fleet.provider.admin(worker).is_paused()
+    assert await fleet.provider.admin(worker).version() == fleet.version
 
 
 async def test_publish_by_each_transport(fleet, base_weights, probe, tokenizer, tmp_path_factory):
@@ -362,7 +371,8 @@ async def test_status_shows_every_worker_as_the_workers_report_themselves(fleet)
         flags = ["--inference.urls", json.dumps(settings["urls"])]
     else:
         flags = ["--inference.provider", "dynamo", "--inference.dynamo.frontend_url", settings["dynamo"]["frontend_url"],
-                 "--inference.dynamo.rl_url", settings["dynamo"]["rl_url"]]
+                 "--inference.dynamo.rl_url", settings["dynamo"]["rl_url"],
+                 "--inference.dynamo.worker", settings["dynamo"]["worker"]]  # fleetrl's kind: calls signed
     before = time.time()
     status = fleetrl_status(*flags, **{ADMIN_TOKEN_ENV: TOKEN})
     assert status.returncode == 0, status.stdout + status.stderr

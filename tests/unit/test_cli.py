@@ -63,7 +63,7 @@ def test_at_file_without_space(tmp_path, capsys):
          "fleetrl status needs a run directory (fleetrl status RUN_DIR) or inference.dynamo.frontend_url"),
         (["status", "--inference.provider", "dynamo", "--inference.dynamo.frontend_url", "http://h:8000",
           "--inference.dynamo.rl_url", "http://h:8001", "--inference.admin_token", "t"],
-         "inference.admin_token set with inference.provider = 'dynamo', whose frontend and workers take no token"),
+         "inference.admin_token set with inference.provider = 'dynamo', whose frontend and own worker kind take no token"),
         (["status", "/nonexistent-run"], "/nonexistent-run: no fleet.json: no fleet of this run is running"),
         (["rl", "--inference.provider", "dynamo", "--inference.dynamo.frontend_url", "http://h:8000"],
          "inference.dynamo.frontend_url and inference.dynamo.rl_url: set both"),

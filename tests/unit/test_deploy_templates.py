@@ -218,7 +218,11 @@ def test_the_dynamo_workers_run_fleetrls_entry_with_its_engine_args():
         assert all(args[args.index(a) + 1] == b for a, b in zip(ENGINE_ARGS[::2], ENGINE_ARGS[1::2]))
         assert TOKEN_VERSIONS_FLAG in args  # the ConfigMap's cluster.toml says inference.dynamo.worker = "fleetrl"
     graph = next(d for p in k8s_files() for d in yaml_documents(p) if d["kind"] == "DynamoGraphDeployment")
-    frontend_env = {e["name"]: e["value"] for s in graph["spec"]["services"].values()
+    for service in graph["spec"]["services"].values():
+        if service["componentType"] == "worker":  # fleetrl's kind signs its admin routes with the secret's token
+            env = {e["name"]: e for e in service["envs"]}
+            assert "secretKeyRef" in env[ADMIN_TOKEN_ENV]["valueFrom"], service
+    frontend_env = {e["name"]: e.get("value") for s in graph["spec"]["services"].values()
                     if s["componentType"] == "frontend" for e in s["envs"]}
     assert frontend_env["DYN_ENABLE_RL"] == "true" and frontend_env["DYN_RL_PORT"]
 

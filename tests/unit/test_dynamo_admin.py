@@ -10,7 +10,7 @@ import pytest
 
 from fleetrl.app.providers import Tokens, build_provider
 from fleetrl.config import Config, ConfigError, DynamoConfig, InferenceConfig, RunConfig
-from fleetrl.contract import WEIGHT_STATE_METHOD
+from fleetrl.contract import ADMIN_TOKEN_ENV, WEIGHT_STATE_METHOD
 from fleetrl.engine.dynamo_worker import _answering_checksums
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo import launcher
@@ -55,11 +55,28 @@ async def test_allow_unauthenticated_admin_launches_on_any_host(tmp_path, start_
         await launch(tmp_path, host="0.0.0.0", dynamo=DynamoConfig(allow_unauthenticated_admin=True))
 
 
-@pytest.mark.parametrize("field", ["admin_token", "data_token"])
-def test_a_token_set_for_dynamo_is_refused_naming_the_field(tmp_path, field):
-    config = Config(inference=InferenceConfig(provider="dynamo", **{field: "secret"}), run=RunConfig(dir=tmp_path))
+@pytest.mark.parametrize("field, kind", [("admin_token", "dynamo"), ("data_token", "dynamo"),
+                                         ("data_token", "fleetrl")])
+def test_a_token_set_for_dynamo_is_refused_naming_the_field(tmp_path, field, kind):
+    """Dynamo's frontend takes no token, nor do the admin routes of Dynamo's own worker kind."""
+    config = Config(inference=InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker=kind), **{field: "secret"}),
+                    run=RunConfig(dir=tmp_path))
     with pytest.raises(ConfigError, match=f"inference.{field} set with inference.provider = 'dynamo'"):
         build_provider(config, None, Tokens(None, None))
+
+
+def test_fleetrls_worker_kind_takes_the_admin_token_and_gives_it_to_its_workers_by_environment(tmp_path):
+    config = Config(inference=InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl")),
+                    run=RunConfig(dir=tmp_path))
+    provider = build_provider(config, None, Tokens("the-admin-token", None))
+    assert provider.admin_token == "the-admin-token"
+    assert provider.attach_settings()["admin_token"] == "the-admin-token"  # for fleetrl status RUN_DIR (tokens.json)
+    env = launcher.worker_env(provider.config, tmp_path)
+    assert env[ADMIN_TOKEN_ENV] == "the-admin-token"
+    assert not any("the-admin-token" in arg for arg in launcher.worker_argv(tmp_path, provider.config, tmp_path, False))
+    own = build_provider(Config(inference=InferenceConfig(provider="dynamo"), run=RunConfig(dir=tmp_path)), None,
+                         Tokens("the-admin-token", None))
+    assert own.admin_token is None and ADMIN_TOKEN_ENV not in launcher.worker_env(own.config, tmp_path)
 
 
 def admin_answering(answer: dict) -> DynamoAdminClient:

@@ -78,20 +78,31 @@ def _vllm_missing(inference: InferenceConfig) -> str | None:
 
 
 def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool) -> DynamoProvider:
-    # Dynamo's frontend and its workers' system ports (the RL admin routes) take no token: a
-    # token set for them would protect nothing, and saying nothing would let the user think so.
-    given = [f"inference.{name}" for name in ("admin_token", "data_token") if getattr(config.inference, name)]
+    # Dynamo's frontend takes no token, and neither do the system ports (the RL admin routes) of
+    # Dynamo's own worker kind: a token set for them would protect nothing, and saying nothing
+    # would let the user think so. fleetrl's worker kind takes only calls signed with the admin
+    # token (engine/dynamo_worker.py): launched workers get it by environment.
+    inference = config.inference
+    fleetrl_kind = inference.dynamo.worker == "fleetrl"
+    given = [f"inference.{name}" for name in ("admin_token", "data_token")
+             if getattr(inference, name) and not (fleetrl_kind and name == "admin_token")]
     if given:
-        raise ConfigError(f"{' and '.join(given)} set with inference.provider = 'dynamo', whose frontend and "
-                          "workers take no token: unset it, and protect the workers' system ports with the "
-                          "network (docs/dynamo.md, \"Protecting the system port\")")
-    return DynamoProvider(config.inference, model_dir, run_dir.root, runs=runs)
+        raise ConfigError(f"{' and '.join(given)} set with inference.provider = 'dynamo', whose "
+                          f"{'frontend takes' if fleetrl_kind else 'frontend and own worker kind take'} no token: unset "
+                          "it, and protect those ports with the network (docs/dynamo.md, \"Protecting the system "
+                          "port\")")
+    if fleetrl_kind:
+        inference = inference.model_copy(update={"admin_token": tokens.admin})
+    return DynamoProvider(inference, model_dir, run_dir.root, runs=runs)
 
 
 def _dynamo_missing(inference: InferenceConfig) -> str | None:
     if not inference.dynamo.frontend_url:
         return ("a run directory (fleetrl status RUN_DIR) or inference.dynamo.frontend_url and "
                 "inference.dynamo.rl_url (the deployment to query)")
+    if inference.dynamo.worker == "fleetrl" and resolve_tokens(inference, draw_missing=False).admin is None:
+        return (f"inference.admin_token or ${ADMIN_TOKEN_ENV}, the token fleetrl's worker kind was started with "
+                "(a run that fleetrl launched keeps it in RUN_DIR/tokens.json: fleetrl status RUN_DIR)")
     return None
 
 

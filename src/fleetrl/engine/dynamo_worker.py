@@ -25,7 +25,8 @@ lives on its own.
 
 With `--fleetrl-token-versions` it is fleetrl's worker kind (`inference.dynamo.worker =
 "fleetrl"`): the same worker plus what it lacks for exact per-token versions (see
-`_report_token_versions`).
+`_report_token_versions`), and admin routes that only the run's admin token opens
+(`_require_signed_calls`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ import importlib.util
 import os
 import sys
 
-from fleetrl.contract import DIES_WITH_PARENT_ENV, TOKEN_VERSIONS_FLAG, WEIGHT_STATE_METHOD
+from fleetrl import admin_signature
+from fleetrl.contract import (ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_GUARDED_ROUTES, DYNAMO_REFUSAL,
+                              TOKEN_VERSIONS_FLAG, WEIGHT_STATE_METHOD)
 from fleetrl.engine.orphan import die_with_parent
 
 
@@ -179,6 +182,43 @@ def _report_token_versions() -> None:
         setattr(BaseWorkerHandler, route, labels_the_engine(getattr(BaseWorkerHandler, route)))
 
 
+def signed_calls_only(token: str, route: str, handler):
+    """`handler` of Dynamo route `route`, let in only for a call signed with `token` (the
+    signature in its body, admin_signature.py); its answer carries this worker's proof. A call
+    without a valid signature gets an error answer and reaches nothing. Open routes
+    (liveness_probe) still answer an unsigned call, and prove a signed one."""
+    fresh = admin_signature.FreshCalls()
+    guarded, target = route in DYNAMO_GUARDED_ROUTES, f"/engine/{route}"  # what the caller signed
+
+    async def signed_only(self, body=None):
+        signature, rest = admin_signature.body_signature(body if isinstance(body, dict) else {})
+        admitted = signature is not None and admin_signature.body_signed_by(token, signature, target, rest) \
+            and fresh.admit(signature)
+        if not admitted:
+            if guarded:
+                return {"status": "error", "message": DYNAMO_REFUSAL}
+            return await handler(self, rest)
+        result = await handler(self, rest)
+        if isinstance(result, dict):
+            result = {**result, admin_signature.BODY_PROOF_FIELD: admin_signature.proof(token, signature.nonce)}
+        return result
+    return signed_only
+
+
+def _require_signed_calls() -> None:
+    """fleetrl's worker kind: the routes that pause it, change its weights or its version, or put
+    it to sleep take only calls signed with the run's admin token (from `contract.ADMIN_TOKEN_ENV`,
+    never argv); fleetrl launches it with one, and an operator must start it with one."""
+    token = os.environ.get(ADMIN_TOKEN_ENV, "")
+    if not token:
+        sys.exit(f"fleetrl: {ADMIN_TOKEN_ENV} is not set: fleetrl's Dynamo worker kind refuses to serve admin "
+                 "routes that anyone could call (docs/dynamo.md)")
+    from dynamo.vllm.handlers import BaseWorkerHandler
+
+    for route in (*DYNAMO_GUARDED_ROUTES, "liveness_probe"):
+        setattr(BaseWorkerHandler, route, signed_calls_only(token, route, getattr(BaseWorkerHandler, route)))
+
+
 def main() -> None:
     if os.environ.get(DIES_WITH_PARENT_ENV) == "1":
         die_with_parent()  # its engine core is fleetrl's grandchild: see engine/orphan.py
@@ -189,6 +229,7 @@ def main() -> None:
     if TOKEN_VERSIONS_FLAG in sys.argv:
         sys.argv.remove(TOKEN_VERSIONS_FLAG)
         _report_token_versions()
+        _require_signed_calls()  # last: the outermost layer of each route
     from dynamo.vllm.main import main as dynamo_vllm_main
 
     dynamo_vllm_main()  # reads its arguments from sys.argv, like `python -m dynamo.vllm`

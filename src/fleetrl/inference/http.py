@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from fleetrl import admin_signature
-from fleetrl.contract import CLAIM_LEASE_HEADER, CLAIM_PATH, CLAIM_RUN_HEADER
+from fleetrl.contract import ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH, CLAIM_RUN_HEADER, DYNAMO_REFUSAL
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import ImpostorWorker, WorkerCallError, WorkerHeldByAnotherRun
 from fleetrl.inference.types import RankWeights
@@ -82,20 +82,26 @@ class AdminHttp:
     run holds refuses it (WorkerHeldByAnotherRun)."""
 
     def __init__(self, worker_id: str, base_url: str, timeout_s: float, retries: int,
-                 admin_token: str | None = None, claim: RunClaim | None = None) -> None:
+                 admin_token: str | None = None, claim: RunClaim | None = None, body_signed: bool = False) -> None:
+        """`body_signed`: the signature rides in the JSON body, and the proof in the JSON answer
+        (fleetrl's Dynamo worker kind, admin_signature.signed_body), not in headers."""
         self.worker_id = worker_id
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.retries = retries
         self._admin_token = admin_token
         self._claim = claim
+        self._body_signed = body_signed
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
 
     async def _request(self, method: str, path: str, timeout_s: float, signed: bool = False,
                        **kwargs: Any) -> httpx.Response:
-        request = self._http.build_request(method, path, timeout=timeout_s, **kwargs)
         if not (signed and self._admin_token):
-            return await answered_within(timeout_s, self._http.send(request))
+            return await answered_within(timeout_s, self._http.send(
+                self._http.build_request(method, path, timeout=timeout_s, **kwargs)))
+        if self._body_signed:
+            return await self._body_signed_request(method, path, timeout_s, **kwargs)
+        request = self._http.build_request(method, path, timeout=timeout_s, **kwargs)
         if self._claim is not None:
             request.headers[CLAIM_RUN_HEADER] = self._claim.run
             request.headers[CLAIM_LEASE_HEADER] = f"{self._claim.lease_s:g}"
@@ -105,6 +111,28 @@ class AdminHttp:
             raise ImpostorWorker(self.worker_id, f"{method} {path}", why)
         if response.status_code == 409 and (held := _held_by(response)) is not None:
             raise WorkerHeldByAnotherRun(self.worker_id, f"{method} {path}", *held)
+        return response
+
+    async def _body_signed_request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response:
+        """A call of fleetrl's Dynamo worker kind, whose route handlers see only the JSON body:
+        signed there, afresh for every try, and proven in the JSON answer."""
+        body, nonce = admin_signature.signed_body(self._admin_token, path, kwargs.pop("json", None) or {})
+        response = await answered_within(timeout_s, self._http.send(
+            self._http.build_request(method, path, timeout=timeout_s, json=body, **kwargs)))
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and str(answer.get("message", "")).startswith(DYNAMO_REFUSAL):
+            raise WorkerCallError(self.worker_id, f"{method} {path}",
+                                  f"the admin token was refused: set inference.admin_token (or ${ADMIN_TOKEN_ENV}) to the "
+                                  "one the worker was started with")
+        if not (isinstance(answer, dict) and admin_signature.proven(
+                self._admin_token, nonce, answer.get(admin_signature.BODY_PROOF_FIELD))):
+            raise ImpostorWorker(self.worker_id, f"{method} {path}",
+                                 f"it answered (HTTP {response.status_code}: {response.text[:120]!r}) without proof "
+                                 "that it holds the run's admin token: it is not the worker fleetrl started or "
+                                 "attached to")
         return response
 
     async def close(self) -> None:
@@ -127,15 +155,16 @@ class AdminHttp:
             return None
 
     async def call(self, method: str, path: str, *, idempotent: bool, timeout_s: float | None = None,
-                   what: str | None = None, **kwargs: Any) -> httpx.Response:
+                   what: str | None = None, signed: bool = True, **kwargs: Any) -> httpx.Response:
         """The response of a call that succeeded (HTTP status below 400); WorkerCallError,
-        naming the worker and `what` (default: the method and path), otherwise."""
+        naming the worker and `what` (default: the method and path), otherwise. `signed` False:
+        a route that is no admin route (Dynamo's /metrics, which no handler of fleetrl's sees)."""
         what = what or f"{method} {path}"
         retries = 0 if SINGLE_TRY.get() else self.retries
         for attempt in range(retries + 1):
             try:
                 response = await self._request(method, path, timeout_s if timeout_s is not None else self.timeout_s,
-                                               signed=True, **kwargs)
+                                               signed=signed, **kwargs)
             except httpx.ConnectError as e:
                 error = f"cannot connect to {self.base_url} ({e})"
             except httpx.TransportError as e:

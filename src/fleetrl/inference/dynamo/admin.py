@@ -42,16 +42,18 @@ NOT_PAUSED = "must be paused"
 
 class DynamoAdminClient:
     def __init__(self, worker_id: str, system_url: str, world_size: int, timeout_s: float, retries: int,
-                 run: str | None) -> None:
+                 run: str | None, admin_token: str | None = None) -> None:
         """`run`: the run whose versions this client labels the worker with; None for a client
-        that only looks (`fleetrl status`), which reads any run's version and labels nothing."""
+        that only looks (`fleetrl status`), which reads any run's version and labels nothing.
+        `admin_token`: fleetrl's worker kind takes only calls signed with it (in the body,
+        engine/dynamo_worker.py), and proves each answer; None for Dynamo's own kind."""
         self.worker_id = worker_id
         self.run = run
         self.admin_url = system_url
         self.world_size = world_size
         self.fence = FenceRecord()
         self._token_versions: bool | None = None  # unknown until get_weight_version answers
-        self._http = AdminHttp(worker_id, system_url, timeout_s, retries)
+        self._http = AdminHttp(worker_id, system_url, timeout_s, retries, admin_token, body_signed=True)
 
     async def close(self) -> None:
         await self._http.close()
@@ -70,7 +72,7 @@ class DynamoAdminClient:
 
     async def health(self) -> bool:
         """The engine's event loop answers (a round trip into the engine core)."""
-        response = await self._http.probe("POST", "/engine/liveness_probe", timeout_s=10.0, json={})
+        response = await self._http.probe("POST", "/engine/liveness_probe", timeout_s=10.0, signed=True, json={})
         return response is not None and response.status_code == 200 and response.json().get("alive") is True
 
     async def is_paused(self) -> bool:
@@ -143,7 +145,7 @@ class DynamoAdminClient:
 
     async def in_flight(self) -> int | None:
         """From the vLLM gauges that Dynamo's worker serves on its system port."""
-        response = await self._http.call("GET", "/metrics", idempotent=True)
+        response = await self._http.call("GET", "/metrics", idempotent=True, signed=False)
         return requests_in_engine(response.text)
 
     # -- weight transfer (see the module docstring) -------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from fleetrl.config import InferenceConfig
-from fleetrl.contract import DIES_WITH_PARENT_ENV, DYNAMO_WORKER_MODULE, ENGINE_ARGS, TOKEN_VERSIONS_FLAG
+from fleetrl.contract import ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_WORKER_MODULE, ENGINE_ARGS, TOKEN_VERSIONS_FLAG
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.cluster import ClusterServices, start_cluster_services
 from fleetrl.inference.dynamo.data import DynamoDataClient
@@ -217,6 +217,9 @@ def worker_env(config: InferenceConfig, discovery_dir: Path,
                cluster_env: Mapping[str, str] = {}) -> dict[str, str]:
     return {
         **deployment_env(config, discovery_dir, cluster_env),
+        # fleetrl's worker kind takes only admin calls signed with the run's token: by
+        # environment, never argv (engine/dynamo_worker.py).
+        **({ADMIN_TOKEN_ENV: config.admin_token} if config.dynamo.worker == "fleetrl" and config.admin_token else {}),
         # The system server carries the admin routes (POST /engine/<route>). Port 0: the worker
         # binds a free one and advertises its URL in RL discovery. (An explicit port must be
         # below 32768: Dynamo parses DYN_SYSTEM_PORT as an i16.)

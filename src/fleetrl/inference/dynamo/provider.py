@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from fleetrl.config import InferenceConfig
+from fleetrl.contract import ADMIN_TOKEN_ENV
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.admin import DynamoAdminClient
 from fleetrl.inference.dynamo.attribution import prefill_agrees, sequence_version, with_span
@@ -48,6 +49,11 @@ class DynamoProvider:
         self.model_dir = model_dir
         self.run_dir = run_dir
         self.run = run_id(run_dir) if runs else None  # the run whose versions label the workers
+        # fleetrl's worker kind takes only calls signed with the admin token; Dynamo's own, none.
+        self.admin_token = config.admin_token if config.dynamo.worker == "fleetrl" else None
+        if config.dynamo.worker == "fleetrl" and not self.admin_token:
+            raise FleetrlError("inference.dynamo.worker = 'fleetrl' takes only admin calls signed with the run's admin "
+                               f"token: set inference.admin_token or ${ADMIN_TOKEN_ENV}")
         self.log = log
         self.deployment: DynamoDeployment | None = None  # None when attached
         self.launches_workers = not config.attaches()
@@ -72,9 +78,10 @@ class DynamoProvider:
 
     def attach_settings(self) -> dict:
         """The inference settings with which another fleetrl attaches to this deployment while it
-        runs (`fleetrl status RUN_DIR`): the frontend and its RL discovery. No tokens: Dynamo
-        takes none."""
-        return {"provider": self.name, "dynamo": {"frontend_url": self._frontend_url, "rl_url": self._rl_url}}
+        runs (`fleetrl status RUN_DIR`): the frontend, its RL discovery, the worker kind, and for
+        fleetrl's kind the admin token (a secret field: the run writes it apart)."""
+        dynamo = {"frontend_url": self._frontend_url, "rl_url": self._rl_url, "worker": self.config.dynamo.worker}
+        return {"provider": self.name, "dynamo": dynamo, **({"admin_token": self.admin_token} if self.admin_token else {})}
 
     async def discover(self) -> list[WorkerInfo]:
         """The deployment's workers. A launched deployment's are only those it launched: an
@@ -145,7 +152,7 @@ class DynamoProvider:
         if known is None or known.admin_url != worker.admin_url:
             self._admins[worker.id] = DynamoAdminClient(worker.id, worker.admin_url, worker.world_size,
                                                         self.config.admin_timeout_s, self.config.admin_retries,
-                                                        self.run)
+                                                        self.run, self.admin_token)
         return self._admins[worker.id]
 
     async def close(self) -> None:
