@@ -114,7 +114,10 @@ def stop_now(fleet: Fleet, worker):
     if isinstance(fleet.provider, VllmProvider):
         server = next(s for s in fleet.provider.launched if s.name == worker.id)
         return lambda: server.process.stop(grace_s=0)
-    return launched_dynamo_worker(fleet, worker).stop
+    process = launched_dynamo_worker(fleet, worker)
+    # At once: with a grace period, Dynamo's worker drains its requests on SIGTERM, and a request
+    # "killed mid-rollout" came back whole from the victim (a test that failed now and then).
+    return lambda: process.stop(grace_s=0)
 
 
 async def generated_tokens(fleet: Fleet, worker=None) -> int:
@@ -773,7 +776,7 @@ async def test_worker_killed_mid_rollout_does_not_fail_the_samples(fleet, tokeni
     before = await generated_tokens(fleet, victim)
     requests = [asyncio.create_task(fleet.generate(GenerateRequest(prompt, sampling))) for _ in workers]
     await until_generating(fleet, before, victim)  # its request is on it, under way
-    launched_dynamo_worker(fleet, victim).stop()
+    stop_now(fleet, victim)()
     outs = [o for (o,) in await asyncio.gather(*requests)]
     assert all(len(o.token_ids) == IN_FLIGHT_TOKENS and o.spans == [VersionSpan(version, 0)] for o in outs)
     assert victim.id not in {o.worker_id for o in outs}
