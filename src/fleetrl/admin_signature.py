@@ -4,17 +4,23 @@ the worker proves the same in its answer (a leaf: imports nothing of fleetrl).
 A bearer token goes to whoever answers at a worker's port. After a worker dies, any local
 process may take that port, answer /health (which needs no token) and so receive the token
 with the next admin call. fleetrl's admin calls therefore carry, instead of the token, an HMAC
-of the call (method, path and query, a timestamp, a fresh nonce) keyed by the token. The
-worker's middleware (engine/admin_auth.py) checks it, refuses a timestamp off by more than
-MAX_SKEW_S or a nonce it has seen, and answers with an HMAC of the nonce keyed by the same
-token. A caller that gets no valid proof back is not talking to a server started with the
-run's token, and trusts nothing it said. fleetrl's data requests (which carry the data token as a
-bearer) name a nonce of their own (NONCE_HEADER), and their answers carry the same proof.
-Bearer tokens still open the routes, for an operator's curl.
+keyed by the token of everything about the call that a relay or a replay could change
+(`SignedCall`: the method, the path and query, the authority the caller addressed, the body,
+the run's claim on the worker) with a timestamp and a fresh nonce. The worker's middleware
+(engine/admin_auth.py) checks it, refuses a timestamp off by more than MAX_SKEW_S, a nonce it
+has seen (`FreshCalls`) and an authority that is not its own, and answers with an HMAC of the
+nonce and that authority, keyed by the same token (`proof`). A caller that gets no valid proof
+back is not talking to a server started with the run's token, and trusts nothing it said: a
+process on a dead worker's port that relays the call to another live worker gets it refused
+there (another authority), and a captured call replayed elsewhere, or with another body, opens
+nothing. fleetrl's data requests (which carry the data token as a bearer) name a nonce of their
+own (NONCE_HEADER), and their answers carry the same proof. Bearer tokens still open the
+routes, for an operator's curl.
 
 fleetrl's Dynamo worker kind (engine/dynamo_worker.py) gets the same protection in the JSON body,
 the only part of a call its route handlers see: the signature rides in BODY_SIGNATURE_FIELD and
-also covers the rest of the body, and the answer carries the proof in BODY_PROOF_FIELD.
+covers the rest of the body, and the answer carries the proof in BODY_PROOF_FIELD. Its handlers
+do not see the authority, which such a signature therefore does not cover.
 """
 
 from __future__ import annotations
@@ -44,6 +50,23 @@ class Signature:
     mac: str
 
 
+@dataclass(frozen=True)
+class SignedCall:
+    """What a signature covers. Both sides build it from the request as it travels: the
+    caller from what it sends, the worker from what it receives."""
+
+    method: str
+    target: str  # path and query, as sent
+    authority: str  # host:port the caller addressed (its Host header); "" where a worker cannot see it
+    body: bytes
+    run: str = ""  # the run's claim on the worker, as its headers name it (engine/worker_claim.py)
+    lease: str = ""
+
+    def message(self, timestamp: int, nonce: str) -> str:
+        return "\n".join(["fleetrl request", self.method.upper(), self.target, self.authority,
+                          hashlib.sha256(self.body).hexdigest(), self.run, self.lease, str(timestamp), nonce])
+
+
 def _is_mac(value: object) -> bool:
     """64 lowercase hex digits: what `_mac` makes (anything else is compared with nothing)."""
     return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
@@ -53,16 +76,11 @@ def _mac(token: str, message: str) -> str:
     return hmac.new(token.encode(), message.encode(), hashlib.sha256).hexdigest()
 
 
-def _request_message(method: str, target: str, timestamp: int, nonce: str) -> str:
-    return f"fleetrl request\n{method.upper()}\n{target}\n{timestamp}\n{nonce}"
-
-
-def authorization(token: str, method: str, target: str) -> tuple[str, str]:
-    """The Authorization header's value for a call of `method` on `target` (path and query, as
-    sent), and the nonce the answer's proof must be made of."""
+def authorization(token: str, call: SignedCall) -> tuple[str, str]:
+    """The Authorization header's value for `call`, and the nonce the answer's proof must be
+    made of."""
     timestamp, nonce = int(time.time()), fresh_nonce()
-    mac = _mac(token, _request_message(method, target, timestamp, nonce))
-    return f"{SCHEME} t={timestamp},n={nonce},s={mac}", nonce
+    return f"{SCHEME} t={timestamp},n={nonce},s={_mac(token, call.message(timestamp, nonce))}", nonce
 
 
 def fresh_nonce() -> str:
@@ -85,56 +103,20 @@ def parse(value: str) -> Signature | None:
     return Signature(int(t), n, s)
 
 
-def signed_by(token: str, signature: Signature, method: str, target: str) -> bool:
-    """Whether `signature` is `token`'s for this call (in constant time)."""
-    expected = _mac(token, _request_message(method, target, signature.timestamp, signature.nonce))
+def signed_by(token: str, signature: Signature, call: SignedCall) -> bool:
+    """Whether `signature` is `token`'s for this very call (in constant time)."""
+    expected = _mac(token, call.message(signature.timestamp, signature.nonce))
     return hmac.compare_digest(expected.encode(), signature.mac.encode())
 
 
-def proof(token: str, nonce: str) -> str:
-    """The worker's answer to a signed call with `nonce`: only a holder of `token` can make it."""
-    return _mac(token, f"fleetrl worker\n{nonce}")
+def proof(token: str, nonce: str, authority: str) -> str:
+    """The worker's answer to a call with `nonce` that reached it at `authority`: only a holder
+    of `token` can make it, and it holds for that address alone."""
+    return _mac(token, f"fleetrl worker\n{authority}\n{nonce}")
 
 
-def proven(token: str, nonce: str, answer: str | None) -> bool:
-    return _is_mac(answer) and hmac.compare_digest(proof(token, nonce).encode(), answer.encode())
-
-
-# -- the same in a JSON body (Dynamo's RL routes pass their handlers the body alone) ----------
-
-BODY_SIGNATURE_FIELD = "fleetrl_signature"
-BODY_PROOF_FIELD = "fleetrl_proof"
-
-
-def _body_digest(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def signed_body(token: str, target: str, body: dict) -> tuple[dict, str]:
-    """`body` for a POST to `target` (`/engine/<route>`), signed with `token` (target, time,
-    nonce and the body itself); and the nonce that the answer's proof must be made of."""
-    timestamp, nonce = int(time.time()), fresh_nonce()
-    mac = _mac(token, _request_message("POST", target, timestamp, nonce) + "\n" + _body_digest(body))
-    return {**body, BODY_SIGNATURE_FIELD: {"t": timestamp, "n": nonce, "s": mac}}, nonce
-
-
-def body_signature(body: dict) -> tuple[Signature | None, dict]:
-    """The signature a body carries (None if none, or not one), and the body without it."""
-    rest = {k: v for k, v in body.items() if k != BODY_SIGNATURE_FIELD}
-    fields = body.get(BODY_SIGNATURE_FIELD)
-    if not isinstance(fields, dict):
-        return None, rest
-    t, n, s = fields.get("t"), fields.get("n"), fields.get("s")
-    if not (isinstance(t, int) and isinstance(n, str) and is_nonce(n) and _is_mac(s)):
-        return None, rest
-    return Signature(t, n, s), rest
-
-
-def body_signed_by(token: str, signature: Signature, target: str, body: dict) -> bool:
-    """Whether `signature` is `token`'s for a POST to `target` with this body (without the signature)."""
-    expected = _mac(token, _request_message("POST", target, signature.timestamp, signature.nonce) + "\n"
-                    + _body_digest(body))
-    return hmac.compare_digest(expected.encode(), signature.mac.encode())
+def proven(token: str, nonce: str, authority: str, answer: str | None) -> bool:
+    return _is_mac(answer) and hmac.compare_digest(proof(token, nonce, authority).encode(), answer.encode())
 
 
 class FreshCalls:
@@ -153,3 +135,38 @@ class FreshCalls:
             return False
         self._seen[signature.nonce] = signature.timestamp
         return True
+
+
+# -- the same in a JSON body (Dynamo's RL routes pass their handlers the body alone) ----------
+
+BODY_SIGNATURE_FIELD = "fleetrl_signature"
+BODY_PROOF_FIELD = "fleetrl_proof"
+
+
+def _body_call(target: str, body: dict) -> SignedCall:
+    return SignedCall("POST", target, "", json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def signed_body(token: str, target: str, body: dict) -> tuple[dict, str]:
+    """`body` for a POST to `target` (`/engine/<route>`), signed with `token` (target, time,
+    nonce and the body itself); and the nonce that the answer's proof must be made of."""
+    timestamp, nonce = int(time.time()), fresh_nonce()
+    mac = _mac(token, _body_call(target, body).message(timestamp, nonce))
+    return {**body, BODY_SIGNATURE_FIELD: {"t": timestamp, "n": nonce, "s": mac}}, nonce
+
+
+def body_signature(body: dict) -> tuple[Signature | None, dict]:
+    """The signature a body carries (None if none, or not one), and the body without it."""
+    rest = {k: v for k, v in body.items() if k != BODY_SIGNATURE_FIELD}
+    fields = body.get(BODY_SIGNATURE_FIELD)
+    if not isinstance(fields, dict):
+        return None, rest
+    t, n, s = fields.get("t"), fields.get("n"), fields.get("s")
+    if not (isinstance(t, int) and isinstance(n, str) and is_nonce(n) and _is_mac(s)):
+        return None, rest
+    return Signature(t, n, s), rest
+
+
+def body_signed_by(token: str, signature: Signature, target: str, body: dict) -> bool:
+    """Whether `signature` is `token`'s for a POST to `target` with this body (without the signature)."""
+    return signed_by(token, signature, _body_call(target, body))

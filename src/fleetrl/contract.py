@@ -26,6 +26,10 @@ ENGINE_ARGS = [
 ADMIN_MIDDLEWARE = "fleetrl.engine.admin_auth.AdminTokenMiddleware"
 ADMIN_TOKEN_ENV = "FLEETRL_ADMIN_TOKEN"
 DATA_TOKEN_ENV = "FLEETRL_DATA_TOKEN"
+# The addresses (host:port, comma-separated) a native server is reached at besides its own port,
+# where a network maps ports (docs/cluster.md): a signed call names the address its caller
+# addressed, and the middleware lets in and proves only calls to one of its own.
+ADMIN_AUTHORITIES_ENV = "FLEETRL_ADMIN_AUTHORITIES"
 
 # The worker extension's method that returns what a rank holds (one result per rank):
 # {"checksum": the fleetrl checksum of the weights it last received in full, computed by the

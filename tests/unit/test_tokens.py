@@ -11,7 +11,7 @@ import pytest
 from fleetrl import admin_signature
 from fleetrl.app.providers import Tokens, attached_to_run, resolve_tokens, start_recorded
 from fleetrl.config import Config, ConfigError, DynamoConfig, InferenceConfig
-from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
+from fleetrl.contract import ADMIN_AUTHORITIES_ENV, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.engine.admin_auth import AdminTokenMiddleware
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.http import RunClaim
@@ -76,32 +76,77 @@ def test_data_routes_take_the_data_token_and_the_admin_token(guarded, method, pa
 
 # -- signed admin calls: the admin token never crosses the wire from fleetrl ----------------------
 
-def signed(token: str, method: str, target: str) -> tuple[dict, str]:
-    value, nonce = admin_signature.authorization(token, method, target)
-    return {"Authorization": value}, nonce
+def authority_of(url: str) -> str:
+    return url.removeprefix("http://")
+
+
+def signed(token: str, method: str, url: str, target: str, body: bytes = b"", authority: str | None = None
+           ) -> tuple[dict, str]:
+    """The headers of a call signed as fleetrl signs one, to the server at `url` (or naming
+    `authority` as the address called), and the nonce its proof is made of."""
+    call = admin_signature.SignedCall(method, target, authority or authority_of(url), body)
+    value, nonce = admin_signature.authorization(token, call)
+    return {"Authorization": value, **({"Host": authority} if authority else {})}, nonce
+
+
+def proven(answer: httpx.Response, nonce: str, url: str) -> bool:
+    return admin_signature.proven(ADMIN, nonce, authority_of(url), answer.headers.get(admin_signature.PROOF_HEADER))
 
 
 def test_a_signed_call_opens_the_admin_routes_once_and_its_answer_proves_the_worker_holds_the_token(guarded):
-    headers, nonce = signed(ADMIN, "POST", "/pause?mode=keep")
+    headers, nonce = signed(ADMIN, "POST", guarded, "/pause?mode=keep")
     answer = httpx.post(guarded + "/pause?mode=keep", headers=headers)
-    assert answer.status_code == 200
-    assert admin_signature.proven(ADMIN, nonce, answer.headers.get(admin_signature.PROOF_HEADER))
-    assert not admin_signature.proven("other", nonce, answer.headers.get(admin_signature.PROOF_HEADER))
+    assert answer.status_code == 200 and proven(answer, nonce, guarded)
+    assert not admin_signature.proven("other", nonce, authority_of(guarded), answer.headers[admin_signature.PROOF_HEADER])
     # Replayed (by whoever saw it), the same signature opens nothing.
     assert httpx.post(guarded + "/pause?mode=keep", headers=headers).status_code == 401
 
 
-@pytest.mark.parametrize("case", ["other token", "other path", "other query", "other method", "stale", "data token"])
+@pytest.mark.parametrize("case", ["other token", "other path", "other query", "other method", "stale", "data token",
+                                  "other body", "other authority"])
 def test_a_signed_call_that_is_not_the_admin_tokens_for_this_very_call_is_refused(guarded, case, monkeypatch):
     token, method, target = {"other token": "wrong", "data token": DATA}.get(case, ADMIN), "POST", "/pause?mode=keep"
     with monkeypatch.context() as clock:
         if case == "stale":  # signed 301 s ago
             now = admin_signature.time.time()
             clock.setattr(admin_signature.time, "time", lambda: now - admin_signature.MAX_SKEW_S - 1)
-        headers, _ = signed(token, {"other method": "GET"}.get(case, method),
-                            {"other path": "/resume", "other query": "/pause?mode=abort"}.get(case, target))
-    answer = httpx.post(guarded + target, headers=headers)
+        headers, _ = signed(token, {"other method": "GET"}.get(case, method), guarded,
+                            {"other path": "/resume", "other query": "/pause?mode=abort"}.get(case, target),
+                            body=b'{"mode": "keep"}',
+                            authority="127.0.0.1:1" if case == "other authority" else None)
+    if case == "other authority":
+        headers.pop("Host")  # signed for another worker's address, sent to this one
+    answer = httpx.post(guarded + target, headers=headers,
+                        content=b'{"mode": "abort"}' if case == "other body" else b'{"mode": "keep"}')
     assert answer.status_code == 401 and admin_signature.PROOF_HEADER not in answer.headers
+
+
+def test_a_call_relayed_from_another_address_is_refused_there(guarded):
+    """A process on a dead worker's port (here 127.0.0.1:1) passes fleetrl's signed call, and a
+    data request naming a nonce, on to a live worker: the worker lets in, and proves, only what
+    was addressed to it, so the relay gets no proof to hand back (issue 27, item 6)."""
+    headers, _ = signed(ADMIN, "GET", guarded, "/is_paused", authority="127.0.0.1:1")  # Host: the dead port
+    answer = httpx.get(guarded + "/is_paused", headers=headers)
+    assert answer.status_code == 401 and admin_signature.PROOF_HEADER not in answer.headers
+    nonce = admin_signature.fresh_nonce()
+    answer = httpx.post(guarded + "/inference/v1/generate",
+                        headers={**bearer(DATA), "x-fleetrl-nonce": nonce, "Host": "127.0.0.1:1"})
+    assert admin_signature.PROOF_HEADER not in answer.headers
+
+
+def test_a_port_mapped_address_is_let_in_once_the_server_is_told_of_it(monkeypatch):
+    """Behind a Service that maps port 80 to the server's own, callers address svc:80."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
+    for mapped, status in ((None, 401), ("svc:80", 200)):
+        if mapped:
+            monkeypatch.setenv(ADMIN_AUTHORITIES_ENV, f"other:81, {mapped}")
+        with serving(AdminTokenMiddleware(answering({"is_paused": False}))) as url:
+            headers, nonce = signed(ADMIN, "GET", url, "/is_paused", authority="svc:80")
+            answer = httpx.get(url + "/is_paused", headers=headers)
+        assert answer.status_code == status
+        assert (status == 200) == admin_signature.proven(ADMIN, nonce, "svc:80",
+                                                         answer.headers.get(admin_signature.PROOF_HEADER))
 
 
 def recording(requests: list, unauthorized_without_header: bool = False, proof: bytes | None = None):
@@ -162,18 +207,16 @@ def test_a_data_request_that_names_a_nonce_gets_the_proof_of_it(guarded):
     nonce = admin_signature.fresh_nonce()
     for token in (DATA, ADMIN):
         answer = httpx.post(guarded + "/inference/v1/generate", headers={**bearer(token), "x-fleetrl-nonce": nonce})
-        assert answer.status_code == 200
-        assert admin_signature.proven(ADMIN, nonce, answer.headers.get(admin_signature.PROOF_HEADER))
+        assert answer.status_code == 200 and proven(answer, nonce, guarded)
     # Without the data token, a nonce opens nothing and proves nothing.
     answer = httpx.post(guarded + "/inference/v1/generate", headers={"x-fleetrl-nonce": nonce})
     assert answer.status_code == 401 and admin_signature.PROOF_HEADER not in answer.headers
 
 
 def test_a_signed_health_check_gets_the_proof_and_an_unsigned_one_still_passes(guarded):
-    headers, nonce = signed(ADMIN, "GET", "/health")
+    headers, nonce = signed(ADMIN, "GET", guarded, "/health")
     answer = httpx.get(guarded + "/health", headers=headers)
-    assert answer.status_code == 200
-    assert admin_signature.proven(ADMIN, nonce, answer.headers.get(admin_signature.PROOF_HEADER))
+    assert answer.status_code == 200 and proven(answer, nonce, guarded)
     assert httpx.get(guarded + "/health").status_code == 200  # a load balancer's probe, say
 
 
@@ -187,10 +230,10 @@ def test_an_error_the_server_raises_is_answered_with_its_text_and_the_proof(monk
         raise RuntimeError("start_weight_update called while a weight update is already active")
 
     with serving(AdminTokenMiddleware(failing)) as url:
-        headers, nonce = signed(ADMIN, "POST", "/collective_rpc")
+        headers, nonce = signed(ADMIN, "POST", url, "/collective_rpc")
         answer = httpx.post(url + "/collective_rpc", headers=headers)
     assert answer.status_code == 500 and "a weight update is already active" in answer.json()["error"]
-    assert admin_signature.proven(ADMIN, nonce, answer.headers.get(admin_signature.PROOF_HEADER))
+    assert proven(answer, nonce, url)
 
 
 async def test_an_attached_server_that_cannot_prove_it_holds_the_admin_token_is_refused_without_getting_it():

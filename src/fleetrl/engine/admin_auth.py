@@ -22,11 +22,10 @@ import hashlib
 import hmac
 import json
 import os
-import time
-from collections import OrderedDict
 
 from fleetrl import admin_signature
-from fleetrl.contract import ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH, CLAIM_RUN_HEADER, DATA_TOKEN_ENV
+from fleetrl.contract import (ADMIN_AUTHORITIES_ENV, ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH,
+                              CLAIM_RUN_HEADER, DATA_TOKEN_ENV)
 from fleetrl.engine.worker_claim import WorkerClaim
 from fleetrl.versions import is_run_id
 
@@ -67,7 +66,10 @@ class AdminTokenMiddleware:
         self._admin_token = _token_from_env(ADMIN_TOKEN_ENV)
         self._admin = _digest(self._admin_token)
         self._data = _digest(_token_from_env(DATA_TOKEN_ENV))
-        self._seen: OrderedDict[str, int] = OrderedDict()  # nonces of signed calls, oldest first
+        self._fresh = admin_signature.FreshCalls()  # the nonces of signed calls let in
+        # The addresses callers may reach this server at besides its own port (a port-mapping
+        # Service, say): host:port, comma-separated (docs/cluster.md).
+        self._authorities = {a.strip() for a in os.environ.get(ADMIN_AUTHORITIES_ENV, "").split(",") if a.strip()}
         self.claim = WorkerClaim()  # which fleetrl run holds this worker (engine/worker_claim.py)
 
     @staticmethod
@@ -77,27 +79,34 @@ class AdminTokenMiddleware:
                 return value.decode("latin-1")
         return None
 
-    def _authorization(self, scope) -> str | None:
-        return self._header(scope, "authorization")
+    def _own_authority(self, scope) -> str | None:
+        """The authority (host:port) the caller addressed, if it is this server's own: its
+        listening port, or one of ADMIN_AUTHORITIES_ENV. A call or a nonce relayed from another
+        address (a process on a dead worker's port passing it on) names that address instead."""
+        host = self._header(scope, "host") or ""
+        _, _, port = host.rpartition(":")
+        server = scope.get("server") or (None, None)
+        if host in self._authorities or (port.isascii() and port.isdigit() and int(port) == server[1]):
+            return host
+        return None
 
-    def _signed(self, scope, signature: admin_signature.Signature) -> bool:
-        """Whether a signed call is the admin token's, fresh, and not one seen before."""
-        now = int(time.time())
-        while self._seen and next(iter(self._seen.values())) < now - admin_signature.MAX_SKEW_S:
-            self._seen.popitem(last=False)
-        if abs(now - signature.timestamp) > admin_signature.MAX_SKEW_S or signature.nonce in self._seen:
-            return False
-        if not admin_signature.signed_by(self._admin_token, signature, scope["method"], _target(scope)):
-            return False
-        self._seen[signature.nonce] = signature.timestamp
-        return True
+    def _admits(self, scope, signature: admin_signature.Signature, body: bytes) -> str | None:
+        """The authority of a signed call that is the admin token's for this very call (this
+        server's address, this body, this claim), fresh, and not one seen before; else None."""
+        authority = self._own_authority(scope)
+        if authority is None:
+            return None
+        call = admin_signature.SignedCall(scope["method"], _target(scope), authority, body,
+                                          self._header(scope, CLAIM_RUN_HEADER) or "",
+                                          self._header(scope, CLAIM_LEASE_HEADER) or "")
+        if admin_signature.signed_by(self._admin_token, signature, call) and self._fresh.admit(signature):
+            return authority
+        return None
 
-    async def _proven(self, scope, receive, send, nonce: str) -> None:
-        """The app's answer to a signed call, with this server's proof in its headers. An error
-        the app raises is answered here, proven, with its text: vLLM's handler of last resort
-        answers from outside this middleware, and the caller would take that answer for an
-        impostor's."""
-        proof = admin_signature.proof(self._admin_token, nonce).encode()
+    async def _proven(self, scope, receive, send, proof: bytes) -> None:
+        """The app's answer, with this server's `proof` in its headers. An error the app raises
+        is answered here, proven, with its text: vLLM's handler of last resort answers from
+        outside this middleware, and the caller would take that answer for an impostor's."""
         started = False
 
         async def send_with_proof(message):
@@ -128,65 +137,81 @@ class AdminTokenMiddleware:
         except ValueError:
             return None
 
-    async def _signed_call(self, scope, receive, send, nonce: str) -> None:
-        """A signed call: within the claim of the run it names (engine/worker_claim.py), answered
-        with this server's proof."""
+    async def _signed_call(self, scope, receive, send, proof: bytes) -> None:
+        """A signed call let in: within the claim of the run it names (engine/worker_claim.py),
+        answered with this server's proof."""
         claim = self._run_claim(scope)
         if claim is None:
-            return await self._proven(scope, receive, send, nonce)
+            return await self._proven(scope, receive, send, proof)
         run, lease_s = claim
         if scope["path"] == CLAIM_PATH and scope["method"] == "DELETE":
             self.claim.release(run)
-            return await self._answer(send, 200, {"released": run}, nonce)
+            return await _answer(send, 200, {"released": run}, proof)
         holder = self.claim.begin(run, lease_s)
         if holder is not None:
-            return await self._answer(send, 409, {
+            return await _answer(send, 409, {
                 "error": f"fleetrl: this worker is held by run {holder} (its claim lapses "
                          f"{self.claim.lease_left_s():.0f} s after that run's last call)",
-                "held_by": holder, "lease_left_s": self.claim.lease_left_s()}, nonce)
+                "held_by": holder, "lease_left_s": self.claim.lease_left_s()}, proof)
         try:
-            return await self._proven(scope, receive, send, nonce)
+            return await self._proven(scope, receive, send, proof)
         finally:
             self.claim.end(run, lease_s)
 
-    async def _answer(self, send, status: int, body: dict, nonce: str) -> None:
-        """An answer of the middleware itself, proven."""
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (admin_signature.PROOF_HEADER.encode(),
-                                 admin_signature.proof(self._admin_token, nonce).encode())]})
-        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+    def _proof(self, nonce: str, authority: str) -> bytes:
+        return admin_signature.proof(self._admin_token, nonce, authority).encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        authorization = self._authorization(scope) or ""
+        authorization = self._header(scope, "authorization") or ""
         signature = admin_signature.parse(authorization) if scope["type"] == "http" else None
-        if scope["path"] in OPEN_PATHS:
-            # Open to anyone; signed, the answer proves this is the server started with the token.
-            if signature is not None and self._signed(scope, signature):
-                return await self._signed_call(scope, receive, send, signature.nonce)
+        if signature is not None:
+            # The signature covers the body: read it whole, then hand the app the same bytes.
+            body, receive = await _buffered(receive)
+            if authority := self._admits(scope, signature, body):
+                return await self._signed_call(scope, receive, send, self._proof(signature.nonce, authority))
+        if scope["path"] in OPEN_PATHS:  # open to anyone; signed, the answer proved the server above
             return await self.app(scope, receive, send)
         data_path = is_data_path(scope["path"])
-        if signature is not None:
-            if self._signed(scope, signature):
-                return await self._signed_call(scope, receive, send, signature.nonce)
-        else:
-            scheme, _, token = authorization.partition(" ")
-            if scheme.lower() == "bearer":
-                presented = _digest(token)
-                # Both comparisons always run, in constant time: the answer's timing says nothing
-                # about which token came close.
-                admin, data = hmac.compare_digest(presented, self._admin), hmac.compare_digest(presented, self._data)
-                if admin or (data and data_path):
-                    nonce = self._header(scope, admin_signature.NONCE_HEADER)
-                    if nonce is not None and admin_signature.is_nonce(nonce):  # fleetrl's data client asks
-                        return await self._proven(scope, receive, send, nonce)
-                    return await self.app(scope, receive, send)
+        scheme, _, token = authorization.partition(" ")
+        if signature is None and scheme.lower() == "bearer":
+            presented = _digest(token)
+            # Both comparisons always run, in constant time: the answer's timing says nothing
+            # about which token came close.
+            admin, data = hmac.compare_digest(presented, self._admin), hmac.compare_digest(presented, self._data)
+            if admin or (data and data_path):
+                nonce, authority = self._header(scope, admin_signature.NONCE_HEADER), self._own_authority(scope)
+                if nonce is not None and admin_signature.is_nonce(nonce) and authority is not None:
+                    return await self._proven(scope, receive, send, self._proof(nonce, authority))
+                return await self.app(scope, receive, send)  # no proof: a relayed nonce gets none
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
         needed = "the data or the admin token" if data_path else "the admin token"
-        body = json.dumps({"error": f"fleetrl: this route needs {needed}"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, 401, {"error": f"fleetrl: this route needs {needed}"})
+
+
+async def _buffered(receive):
+    """The request's whole body, and a `receive` that hands the app the same messages again."""
+    messages, body = [], b""
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            break
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+    return body, replay
+
+
+async def _answer(send, status: int, body: dict, proof: bytes | None = None) -> None:
+    """An answer of the middleware itself (proven, with `proof`)."""
+    headers = [(b"content-type", b"application/json")]
+    if proof is not None:
+        headers.append((admin_signature.PROOF_HEADER.encode(), proof))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})

@@ -187,7 +187,7 @@ def signed_calls_only(token: str, route: str, handler):
     signature in its body, admin_signature.py); its answer carries this worker's proof. A call
     without a valid signature gets an error answer and reaches nothing. Open routes
     (liveness_probe) still answer an unsigned call, and prove a signed one."""
-    fresh = admin_signature.FreshCalls()
+    fresh = admin_signature.FreshCalls()  # a handler does not see the authority: it is not covered
     guarded, target = route in DYNAMO_GUARDED_ROUTES, f"/engine/{route}"  # what the caller signed
 
     async def signed_only(self, body=None):
@@ -200,7 +200,7 @@ def signed_calls_only(token: str, route: str, handler):
             return await handler(self, rest)
         result = await handler(self, rest)
         if isinstance(result, dict):
-            result = {**result, admin_signature.BODY_PROOF_FIELD: admin_signature.proof(token, signature.nonce)}
+            result = {**result, admin_signature.BODY_PROOF_FIELD: admin_signature.proof(token, signature.nonce, "")}
         return result
     return signed_only
 

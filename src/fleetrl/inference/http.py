@@ -47,17 +47,27 @@ async def answered_within(timeout_s: float, request: Awaitable[httpx.Response]) 
 
 
 def sign(request: httpx.Request, admin_token: str) -> str:
-    """Signs `request` with the admin token instead of carrying it (fleetrl/admin_signature.py);
-    returns the nonce that the answer's proof must be made of."""
-    value, nonce = admin_signature.authorization(admin_token, request.method, request.url.raw_path.decode("ascii"))
+    """Signs `request` with the admin token instead of carrying it (fleetrl/admin_signature.py):
+    its method, path and query, the authority it addresses, its body and the claim it carries.
+    Returns the nonce that the answer's proof must be made of."""
+    call = admin_signature.SignedCall(request.method, request.url.raw_path.decode("ascii"), _authority(request),
+                                      request.read(), request.headers.get(CLAIM_RUN_HEADER, ""),
+                                      request.headers.get(CLAIM_LEASE_HEADER, ""))
+    value, nonce = admin_signature.authorization(admin_token, call)
     request.headers["Authorization"] = value
     return nonce
 
 
+def _authority(request: httpx.Request) -> str:
+    """host:port as the request names it (its Host header): what the worker sees."""
+    return request.headers.get("host") or request.url.netloc.decode("ascii")
+
+
 def unproven(response: httpx.Response, admin_token: str, nonce: str) -> str | None:
-    """Why the answer to a signed call does not come from a holder of the admin token; None if
-    it does."""
-    if admin_signature.proven(admin_token, nonce, response.headers.get(admin_signature.PROOF_HEADER)):
+    """Why the answer to a signed call (or a data request naming `nonce`) does not come from a
+    holder of the admin token at the address called; None if it does."""
+    if admin_signature.proven(admin_token, nonce, _authority(response.request),
+                              response.headers.get(admin_signature.PROOF_HEADER)):
         return None
     return (f"it answered (HTTP {response.status_code}: {response.text[:120]!r}) without proof that it holds "
             f"the run's admin token: it is not the server fleetrl started or attached to (another process may "
@@ -128,7 +138,7 @@ class AdminHttp:
                                   f"the admin token was refused: set inference.admin_token (or ${ADMIN_TOKEN_ENV}) to the "
                                   "one the worker was started with")
         if not (isinstance(answer, dict) and admin_signature.proven(
-                self._admin_token, nonce, answer.get(admin_signature.BODY_PROOF_FIELD))):
+                self._admin_token, nonce, "", answer.get(admin_signature.BODY_PROOF_FIELD))):
             raise ImpostorWorker(self.worker_id, f"{method} {path}",
                                  f"it answered (HTTP {response.status_code}: {response.text[:120]!r}) without proof "
                                  "that it holds the run's admin token: it is not the worker fleetrl started or "
