@@ -53,7 +53,7 @@ from functools import reduce
 from pathlib import Path
 
 from fleetrl.batch import Batch, Sample
-from fleetrl.config import Config, load_config, to_toml
+from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import off_policy_plot, reward_plot, timeline_plot
@@ -167,8 +167,8 @@ class RunDir:
             if not resume and metrics:
                 raise FleetrlError(f"run.dir {self.root} holds a run without a checkpoint to resume from; "
                                    f"choose another run.dir or remove it")
-            if not resume and not metrics and self._holds_other_files():
-                raise FleetrlError(f"run.dir {self.root} is not empty and holds no fleetrl run (no config.toml); "
+            if not resume and not metrics and (why := self._not_a_run()):
+                raise FleetrlError(f"run.dir {self.root} is not empty and holds no fleetrl run ({why}); "
                                    f"choose an empty or new folder")
             if resume and self.config_path.exists():
                 self._check_resume_keeps_the_run(config)
@@ -191,10 +191,18 @@ class RunDir:
             self.close()
             raise
 
-    def _holds_other_files(self) -> bool:
-        """Whether the directory holds anything but what a start of fleetrl's may leave before
-        its config.toml (the lock): `run.dir` = "" or "/" must never be cleaned up as a run."""
-        return not self.config_path.exists() and any(p.name != LOCK for p in self.root.iterdir())
+    def _not_a_run(self) -> str | None:
+        """Why a directory that is not empty holds no fleetrl run; None if it holds one, or
+        nothing but what a start of fleetrl's may leave before its config.toml (the lock).
+        `run.dir` = "" or "/", or a project's folder with a config.toml of its own, must never be
+        cleaned up as a run: a run's config.toml is one fleetrl reads back as its config."""
+        if not self.config_path.exists():
+            return "no config.toml" if any(p.name != LOCK for p in self.root.iterdir()) else None
+        try:
+            load_config([self.config_path], [])
+        except ConfigError as e:
+            return f"its config.toml is not a fleetrl config: {e}"
+        return None
 
     def replace_final_model(self, write: Callable[[Path], None]) -> Path:
         """The final model, written by `write(folder)` beside the one there, then swapped in: a

@@ -184,6 +184,27 @@ def test_a_folder_that_holds_no_run_is_refused_and_left_as_it_was(tmp_path, monk
     assert (tmp_path / "batches" / "step_000001.json").read_text() == "mine too"
 
 
+def test_a_folder_with_a_config_toml_of_its_own_is_refused_and_left_as_it_was(tmp_path):
+    """A project's folder with its own config.toml passed for a run directory, and a start
+    rewrote it and cleaned up its step_* files (issue 27, item 10)."""
+    (tmp_path / "config.toml").write_text('[tool.black]\nline-length = 100\n')
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "batches" / "step_000001.json").write_text("mine")
+    with pytest.raises(FleetrlError, match=r"is not empty and holds no fleetrl run \(its config.toml is not a fleetrl "
+                                           r"config: unknown config key 'tool'"):
+        RunDir(tmp_path).start(load_config([], []), resume=0)
+    assert (tmp_path / "config.toml").read_text() == '[tool.black]\nline-length = 100\n'
+    assert (tmp_path / "batches" / "step_000001.json").read_text() == "mine"
+    # A run's own directory, started again before its first step finished, is still its own.
+    run_dir = tmp_path / "run"
+    run = RunDir(run_dir)
+    run.start(load_config([], []), resume=0)
+    run.close()
+    again = RunDir(run_dir)
+    again.start(load_config([], []), resume=0)
+    again.close()
+
+
 def test_a_finished_run_without_a_checkpoint_is_not_overwritten(tmp_path):
     run = RunDir(make_run(tmp_path))
     with pytest.raises(FleetrlError, match="holds a run without a checkpoint to resume from"):
