@@ -181,3 +181,18 @@ async def test_an_instance_a_launched_deployment_did_not_launch_is_refused_befor
     assert logged == [f"fleetrl: Dynamo worker 2 at http://127.0.0.1:9002 refused: this run did not launch it "
                       f"(another deployment in namespace {provider.config.dynamo.namespace}?)"]
     await provider.close()
+
+
+async def test_a_replaced_admin_client_is_closed(tmp_path):
+    """A worker that comes back at another system URL gets a new client; the old one's
+    connections are closed, not left to pile up over a run's restarts (issue 27, item 12)."""
+    from fleetrl.inference.dynamo.provider import DynamoProvider
+    from fleetrl.inference.types import WorkerInfo
+
+    provider = DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, log=lambda line: None)
+    first = provider.admin(WorkerInfo(id="7", data_url="http://f", admin_url="http://127.0.0.1:9001"))
+    second = provider.admin(WorkerInfo(id="7", data_url="http://f", admin_url="http://127.0.0.1:9002"))
+    assert second is not first and provider.admin(WorkerInfo(id="7", data_url="http://f",
+                                                             admin_url="http://127.0.0.1:9002")) is second
+    await provider.close()
+    assert first._http._http.is_closed and second._http._http.is_closed

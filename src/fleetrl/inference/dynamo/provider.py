@@ -63,6 +63,7 @@ class DynamoProvider:
         self._discovery = httpx.AsyncClient(timeout=10.0)
         self._admins: dict[str, DynamoAdminClient] = {}
         self._refused: set[str] = set()  # admin URLs of instances a launched deployment did not launch
+        self._closing: set[asyncio.Task] = set()  # replaced admin clients, closing
 
     async def start(self) -> None:
         if self._frontend_url:
@@ -149,6 +150,12 @@ class DynamoProvider:
 
     def admin(self, worker: WorkerInfo) -> DynamoAdminClient:
         known = self._admins.get(worker.id)
+        if known is not None and known.admin_url != worker.admin_url:
+            # The instance moved (restarted elsewhere): its old client's connections are closed,
+            # not left to pile up over a run's restarts.
+            closing = asyncio.get_running_loop().create_task(known.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         if known is None or known.admin_url != worker.admin_url:
             self._admins[worker.id] = DynamoAdminClient(worker.id, worker.admin_url, worker.world_size,
                                                         self.config.admin_timeout_s, self.config.admin_retries,
@@ -156,6 +163,7 @@ class DynamoProvider:
         return self._admins[worker.id]
 
     async def close(self) -> None:
+        await asyncio.gather(*self._closing, return_exceptions=True)
         for admin in self._admins.values():
             await admin.close()
         self._admins.clear()
