@@ -309,3 +309,50 @@ def test_an_episode_names_every_worker_that_served_its_turns_prefill_included():
     response = episode.response()
     assert response.worker_id == "d0" and response.prefill_worker_id == "p0+p1"
     assert [s.start for s in response.spans] == [0, 2, 4] and episode.loss_mask == [1, 0] * 3
+
+
+# What holds process-wide state, and must never change from a thread other than the main one while
+# the trainer runs there (issue 27, item 1): each call is recorded with the thread it came from.
+PROCESS_WIDE = [("os", "putenv"), ("os", "unsetenv"), ("os", "chdir"), ("signal", "signal"), ("random", "seed"),
+                ("torch", "manual_seed"), ("torch", "set_default_dtype"), ("torch", "set_default_device"),
+                ("torch", "set_num_threads"), ("transformers.AutoTokenizer", "from_pretrained"),
+                ("transformers.AutoModelForCausalLM", "from_pretrained")]
+
+
+@pytest.mark.parametrize("env_name", ["reverse_text", "arithmetic", "arithmetic_retry", "calculator"])
+def test_the_control_loop_changes_no_process_wide_state(env_name, monkeypatch):
+    """Each built-in environment's rollouts (rewards, answers, tools), the fleet and the
+    orchestrator, run on the control loop's thread as in `fleetrl rl`: nothing there sets an
+    environment variable, a signal handler, the working folder, a global seed or torch default,
+    or loads a model or tokenizer (two such loads raced the trainer's in issue 25)."""
+    import importlib
+
+    from fleetrl.app.rl import ControlLoop
+    from fleetrl.envs import get_environment
+
+    off_main = []
+    for module_name, name in PROCESS_WIDE:
+        module_path, _, attr_owner = module_name.partition(".")
+        owner = importlib.import_module(module_path)
+        owner = getattr(owner, attr_owner) if attr_owner else owner
+        original = getattr(owner, name)
+
+        def recorded(*args, _original=original, _what=f"{module_name}.{name}", **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                off_main.append((_what, threading.current_thread().name))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, recorded)
+    control = ControlLoop()
+    try:
+        async def two_steps():
+            fleet, orch, transport = await make(get_environment(env_name), max_turns=2)
+            for step in (1, 2):
+                await orch.make_batch(step)
+                await fleet.publish(step, transport, lambda: iter([]))
+            await fleet.close()
+
+        control.run(two_steps())
+    finally:
+        control.stop()
+    assert off_main == []

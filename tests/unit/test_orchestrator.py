@@ -306,3 +306,4 @@ def test_group_advantages():
     assert group_advantages([1.0, 0.0]) == [1.0, -1.0]
     assert group_advantages([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
     assert group_advantages([1.0, 0.0, 0.0, 0.0], normalize_std=False) == [0.75, -0.25, -0.25, -0.25]
+
