@@ -51,6 +51,7 @@ from tests.documented import documented, run_documented
 from .conftest import ROOT, TINY_ROLLOUTS, _term_with_parent, alive_in, child_groups, fleetrl_pid, read_metrics
 from .deployments import ADMIN, DATA, OPERATOR_SERVERS, serving
 from .runs import ATTACHED_RUN
+from .test_conformance import check_no_prompt_lost_or_repeated
 
 pytestmark = [pytest.mark.chaos, pytest.mark.deployment(OPERATOR_SERVERS)]
 
@@ -273,6 +274,7 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
 
     done = read_metrics(run_dir)
     assert [m["step"] for m in done] == list(range(1, STEPS + 1))  # none twice, none missing
+    check_no_prompt_lost_or_repeated(run_dir, STEPS)  # the conformance suite's class (e)
     assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
     # The resumed run refitted the workers to the checkpoint's version before any rollout.
     batch5 = json.loads((run_dir / "batches" / "step_000005.json").read_text())
