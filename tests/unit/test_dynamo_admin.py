@@ -183,16 +183,31 @@ async def test_an_instance_a_launched_deployment_did_not_launch_is_refused_befor
     await provider.close()
 
 
-async def test_a_replaced_admin_client_is_closed(tmp_path):
-    """A worker that comes back at another system URL gets a new client; the old one's
-    connections are closed, not left to pile up over a run's restarts (issue 27, item 12)."""
-    from fleetrl.inference.dynamo.provider import DynamoProvider
+async def test_admin_clients_no_worker_needs_are_closed(tmp_path, monkeypatch):
+    """A worker that comes back at another system URL gets a new client, and a restarted Dynamo
+    worker is a new instance (a new id): the clients left behind are closed at the next discovery
+    rounds, not kept open for the whole run (issue 27, item 12)."""
+    from fleetrl.inference.dynamo import provider as dynamo_provider
     from fleetrl.inference.types import WorkerInfo
 
-    provider = DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, log=lambda line: None)
-    first = provider.admin(WorkerInfo(id="7", data_url="http://f", admin_url="http://127.0.0.1:9001"))
-    second = provider.admin(WorkerInfo(id="7", data_url="http://f", admin_url="http://127.0.0.1:9002"))
-    assert second is not first and provider.admin(WorkerInfo(id="7", data_url="http://f",
-                                                             admin_url="http://127.0.0.1:9002")) is second
+    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path,
+                                              log=lambda line: None)
+    provider._rl_url = "http://rl"
+    listed = []
+
+    async def listing(*args):
+        return list(listed)
+
+    monkeypatch.setattr(dynamo_provider, "list_rl_workers", listing)
+    worker = lambda i, port: WorkerInfo(id=i, data_url="http://f", admin_url=f"http://127.0.0.1:{port}")  # noqa: E731
+    first = provider.admin(worker("7", 9001))
+    second = provider.admin(worker("7", 9002))  # the same instance, at a new URL
+    gone = provider.admin(worker("8", 9003))  # an instance that will leave discovery
+    listed[:] = [worker("7", 9002)]
+    await provider.discover()
+    assert first._http._http.is_closed and not second._http._http.is_closed
+    assert not gone._http._http.is_closed  # one round without it: a publish may still call it
+    await provider.discover()
+    assert gone._http._http.is_closed and not second._http._http.is_closed
     await provider.close()
-    assert first._http._http.is_closed and second._http._http.is_closed
+    assert second._http._http.is_closed

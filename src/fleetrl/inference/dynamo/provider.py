@@ -63,7 +63,9 @@ class DynamoProvider:
         self._discovery = httpx.AsyncClient(timeout=10.0)
         self._admins: dict[str, DynamoAdminClient] = {}
         self._refused: set[str] = set()  # admin URLs of instances a launched deployment did not launch
-        self._closing: set[asyncio.Task] = set()  # replaced admin clients, closing
+        # Admin clients no worker needs any more, closed at the next discovery round (`_retire`).
+        self._replaced: list[DynamoAdminClient] = []
+        self._missing: set[str] = set()  # workers with an admin client whom the last round did not list
 
     async def start(self) -> None:
         if self._frontend_url:
@@ -91,15 +93,29 @@ class DynamoProvider:
         if self._rl_url is None:
             raise FleetrlError("the Dynamo provider was used before start()")
         workers = await list_rl_workers(self._discovery, self._rl_url, self._frontend_url)
-        if self.deployment is None:
-            return workers
-        ours = [w for w in workers if self.deployment.live_worker_at(w.admin_url) is not None]
-        for worker in workers:
-            if worker not in ours and worker.admin_url not in self._refused:
-                self._refused.add(worker.admin_url)
-                self.log(f"fleetrl: Dynamo worker {worker.id} at {worker.admin_url} refused: this run did not launch "
-                         f"it (another deployment in namespace {self.config.dynamo.namespace}?)")
-        return ours
+        if self.deployment is not None:
+            ours = [w for w in workers if self.deployment.live_worker_at(w.admin_url) is not None]
+            for worker in workers:
+                if worker not in ours and worker.admin_url not in self._refused:
+                    self._refused.add(worker.admin_url)
+                    self.log(f"fleetrl: Dynamo worker {worker.id} at {worker.admin_url} refused: this run did not "
+                             f"launch it (another deployment in namespace {self.config.dynamo.namespace}?)")
+            workers = ours
+        await self._retire({w.id for w in workers})
+        return workers
+
+    async def _retire(self, listed: set[str]) -> None:
+        """Close the admin clients no worker needs any more, so that their connections do not
+        pile up over a long run: those replaced by a client for their worker's new URL, and those
+        of workers missing from two discovery rounds in a row (a restarted Dynamo worker is a new
+        instance, with a new id). Two rounds, not one: the fleet marks a worker a round does not
+        list dead only once it holds the publish fence, and a publish under way until then still
+        calls its client (one made again would not have its fence record)."""
+        gone = [self._admins.pop(worker_id) for worker_id in self._missing - listed if worker_id in self._admins]
+        self._missing = self._admins.keys() - listed
+        replaced, self._replaced = self._replaced, []
+        for admin in [*replaced, *gone]:
+            await admin.close()
 
     async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix: list[int] = (),
                        prefill: WorkerInfo | None = None) -> list[GenerateResponse]:
@@ -151,11 +167,7 @@ class DynamoProvider:
     def admin(self, worker: WorkerInfo) -> DynamoAdminClient:
         known = self._admins.get(worker.id)
         if known is not None and known.admin_url != worker.admin_url:
-            # The instance moved (restarted elsewhere): its old client's connections are closed,
-            # not left to pile up over a run's restarts.
-            closing = asyncio.get_running_loop().create_task(known.close())
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
+            self._replaced.append(known)  # closed at the next round: a call may still be under way on it
         if known is None or known.admin_url != worker.admin_url:
             self._admins[worker.id] = DynamoAdminClient(worker.id, worker.admin_url, worker.world_size,
                                                         self.config.admin_timeout_s, self.config.admin_retries,
@@ -163,10 +175,10 @@ class DynamoProvider:
         return self._admins[worker.id]
 
     async def close(self) -> None:
-        await asyncio.gather(*self._closing, return_exceptions=True)
-        for admin in self._admins.values():
+        for admin in [*self._admins.values(), *self._replaced]:
             await admin.close()
         self._admins.clear()
+        self._replaced.clear()
         if self._data:
             await self._data.close()
         await self._discovery.aclose()
