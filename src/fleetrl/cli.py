@@ -8,6 +8,7 @@ command does is in fleetrl.app.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -135,7 +136,18 @@ def unknown_dotted_flags(unknown: list[str], parser: argparse.ArgumentParser) ->
     return pairs
 
 
+def keep_logging_as_it_is() -> None:
+    """Gives the root logger Python's own last-resort handler (warnings and errors, as bare lines
+    on stderr: what an unconfigured process prints), here on the main thread before any command
+    starts a thread. A root logger with a handler is one that `logging.basicConfig` leaves alone,
+    and libraries call it: mcp's MCPServer, which a verifiers tool environment builds on its own
+    thread, would otherwise set the whole process to INFO (a line for every request httpx sends)."""
+    if not logging.root.handlers:
+        logging.root.addHandler(logging.lastResort)
+
+
 def main(argv: list[str] | None = None) -> int:
+    keep_logging_as_it_is()
     argv = join_dotted_values(list(sys.argv[1:] if argv is None else argv))
     debug = "--debug" in argv
     try:

@@ -120,6 +120,30 @@ def test_packed_logprobs_agree_with_a_plain_forward(model_dir):
     assert metrics.step == 1 and metrics.grad_norm > 0 and metrics.tokens_per_s > 0
 
 
+def test_a_step_is_fp32_whatever_torchs_default_dtype_another_thread_set(model_dir):
+    """torch's default dtype is the process's: a model load on another thread (a reward's judge
+    model: transformers sets the default to the model's dtype while it loads, and two such loads
+    at once can leave it set) changes it under the training loop (issue 27, item 1). The step's
+    float tensors (the workers' logprobs, the loss mask, the advantages) stay fp32: in bf16 the
+    workers' logprobs kept 3 significant digits and every ratio was off."""
+    model = load_policy(model_dir, CPU)
+    batch = make_batch(model)
+    units = prompt_units(batch.samples, 10_000)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        packed = pack(units, CPU)
+        metrics = train_step(model, build_optimizer(model, FAST), batch, FAST)
+    finally:
+        torch.set_default_dtype(default)
+    assert {packed.mask.dtype, packed.inference_logprobs.dtype, packed.advantages.dtype} == {torch.float32}
+    first = batch.samples[0]
+    assert packed.inference_logprobs[0, :len(first.completion_ids)].tolist() == pytest.approx(
+        first.inference_logprobs, abs=1e-6)
+    assert metrics.mismatch_kl == pytest.approx(0.0, abs=1e-9)
+    assert metrics.ratio_mean == pytest.approx(1.0, abs=1e-6)
+
+
 def test_mismatch_shows_in_the_metrics(model_dir):
     model = load_policy(model_dir, CPU)
     batch = make_batch(model, noise=0.5)

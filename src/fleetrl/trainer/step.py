@@ -164,8 +164,10 @@ def pack(units: list[Unit], device: torch.device) -> PackedBatch:
     # Per position: which completion of its unit it belongs to (0: the prompt; -1: padding).
     branch = torch.full((len(units), length), -1, dtype=torch.long)
     predict_row, predict_at, targets, sample_of, column_of = [], [], [], [], []
-    mask = torch.zeros(len(samples), columns)
-    inference = torch.zeros(len(samples), columns)
+    # fp32 by name, never torch's default dtype: that is the whole process's, and a model load on
+    # another thread (user code's) sets it to the model's while it loads (issue 27, item 1).
+    mask = torch.zeros(len(samples), columns, dtype=torch.float32)
+    inference = torch.zeros(len(samples), columns, dtype=torch.float32)
     index = 0
     for row, unit in enumerate(units):
         prompt = len(unit.prompt_ids)
@@ -186,7 +188,7 @@ def pack(units: list[Unit], device: torch.device) -> PackedBatch:
             sample_of += [index] * size
             column_of += range(size)
             mask[index, :size] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
-            inference[index, :size] = torch.tensor(s.inference_logprobs)
+            inference[index, :size] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
             index += 1
     position = torch.arange(length)
     causal = position[None, :, None] >= position[None, None, :]  # [1, query, key]
@@ -209,7 +211,7 @@ def pack(units: list[Unit], device: torch.device) -> PackedBatch:
         column=as_tensor(column_of),
         mask=mask.to(device),
         inference_logprobs=inference.to(device),
-        advantages=torch.tensor([s.advantage for s in samples], device=device),
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
     )
 
 
