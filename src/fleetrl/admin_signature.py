@@ -57,7 +57,7 @@ class SignedCall:
 
     method: str
     target: str  # path and query, as sent
-    authority: str  # host:port the caller addressed (its Host header); "" where a worker cannot see it
+    authority: str  # host:port the caller addressed (its Host header, with_port); "" where a worker cannot see it
     body: bytes
     run: str = ""  # the run's claim on the worker, as its headers name it (engine/worker_claim.py)
     lease: str = ""
@@ -65,6 +65,18 @@ class SignedCall:
     def message(self, timestamp: int, nonce: str) -> str:
         return "\n".join(["fleetrl request", self.method.upper(), self.target, self.authority,
                           hashlib.sha256(self.body).hexdigest(), self.run, self.lease, str(timestamp), nonce])
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def with_port(host: str, scheme: str) -> str:
+    """`host` (a Host header's value) with its port: a client leaves a scheme's default port out
+    (`svc` for http://svc:80), and both sides of a signature must name the same address."""
+    _, colon, port = host.rpartition(":")
+    if colon and port.isascii() and port.isdigit():
+        return host
+    return f"{host}:{DEFAULT_PORTS.get(scheme, 80)}"
 
 
 def _is_mac(value: object) -> bool:

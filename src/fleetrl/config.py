@@ -319,7 +319,7 @@ class InferenceConfig(Section):
 
     @model_validator(mode="after")
     def _claim_outlasts_discovery(self) -> "InferenceConfig":
-        if self.claim_lease_s < self.discovery_interval_s:
+        if self.provider == "vllm" and self.claim_lease_s < self.discovery_interval_s:  # claims: native only
             raise ValueError(f"inference.claim_lease_s ({self.claim_lease_s:g}) must be at least "
                              f"inference.discovery_interval_s ({self.discovery_interval_s:g}): the run's claim on "
                              "its workers would lapse between the health checks that renew it")

@@ -239,6 +239,8 @@ class RunDir:
             load_config([self.config_path], [])
         except ConfigError as e:
             return f"its config.toml is not a fleetrl config: {e}"
+        if not self.metrics_path.exists():  # every start writes it before its config.toml
+            return "a config.toml but no metrics.jsonl beside it, which every start of fleetrl's writes first"
         return None
 
     def replace_final_model(self, write: Callable[[Path], None]) -> Path:

@@ -103,6 +103,8 @@ def test_a_claim_on_the_workers_outlasts_the_checks_that_renew_it():
     with pytest.raises(ConfigError, match=r"inference.claim_lease_s \(30\) must be at least "
                                           r"inference.discovery_interval_s \(60\)"):
         load_config([], [("inference.discovery_interval_s", "60")])
+    # Claims are native workers' only: Dynamo's config is not held to it.
+    assert load_config([], [("inference.provider", "dynamo"), ("inference.discovery_interval_s", "60")])
 
 
 def test_every_field_is_documented():

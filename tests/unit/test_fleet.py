@@ -741,6 +741,7 @@ async def test_an_attached_worker_that_cannot_say_what_it_holds_is_refused_befor
     monkeypatch.setattr(admin, "weight_state", proves_nothing)
     transport = FakeTransport(provider)
     await fleet.start(lambda: WeightSource(transport, weights, "base", None, 0))
+    await fleet.refresh()  # and at every round after: a stale worker is refitted, not let in
     assert fleet.workers["plain"].state == WorkerState.STALE and fleet.workers["ours"].state == WorkerState.READY
     assert "which proves nothing" in fleet.workers["plain"].error
     assert provider.engines["plain"].pause_mode == "never paused"

@@ -195,6 +195,11 @@ def test_a_folder_with_a_config_toml_of_its_own_is_refused_and_left_as_it_was(tm
         RunDir(tmp_path).start(load_config([], []), resume=0)
     assert (tmp_path / "config.toml").read_text() == '[tool.black]\nline-length = 100\n'
     assert (tmp_path / "batches" / "step_000001.json").read_text() == "mine"
+    # One that a fleetrl config loads from (empty, say) but that no start of fleetrl's wrote.
+    (tmp_path / "config.toml").write_text("# my notes\n")
+    with pytest.raises(FleetrlError, match=r"holds no fleetrl run \(a config.toml but no metrics.jsonl beside it"):
+        RunDir(tmp_path).start(load_config([], []), resume=0)
+    assert (tmp_path / "config.toml").read_text() == "# my notes\n" and not (tmp_path / "metrics.jsonl").exists()
     # A run's own directory, started again before its first step finished, is still its own.
     run_dir = tmp_path / "run"
     run = RunDir(run_dir)

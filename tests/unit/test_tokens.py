@@ -134,19 +134,35 @@ def test_a_call_relayed_from_another_address_is_refused_there(guarded):
     assert admin_signature.PROOF_HEADER not in answer.headers
 
 
-def test_a_port_mapped_address_is_let_in_once_the_server_is_told_of_it(monkeypatch):
-    """Behind a Service that maps port 80 to the server's own, callers address svc:80."""
+async def test_a_port_mapped_address_is_let_in_once_the_server_is_told_of_it(monkeypatch):
+    """Behind a Service that maps port 80 to the server's own, callers address http://svc (an
+    HTTP client sends `Host: svc`, leaving the default port out): fleetrl's own client, through
+    a transport that sends what it addresses to the server, is let in once svc:80 is listed."""
+    from fleetrl.inference.http import AdminHttp
+
     monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
     monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
-    for mapped, status in ((None, 401), ("svc:80", 200)):
-        if mapped:
-            monkeypatch.setenv(ADMIN_AUTHORITIES_ENV, f"other:81, {mapped}")
+    for listed in (False, True):
+        if listed:
+            monkeypatch.setenv(ADMIN_AUTHORITIES_ENV, "other:81, svc:80")
         with serving(AdminTokenMiddleware(answering({"is_paused": False}))) as url:
-            headers, nonce = signed(ADMIN, "GET", url, "/is_paused", authority="svc:80")
-            answer = httpx.get(url + "/is_paused", headers=headers)
-        assert answer.status_code == status
-        assert (status == 200) == admin_signature.proven(ADMIN, nonce, "svc:80",
-                                                         answer.headers.get(admin_signature.PROOF_HEADER))
+            admin = AdminHttp("w", "http://svc", timeout_s=5, retries=0, admin_token=ADMIN)
+            forward = httpx.AsyncHTTPTransport()
+
+            class ToTheServer(httpx.AsyncBaseTransport):  # the Service: svc:80 -> the server's own port
+                async def handle_async_request(self, request):
+                    request.url = request.url.copy_with(host="127.0.0.1", port=int(url.rsplit(":", 1)[1]))
+                    return await forward.handle_async_request(request)
+
+            admin._http = httpx.AsyncClient(base_url="http://svc", transport=ToTheServer())
+            try:
+                if listed:
+                    assert (await admin.call("GET", "/is_paused", idempotent=True)).json() == {"is_paused": False}
+                else:
+                    with pytest.raises(FleetrlError, match="the admin token was refused"):
+                        await admin.call("GET", "/is_paused", idempotent=True)
+            finally:
+                await admin.close()
 
 
 def recording(requests: list, unauthorized_without_header: bool = False, proof: bytes | None = None):

@@ -83,7 +83,7 @@ class AdminTokenMiddleware:
         """The authority (host:port) the caller addressed, if it is this server's own: its
         listening port, or one of ADMIN_AUTHORITIES_ENV. A call or a nonce relayed from another
         address (a process on a dead worker's port passing it on) names that address instead."""
-        host = self._header(scope, "host") or ""
+        host = admin_signature.with_port(self._header(scope, "host") or "", scope.get("scheme", "http"))
         _, _, port = host.rpartition(":")
         server = scope.get("server") or (None, None)
         if host in self._authorities or (port.isascii() and port.isdigit() and int(port) == server[1]):

@@ -270,11 +270,10 @@ class Fleet:
             return
         self._mark(worker, WorkerState.SYNCING)
         try:
-            if first_sight:
-                # A worker that cannot say what its ranks hold (Dynamo's own worker started as plain
-                # `python -m dynamo.vllm`) could never be verified: it is refused here, before it is
-                # paused or sent anything, rather than after a refit it then fails.
-                await admin.weight_state()
+            # A worker that cannot say what its ranks hold (Dynamo's own worker started as plain
+            # `python -m dynamo.vllm`) could never be verified: it is refused here, at every round,
+            # before it is paused or sent anything, rather than after a refit it then fails.
+            await admin.weight_state()
             await admin.pause(self.pause_mode)
             if self._source is None:
                 # Version 0 is the base model that the provider's workers loaded at launch.

@@ -59,8 +59,10 @@ def sign(request: httpx.Request, admin_token: str) -> str:
 
 
 def _authority(request: httpx.Request) -> str:
-    """host:port as the request names it (its Host header): what the worker sees."""
-    return request.headers.get("host") or request.url.netloc.decode("ascii")
+    """host:port as the request names it (its Host header, with the scheme's default port if it
+    leaves it out): what the worker sees."""
+    return admin_signature.with_port(request.headers.get("host") or request.url.netloc.decode("ascii"),
+                                     request.url.scheme)
 
 
 def unproven(response: httpx.Response, admin_token: str, nonce: str) -> str | None:
