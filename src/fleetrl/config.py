@@ -133,7 +133,7 @@ class DynamoConfig(Section):
     )
     namespace: str | None = Field(
         None, description="Dynamo namespace of the launched frontend and workers (DYN_NAMESPACE); unset = "
-        "fleetrl-<8 hex digits of the run directory's path>, one per run, so that runs sharing an etcd never "
+        "fleetrl-<8 hex digits of the run's id (its host and run directory)>, one per run, so that runs sharing an etcd never "
         "see each other's workers.",
     )
     components: list[str] = Field(
@@ -252,8 +252,10 @@ class InferenceConfig(Section):
     )
     admin_token: str | None = Field(
         None,
-        description="Bearer token the admin routes (pause, weights, versions) require; unset = "
-        "$FLEETRL_ADMIN_TOKEN, else a fresh random token per run. Never written to config.toml.",
+        description="The token the admin routes (pause, weights, versions) require: native servers' and fleetrl's "
+        "Dynamo worker kind's. fleetrl signs its calls with it and never sends it; an operator's curl may send it "
+        "as a bearer token. Unset = $FLEETRL_ADMIN_TOKEN, else a fresh random token per run. Never written to "
+        "config.toml.",
         json_schema_extra={"secret": True},
     )
     data_token: str | None = Field(
