@@ -71,6 +71,11 @@ def unproven(response: httpx.Response, admin_token: str, nonce: str) -> str | No
     if admin_signature.proven(admin_token, nonce, _authority(response.request),
                               response.headers.get(admin_signature.PROOF_HEADER)):
         return None
+    return _without_proof(response)
+
+
+def _without_proof(response: httpx.Response) -> str:
+    """What an answer that proves nothing was, for the error that names its worker."""
     return (f"it answered (HTTP {response.status_code}: {response.text[:120]!r}) without proof that it holds "
             f"the run's admin token: it is not the server fleetrl started or attached to (another process may "
             f"have taken its port)")
@@ -141,10 +146,7 @@ class AdminHttp:
                                   "one the worker was started with")
         if not (isinstance(answer, dict) and admin_signature.proven(
                 self._admin_token, nonce, "", answer.get(admin_signature.BODY_PROOF_FIELD))):
-            raise ImpostorWorker(self.worker_id, f"{method} {path}",
-                                 f"it answered (HTTP {response.status_code}: {response.text[:120]!r}) without proof "
-                                 "that it holds the run's admin token: it is not the worker fleetrl started or "
-                                 "attached to")
+            raise ImpostorWorker(self.worker_id, f"{method} {path}", _without_proof(response))
         return response
 
     async def close(self) -> None:
