@@ -38,6 +38,7 @@ from fleetrl.config import ModelConfig
 from fleetrl.model import resolve_model
 from fleetrl.trainer import distributed
 from fleetrl.trainer.model import load_policy
+from fleetrl.trainer.schedule import Schedule
 from fleetrl.trainer.step import PAD_ID, StepConfig, build_optimizer, train_step
 from fleetrl.versions import VersionSpan
 
@@ -166,7 +167,7 @@ def main() -> None:
 
     batch = (Batch.from_json(args.batch.read_text()) if args.batch
              else synthetic_batch(AutoConfig.from_pretrained(model_dir).vocab_size, args))
-    cfg = StepConfig(lr=2e-5, micro_batch_tokens=args.micro_batch_tokens)
+    cfg = StepConfig(schedule=Schedule(lr=2e-5), micro_batch_tokens=args.micro_batch_tokens)
     print(f"batch: {len(batch.samples)} samples, {tokens_of(batch)} tokens; micro-batches of <= "
           f"{cfg.micro_batch_tokens} tokens; {args.threads} thread(s); {args.reps} rep(s) after a warm-up")
     rates = side_by_side(model_dir, batch, cfg, args.reps)

@@ -307,6 +307,7 @@ def main() -> int:
     from fleetrl.trainer.distributed import World
     from fleetrl.trainer.loop import Hooks
     from fleetrl.trainer.model import agreement_probe, load_policy, named_tensors
+    from fleetrl.trainer.schedule import Schedule
     from fleetrl.trainer.step import StepConfig, build_optimizer, train_step
     from fleetrl.weights.checksum import checksum_of
 
@@ -318,7 +319,7 @@ def main() -> int:
     mode = "nccl" if torch.cuda.device_count() >= 2 else "cuda-ipc"
     bucket_bytes = args.bucket_mb * MIB
     model = load_policy(resolve_model(ModelConfig()), device)
-    cfg = StepConfig(lr=1e-6, micro_batch_tokens=4096)
+    cfg = StepConfig(schedule=Schedule(lr=1e-6), micro_batch_tokens=4096)
     optimizer = build_optimizer(model, cfg)
     model_bytes = sum(p.nbytes for p in model.parameters())
     largest = max(p.nbytes for p in model.parameters())

@@ -34,6 +34,7 @@ class Sample:
     # Multi-turn episodes only (None: a single completion, every token the model's, trained):
     loss_mask: list[int] | None = None  # 1 on the completion tokens the loss sees, 0 elsewhere
     turns: list[list[int]] | None = None  # [start, end) of each model turn in the completion
+    worker: str | None = None  # the worker that sampled it (an episode's, joined by +): per-worker figures
 
     def __post_init__(self) -> None:
         where = f"sample of group {self.group}"

@@ -414,7 +414,18 @@ class OrchestratorConfig(Section):
 class TrainerConfig(Section):
     world_size: int = Field(1, ge=1, description="Number of trainer ranks (torch.distributed) that `fleetrl rl` "
                             "starts on this machine. Under torchrun, WORLD_SIZE: leave it unset (docs/cluster.md).")
-    lr: float = Field(1e-6, gt=0, description="AdamW learning rate (constant).")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate: the peak of the schedule (lr_warmup_steps, "
+                      "lr_decay); the rate of each step is in metrics.jsonl (`lr`).")
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Steps 1..N climb linearly to `lr`: the first batches' advantages are the noisiest and "
+        "Adam's moments are not settled yet. 0 = none.")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After warmup: constant keeps `lr`; linear and cosine decay it to `lr_min` over "
+        "`lr_decay_steps`, then hold it. Cosine stays near the peak longer and eases into the end.")
+    lr_decay_steps: int = Field(
+        0, ge=0, description="Steps the decay runs over after warmup; 0 = until run.max_steps (a resume that raises "
+        "max_steps then stretches the rest of the decay: set this to keep it fixed).")
+    lr_min: float = Field(0.0, ge=0, description="Where linear or cosine decay ends; at most `lr`.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(
         1.0, gt=0, description="The global gradient norm is clipped to this before each optimizer step."
@@ -449,6 +460,12 @@ class TrainerConfig(Section):
     @classmethod
     def _inf_is_off_but_nan_is_nothing(cls, value: float) -> float:
         return _no_nan(value)
+
+    @model_validator(mode="after")
+    def _lr_min_below_the_peak(self) -> "TrainerConfig":
+        if self.lr_min > self.lr:
+            raise ValueError(f"trainer.lr_min ({self.lr_min:g}) must be at most trainer.lr ({self.lr:g})")
+        return self
 
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
     on_nonfinite: Literal["stop", "skip"] = Field(
@@ -496,6 +513,15 @@ class Config(Section):
         if self.orchestrator.max_tokens >= self.inference.vllm.max_model_len:
             raise ValueError(f"orchestrator.max_tokens = {self.orchestrator.max_tokens} leaves no room for a "
                              f"prompt in inference.vllm.max_model_len = {self.inference.vllm.max_model_len}")
+        return self
+
+    @model_validator(mode="after")
+    def _lr_decays_over_some_steps(self) -> "Config":
+        t = self.trainer
+        if t.lr_decay != "constant" and not t.lr_decay_steps and t.lr_warmup_steps >= self.run.max_steps:
+            raise ValueError(f"trainer.lr_decay = {t.lr_decay} has no step to decay over: trainer.lr_warmup_steps = "
+                             f"{t.lr_warmup_steps} takes all of run.max_steps = {self.run.max_steps} (or set "
+                             "trainer.lr_decay_steps)")
         return self
 
 

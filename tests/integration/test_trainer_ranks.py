@@ -15,8 +15,10 @@ import torch
 
 from fleetrl.cli import main
 from fleetrl.trainer import checkpoint, distributed
+from fleetrl.trainer.mismatch import PreviousVersion
 from fleetrl.trainer.model import is_sharded, load_policy, named_tensors
 from fleetrl.trainer.step import build_optimizer, train_step
+from fleetrl.versions import VersionSpan
 from tests.ranks import spawn_ranks
 from tests.unit.test_trainer_step import FAST, make_batch, save_tiny_model, save_tiny_tokenizer
 
@@ -24,7 +26,8 @@ WORLD = 2
 CPU = torch.device("cpu")
 # One sample per micro-batch: rank 0 gets 3 of the 5 samples, rank 1 gets 2 and must run a
 # zero-weight micro-batch to stay in step; the second batch has 1 sample, so rank 1 trains on
-# nothing at all.
+# nothing at all, and its sample was sampled at v0: scored under v0 (trainer/mismatch.py), which
+# every rank takes part in, rank 1 with nothing to score.
 CFG = replace(FAST, micro_batch_tokens=1)
 
 
@@ -36,9 +39,9 @@ def _rank_main(rank: int, model_dir, batches, out_dir) -> None:
     world = distributed.init(timeout_s=120)  # joined already (tests/ranks.py): the World of it
     model = load_policy(model_dir, world.device)
     assert is_sharded(model)
-    optimizer = build_optimizer(model, CFG)
+    optimizer, previous = build_optimizer(model, CFG), PreviousVersion()
     initial = full_weights(model)
-    first = train_step(model, optimizer, batches[0], CFG)
+    first = train_step(model, optimizer, batches[0], CFG, previous)
     updated = full_weights(model)
 
     ckpt = out_dir / "checkpoints"
@@ -47,7 +50,7 @@ def _rank_main(rank: int, model_dir, batches, out_dir) -> None:
     restored_optimizer = build_optimizer(restored, CFG)
     loaded_step = checkpoint.load(ckpt, restored, restored_optimizer)
     restored_weights = full_weights(restored)
-    second = train_step(model, optimizer, batches[1], CFG)
+    second = train_step(model, optimizer, batches[1], CFG, previous)
     train_step(restored, restored_optimizer, batches[1], CFG)
     continued, continued_restored = full_weights(model), full_weights(restored)
     if rank == 0:
@@ -64,6 +67,7 @@ def setup(tmp_path_factory):
     save_tiny_tokenizer(model_dir)  # what export copies
     model = load_policy(model_dir, CPU)
     batches = [make_batch(model, seed=0, samples=5, noise=0.3), make_batch(model, seed=1, samples=1, step=2)]
+    batches[1].samples[0].spans = [VersionSpan(0, 0)]  # the base model's logprobs: sampled at v0, exactly
     return model_dir, batches
 
 
@@ -79,13 +83,13 @@ def two_ranks(setup, tmp_path_factory):
 def one_rank(setup, tmp_path_factory):
     model_dir, batches = setup
     model = load_policy(model_dir, CPU)
-    optimizer = build_optimizer(model, CFG)
+    optimizer, previous = build_optimizer(model, CFG), PreviousVersion()
     initial = full_weights(model)
-    first = train_step(model, optimizer, batches[0], CFG)
+    first = train_step(model, optimizer, batches[0], CFG, previous)
     updated = full_weights(model)
     checkpoints = tmp_path_factory.mktemp("one-rank") / "checkpoints"
     checkpoint.save(checkpoints, 1, model, optimizer, keep=2)
-    second = train_step(model, optimizer, batches[1], CFG)
+    second = train_step(model, optimizer, batches[1], CFG, previous)
     return {"initial": initial, "first": asdict(first), "updated": updated, "second": asdict(second),
             "continued": full_weights(model), "checkpoints": checkpoints}
 
@@ -108,13 +112,18 @@ def test_named_tensors_on_two_ranks_equal_one_rank(two_ranks, one_rank):
 
 def test_two_rank_step_equals_one_rank_step(two_ranks, one_rank):
     result = two_ranks[0]
-    for key in ("loss", "grad_norm", "mismatch_kl", "ratio_mean", "clip_frac"):
+    for key in ("loss", "grad_norm", "lr", "sampler_kl", "mismatch_kl", "ratio_mean", "clip_frac"):
         assert result["first"][key] == pytest.approx(one_rank["first"][key], rel=1e-5, abs=1e-9), key
     assert result["first"]["completion_tokens"] == one_rank["first"]["completion_tokens"]
     assert_same_weights(result["updated"], one_rank["updated"])
-    # A batch smaller than the world: rank 1 has no sample and still keeps in step.
-    assert result["second"]["samples"] == 1
-    assert result["second"]["loss"] == pytest.approx(one_rank["second"]["loss"], rel=1e-5)
+    # A batch smaller than the world: rank 1 has no sample and still keeps in step, through the
+    # scoring under v0 too, whose weights the sharded model swapped in and out again.
+    second, alone = result["second"], one_rank["second"]
+    assert second["samples"] == 1
+    assert second["loss"] == pytest.approx(alone["loss"], rel=1e-5)
+    assert second["mismatch_tokens"] == alone["mismatch_tokens"] == second["completion_tokens"]
+    assert second["mismatch_kl"] == pytest.approx(0.0, abs=1e-9) and alone["mismatch_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert second["staleness_kl"] == pytest.approx(alone["staleness_kl"], rel=1e-4) and second["staleness_kl"] > 0
     assert_same_weights(result["continued"], one_rank["continued"])
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -16,14 +16,17 @@ from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, loop, step
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.loop import Hooks
+from fleetrl.trainer.loss import LossStats
+from fleetrl.trainer.mismatch import PreviousVersion
 from fleetrl.trainer.model import load_policy, named_tensors, prompt_logprobs
+from fleetrl.trainer.schedule import Schedule
 from fleetrl.trainer.step import (StepConfig, build_optimizer, finite_or_none, micro_batches, pack, prompt_units,
                                   rank_units, token_logprobs, train_step)
 from fleetrl.versions import VersionSpan
 
 VOCAB = 128
 CPU = torch.device("cpu")
-FAST = StepConfig(lr=1e-3, max_grad_norm=1.0, micro_batch_tokens=64)
+FAST = StepConfig(schedule=Schedule(lr=1e-3), max_grad_norm=1.0, micro_batch_tokens=64)
 
 
 def save_tiny_model(path) -> None:
@@ -182,7 +185,7 @@ def test_micro_batching_does_not_change_the_update(model_dir):
 def test_gradient_clipping_bounds_the_update(model_dir):
     model = load_policy(model_dir, CPU)
     batch = make_batch(model)
-    cfg = StepConfig(lr=1.0, max_grad_norm=1e-3)
+    cfg = StepConfig(schedule=Schedule(lr=1.0), max_grad_norm=1e-3)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # update = clipped gradient
     before = weights(model)
     metrics = train_step(model, optimizer, batch, cfg)
@@ -255,13 +258,14 @@ def test_a_gradient_norm_that_is_not_finite_skips_the_step(model_dir, monkeypatc
 
 
 def test_another_ranks_nan_loss_stops_this_ranks_update(model_dir, monkeypatch):
-    """Rank 0 of 2, its own share finite: the loss sums reduced over the ranks carry rank 1's
+    """Rank 0 of 2, its own share finite: the loss sum reduced over the ranks carries rank 1's
     nan, so rank 0 skips as rank 1 does."""
     model = load_policy(model_dir, CPU)
     optimizer = build_optimizer(model, FAST)
     batch = make_batch(model)
+    loss_sum = [f.name for f in fields(LossStats)].index("loss")  # where the sums put it
     monkeypatch.setattr(step.distributed, "world_size", lambda: 2)
-    monkeypatch.setattr(step.dist, "all_reduce", lambda sums: sums.add_(math.nan))
+    monkeypatch.setattr(step.dist, "all_reduce", lambda sums: sums[loss_sum].add_(math.nan))
     before = weights(model)
     metrics = train_step(model, optimizer, batch, FAST)
     assert metrics.skipped and math.isfinite(metrics.grad_norm)
@@ -423,6 +427,25 @@ def test_a_resumed_run_brings_the_fleet_to_the_checkpoints_version_before_any_ro
     for name, tensor in first.published[2].items():
         assert torch.equal(weights[name], tensor), name
     assert reference == pytest.approx(first.probes[2][1], abs=1e-6)
+
+
+def test_the_learning_rate_schedule_survives_a_resume_exactly(model_dir, tmp_path):
+    """A run killed after step 2 and resumed gives step 3 the rate, and the weights, of a run
+    that was never stopped: the rate is the step's alone, not the checkpointed optimizer's."""
+    schedule = {"lr_warmup_steps": 1, "lr_decay": "cosine", "lr_min": 1e-4}
+    whole = Run(model_dir, tmp_path / "whole", **schedule)
+    whole.train()
+    killed = Run(model_dir, tmp_path / "resumed", **schedule)
+    del killed.batches[3]  # the run dies waiting for batch 3, its checkpoint at step 2
+    with pytest.raises(KeyError):
+        killed.train()
+    resumed = Run(model_dir, tmp_path / "resumed", **schedule)
+    resumed.train()
+    rates = [m.lr for m in whole.metrics]
+    assert rates == pytest.approx([1e-3, 0.5 * (1e-3 + 1e-4), 1e-4])  # warmup's end, then cosine over 2 steps
+    assert [m.lr for m in killed.metrics + resumed.metrics] == rates
+    for name, tensor in whole.published[3].items():
+        assert torch.equal(resumed.published[3][name], tensor), name
 
 
 def test_the_fleet_takes_the_handed_start_weights_once_and_a_stopped_run_releases_its_wait(tmp_path):

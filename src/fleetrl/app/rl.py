@@ -53,6 +53,7 @@ from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.export import export_weights
 from fleetrl.trainer.gather import WeightGather
 from fleetrl.trainer.loop import Hooks, Snapshot, train, train_peer
+from fleetrl.trainer.mismatch import outliers
 from fleetrl.trainer.step import StepMetrics, finite_or_none
 
 
@@ -331,15 +332,22 @@ class RLRun:
             "samples": metrics.samples,
             "completion_tokens": metrics.completion_tokens,
             "tokens": metrics.tokens,
-            # JSON has no NaN: a step that was not finite (and skipped) records null.
+            # JSON has no NaN: a step that was not finite (and skipped), or a figure measured on no
+            # token, records null.
             **{key: finite_or_none(getattr(metrics, key)) for key in (
-                "loss", "grad_norm", "mismatch_kl", "ratio_mean", "clip_frac", "truncated_frac")},
+                "loss", "grad_norm", "sampler_kl", "mismatch_kl", "staleness_kl", "ratio_mean", "clip_frac",
+                "truncated_frac")},
+            "mismatch_tokens": metrics.mismatch_tokens,
+            "mismatch_outliers": (standing_out := outliers(
+                {w: kl for w, kl in metrics.worker_mismatch_kl.items() if w is not None})),
+            "lr": metrics.lr,
             "tokens_per_s": metrics.tokens_per_s,
             "publish_s": report.seconds,
             "checksum": report.checksum,
             "worker_versions": (versions := self.control.run(ready_versions(self.fleet))),
             # Per worker: its version, and what it served for this batch and its time in this publish.
             "workers": {worker: {"version": versions.get(worker), **batch.meta["workers"].get(worker, {}),
+                                 "mismatch_kl": metrics.worker_mismatch_kl.get(worker),
                                  "publish_s": report.worker_seconds.get(worker)}
                         for worker in sorted(set(versions) | set(batch.meta["workers"]))},
             "failed_workers": report.failed,
@@ -355,9 +363,15 @@ class RLRun:
         if self.view is not None:
             self.phase(f"step {batch.step} published")
             self.view.step_done(batch.step, f"reward {line['reward_mean']:.3f}")
+        for worker in standing_out:
+            self.log(f"fleetrl: step {batch.step}: worker {worker}'s mismatch_kl "
+                     f"{metrics.worker_mismatch_kl[worker]:.2e} stands out from the other workers' "
+                     f"({', '.join(f'{kl:.1e}' for w, kl in metrics.worker_mismatch_kl.items() if w != worker)}): "
+                     "its engine disagrees with the trainer at the same version")
         self.log(f"step {batch.step}/{self.config.run.max_steps}  reward {line['reward_mean']:.3f}±{line['reward_std']:.3f}  "
                  f"off-policy max {line['distance_max']} mean {line['distance_mean']:.2f}  dropped {batch.dropped}  "
-                 f"misversioned {line['misversioned']}  reward failed {line['reward_failed']}  empty {line['empty']}  loss {metrics.loss:+.4f}  kl {metrics.mismatch_kl:.2e}  "
+                 f"misversioned {line['misversioned']}  reward failed {line['reward_failed']}  empty {line['empty']}  loss {metrics.loss:+.4f}  "
+                 f"mismatch {figure(metrics.mismatch_kl)}  staleness {figure(metrics.staleness_kl)}  lr {metrics.lr:.1e}  "
                  f"train {finished - started:.1f}s  publish {report.seconds:.1f}s  "
                  f"workers at {sorted(set(line['worker_versions'].values()))}")
 
@@ -379,6 +393,11 @@ class RLRun:
             self.check_children()
             time.sleep(0.2)
         self.fleet_started.result()
+
+
+def figure(kl: float) -> str:
+    """A KL figure of the step line: `n/a` where no token measured it (mismatch_tokens = 0)."""
+    return f"{kl:.1e}" if kl == kl else "n/a"
 
 
 def run_peer_rank(config: Config) -> int:

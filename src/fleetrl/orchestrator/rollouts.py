@@ -150,6 +150,7 @@ class Orchestrator:
                     group=group_index,
                     loss_mask=scored.episode.loss_mask if scored.episode else None,
                     turns=scored.episode.turns if scored.episode else None,
+                    worker=c.worker_id,
                 ))
                 records.append(self._record(step, group_index, scored, advantage, None))
         self.run_dir.write_rollouts(step, records)

@@ -42,8 +42,10 @@ from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.gather import WeightGather, serve_gathers
 from fleetrl.trainer.loss import LossConfig
+from fleetrl.trainer.mismatch import PreviousVersion
 from fleetrl.trainer.model import (agreement_probe, first_nonfinite, is_sharded, load_policy, local_shards,
                                    named_tensors, prompt_logprobs)
+from fleetrl.trainer.schedule import Schedule
 from fleetrl.trainer.step import StepConfig, StepMetrics, build_optimizer, train_step
 
 Snapshot = dict[str, torch.Tensor]
@@ -52,7 +54,9 @@ Snapshot = dict[str, torch.Tensor]
 def step_config(config: Config) -> StepConfig:
     t = config.trainer
     return StepConfig(
-        lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        schedule=Schedule(lr=t.lr, warmup_steps=t.lr_warmup_steps, decay=t.lr_decay, decay_steps=t.lr_decay_steps,
+                          lr_min=t.lr_min, max_steps=config.run.max_steps),
+        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         micro_batch_tokens=t.micro_batch_tokens,
         loss=LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap),
     )
@@ -169,11 +173,14 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
         publish(start, model, world, probe_ids, hooks)
     hooks.start_rollouts(start)
     interval = config.trainer.checkpoint_interval
+    # Tokens one version behind are scored under their own version (trainer/mismatch.py): at
+    # k = 0 there are none, and no copy of the weights is kept.
+    previous = PreviousVersion() if config.orchestrator.max_off_policy_steps > 0 else None
     for step in range(start + 1, config.run.max_steps + 1):
         batch = hooks.wait_batch(step)
         failpoints.hold("train", step)
         started = time.time()
-        metrics = train_step(model, optimizer, batch, cfg)
+        metrics = train_step(model, optimizer, batch, cfg, previous)
         finished = time.time()
         if metrics.skipped:  # every rank sees it alike (train_step), so all stop or go on together
             if config.trainer.on_nonfinite == "stop":

@@ -37,14 +37,17 @@ from torch.distributed.tensor import DTensor
 from fleetrl.batch import Batch, Sample
 from fleetrl.trainer import distributed
 from fleetrl.trainer.loss import LossConfig, LossStats, policy_loss
+from fleetrl.trainer.mismatch import MismatchSums, PreviousVersion, mismatch_sums
 from fleetrl.trainer.model import compute_precision
+from fleetrl.trainer.schedule import Schedule
+from fleetrl.versions import span_ends
 
 PAD_ID = 0  # any valid id: padding is never attended to by real tokens, and masked out of the loss
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    lr: float = 1e-6
+    schedule: Schedule = field(default_factory=Schedule)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 4096  # rows x padded length of one forward/backward (a row: one unit)
@@ -59,7 +62,12 @@ class StepMetrics:
     skipped: bool  # the loss or the gradient norm was not finite: the update was not applied
     loss: float
     grad_norm: float  # before clipping
-    mismatch_kl: float  # mean k3 KL(inference || trainer) over completion tokens
+    lr: float  # the rate this step's update was made with (the schedule's)
+    sampler_kl: float  # mean k3 KL(inference || trainer now) over completion tokens: what the ratio corrects
+    mismatch_kl: float  # mean k3 KL(worker at v || trainer at v), v each token's version (trainer/mismatch.py)
+    staleness_kl: float  # mean k3 KL(trainer at v || trainer now), over the same tokens
+    mismatch_tokens: int  # the tokens those two are measured on
+    worker_mismatch_kl: dict[str | None, float]  # mismatch_kl of each worker's tokens (None: samples that name none)
     ratio_mean: float
     clip_frac: float
     truncated_frac: float
@@ -76,7 +84,7 @@ def finite_or_none(value: float) -> float | None:
 
 
 def build_optimizer(model: nn.Module, cfg: StepConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.schedule.lr, weight_decay=cfg.weight_decay)
 
 
 @dataclass(frozen=True)
@@ -153,9 +161,17 @@ class PackedBatch:
     mask: torch.Tensor  # [samples, columns]: 1 on the completion tokens the loss sees
     inference_logprobs: torch.Tensor  # [samples, columns]
     advantages: torch.Tensor  # [samples]
+    lag: torch.Tensor  # [samples, columns]: how many versions each token's is behind the trainer's
+    worker: torch.Tensor  # [samples]: the index of the sample's worker in the batch's `workers`
 
 
-def pack(units: list[Unit], device: torch.device) -> PackedBatch:
+def batch_workers(batch: Batch) -> list[str | None]:
+    """The workers that sampled the batch, in one order on every rank (None: a sample that names none)."""
+    return sorted({s.worker for s in batch.samples}, key=lambda w: (w is not None, w or ""))
+
+
+def pack(units: list[Unit], device: torch.device, step: int = 1, workers: list[str | None] = (None,)) -> PackedBatch:
+    """`step`: the batch's (the trainer holds version step - 1); `workers`: `batch_workers`."""
     samples = [s for unit in units for s in unit.samples]
     length = max(unit.tokens for unit in units)
     columns = max(1, max(len(s.completion_ids) for s in samples))
@@ -168,6 +184,7 @@ def pack(units: list[Unit], device: torch.device) -> PackedBatch:
     # another thread (user code's) sets it to the model's while it loads (issue 27, item 1).
     mask = torch.zeros(len(samples), columns, dtype=torch.float32)
     inference = torch.zeros(len(samples), columns, dtype=torch.float32)
+    lag = torch.zeros(len(samples), columns, dtype=torch.long)
     index = 0
     for row, unit in enumerate(units):
         prompt = len(unit.prompt_ids)
@@ -189,6 +206,8 @@ def pack(units: list[Unit], device: torch.device) -> PackedBatch:
             column_of += range(size)
             mask[index, :size] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
             inference[index, :size] = torch.tensor(s.inference_logprobs, dtype=torch.float32)
+            for span, span_end in span_ends(s.spans, size):
+                lag[index, span.start:span_end] = (step - 1) - span.version
             index += 1
     position = torch.arange(length)
     causal = position[None, :, None] >= position[None, None, :]  # [1, query, key]
@@ -212,6 +231,8 @@ def pack(units: list[Unit], device: torch.device) -> PackedBatch:
         mask=mask.to(device),
         inference_logprobs=inference.to(device),
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device),
+        lag=lag.to(device),
+        worker=as_tensor([workers.index(s.worker) for s in samples]),
     )
 
 
@@ -227,8 +248,13 @@ def token_logprobs(model: nn.Module, packed: PackedBatch) -> torch.Tensor:
     return out.index_put((packed.sample, packed.column), picked)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: StepConfig) -> StepMetrics:
-    """Trains on `batch` (every rank calls this with the same batch); returns batch-wide metrics."""
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: StepConfig,
+               previous: PreviousVersion | None = None) -> StepMetrics:
+    """Trains on `batch` (every rank calls this with the same batch); returns batch-wide metrics.
+
+    `previous`: version step - 2's weights, to score the tokens one version behind under their
+    own version (trainer/mismatch.py); this step's weights go into it before the update. None
+    (k = 0, where no token is behind): mismatch_kl is measured on every token all the same."""
     started = time.perf_counter()
     rank, world_size = distributed.rank(), distributed.world_size()
     device = next(model.parameters()).device
@@ -239,17 +265,22 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     units = prompt_units(batch.samples, cfg.micro_batch_tokens)
     plans = [micro_batches(rank_units(units, r, world_size), cfg.micro_batch_tokens) for r in range(world_size)]
     mine = plans[rank] + [[]] * (max(len(p) for p in plans) - len(plans[rank]))
+    workers = batch_workers(batch)
+    packed = [pack(micro, device, batch.step, workers) if micro else None for micro in mine]
+    previous_logprobs = score_previous_version(model, previous, batch, plans, packed)
 
     model.train()
     sums = torch.zeros(len(fields(LossStats)), dtype=torch.float64, device=device)
-    for micro in mine:
+    mismatch = MismatchSums.zeros(len(workers), device)
+    for index, micro in enumerate(packed):
         with compute_precision(model, device):
-            if micro:
-                packed = pack(micro, device)
-                logprobs = token_logprobs(model, packed)
-                loss, stats = policy_loss(logprobs, packed.inference_logprobs, packed.advantages,
-                                          packed.mask, num_tokens, cfg.loss)
+            if micro is not None:
+                logprobs = token_logprobs(model, micro)
+                loss, stats = policy_loss(logprobs, micro.inference_logprobs, micro.advantages,
+                                          micro.mask, num_tokens, cfg.loss)
                 sums += stats.stack()
+                mismatch.add(mismatch_sums(logprobs, previous_logprobs.get(index), micro.inference_logprobs,
+                                           micro.lag, micro.mask, micro.worker, len(workers)))
             else:
                 # Nothing left on this rank: a one-token forward whose loss is 0 joins the
                 # other ranks' collectives and adds zero gradient.
@@ -258,26 +289,40 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         loss.backward()
 
     grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
+    flat = torch.cat([sums, mismatch.flat()])
     if world_size > 1:
-        dist.all_reduce(sums)
-    total = LossStats.unstack(sums.cpu())
+        dist.all_reduce(flat)
+    total = LossStats.unstack(flat[:len(sums)].cpu())
+    measured = MismatchSums.from_flat(flat[len(sums):].cpu())
     # Either every rank skips or none does: a rank that stepped alone would update only its
     # shards of the model. The gradient norm is global already (`clip_grad_norm`), and the loss
     # is summed over the ranks above; a sum keeps a nan or an inf, so one rank's non-finite
     # loss is every rank's.
     skipped = not (math.isfinite(total.loss.item()) and math.isfinite(grad_norm))
+    lr = cfg.schedule.rate(batch.step)
+    if previous is not None:
+        previous.remember(model, batch.step - 1)  # even when skipped: version step is step - 1's weights then
     if not skipped:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
     all_tokens = sum(_length(s) for s in batch.samples)
     elapsed = time.perf_counter() - started
+    per_token = lambda value: value.item() / measured.tokens.item() if measured.tokens.item() else math.nan  # noqa: E731
     return StepMetrics(
         step=batch.step,
         skipped=skipped,
         loss=total.loss.item() / num_tokens,
         grad_norm=grad_norm,
-        mismatch_kl=total.mismatch_kl.item() / num_tokens,
+        lr=lr,
+        sampler_kl=total.mismatch_kl.item() / num_tokens,
+        mismatch_kl=per_token(measured.mismatch_kl),
+        staleness_kl=per_token(measured.staleness_kl),
+        mismatch_tokens=int(measured.tokens.item()),
+        worker_mismatch_kl={worker: kl / tokens for worker, kl, tokens in zip(
+            workers, measured.worker_mismatch_kl.tolist(), measured.worker_tokens.tolist()) if tokens},
         ratio_mean=total.ratio.item() / num_tokens,
         clip_frac=total.clipped.item() / num_tokens,
         truncated_frac=total.truncated.item() / num_tokens,
@@ -287,6 +332,33 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         tokens=all_tokens,
         tokens_per_s=all_tokens / elapsed,
     )
+
+
+def score_previous_version(model: nn.Module, previous: PreviousVersion | None, batch: Batch,
+                           plans: list[list[list[Unit]]], packed: list[PackedBatch | None]) -> dict[int, torch.Tensor]:
+    """The logprobs under version step - 2 of this rank's micro-batches that hold a trained
+    token of that version, by index in `packed`; none where `previous` does not hold it. Every
+    rank runs as many forwards as the rank with the most such micro-batches (each is a
+    collective on a sharded model), the ones without any on a one-token input."""
+    behind = batch.step - 2
+    if previous is None or previous.version != behind:
+        return {}
+
+    def holds_behind(micro: list[Unit]) -> bool:
+        return any(span.version == behind for unit in micro for s in unit.samples for span in s.trained_spans())
+
+    most = max(sum(map(holds_behind, plan)) for plan in plans)
+    if not most:
+        return {}
+    mine = [i for i, micro in enumerate(plans[distributed.rank()]) if holds_behind(micro)]
+    device = next(model.parameters()).device
+    out = {}
+    with previous.swapped_in(model), torch.no_grad(), compute_precision(model, device):
+        for i in mine:
+            out[i] = token_logprobs(model, packed[i])
+        for _ in range(most - len(mine)):
+            model(input_ids=torch.full((1, 1), PAD_ID, device=device))
+    return out
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
