@@ -48,6 +48,19 @@ def _no_nan(value: float) -> float:
     return value
 
 
+def loss_conflict(ratio_level: str, tis_level: str, tis_cap: float, prefix: str = "") -> str | None:
+    """Why these policy-loss options do not combine, or None: the one statement of the rule, which
+    the trainer's `LossConfig` (prefix "") and `TrainerConfig` (prefix "trainer.") both apply."""
+    if tis_level == "sequence" and ratio_level == "sequence":
+        return (f"{prefix}tis_level = 'sequence' does not combine with {prefix}ratio_level = 'sequence': GSPO's "
+                "ratio is already the sample's importance weight (length-normalized); cap it with "
+                f"{prefix}tis_level = 'token'")
+    if tis_level == "sequence" and math.isinf(tis_cap):
+        return (f"{prefix}tis_level = 'sequence' needs a finite {prefix}tis_cap: a sample's uncapped product of "
+                "ratios overflows")
+    return None
+
+
 class ModelConfig(Section):
     path: Path | None = Field(
         None,
