@@ -425,6 +425,8 @@ class OrchestratorConfig(Section):
 
 
 class TrainerConfig(Section):
+    """The trainer's ranks, optimizer and policy loss (the loss options' math: src/fleetrl/trainer/loss.py)."""
+
     world_size: int = Field(1, ge=1, description="Number of trainer ranks (torch.distributed) that `fleetrl rl` "
                             "starts on this machine. Under torchrun, WORLD_SIZE: leave it unset (docs/cluster.md).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate (constant).")
@@ -446,6 +448,44 @@ class TrainerConfig(Section):
         2.0, gt=0, allow_inf_nan=True,
         description="Truncated importance sampling: the most weight a token's ratio may carry; inf = off.",
     )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="The ratio the PPO clip and the TIS cap act on: token = each token's own pi/mu; sequence = "
+        "GSPO, the sample's exp(mean log pi/mu) on each of its tokens, so a sample is clipped or kept whole. Pick "
+        "sequence for MoE models (routing noise in the token ratios averages out) or long sequences, with a far "
+        "narrower clip (GSPO's: clip_low = 3e-4, clip_high = 4e-4).",
+    )
+    tis_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="What tis_cap caps: token = each token's ratio; sequence = the sample's product of ratios, "
+        "the whole sequence's importance weight, which then weighs each of its tokens (needs a finite tis_cap; not "
+        "with ratio_level = sequence). Pick sequence for long multi-turn samples, where the mismatch compounds "
+        "from turn to turn; the product varies more the longer the sample, so the cap does more.",
+    )
+    mis_low: float = Field(
+        0.0, ge=0, lt=1,
+        description="Masked importance sampling (MIS): the floor of the band of the ratio pi/mu outside which "
+        "mis_level drops tokens (they give no loss and no gradient, but still count in the divisor); 0 = off.",
+    )
+    mis_high: float = Field(
+        math.inf, gt=1, allow_inf_nan=True,
+        description="The ceiling of the MIS band; inf = off. IcePop is token-level MIS with the band [0.5, 5] "
+        "and neither clip nor cap: configs/icepop.toml.",
+    )
+    mis_level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="What the MIS band drops: token = each token outside it; sequence = a whole sample with any "
+        "token outside; geometric = a whole sample whose geometric-mean ratio exp(mean log pi/mu) is outside. "
+        "Pick masking over the TIS cap when a few tokens are far off (MoE routing, a kernel bug), which a cap "
+        "keeps at its weight: token for short samples, sequence for long multi-turn ones (one broken token "
+        "spoils what follows it), geometric when lengths vary (any-token rejects long samples more often).",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0,
+        description="Weight of a KL penalty to the reference model, per token the k3 estimate of KL(pi, ref); "
+        "0 = off. Pick it when drift from the reference must be bounded (a reward that can be gamed, abilities "
+        "to keep); the trainer step must then give the reference model's logprobs.",
+    )
     checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = never).")
     cpu_cores: list[str] = Field(
         default_factory=list,
@@ -458,10 +498,17 @@ class TrainerConfig(Section):
     def _cpu_lists(cls, value: list[str]) -> list[str]:
         return _check_cpu_lists(value)
 
-    @field_validator("clip_high", "tis_cap")
+    @field_validator("clip_high", "tis_cap", "mis_high")
     @classmethod
     def _inf_is_off_but_nan_is_nothing(cls, value: float) -> float:
         return _no_nan(value)
+
+    @model_validator(mode="after")
+    def _loss_options_combine(self) -> "TrainerConfig":
+        conflict = loss_conflict(self.ratio_level, self.tis_level, self.tis_cap, prefix="trainer.")
+        if conflict:
+            raise ValueError(conflict)
+        return self
 
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
     on_nonfinite: Literal["stop", "skip"] = Field(

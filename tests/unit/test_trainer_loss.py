@@ -1,12 +1,18 @@
 """The policy loss's math, on hand-made logprobs: no model."""
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from fleetrl.config import Config, load_config
+from fleetrl.rundir import RUN_DEFINING
+from fleetrl.trainer.loop import step_config
 from fleetrl.trainer.loss import LossConfig, policy_loss, token_entropy
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NO_CLIP = LossConfig(clip_low=1.0, clip_high=math.inf, tis_cap=math.inf)
 
@@ -194,6 +200,19 @@ def test_geometric_mis_drops_a_sample_by_its_mean_log_ratio():
     assert stats.masked.item() == 2
 
 
+def test_icepop_is_the_token_mis_preset_and_gives_icepops_loss():
+    cfg = step_config(load_config([ROOT / "configs" / "icepop.toml"], [])).loss
+    assert (cfg.mis_level, cfg.mis_low, cfg.mis_high) == ("token", 0.5, 5.0)
+    # IcePop's definition: token t's weight is M(k_t) = k_t if 0.5 <= k_t <= 5 else 0, k_t = pi/mu.
+    ks, adv = [[6.0, 4.0], [0.4, 0.6]], [1.0, -1.0]
+    weight = [[k if 0.5 <= k <= 5 else 0.0 for k in row] for row in ks]
+    lp = [[math.log(k) for k in row] for row in ks]
+    loss, grad, stats = grad_of(lp, [[0.0, 0.0]] * 2, adv, [[1, 1], [1, 1]], cfg)
+    assert loss.item() == pytest.approx(-sum(w * a for row, a in zip(weight, adv) for w in row) / 4)
+    assert close(grad, [[-w * a / 4 for w in row] for row, a in zip(weight, adv)])
+    assert stats.masked.item() == 2
+
+
 def test_gspo_uses_the_samples_geometric_mean_ratio_clipped_whole():
     cfg = LossConfig(clip_low=0.2, clip_high=0.28, tis_cap=math.inf, ratio_level="sequence")
     # Sample ratios: s0 = e^0.2 = 1.22 (A > 0, under 1.28: kept), s1 = e^0.4 = 1.49 (A > 0, past
@@ -295,6 +314,16 @@ def test_sequence_level_options_give_the_same_loss_and_gradient_however_the_rows
 def test_invalid_options_are_refused_naming_the_field(options, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         LossConfig(**options)
+
+
+def test_every_loss_option_is_a_trainer_key_with_the_same_default_that_a_resume_keeps():
+    values = {"clip_low": 0.1, "clip_high": 0.3, "tis_cap": 3.0, "ratio_level": "sequence", "tis_level": "token",
+              "mis_low": 0.2, "mis_high": 4.0, "mis_level": "geometric", "kl_coef": 0.01}
+    assert set(values) == {f.name for f in fields(LossConfig)}
+    assert step_config(Config()).loss == LossConfig()
+    config = load_config([], [(f"trainer.{name}", str(value)) for name, value in values.items()])
+    assert step_config(config).loss == LossConfig(**values)
+    assert {f"trainer.{name}" for name in values} <= set(RUN_DEFINING)
 
 
 def test_invalid_bounds_are_refused():

@@ -54,7 +54,9 @@ def step_config(config: Config) -> StepConfig:
     return StepConfig(
         lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         micro_batch_tokens=t.micro_batch_tokens,
-        loss=LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap),
+        loss=LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap, ratio_level=t.ratio_level,
+                        tis_level=t.tis_level, mis_low=t.mis_low, mis_high=t.mis_high, mis_level=t.mis_level,
+                        kl_coef=t.kl_coef),
     )
 
 
