@@ -84,6 +84,12 @@ RUN_DEFINING = (
     "trainer.clip_low",  # the loss
     "trainer.clip_high",  # the loss
     "trainer.tis_cap",  # the loss
+    "trainer.ratio_level",  # the loss
+    "trainer.tis_level",  # the loss
+    "trainer.mis_low",  # the loss
+    "trainer.mis_high",  # the loss
+    "trainer.mis_level",  # the loss
+    "trainer.kl_coef",  # the loss
     "run.seed",  # the task stream the resume continues
 )
 

@@ -15,7 +15,7 @@ import torch
 
 from fleetrl.cli import main
 from fleetrl.trainer import checkpoint, distributed
-from fleetrl.trainer.mismatch import PreviousVersion
+from fleetrl.trainer.kept_weights import KeptWeights
 from fleetrl.trainer.model import is_sharded, load_policy, named_tensors
 from fleetrl.trainer.step import build_optimizer, train_step
 from fleetrl.versions import VersionSpan
@@ -39,7 +39,7 @@ def _rank_main(rank: int, model_dir, batches, out_dir) -> None:
     world = distributed.init(timeout_s=120)  # joined already (tests/ranks.py): the World of it
     model = load_policy(model_dir, world.device)
     assert is_sharded(model)
-    optimizer, previous = build_optimizer(model, CFG), PreviousVersion()
+    optimizer, previous = build_optimizer(model, CFG), KeptWeights()
     initial = full_weights(model)
     first = train_step(model, optimizer, batches[0], CFG, previous)
     updated = full_weights(model)
@@ -83,7 +83,7 @@ def two_ranks(setup, tmp_path_factory):
 def one_rank(setup, tmp_path_factory):
     model_dir, batches = setup
     model = load_policy(model_dir, CPU)
-    optimizer, previous = build_optimizer(model, CFG), PreviousVersion()
+    optimizer, previous = build_optimizer(model, CFG), KeptWeights()
     initial = full_weights(model)
     first = train_step(model, optimizer, batches[0], CFG, previous)
     updated = full_weights(model)

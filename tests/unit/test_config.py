@@ -204,9 +204,27 @@ def test_inf_switches_a_bound_off_but_nan_is_refused():
     assert config.trainer.tis_cap == float("inf") and config.trainer.clip_high == float("inf")
     assert 'tis_cap = inf' in to_toml(config) and load_config([], [("trainer.tis_cap", "inf")]) == config.model_copy(
         update={"trainer": config.trainer.model_copy(update={"clip_high": 0.28})})
-    for key in ("trainer.tis_cap", "trainer.clip_high"):
+    for key in ("trainer.tis_cap", "trainer.clip_high", "trainer.mis_high"):
         with pytest.raises(ConfigError, match=rf"config key '{key}'"):
             load_config([], [(key, "nan")])
+    assert load_config([], [("trainer.mis_high", "inf")]).trainer.mis_high == float("inf")  # the default: off
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([("trainer.mis_low", "1.0")], r"config key 'trainer.mis_low': Input should be less than 1"),
+    ([("trainer.mis_high", "0.9")], r"config key 'trainer.mis_high': Input should be greater than 1"),
+    ([("trainer.mis_level", "band")], r"config key 'trainer.mis_level': Input should be 'token', 'sequence' or "
+                                      r"'geometric'"),
+    ([("trainer.ratio_level", "group")], r"config key 'trainer.ratio_level'"),
+    ([("trainer.kl_coef", "-0.1")], r"config key 'trainer.kl_coef': Input should be greater than or equal to 0"),
+    ([("trainer.tis_level", "sequence"), ("trainer.ratio_level", "sequence")],
+     r"^trainer.tis_level = 'sequence' does not combine with trainer.ratio_level = 'sequence'"),
+    ([("trainer.tis_level", "sequence"), ("trainer.tis_cap", "inf")],
+     r"^trainer.tis_level = 'sequence' needs a finite trainer.tis_cap"),
+])
+def test_loss_options_are_refused_naming_the_key(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([], flags)
 
 
 def test_a_group_of_one_is_refused():

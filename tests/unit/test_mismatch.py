@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fleetrl.batch import Batch
-from fleetrl.trainer.mismatch import OUTLIER_KL, PreviousVersion, k3, mismatch_sums, outliers
+from fleetrl.trainer.kept_weights import KeptWeights
+from fleetrl.trainer.mismatch import OUTLIER_KL, k3, mismatch_sums, outliers
 from fleetrl.trainer.model import load_policy, named_tensors
 from fleetrl.trainer.step import build_optimizer, train_step
 from fleetrl.versions import VersionSpan
@@ -33,7 +34,7 @@ def test_tokens_one_version_behind_are_scored_under_their_own_version(model_dir)
     they agree to float rounding (mismatch)."""
     model = load_policy(model_dir, CPU)
     v0 = load_policy(model_dir, CPU)
-    optimizer, previous = build_optimizer(model, FAST), PreviousVersion()
+    optimizer, previous = build_optimizer(model, FAST), KeptWeights()
     train_step(model, optimizer, make_batch(model, seed=1), FAST, previous)  # v1; `previous` keeps v0
     assert previous.version == 0
     metrics = train_step(model, optimizer, sampled_at(v0, make_batch(v0, seed=2), version=0, step=2), FAST, previous)
@@ -45,7 +46,7 @@ def test_tokens_one_version_behind_are_scored_under_their_own_version(model_dir)
 
 def test_the_weights_swapped_in_for_scoring_go_back_untouched(model_dir):
     model = load_policy(model_dir, CPU)
-    previous = PreviousVersion()
+    previous = KeptWeights()
     previous.remember(load_policy(model_dir, CPU), version=0)
     with torch.no_grad():
         for p in model.parameters():
@@ -61,7 +62,7 @@ def test_without_the_previous_version_only_the_current_versions_tokens_are_measu
     model = load_policy(model_dir, CPU)
     batch = make_batch(model, samples=4, step=2)  # v1's tokens (lag 0), exact
     batch.samples[0].spans = [VersionSpan(0, 0)]  # one sample at v0: not measurable here
-    metrics = train_step(model, build_optimizer(model, FAST), batch, FAST, PreviousVersion())
+    metrics = train_step(model, build_optimizer(model, FAST), batch, FAST, KeptWeights())
     assert metrics.mismatch_tokens == metrics.completion_tokens - len(batch.samples[0].completion_ids)
     assert metrics.mismatch_kl == pytest.approx(0.0, abs=1e-9) and metrics.staleness_kl == 0.0
     only_behind = make_batch(model, samples=2, step=2)
@@ -76,7 +77,7 @@ def test_a_sample_split_across_a_publish_is_measured_on_both_sides(model_dir):
     each sampled, the mismatch is 0 on both sides, and only v0's tokens are stale."""
     model = load_policy(model_dir, CPU)
     v0 = load_policy(model_dir, CPU)
-    optimizer, previous = build_optimizer(model, FAST), PreviousVersion()
+    optimizer, previous = build_optimizer(model, FAST), KeptWeights()
     train_step(model, optimizer, make_batch(model, seed=1), FAST, previous)
     batch = make_batch(v0, seed=3, samples=2, step=2)
     sample = batch.samples[0]
@@ -129,3 +130,4 @@ def test_outliers_need_other_workers_and_a_clear_margin():
     assert outliers({"a": 1e-9, "b": 2e-9, "c": 5e-4}) == []  # below OUTLIER_KL
     assert outliers({"a": 0.01, "b": 0.02, "c": 0.05}) == []  # not 10x the others
     assert outliers({"a": 1e-9, "b": 0.3}) == ["b"]
+

@@ -16,8 +16,8 @@ from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, loop, step
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.loop import Hooks
-from fleetrl.trainer.loss import LossStats
-from fleetrl.trainer.mismatch import PreviousVersion
+from fleetrl.trainer.loss import LossConfig, LossStats
+from fleetrl.trainer.kept_weights import KeptWeights
 from fleetrl.trainer.model import load_policy, named_tensors, prompt_logprobs
 from fleetrl.trainer.schedule import Schedule
 from fleetrl.trainer.step import (StepConfig, build_optimizer, finite_or_none, micro_batches, pack, prompt_units,
@@ -100,7 +100,7 @@ def test_a_groups_prompt_is_packed_once_and_each_completion_gets_its_plain_forwa
     packed = pack(units, CPU)
     assert packed.input_ids.shape == (4, max(u.tokens for u in units))
     with torch.no_grad():
-        logprobs = token_logprobs(model, packed)
+        logprobs, _ = token_logprobs(model, packed)
     for row, sample in enumerate(s for u in units for s in u.samples):
         size = len(sample.completion_ids)
         torch.testing.assert_close(logprobs[row, :size], torch.tensor(reference_logprobs(model, sample)),
@@ -271,6 +271,29 @@ def test_another_ranks_nan_loss_stops_this_ranks_update(model_dir, monkeypatch):
     assert metrics.skipped and math.isfinite(metrics.grad_norm)
     for name, tensor in weights(model).items():
         assert torch.equal(tensor, before[name]), name
+
+
+def test_the_kl_penalty_scores_the_batch_under_the_reference_weights(model_dir):
+    """trainer.kl_coef: the reference is the base model, kept as the trainer loads; at v0 the
+    policy is the reference (k3 = 0 on every token), after an update it is not."""
+    cfg = replace(FAST, loss=LossConfig(kl_coef=0.1))
+    model = load_policy(model_dir, CPU)
+    reference = KeptWeights()
+    reference.remember(model, 0)
+    optimizer = build_optimizer(model, cfg)
+    first = train_step(model, optimizer, make_batch(model, seed=1), cfg, reference=reference)
+    second = train_step(model, optimizer, make_batch(model, seed=2, step=2), cfg, reference=reference)
+    assert first.ref_kl == pytest.approx(0.0, abs=1e-9) and second.ref_kl > 1e-6
+    with pytest.raises(ValueError, match="kl_coef"):
+        train_step(model, optimizer, make_batch(model, seed=3, step=3), cfg)
+
+
+def test_entropy_is_the_policys_over_the_completion_tokens(model_dir):
+    model = load_policy(model_dir, CPU)
+    batch = make_batch(model)
+    metrics = train_step(model, build_optimizer(model, FAST), batch, FAST)
+    # A random tiny model is close to uniform over its 128 tokens: entropy just under log 128.
+    assert 0.9 * math.log(128) < metrics.entropy <= math.log(128)
 
 
 # -- the loop ----------------------------------------------------------------------------------

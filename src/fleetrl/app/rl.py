@@ -336,7 +336,7 @@ class RLRun:
             # token, records null.
             **{key: finite_or_none(getattr(metrics, key)) for key in (
                 "loss", "grad_norm", "sampler_kl", "mismatch_kl", "staleness_kl", "ratio_mean", "clip_frac",
-                "truncated_frac")},
+                "truncated_frac", "masked_frac", "entropy", "ref_kl")},
             "mismatch_tokens": metrics.mismatch_tokens,
             "mismatch_outliers": (standing_out := outliers(
                 {w: kl for w, kl in metrics.worker_mismatch_kl.items() if w is not None})),

@@ -42,7 +42,7 @@ from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.gather import WeightGather, serve_gathers
 from fleetrl.trainer.loss import LossConfig
-from fleetrl.trainer.mismatch import PreviousVersion
+from fleetrl.trainer.kept_weights import KeptWeights
 from fleetrl.trainer.model import (agreement_probe, first_nonfinite, is_sharded, load_policy, local_shards,
                                    named_tensors, prompt_logprobs)
 from fleetrl.trainer.schedule import Schedule
@@ -58,7 +58,9 @@ def step_config(config: Config) -> StepConfig:
                           lr_min=t.lr_min, max_steps=config.run.max_steps),
         weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         micro_batch_tokens=t.micro_batch_tokens,
-        loss=LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap),
+        loss=LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap, ratio_level=t.ratio_level,
+                        tis_level=t.tis_level, mis_low=t.mis_low, mis_high=t.mis_high, mis_level=t.mis_level,
+                        kl_coef=t.kl_coef),
     )
 
 
@@ -161,6 +163,11 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
     model = load_policy(model_dir, world.device)
     optimizer = build_optimizer(model, cfg)
     probe_ids = agreement_probe(model)
+    # The KL penalty's reference is the base model, kept before a checkpoint replaces it.
+    reference = None
+    if cfg.loss.kl_coef > 0:
+        reference = KeptWeights()
+        reference.remember(model, 0)
     start = checkpoint.load(run_dir.checkpoints_dir, model, optimizer, log=log) or 0
     if start:
         log(f"fleetrl: resumed from checkpoint step {start}")
@@ -175,12 +182,12 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
     interval = config.trainer.checkpoint_interval
     # Tokens one version behind are scored under their own version (trainer/mismatch.py): at
     # k = 0 there are none, and no copy of the weights is kept.
-    previous = PreviousVersion() if config.orchestrator.max_off_policy_steps > 0 else None
+    previous = KeptWeights() if config.orchestrator.max_off_policy_steps > 0 else None
     for step in range(start + 1, config.run.max_steps + 1):
         batch = hooks.wait_batch(step)
         failpoints.hold("train", step)
         started = time.time()
-        metrics = train_step(model, optimizer, batch, cfg, previous)
+        metrics = train_step(model, optimizer, batch, cfg, previous, reference)
         finished = time.time()
         if metrics.skipped:  # every rank sees it alike (train_step), so all stop or go on together
             if config.trainer.on_nonfinite == "stop":

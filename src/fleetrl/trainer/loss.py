@@ -1,4 +1,5 @@
-"""The policy loss of one batch: token-level importance-weighted policy gradient (GRPO-style).
+"""The policy loss of one batch: importance-weighted policy gradient (GRPO-style), with a menu of
+treatments of the importance ratio.
 
 Samples come from the inference workers' policy mu (the version that sampled them, with the
 workers' own numerics), not from the policy pi being trained. Every completion token t is
@@ -6,7 +7,7 @@ weighted by the importance ratio r_t = pi(y_t) / mu(y_t) = exp(trainer_lp - infe
 there is no separate "old policy" forward pass, because a trainer step takes exactly one
 optimizer step per batch, so pi at the start of the step *is* the old policy.
 
-Two treatments of the ratio, usable together:
+The default: two treatments of each token's ratio, usable together.
 
 - PPO clip (`clip_low`, `clip_high`): a token whose ratio has already moved past
   [1 - clip_low, 1 + clip_high] in the direction its advantage pushes contributes no gradient.
@@ -17,24 +18,72 @@ Two treatments of the ratio, usable together:
   the gradient. With the clip on too it bounds what PPO leaves unbounded: negative-advantage
   tokens with a large ratio (the role of dual-clip PPO's constant).
 
+The menu: each option is off by default, and they combine unless `LossConfig` says otherwise.
+
+- Sequence-level TIS (`tis_level = "sequence"`): every token of a sample carries, instead of its
+  own ratio, the sample's weight min(prod_t r_t, tis_cap) = min(exp(sum_t log r_t), tis_cap),
+  detached (the PPO clip still acts on each token's ratio). The product is the importance
+  weight of the whole sequence: a token's own ratio ignores that the tokens before it, its
+  context, were sampled off-policy too. Pick it for long samples (multi-turn episodes), where
+  that compounding is the mismatch; the product's variance grows with length, so the cap does
+  much of the work.
+- Masked importance sampling, MIS (`mis_low`, `mis_high`, `mis_level`): drop what falls outside
+  the band [mis_low, mis_high] of the ratio, rather than cap it. `token`: each token whose r_t is
+  outside; `sequence`: a whole sample if any of its tokens' r_t is; `geometric`: a whole sample
+  if its geometric-mean ratio exp(mean_t log r_t) is. A dropped token gives nothing (value,
+  gradient, KL penalty) but still counts in `num_tokens`: the divisor stays a constant of the
+  batch, known before any ratio is, so the split stays exact (a batch with much dropped takes a
+  smaller step, not a reweighted one). Pick masking when the mismatch is a few tokens far off
+  (MoE routing noise, a kernel bug), which a cap would keep at the cap's weight: token level
+  for short samples, sequence level for long multi-turn ones where one broken token spoils what
+  follows it, geometric when lengths vary (the any-token rule, like the product, rejects long
+  samples more often than short ones; a mean does not).
+  IcePop (Ant Group's Ring-1T) is token-level MIS with the band [0.5, 5] and no cap: not an
+  option of its own but a preset, configs/icepop.toml.
+- GSPO (`ratio_level = "sequence"`): each token's ratio becomes its sample's,
+  s_i = exp(mean_t log r_t) over the sample's trained tokens (those MIS kept), whose gradient
+  is that of the mean log-ratio; the PPO clip and the token-level TIS cap then act on s_i, so
+  a sample is clipped or kept whole. Summed over its n tokens, n * s_i * A has the gradient
+  s_i * A * sum_t grad log pi(y_t): GSPO's token form, each sample weighted by its length (the
+  normalization below) instead of GSPO's mean over samples. s_i is an average, so GSPO's clip
+  range is far narrower (its paper: 3e-4 below, 4e-4 above). Pick it for MoE models (routing
+  noise in the token ratios averages out) and long sequences.
+- KL penalty to a reference model (`kl_coef`): kl_coef * k3 on each token, with
+  k3 = exp(ref - pi) - (ref - pi) - 1, Schulman's non-negative estimator of KL(pi || ref), the
+  gradient through pi; not importance-weighted (as in GRPO). Needs the reference model's
+  logprobs of the same tokens. Pick it when drift from the reference must be bounded (a
+  reward that can be gamed, abilities to keep); plain RL with verifiable rewards does without.
+
+Entropy is reported, not trained on: given the per-token entropy of pi (`token_entropy` of the
+logits the logprobs come from), its sum joins the statistics.
+
 Normalization: the per-token losses are summed over every completion token of the whole batch
 and divided by that batch's completion-token count (`num_tokens`), given by the caller. Each
 token weighs the same whatever its sample's length (a per-sample mean would give a token of a
 long completion less weight than one of a short completion, biasing toward short answers), and
 because the divisor is a constant of the batch rather than of a micro-batch or a rank, the
-gradient summed over micro-batches and ranks is the same however the batch was split.
+gradient summed over micro-batches and ranks is the same however the batch was split. The
+sequence-level options compute per-sample quantities within one call, which is exact: a sample
+is never split across micro-batches or ranks, so all its tokens are in the same call.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
+
+from fleetrl.config import loss_conflict
 
 # |log pi/mu| above this is a broken sample (a sampler mismatch of 10^8), not a policy that
 # moved: such a token's log-ratio is clamped, so it carries no gradient (the clamp's gradient
 # is 0), as a token past the PPO clip carries none. Far above any useful clip or cap.
 MAX_LOG_RATIO = 20.0
+
+LEVELS = ("token", "sequence")
+MIS_LEVELS = ("token", "sequence", "geometric")
 
 
 @dataclass(frozen=True)
@@ -45,6 +94,12 @@ class LossConfig:
     clip_low: float = 0.2  # ratio floor 1 - clip_low; 1 turns it off (a ratio is never negative)
     clip_high: float = 0.28  # ratio ceiling 1 + clip_high; inf turns it off
     tis_cap: float = 2.0  # the largest weight a token's ratio may carry; inf turns it off
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's ratio
+    tis_level: Literal["token", "sequence"] = "token"  # what tis_cap caps: each ratio, or each sample's product
+    mis_low: float = 0.0  # MIS band floor; 0 turns it off
+    mis_high: float = math.inf  # MIS band ceiling; inf turns it off
+    mis_level: Literal["token", "sequence", "geometric"] = "token"  # what the band drops
+    kl_coef: float = 0.0  # weight of the k3 KL penalty to the reference model; 0 turns it off
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low <= 1:
@@ -53,19 +108,36 @@ class LossConfig:
             raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
         if not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        for name, choices in (("ratio_level", LEVELS), ("tis_level", LEVELS), ("mis_level", MIS_LEVELS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        # The band must hold 1, the tokens where trainer and sampler agree.
+        if not 0 <= self.mis_low < 1:
+            raise ValueError(f"mis_low must be in [0, 1), got {self.mis_low}")
+        if not self.mis_high > 1:
+            raise ValueError(f"mis_high must be > 1, got {self.mis_high}")
+        if not 0 <= self.kl_coef < math.inf:
+            raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
+        conflict = loss_conflict(self.ratio_level, self.tis_level, self.tis_cap)
+        if conflict:
+            raise ValueError(conflict)
 
 
 @dataclass
 class LossStats:
     """Sums over completion tokens (0-d tensors, so micro-batches and ranks can add them
-    without a device sync); divide by `tokens` for means."""
+    without a device sync); divide by `tokens` for means. What an option that is off would
+    count is 0."""
 
     tokens: torch.Tensor
     loss: torch.Tensor  # sum of per-token losses (before dividing by num_tokens)
-    ratio: torch.Tensor
-    mismatch_kl: torch.Tensor  # k3 estimate of KL(mu || pi), per token
+    ratio: torch.Tensor  # each token's own ratio pi/mu, whatever ratio_level
+    sampler_kl: torch.Tensor  # k3 estimate of KL(mu || pi), per token: mismatch and staleness together
     clipped: torch.Tensor  # tokens whose gradient the PPO clip removed
-    truncated: torch.Tensor  # tokens whose ratio the TIS cap lowered
+    truncated: torch.Tensor  # tokens whose weight the TIS cap lowered (sequence level: of a capped sample)
+    masked: torch.Tensor  # tokens MIS dropped
+    ref_kl: torch.Tensor  # k3 estimate of KL(pi || reference), per token; 0 without reference logprobs
+    entropy: torch.Tensor  # entropy of pi, per token; 0 without the entropy
 
     def stack(self) -> torch.Tensor:
         """All sums in one float64 tensor: one collective reduces them all."""
@@ -83,13 +155,22 @@ def policy_loss(
     mask: torch.Tensor,
     num_tokens: int,
     cfg: LossConfig,
+    *,
+    reference_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The batch loss contributed by these rows, and their token statistics.
 
     trainer_logprobs, inference_logprobs, mask: [rows, tokens] (mask is 1 on completion tokens);
     advantages: [rows], one per sample (the orchestrator normalized them within each group);
-    num_tokens: completion tokens of the *whole* batch (every micro-batch of every rank).
+    num_tokens: completion tokens of the *whole* batch (every micro-batch of every rank);
+    reference_logprobs: [rows, tokens], the reference model's (needed when cfg.kl_coef > 0);
+    entropy: [rows, tokens], the entropy of pi at each token (reported only). A row is one whole
+    sample: the sequence-level options take all of a sample's tokens to be in this call.
     """
+    if cfg.kl_coef > 0 and reference_logprobs is None:
+        raise ValueError(f"kl_coef = {cfg.kl_coef} needs reference_logprobs, the reference model's logprobs "
+                         "of the same tokens")
     keep = mask.bool()
     mask = mask.to(trainer_logprobs.dtype)
     inference_logprobs = inference_logprobs.to(trainer_logprobs.dtype)
@@ -98,30 +179,77 @@ def policy_loss(
     # The bound keeps the ratio finite: exp overflows fp32 past a log-ratio of 88, and an inf
     # ratio meets a zero advantage or the TIS factor (cap / inf = 0) in a product, 0 x inf = nan.
     log_ratio = torch.where(keep, trainer_logprobs - inference_logprobs, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
+    token_ratio = torch.exp(log_ratio)
+
+    dropped = _mis_dropped(log_ratio.detach(), keep, cfg)
+    live = keep & ~dropped
+    live_mask = torch.where(dropped, 0.0, mask)
+    # GSPO: the value exp(mean log r) on every token of the sample, the gradient of the mean.
+    ratio = (torch.exp(_sample_mean(log_ratio, live)).expand_as(log_ratio) if cfg.ratio_level == "sequence"
+             else token_ratio)
 
     clipped_surrogate = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
     surrogate = torch.minimum(ratio * adv, clipped_surrogate)
     clipped = clipped_surrogate < ratio * adv  # the min picked the constant: no gradient
 
     value = ratio.detach()
-    truncated = value > cfg.tis_cap
-    # Scales value and gradient alike: the token's weight becomes min(r, cap) instead of r.
-    surrogate = surrogate * torch.where(truncated, cfg.tis_cap / value, 1.0)
+    if cfg.tis_level == "token":
+        truncated = value > cfg.tis_cap
+        # Scales value and gradient alike: the token's weight becomes min(r, cap) instead of r.
+        surrogate = surrogate * torch.where(truncated, cfg.tis_cap / value, 1.0)
+    else:
+        # The weight becomes the sample's min(prod r, cap), taken in logs: the product overflows.
+        log_product = torch.where(live, log_ratio.detach(), 0.0).sum(-1, keepdim=True)
+        truncated = (log_product > math.log(cfg.tis_cap)).expand_as(value)
+        surrogate = surrogate * (torch.exp(log_product.clamp(max=math.log(cfg.tis_cap))) / value)
 
-    token_loss = -surrogate * mask
+    token_loss = -surrogate * live_mask
+    ref_k3 = None
+    if reference_logprobs is not None:
+        # k3 of KL(pi || ref): r - 1 - log r with r = ref/pi; bounded as the ratio above.
+        ref_log_ratio = torch.where(keep, reference_logprobs.to(trainer_logprobs.dtype) - trainer_logprobs,
+                                    0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        ref_k3 = torch.exp(ref_log_ratio) - ref_log_ratio - 1
+        token_loss = token_loss + cfg.kl_coef * ref_k3 * live_mask
     loss = token_loss.sum() / num_tokens
 
     with torch.no_grad():
+        token_ratio = token_ratio.detach()
         # k3 = r - 1 - log r, with r = pi/mu on tokens sampled from mu: an unbiased,
         # non-negative estimate of KL(mu || pi), zero exactly when the logprobs agree.
-        k3 = (ratio.detach() - 1 - log_ratio.detach()) * mask
+        k3 = (token_ratio - 1 - log_ratio.detach()) * mask
+        zero = mask.new_zeros(())
         stats = LossStats(
             tokens=mask.sum(),
             loss=token_loss.detach().sum(),
-            ratio=(ratio.detach() * mask).sum(),
-            mismatch_kl=k3.sum(),
-            clipped=(clipped.to(mask.dtype) * mask).sum(),
-            truncated=(truncated.to(mask.dtype) * mask).sum(),
+            ratio=(token_ratio * mask).sum(),
+            sampler_kl=k3.sum(),
+            clipped=(clipped.to(mask.dtype) * live_mask).sum(),
+            truncated=(truncated.to(mask.dtype) * live_mask).sum(),
+            masked=(dropped.to(mask.dtype) * mask).sum(),
+            ref_kl=zero if ref_k3 is None else (ref_k3.detach() * mask).sum(),
+            entropy=zero if entropy is None else torch.where(keep, entropy.detach().to(mask.dtype), 0.0).sum(),
         )
     return loss, stats
+
+
+def _sample_mean(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """Each row's mean of `values` over `where`: [rows, 1] (0 for a row with none)."""
+    return torch.where(where, values, 0.0).sum(-1, keepdim=True) / where.sum(-1, keepdim=True).clamp(min=1)
+
+
+def _mis_dropped(log_ratio: torch.Tensor, keep: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """The trained tokens masked importance sampling drops: [rows, tokens] bool. None with the
+    band off (every ratio lies in (0, inf)); padding's ratio is 1, always inside the band."""
+    ratio = torch.exp(_sample_mean(log_ratio, keep) if cfg.mis_level == "geometric" else log_ratio)
+    outside = (ratio < cfg.mis_low) | (ratio > cfg.mis_high)
+    if cfg.mis_level == "sequence":
+        outside = outside.any(-1, keepdim=True)
+    return outside & keep
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy of softmax(logits) over the last dimension, in fp32: [..., vocab] -> [...].
+    Given the rows from which `step.token_logprobs` takes each completion token's logprob, the
+    entropy `policy_loss` reports; call it under torch.no_grad() for that."""
+    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)

@@ -14,71 +14,26 @@ distribution, never negative, 0 exactly where the logprobs agree):
   sampling version and the one being trained. 0 at k = 0; at k >= 1, what off-policy costs.
 
 Scoring a token under its own version: tokens of version n - 1 take the training forward's
-logprobs. Tokens one version behind need version n - 2's weights: `PreviousVersion` keeps this
-rank's parameters as they were before the last update (one more copy of the rank's share of
-the parameters, kept only when k >= 1) and swaps them in for a no-grad forward of the
-micro-batches that hold such tokens. Tokens older still (k >= 2), and the first step after a
-resume's tokens one version behind (the checkpoint has no previous version), are not measured:
-`mismatch_tokens` counts those that are.
+logprobs. Tokens one version behind need version n - 2's weights: the step keeps this rank's
+parameters as they were before the last update (`KeptWeights`, only when k >= 1) and swaps them
+in for a no-grad forward of the micro-batches that hold such tokens. Tokens older still
+(k >= 2), and the first step after a resume's tokens one version behind (the checkpoint has no
+previous version), are not measured: `mismatch_tokens` counts those that are.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from fleetrl.trainer.loss import MAX_LOG_RATIO
-from fleetrl.trainer.model import is_sharded, local_shards
 
 # A worker's mismatch stands out when it is above this and OUTLIER_FACTOR times the others'
 # median: above fp32's agreement by orders of magnitude (about 1e-9 on CPU, measured), and clear
 # of bf16 engines' ordinary spread (1e-4 to 1e-3 in peers' reports).
 OUTLIER_KL = 1e-3
 OUTLIER_FACTOR = 10.0
-
-
-class PreviousVersion:
-    """This rank's share of the parameters as of the version before the model's current one."""
-
-    def __init__(self) -> None:
-        self.version: int | None = None  # the version `tensors` hold, once remembered
-        self._tensors: list[torch.Tensor] = []
-
-    def remember(self, model: nn.Module, version: int) -> None:
-        """Keeps the model's weights, which are `version`'s: call it right before the update."""
-        with torch.no_grad():
-            shards = [tensor for _, tensor in local_shards(model)]
-            if not self._tensors:
-                self._tensors = [tensor.clone() for tensor in shards]
-            else:
-                for kept, tensor in zip(self._tensors, shards, strict=True):
-                    kept.copy_(tensor)
-        self.version = version
-
-    @contextlib.contextmanager
-    def swapped_in(self, model: nn.Module) -> Iterator[None]:
-        """The model holds the remembered weights inside the block, its own again after it; on
-        a sharded model every rank must enter it, in step."""
-        self._swap(model)
-        try:
-            yield
-        finally:
-            self._swap(model)
-
-    def _swap(self, model: nn.Module) -> None:
-        if is_sharded(model):
-            # FSDP2 keeps the root's parameters gathered after a forward: sharded again, the next
-            # forward gathers from the shards swapped here.
-            model.reshard()
-        with torch.no_grad():
-            for kept, (_, tensor) in zip(self._tensors, local_shards(model), strict=True):
-                held = tensor.clone()
-                tensor.copy_(kept)
-                kept.copy_(held)
 
 
 @dataclass

@@ -36,8 +36,9 @@ from torch.distributed.tensor import DTensor
 
 from fleetrl.batch import Batch, Sample
 from fleetrl.trainer import distributed
-from fleetrl.trainer.loss import LossConfig, LossStats, policy_loss
-from fleetrl.trainer.mismatch import MismatchSums, PreviousVersion, mismatch_sums
+from fleetrl.trainer.kept_weights import KeptWeights
+from fleetrl.trainer.loss import LossConfig, LossStats, policy_loss, token_entropy
+from fleetrl.trainer.mismatch import MismatchSums, mismatch_sums
 from fleetrl.trainer.model import compute_precision
 from fleetrl.trainer.schedule import Schedule
 from fleetrl.versions import span_ends
@@ -71,6 +72,9 @@ class StepMetrics:
     ratio_mean: float
     clip_frac: float
     truncated_frac: float
+    masked_frac: float  # tokens masked importance sampling dropped (trainer.mis_*)
+    entropy: float  # mean entropy of the policy being trained, over completion tokens
+    ref_kl: float  # mean k3 KL(trainer || reference model) (trainer.kl_coef; 0 when off)
     max_off_policy: int  # the batch's largest off-policy distance, recomputed from its spans
     samples: int
     completion_tokens: int  # the tokens the loss saw (of a multi-turn episode: the model's turns)
@@ -236,25 +240,30 @@ def pack(units: list[Unit], device: torch.device, step: int = 1, workers: list[s
     )
 
 
-def token_logprobs(model: nn.Module, packed: PackedBatch) -> torch.Tensor:
+def token_logprobs(model: nn.Module, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(target) of every completion token, in fp32: [samples, columns] (0 past each
-    completion's end). Untempered: `fleetrl rl` samples at temperature 1, the distribution the
-    workers report logprobs of."""
+    completion's end), and the entropy of pi at each (no gradient: reported, not trained).
+    Untempered: `fleetrl rl` samples at temperature 1, the distribution the workers report
+    logprobs of."""
     logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.attention,
                    logits_to_keep=packed.keep).logits
     predicting = logits[packed.row, packed.kept_at].float()  # [predictions, vocab]
     picked = predicting.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(predicting, dim=-1)
+    with torch.no_grad():
+        entropy = token_entropy(predicting)
+    at = (packed.sample, packed.column)
     out = torch.zeros(packed.mask.shape, dtype=picked.dtype, device=picked.device)
-    return out.index_put((packed.sample, packed.column), picked)
+    return out.index_put(at, picked), torch.zeros_like(out).index_put(at, entropy)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: StepConfig,
-               previous: PreviousVersion | None = None) -> StepMetrics:
+               previous: KeptWeights | None = None, reference: KeptWeights | None = None) -> StepMetrics:
     """Trains on `batch` (every rank calls this with the same batch); returns batch-wide metrics.
 
     `previous`: version step - 2's weights, to score the tokens one version behind under their
     own version (trainer/mismatch.py); this step's weights go into it before the update. None
-    (k = 0, where no token is behind): mismatch_kl is measured on every token all the same."""
+    (k = 0, where no token is behind): mismatch_kl is measured on every token all the same.
+    `reference`: the reference model's weights, for the KL penalty (cfg.loss.kl_coef > 0)."""
     started = time.perf_counter()
     rank, world_size = distributed.rank(), distributed.world_size()
     device = next(model.parameters()).device
@@ -268,6 +277,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     workers = batch_workers(batch)
     packed = [pack(micro, device, batch.step, workers) if micro else None for micro in mine]
     previous_logprobs = score_previous_version(model, previous, batch, plans, packed)
+    reference_logprobs = {}
+    if cfg.loss.kl_coef > 0:
+        if reference is None:
+            raise ValueError(f"kl_coef = {cfg.loss.kl_coef} needs the reference model's weights")
+        reference_logprobs = logprobs_under(reference, model, packed,
+                                            [i for i, micro in enumerate(packed) if micro is not None], len(packed))
 
     model.train()
     sums = torch.zeros(len(fields(LossStats)), dtype=torch.float64, device=device)
@@ -275,9 +290,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     for index, micro in enumerate(packed):
         with compute_precision(model, device):
             if micro is not None:
-                logprobs = token_logprobs(model, micro)
-                loss, stats = policy_loss(logprobs, micro.inference_logprobs, micro.advantages,
-                                          micro.mask, num_tokens, cfg.loss)
+                logprobs, entropy = token_logprobs(model, micro)
+                loss, stats = policy_loss(logprobs, micro.inference_logprobs, micro.advantages, micro.mask,
+                                          num_tokens, cfg.loss, reference_logprobs=reference_logprobs.get(index),
+                                          entropy=entropy)
                 sums += stats.stack()
                 mismatch.add(mismatch_sums(logprobs, previous_logprobs.get(index), micro.inference_logprobs,
                                            micro.lag, micro.mask, micro.worker, len(workers)))
@@ -317,7 +333,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         loss=total.loss.item() / num_tokens,
         grad_norm=grad_norm,
         lr=lr,
-        sampler_kl=total.mismatch_kl.item() / num_tokens,
+        sampler_kl=total.sampler_kl.item() / num_tokens,
         mismatch_kl=per_token(measured.mismatch_kl),
         staleness_kl=per_token(measured.staleness_kl),
         mismatch_tokens=int(measured.tokens.item()),
@@ -326,6 +342,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         ratio_mean=total.ratio.item() / num_tokens,
         clip_frac=total.clipped.item() / num_tokens,
         truncated_frac=total.truncated.item() / num_tokens,
+        masked_frac=total.masked.item() / num_tokens,
+        entropy=total.entropy.item() / num_tokens,
+        ref_kl=total.ref_kl.item() / num_tokens,
         max_off_policy=max(batch.distances()),
         samples=len(batch.samples),
         completion_tokens=num_tokens,
@@ -334,12 +353,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     )
 
 
-def score_previous_version(model: nn.Module, previous: PreviousVersion | None, batch: Batch,
+def score_previous_version(model: nn.Module, previous: KeptWeights | None, batch: Batch,
                            plans: list[list[list[Unit]]], packed: list[PackedBatch | None]) -> dict[int, torch.Tensor]:
     """The logprobs under version step - 2 of this rank's micro-batches that hold a trained
-    token of that version, by index in `packed`; none where `previous` does not hold it. Every
-    rank runs as many forwards as the rank with the most such micro-batches (each is a
-    collective on a sharded model), the ones without any on a one-token input."""
+    token of that version, by index in `packed`; none where `previous` does not hold it."""
     behind = batch.step - 2
     if previous is None or previous.version != behind:
         return {}
@@ -351,12 +368,20 @@ def score_previous_version(model: nn.Module, previous: PreviousVersion | None, b
     if not most:
         return {}
     mine = [i for i, micro in enumerate(plans[distributed.rank()]) if holds_behind(micro)]
+    return logprobs_under(previous, model, packed, mine, most)
+
+
+def logprobs_under(weights: KeptWeights, model: nn.Module, packed: list[PackedBatch | None], which: list[int],
+                   forwards: int) -> dict[int, torch.Tensor]:
+    """The logprobs of the micro-batches `which` (indices into `packed`) under `weights`, with no
+    gradient. Every rank runs `forwards` forwards (each is a collective on a sharded model),
+    those beyond `which` on a one-token input."""
     device = next(model.parameters()).device
     out = {}
-    with previous.swapped_in(model), torch.no_grad(), compute_precision(model, device):
-        for i in mine:
-            out[i] = token_logprobs(model, packed[i])
-        for _ in range(most - len(mine)):
+    with weights.swapped_in(model), torch.no_grad(), compute_precision(model, device):
+        for i in which:
+            out[i] = token_logprobs(model, packed[i])[0]
+        for _ in range(forwards - len(which)):
             model(input_ids=torch.full((1, 1), PAD_ID, device=device))
     return out
 
