@@ -390,6 +390,19 @@ class OrchestratorConfig(Section):
         4, ge=1,
         description="Samples per prompt (at least 2); GRPO normalizes rewards within a group.",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="Drop a group whose rewards are all equal (its advantages are all 0: it carries no gradient) "
+        "and sample more prompts until the batch has batch_prompts groups, within dynamic_sampling_prompts. "
+        "Pick it when many groups are all right or all wrong (binary rewards, a task too hard or too easy), "
+        "where the batch's gradient would come from a few groups. What was filtered is in metrics.jsonl "
+        "(filtered, sampled_prompts).")
+    dynamic_sampling_prompts: int = Field(
+        0, ge=0,
+        description="With dynamic_sampling: the most prompts one batch samples, first batch_prompts, then as many "
+        "as groups are missing; a batch still short at the bound trains on the groups it has. 0 = 3 x "
+        "batch_prompts. Each step takes its prompts from a window of this many tasks of the seeded stream (the "
+        "unused ones skipped), so a resume draws what an uninterrupted run would.")
     normalize_advantages_std: bool = Field(
         True, description="Divide group-centered rewards by the group's std (GRPO); false = Dr. GRPO."
     )
@@ -413,6 +426,20 @@ class OrchestratorConfig(Section):
         "current weights, and trained on its tokens within k (the older ones stay in as context), instead of "
         "being stopped and dropped.",
     )
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_bound_holds_a_batch(self) -> "OrchestratorConfig":
+        if self.dynamic_sampling_prompts and self.dynamic_sampling_prompts < self.batch_prompts:
+            raise ValueError(f"orchestrator.dynamic_sampling_prompts ({self.dynamic_sampling_prompts}) must be at "
+                             f"least orchestrator.batch_prompts ({self.batch_prompts}), or 0 (3 x batch_prompts)")
+        return self
+
+    def prompts_per_step(self) -> int:
+        """The tasks of the seeded stream each step takes its prompts from: step n's window starts
+        at task (n - 1) x this (tests/integration/test_conformance.py reads it so too)."""
+        if not self.dynamic_sampling:
+            return self.batch_prompts
+        return self.dynamic_sampling_prompts or 3 * self.batch_prompts
 
     @field_validator("group_size")
     @classmethod

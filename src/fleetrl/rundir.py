@@ -79,6 +79,8 @@ RUN_DEFINING = (
     "orchestrator.env_options",  # the same
     "orchestrator.batch_prompts",  # a resume skips the tasks of the steps done: batch_prompts per step
     "orchestrator.group_size",  # how many samples each advantage is relative to
+    "orchestrator.dynamic_sampling",  # which tasks each step draws (its window of the stream)
+    "orchestrator.dynamic_sampling_prompts",  # the same
     "orchestrator.normalize_advantages_std",  # the advantage itself (GRPO or Dr. GRPO)
     "orchestrator.max_off_policy_steps",  # k: `fleetrl verify` checks every step against config.toml's
     "trainer.clip_low",  # the loss

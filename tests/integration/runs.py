@@ -43,7 +43,7 @@ RUNS: dict[str, RunSpec] = {
         "a cluster as this machine can simulate one: 2 FSDP2 ranks on two torchrun nodes, Dynamo with etcd and "
         "NATS launched by fleetrl, a prefill and a decode worker in every publish, a verifiers multi-turn taskset "
         "(versions in every turn of every trace), k = 0 (no overlap), W&B offline, a learning rate warmed up then "
-        "decayed, the KL penalty to the base model and the geometric mask, 2 steps",
+        "decayed, the geometric mask, 2 steps",
         "test_rl_e2e.py"),
     "attached": RunSpec(
         ATTACHED_RUN,
@@ -55,7 +55,8 @@ RUNS: dict[str, RunSpec] = {
         "runs, each with a failpoint)",
         "killed at each point of a step (SIGKILL mid-rollout and mid-publish, SIGINT mid-train, SIGTERM "
         "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same server; the "
-        "final model exported and served by plain vLLM",
+        "final model exported and served by plain vLLM; the KL penalty to the base model, its reference kept "
+        "across every resume",
         "test_kill_points.py"),
     "hung-worker": RunSpec(
         "fleetrl rl @ rl.toml (2 launched workers, 1 rank, k = 0, the multi-turn arithmetic_retry task)",

@@ -194,17 +194,18 @@ async def test_c_after_failover_the_version_never_goes_back_to_weights_it_did_no
 def check_no_prompt_lost_or_repeated(run_dir: Path, steps: int) -> None:
     """(e) Prompts lost on resume. A run killed and resumed (the kill-point sequence) trains, at
     each step, the tasks an uninterrupted run would: step n's first batch_prompts tasks of the
-    seeded stream are (n - 1) * batch_prompts onwards, none is missing, and no task is trained
-    at two steps."""
+    seeded stream are (n - 1) * W onwards (W: `prompts_per_step`, batch_prompts without dynamic
+    sampling), none is missing, and no task is trained at two steps."""
     config = load_config([run_dir / "config.toml"], [])
     orchestrator = config.orchestrator
+    window = orchestrator.prompts_per_step()
     stream = task_stream(get_environment(orchestrator.env, **orchestrator.env_options), config.run.seed)
-    expected = [next(stream).id for _ in range(steps * orchestrator.batch_prompts)]
+    expected = [next(stream).id for _ in range(steps * window)]
     seen: dict[str, int] = {}
     for step in range(1, steps + 1):
         records = [json.loads(line) for line in RunDir(run_dir).rollouts_path(step).read_text().splitlines()]
-        tasks = {r["task"] for r in records if r.get("drop_reason") is None}
-        first = expected[(step - 1) * orchestrator.batch_prompts: step * orchestrator.batch_prompts]
+        tasks = {r["task"] for r in records if r.get("drop_reason") in (None, "filtered")}  # filtered: by design
+        first = expected[(step - 1) * window: (step - 1) * window + orchestrator.batch_prompts]
         assert set(first) <= tasks, (step, first, sorted(tasks))
         for task in tasks:
             assert task not in seen, f"task {task} trained at steps {seen[task]} and {step}"

@@ -66,6 +66,7 @@ admin_retries = 1
 world_size = 2
 lr = 1e-5
 checkpoint_interval = 1
+kl_coef = 0.01
 
 [run]
 max_steps = 5
@@ -276,6 +277,10 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
     assert [m["step"] for m in done] == list(range(1, STEPS + 1))  # none twice, none missing
     check_no_prompt_lost_or_repeated(run_dir, STEPS)  # the conformance suite's class (e)
     assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
+    # The KL penalty's reference is the base model, through every resume: 0 at v0, and after that
+    # as far as the policy moved (each step from 2 on is the first of a resumed run).
+    assert done[0]["ref_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert all(m["ref_kl"] > 0 for m in done[1:]) and done[0]["grad_norm"] > 0, [m["ref_kl"] for m in done]
     # The resumed run refitted the workers to the checkpoint's version before any rollout.
     batch5 = json.loads((run_dir / "batches" / "step_000005.json").read_text())
     assert batch5["meta"]["dispatch_version"] == 4

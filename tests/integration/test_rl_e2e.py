@@ -43,7 +43,6 @@ lr = 1e-5
 lr_warmup_steps = 1
 lr_decay = "linear"
 lr_min = 1e-6
-kl_coef = 0.01
 mis_level = "geometric"
 mis_low = 0.5
 mis_high = 2.0
@@ -350,14 +349,10 @@ def test_the_clusters_learning_rate_warms_up_then_decays_as_configured(cluster):
     assert [m["lr"] for m in cluster.metrics] == pytest.approx([1e-5, 1e-6])
 
 
-def test_the_clusters_loss_has_the_kl_penalty_to_the_base_model_and_the_geometric_mask(cluster):
-    """trainer.kl_coef on two FSDP ranks: the base model's weights swapped in to score each batch;
-    at v0 the policy is the base (no KL), after one update it is not. The geometric mask's band
-    [0.5, 2] drops nothing where sampler and trainer agree."""
-    first, second = cluster.metrics
-    assert first["ref_kl"] == pytest.approx(0.0, abs=1e-9) and second["ref_kl"] > 0
-    assert first["masked_frac"] == second["masked_frac"] == 0
-    assert all(0 < m["entropy"] < 11 for m in cluster.metrics)  # below log(vocab) = 10.8
+def test_the_clusters_loss_masks_by_the_geometric_mean_and_reports_entropy(cluster):
+    """The geometric mask's band [0.5, 2] on two FSDP ranks drops nothing where sampler and
+    trainer agree; the policy's entropy is reported, below log(vocab) = 10.8."""
+    assert all(m["masked_frac"] == 0 and 0 < m["entropy"] < 11 for m in cluster.metrics), cluster.metrics
 
 
 def test_the_cluster_prefills_on_one_worker_and_decodes_on_the_other(cluster):

@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import json
 import math
+import random
 import re
 import sys
 import tempfile
@@ -148,6 +149,60 @@ async def test_a_resumed_run_draws_the_tasks_an_uninterrupted_run_would():
     await resumed.run(3, 3)
     assert {r["task"] for r in records(resumed, 3)} == tasks[3]
     assert not tasks[3] & (tasks[1] | tasks[2])  # no prompt of steps 1..2 trained again
+    await fleet.close()
+
+
+def even_tasks_flat(rollout):
+    """Tasks t0-0, t0-2, ... give every sample 0.5 (a group with no gradient); the others vary
+    (the fake fleet's completions of one prompt are all alike, so at random)."""
+    return 0.5 if int(rollout.task.id.rsplit("-", 1)[1]) % 2 == 0 else random.random()
+
+
+async def test_dynamic_sampling_drops_flat_groups_and_samples_more_until_the_batch_is_full():
+    fleet, orch, _ = await make(env=Env(even_tasks_flat), dynamic_sampling=True, dynamic_sampling_prompts=9)
+    batch = await orch.make_batch(1)
+    # t0 t1 t2: one group with a gradient, 2 missing -> t3 t4: one more, 1 missing -> t5.
+    rollouts = records(orch, 1)
+    assert sorted({r["task"] for r in rollouts}) == [f"t0-{i}" for i in range(6)]
+    assert {r["task"] for r in rollouts if r["trained"]} == {"t0-1", "t0-3", "t0-5"}
+    assert {r["task"] for r in rollouts if r["drop_reason"] == "filtered"} == {"t0-0", "t0-2", "t0-4"}
+    assert batch.meta["sampled_prompts"] == 6 and batch.meta["filtered"] == 3
+    assert batch.meta["dropped_by"] == {"filtered": 12}
+    assert batch.meta["generated"]["samples"] == 24 and batch.meta["trained"]["samples"] == 12
+    assert batch.meta["generated"]["reward_mean"] == pytest.approx(
+        sum(r["reward"] for r in rollouts) / 24)
+    assert batch.meta["trained"]["reward_mean"] == pytest.approx(
+        sum(r["reward"] for r in rollouts if r["trained"]) / 12)
+    assert len({s.group for s in batch.samples}) == 3 and all(s.advantage != 0 for s in batch.samples)
+    await fleet.close()
+
+
+async def test_dynamic_sampling_stops_at_its_bound_and_trains_the_groups_it_has():
+    fleet, orch, _ = await make(k=1, env=Env(even_tasks_flat), dynamic_sampling=True, dynamic_sampling_prompts=4)
+    batch = await orch.make_batch(1)
+    assert batch.meta["sampled_prompts"] == 4 and batch.meta["filtered"] == 2
+    assert {r["task"] for r in records(orch, 1) if r["trained"]} == {"t0-1", "t0-3"}
+    # Step 2 draws from its own window of 4 tasks, t0-4 onwards, whatever step 1 left unused.
+    await orch.make_batch(2)
+    assert min(int(r["task"].rsplit("-", 1)[1]) for r in records(orch, 2)) == 4
+    await fleet.close()
+
+
+async def test_a_batch_whose_every_group_is_flat_trains_them_as_sampled():
+    lines = []
+    fleet, orch, _ = await make(env=Env(lambda rollout: 1.0), dynamic_sampling=True, log=lines.append)
+    batch = await orch.make_batch(1)
+    assert batch.meta["sampled_prompts"] == 9 and batch.meta["filtered"] == 0  # 3 x batch_prompts, then given up
+    assert len(batch.samples) == 36 and all(s.advantage == 0 for s in batch.samples)
+    assert any("the rewards of every group were equal" in line for line in lines), lines
+    await fleet.close()
+
+
+async def test_without_dynamic_sampling_a_flat_group_is_trained_and_nothing_more_is_sampled():
+    fleet, orch, _ = await make(env=Env(even_tasks_flat))
+    batch = await orch.make_batch(1)
+    assert batch.meta["sampled_prompts"] == 3 and batch.meta["filtered"] == 0 and batch.meta["dropped_by"] == {}
+    assert len(batch.samples) == 12
     await fleet.close()
 
 

@@ -325,6 +325,12 @@ class RLRun:
             "step": batch.step,
             **{k: batch.meta[k] for k in ("reward_mean", "reward_std", "distance_max", "distance_mean")},
             "dropped": batch.dropped,
+            # What the trained batch is of what was generated (orchestrator/rollouts.py).
+            "sampled_prompts": batch.meta["sampled_prompts"],
+            "filtered": batch.meta["filtered"],
+            **{f"{which}_{figure}": batch.meta[which][figure] for which in ("generated", "trained")
+               for figure in ("reward_mean", "completion_tokens_mean")},
+            "dropped_by": batch.meta["dropped_by"],
             "misversioned": batch.meta["misversioned"],
             "reward_failed": batch.meta["reward_failed"],
             "empty": batch.meta["empty"],
@@ -370,7 +376,9 @@ class RLRun:
                      "its engine disagrees with the trainer at the same version")
         self.log(f"step {batch.step}/{self.config.run.max_steps}  reward {line['reward_mean']:.3f}±{line['reward_std']:.3f}  "
                  f"off-policy max {line['distance_max']} mean {line['distance_mean']:.2f}  dropped {batch.dropped}  "
-                 f"misversioned {line['misversioned']}  reward failed {line['reward_failed']}  empty {line['empty']}  loss {metrics.loss:+.4f}  "
+                 f"misversioned {line['misversioned']}  reward failed {line['reward_failed']}  empty {line['empty']}  "
+                 + (f"filtered {line['filtered']}/{line['sampled_prompts']} groups  " if self.config.orchestrator.dynamic_sampling else "")
+                 + f"loss {metrics.loss:+.4f}  "
                  f"mismatch {figure(metrics.mismatch_kl)}  staleness {figure(metrics.staleness_kl)}  lr {metrics.lr:.1e}  "
                  f"train {finished - started:.1f}s  publish {report.seconds:.1f}s  "
                  f"workers at {sorted(set(line['worker_versions'].values()))}")

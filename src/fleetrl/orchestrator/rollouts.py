@@ -22,9 +22,20 @@ than `reward_timeout_s`. Rewards are user code, so each runs in a thread of its 
 event loop that also drives the fleet. Every sample, trained or not, is recorded in the batch's
 rollouts file with the reason it was not trained (`drop_reason`).
 
-Batch n trains on tasks (n - 1) * batch_prompts onwards of the seeded task stream, so a run
-resumed after step s draws, for each step, the tasks an uninterrupted run would have: none of
-steps 1..s again.
+Dynamic sampling (`dynamic_sampling`): a group whose usable samples' rewards are all equal has
+advantages all 0 and carries no gradient. It is dropped (`filtered`, recorded like any drop),
+and more prompts are sampled, as many as groups are missing, until the batch has
+`batch_prompts` groups or `dynamic_sampling_prompts` prompts were sampled; a batch short at
+that bound trains on what it has, and one whose every group was filtered trains on them as
+sampled (a step with no gradient but the KL penalty's, logged), never an empty batch.
+
+Batch n trains on tasks (n - 1) * W onwards of the seeded task stream, W being
+`prompts_per_step` (batch_prompts, or dynamic sampling's bound, the unused ones skipped), so a
+run resumed after step s draws, for each step, the tasks an uninterrupted run would have: none
+of steps 1..s again.
+
+Each batch's meta says how the trained batch differs from what was generated: reward and
+completion length of both, and every sample not trained by its reason (`dropped_by`).
 """
 
 from __future__ import annotations
@@ -113,17 +124,18 @@ class Orchestrator:
         started = time.time()
         self.progress = (step, 0)
         dispatch_version = self.fleet.version
-        tasks = self._tasks_of(step)
-        groups = await asyncio.gather(*(self._sample_group(step, i, task) for i, task in enumerate(tasks)))
+        window = self._tasks_of(step)
+        groups = await self._sample_groups(step, window)
         await failpoints.held("rollout", step)
         finished = time.time()
+        filtered = self._filtered(step, groups)
 
         samples, records = [], []
         drops = Counter()  # samples not trained on, by drop_reason
         for group_index, group in enumerate(groups):
             usable = []
             for scored in group:
-                if reason := self._unusable(scored):
+                if reason := self._unusable(scored) or ("filtered" if group_index in filtered else None):
                     drops[reason] += 1
                     records.append(self._record(step, group_index, scored, None, reason))
                 else:
@@ -161,12 +173,18 @@ class Orchestrator:
                 f"batch {step} is empty: of {len(records)} samples {drops['off_policy']} exceeded "
                 f"orchestrator.max_off_policy_steps = {k}, {drops['misversioned']} were misversioned, "
                 f"{drops['reward_failed']} had a failed reward and {drops['empty']} were empty"
-                + "".join(f", {drops[fault]} {fault}" for fault in FAULTS if drops[fault] and fault != "off_policy")
+                + "".join(f", {drops[why]} {why}" for why in (*FAULTS, "filtered") if drops[why] and why != "off_policy")
                 + (f" (the first failed reward: {reward_errors[0]})" if reward_errors else ""))
         rewards = [r["reward"] for r in records if r["reward"] is not None]
         distances = [off_policy_distance(step, s.trained_spans()) for s in samples]
         mean = sum(rewards) / len(rewards)
+        trained = [r for r in records if r["trained"]]
         meta = {
+            "sampled_prompts": len(groups),
+            "filtered": len(filtered),  # groups
+            "generated": batch_figures(records),
+            "trained": batch_figures(trained),
+            "dropped_by": dict(sorted(drops.items())),
             "waited_from": waited_from,
             "rollout_started": started,
             "rollout_finished": finished,
@@ -185,6 +203,38 @@ class Orchestrator:
         }
         return Batch(step=step, samples=samples, dropped=drops["off_policy"], meta=meta)
 
+    async def _sample_groups(self, step: int, window: list[Task]) -> list[list[Scored]]:
+        """The groups of batch `step`: its first batch_prompts tasks, and with dynamic sampling,
+        more of `window`, as many as groups are missing, until none is or the window is used."""
+        wanted = self.config.batch_prompts
+
+        async def sample(first: int, tasks: list[Task]) -> list[list[Scored]]:
+            return list(await asyncio.gather(*(self._sample_group(step, first + i, task)
+                                               for i, task in enumerate(tasks))))
+
+        groups = await sample(0, window[:wanted])
+        while self.config.dynamic_sampling and len(groups) < len(window):
+            missing = wanted - sum(1 for group in groups if carries_gradient(self._usable(group)))
+            if missing <= 0:
+                break
+            groups += await sample(len(groups), window[len(groups):len(groups) + missing])
+        return groups
+
+    def _filtered(self, step: int, groups: list[list[Scored]]) -> set[int]:
+        """The groups dynamic sampling drops: those without a gradient; none if that is all of them."""
+        if not self.config.dynamic_sampling:
+            return set()
+        flat = {i for i, group in enumerate(groups) if not carries_gradient(self._usable(group))}
+        if len(flat) == len(groups):
+            self.log(f"fleetrl: batch {step}: the rewards of every group were equal within each, over "
+                     f"{len(groups)} prompts (orchestrator.dynamic_sampling_prompts): trained as sampled, "
+                     "with no gradient but the KL penalty's")
+            return set()
+        return flat
+
+    def _usable(self, group: list[Scored]) -> list[Scored]:
+        return [scored for scored in group if not self._unusable(scored)]
+
     def _log_drops(self, step: int, drops: Counter, reward_errors: list[str], records: list[dict]) -> None:
         """One line per kind of fault in the batch (off-policy drops are the step line's)."""
         if drops["misversioned"]:
@@ -201,11 +251,13 @@ class Orchestrator:
                          f"(the first: {first})")
 
     def _tasks_of(self, step: int) -> list[Task]:
-        """Tasks (step - 1) * batch_prompts onwards of the stream, skipping those of the steps
-        before that this orchestrator did not make (a resumed run's). Steps come in order."""
-        first = (step - 1) * self.config.batch_prompts
+        """Step `step`'s window of the stream: `prompts_per_step` tasks from (step - 1) times
+        that, skipping those of the steps before that this orchestrator did not make (a resumed
+        run's). Steps come in order. Dynamic sampling may leave the end of a window unused."""
+        size = self.config.prompts_per_step()
+        first = (step - 1) * size
         skip = first - self._drawn
-        tasks = list(itertools.islice(self._tasks, skip, skip + self.config.batch_prompts))
+        tasks = list(itertools.islice(self._tasks, skip, skip + size))
         self._drawn = first + len(tasks)
         if len(tasks) < self.config.batch_prompts:
             raise EnvError(f"env {self.env.name}: its task stream ended after {self._drawn} tasks "
@@ -304,6 +356,20 @@ class Orchestrator:
             **({"turns": episode.turns, "end": episode.end, "episode_error": episode.error,
                 "messages": episode.messages[len(scored.task.messages):]} if episode else {}),
         }
+
+
+def carries_gradient(group: list[Scored]) -> bool:
+    """Whether a group's advantages are not all 0: two usable samples at least, rewards not all equal."""
+    return len({scored.reward for scored in group}) > 1
+
+
+def batch_figures(records: list[dict]) -> dict:
+    """Samples, their mean reward (of those scored) and mean completion length: of what was
+    generated for a batch, or of what it trains on."""
+    rewards = [r["reward"] for r in records if r["reward"] is not None]
+    return {"samples": len(records),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "completion_tokens_mean": sum(r["completion_tokens"] for r in records) / len(records) if records else None}
 
 
 def worker_stats(records: list[dict], seconds: float) -> dict[str, dict]:
