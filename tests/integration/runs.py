@@ -59,9 +59,10 @@ RUNS: dict[str, RunSpec] = {
         "across every resume",
         "test_kill_points.py"),
     "hung-worker": RunSpec(
-        "fleetrl rl @ rl.toml (2 launched workers, 1 rank, k = 0, the multi-turn arithmetic_retry task)",
+        "fleetrl rl @ rl.toml (2 launched workers, 1 rank, k = 0, the multi-turn arithmetic_retry task, dynamic sampling)",
         "a worker frozen with SIGSTOP leaves the fence, is restarted and readmitted; multi-turn episodes with a "
-        "span per turn; SIGTERM of fleetrl with one rank leaves no process",
+        "span per turn; dynamic sampling (a third prompt while a group scored alike); SIGTERM of fleetrl with "
+        "one rank leaves no process",
         "test_chaos.py"),
     "dynamo": RunSpec(
         DYNAMO_RUN,
