@@ -35,6 +35,7 @@ class Sample:
     loss_mask: list[int] | None = None  # 1 on the completion tokens the loss sees, 0 elsewhere
     turns: list[list[int]] | None = None  # [start, end) of each model turn in the completion
     worker: str | None = None  # the worker that sampled it (an episode's, joined by +): per-worker figures
+    env: str | None = None  # the name of the environment its group's task came from (envs/mix.py)
 
     def __post_init__(self) -> None:
         where = f"sample of group {self.group}"

@@ -368,6 +368,22 @@ class InferenceConfig(Section):
         return pause_modes(self._token_versions(), disaggregated=self.dynamo.prefill_workers > 0)
 
 
+class EnvEntry(Section):
+    """One environment of a run that trains on several (`[[orchestrator.envs]]`)."""
+
+    name: str = Field(min_length=1, description="How the run reports it: per-environment figures in "
+                      "metrics.jsonl, the `env` of each record and sample, task ids `name/<id>`. Unique.")
+    env: str = Field("", description="The environment, as orchestrator.env names one; empty = `name`.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Its keyword options, as "
+                                    "orchestrator.env_options.")
+    weight: float = Field(1.0, gt=0, description="Its share of the prompts: each prompt's environment is "
+                          "drawn by weight (seeded).")
+
+    @property
+    def env_id(self) -> str:
+        return self.env or self.name
+
+
 class OrchestratorConfig(Section):
     max_off_policy_steps: int = Field(
         1,
@@ -385,6 +401,12 @@ class OrchestratorConfig(Section):
         description="Keyword options of the environment (e.g. {max_len = 5} for reverse_text; "
         "{config = {...}} for a verifiers taskset).",
     )
+    envs: list[EnvEntry] = Field(
+        default_factory=list,
+        description="Several environments in one run, instead of env and env_options: a list of tables, each "
+        "{name, env, options, weight} (TOML: [[orchestrator.envs]] entries). Each prompt's environment is "
+        "drawn by weight; each environment's reward and counts are reported apart (metrics.jsonl `envs`, "
+        "TensorBoard `env/<name>/...`).")
     batch_prompts: int = Field(8, ge=1, description="Prompts per batch (one group of samples each).")
     group_size: int = Field(
         4, ge=1,
@@ -426,6 +448,21 @@ class OrchestratorConfig(Section):
         "current weights, and trained on its tokens within k (the older ones stay in as context), instead of "
         "being stopped and dropped.",
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_name_the_environments(self) -> "OrchestratorConfig":
+        # By value, not by what was set: config.toml, which a resume reads, writes every field.
+        if self.envs and (self.env != OrchestratorConfig.model_fields["env"].default or self.env_options):
+            raise ValueError("orchestrator.env / env_options and orchestrator.envs are both set: name one "
+                             "environment with the first, or several with the second")
+        names = [entry.name for entry in self.envs]
+        if dupes := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"orchestrator.envs: the name {dupes[0]!r} is given to two environments")
+        return self
+
+    def env_entries(self) -> list[EnvEntry]:
+        """The run's environments: `envs`, or the one `env` names."""
+        return self.envs or [EnvEntry(name=self.env, options=self.env_options)]
 
     @model_validator(mode="after")
     def _dynamic_sampling_bound_holds_a_batch(self) -> "OrchestratorConfig":

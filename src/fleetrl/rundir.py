@@ -77,6 +77,7 @@ RUN_DEFINING = (
     "model.path",  # the policy the checkpoints hold weights of
     "orchestrator.env",  # the tasks and their reward
     "orchestrator.env_options",  # the same
+    "orchestrator.envs",  # the same, when several
     "orchestrator.batch_prompts",  # a resume skips the tasks of the steps done: batch_prompts per step
     "orchestrator.group_size",  # how many samples each advantage is relative to
     "orchestrator.dynamic_sampling",  # which tasks each step draws (its window of the stream)

@@ -51,12 +51,12 @@ RUNS: dict[str, RunSpec] = {
         "base weights from the trainer's own copy, 1 step",
         "test_kill_points.py"),
     "kill-points": RunSpec(
-        "fleetrl rl @ configs/default.toml @ rl.toml --inference.urls [one server] (2 trainer ranks, k = 0; six "
-        "runs, each with a failpoint)",
+        "fleetrl rl @ configs/default.toml @ rl.toml --inference.urls [one server] (2 trainer ranks, k = 0, two "
+        "environments; six runs, each with a failpoint)",
         "killed at each point of a step (SIGKILL mid-rollout and mid-publish, SIGINT mid-train, SIGTERM "
         "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same server; the "
         "final model exported and served by plain vLLM; the KL penalty to the base model, its reference kept "
-        "across every resume",
+        "across every resume; two environments in one run (reverse_text and arithmetic), drawn by weight",
         "test_kill_points.py"),
     "hung-worker": RunSpec(
         "fleetrl rl @ rl.toml (2 launched workers, 1 rank, k = 0, the multi-turn arithmetic_retry task, dynamic sampling)",

@@ -56,7 +56,10 @@ from .test_conformance import check_no_prompt_lost_or_repeated
 pytestmark = [pytest.mark.chaos, pytest.mark.deployment(OPERATOR_SERVERS)]
 
 STEPS = 5
-CONFIG = TINY_ROLLOUTS + """
+# Two environments, one run (orchestrator.envs): which one each prompt comes from is drawn by
+# weight from the seed, so every resume of the sequence draws what the first run would have.
+CONFIG = TINY_ROLLOUTS.replace('env = "reverse_text"', 'envs = [{name = "reverse", env = "reverse_text", weight = 2}, '
+                               '{name = "arithmetic"}]') + """
 [inference]
 request_timeout_s = 60
 admin_timeout_s = 30
@@ -276,6 +279,12 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
     done = read_metrics(run_dir)
     assert [m["step"] for m in done] == list(range(1, STEPS + 1))  # none twice, none missing
     check_no_prompt_lost_or_repeated(run_dir, STEPS)  # the conformance suite's class (e)
+    # Both environments were sampled, each reported apart, and each sample says whose it is.
+    assert set().union(*(m["envs"] for m in done)) == {"reverse", "arithmetic"}, [m["envs"] for m in done]
+    for m in done:
+        assert sum(f["groups"] for f in m["envs"].values()) == m["sampled_prompts"]
+        batch = json.loads((run_dir / "batches" / f"step_{m['step']:06d}.json").read_text())
+        assert {s["env"] for s in batch["samples"]} <= set(m["envs"])
     assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
     # The KL penalty's reference is the base model, through every resume: 0 at v0, and after that
     # as far as the policy moved (each step from 2 on is the first of a resumed run).

@@ -231,17 +231,18 @@ def test_max_tokens_and_the_longest_prompt_must_fit_the_engine():
     from fleetrl.app.checks import check_prompts_fit
     from fleetrl.config import ConfigError, load_config
     from fleetrl.envs import get_environment
+    from fleetrl.envs.mix import RunEnv
 
     class CharTokenizer:  # one token per character of the messages
         def apply_chat_template(self, messages, **_):
             return [0] * sum(len(m["content"]) for m in messages)
 
-    env = get_environment("reverse_text")
+    env = [RunEnv("reverse_text", get_environment("reverse_text"))]
     fits = load_config([], [("orchestrator.max_tokens", "16"), ("inference.vllm.max_model_len", "1024")])
     check_prompts_fit(fits, env, CharTokenizer())
     tight = load_config([], [("orchestrator.max_tokens", "16"), ("inference.vllm.max_model_len", "40")])
     with pytest.raises(ConfigError, match=r"^orchestrator.max_tokens = 16 \+ the longest prompt of the run "
-                                          r"\(\d+ tokens, task \d+\) > inference.vllm.max_model_len = 40$"):
+                                          r"\(\d+ tokens, task \S+\) > inference.vllm.max_model_len = 40$"):
         check_prompts_fit(tight, env, CharTokenizer())
 
 

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from fleetrl.config import Config, ConfigError, field_docs, load_config, to_toml
@@ -252,3 +254,27 @@ def test_secrets_are_never_in_the_resolved_config():
     text = to_toml(config)
     assert "0123" not in text and "s3cr3t" not in text
     assert "admin_token" not in text and "data_token" not in text
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ([("orchestrator.env", "arithmetic"), ("orchestrator.envs", '[{name = "r", env = "reverse_text"}]')],
+     "orchestrator.env / env_options and orchestrator.envs are both set"),
+    ([("orchestrator.envs", '[{name = "r"}, {name = "r"}]')], "the name 'r' is given to two environments"),
+    ([("orchestrator.envs", '[{name = "r", weight = 0}]')], "orchestrator.envs"),
+])
+def test_several_environments_are_named_one_way_uniquely(flags, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config([], flags)
+
+
+def test_an_unknown_environment_among_several_is_named_by_its_entry():
+    from fleetrl.app.checks import make_environments
+    from fleetrl.rundir import RunDir
+
+    config = load_config([], [("orchestrator.envs", '[{name = "r", env = "reverse_text"}, {name = "nope"}]')])
+    with pytest.raises(ConfigError, match=r"^orchestrator\.envs\[1\]: unknown environment 'nope'"):
+        make_environments(config, RunDir(config.run.dir))
+    envs = make_environments(load_config([], [("orchestrator.envs", '[{name = "r", env = "reverse_text", '
+                                                                      'weight = 2}, {name = "arithmetic"}]')]),
+                             RunDir(config.run.dir))
+    assert [(e.name, e.env.name, e.weight) for e in envs] == [("r", "reverse_text", 2.0), ("arithmetic", "arithmetic", 1.0)]

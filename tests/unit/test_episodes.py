@@ -13,6 +13,7 @@ import pytest
 
 from fleetrl.config import OrchestratorConfig
 from fleetrl.envs import Task
+from fleetrl.envs.mix import RunEnv
 from fleetrl.envs.tools import Tool
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
@@ -88,7 +89,7 @@ async def make(env, tokenizer=None, k=0, max_turns=3, step_s=0.001, **options):
     await fleet.start()
     config = OrchestratorConfig(max_off_policy_steps=k, batch_prompts=2, group_size=2, max_tokens=5,
                                 max_turns=max_turns, **options)
-    orch = Orchestrator(fleet, env, tokenizer or ChatML(), config, run_dir=run_dir, seed=0, max_context=4096,
+    orch = Orchestrator(fleet, [RunEnv(env.name, env)], tokenizer or ChatML(), config, run_dir=run_dir, seed=0, max_context=4096,
                         log=lambda *_: None)
     return fleet, orch, FakeTransport(provider)
 

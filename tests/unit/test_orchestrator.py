@@ -17,6 +17,7 @@ import pytest
 
 from fleetrl.config import OrchestratorConfig
 from fleetrl.envs import Task
+from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
 from fleetrl.orchestrator import threads
 from fleetrl.inference.fleet import Fleet
@@ -53,13 +54,14 @@ class Env:
         return self._reward(rollout)
 
 
-async def make(k=0, env=None, step_s=0.001, log=lambda *_: None, **options):
+async def make(k=0, env=None, step_s=0.001, log=lambda *_: None, envs=None, **options):
     run_dir = RunDir(Path(tempfile.mkdtemp(prefix="fleetrl-orch-")))
     provider = FakeProvider("a", "b", step_s=step_s)
     fleet = Fleet(provider, discovery_interval_s=3600, log=lambda *_: None)
     await fleet.start()
     config = OrchestratorConfig(max_off_policy_steps=k, batch_prompts=3, group_size=4, max_tokens=6, **options)
-    orch = Orchestrator(fleet, env or Env(), Tokenizer(), config, run_dir=run_dir, seed=0, max_context=4096, log=log)
+    env = env or Env()
+    orch = Orchestrator(fleet, envs or [RunEnv(env.name, env)], Tokenizer(), config, run_dir=run_dir, seed=0, max_context=4096, log=log)
     return fleet, orch, FakeTransport(provider)
 
 
@@ -362,3 +364,45 @@ def test_group_advantages():
     assert group_advantages([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
     assert group_advantages([1.0, 0.0, 0.0, 0.0], normalize_std=False) == [0.75, -0.25, -0.25, -0.25]
 
+
+
+async def test_several_environments_each_give_whole_groups_and_are_reported_apart():
+    flat, varied = Env(lambda rollout: 0.25), Env(lambda rollout: random.random())
+    envs = [RunEnv("flat", flat, weight=1.0), RunEnv("varied", varied, weight=1.0)]
+    fleet, orch, _ = await make(k=2, envs=envs)
+    batch = await orch.make_batch(1)
+    rollouts = records(orch, 1)
+    by_group = {}
+    for r in rollouts:
+        by_group.setdefault(r["group"], set()).add((r["env"], r["task"].split("/")[0]))
+    assert all(len(names) == 1 for names in by_group.values()), by_group  # a group is one environment's
+    assert all(env == prefix for names in by_group.values() for env, prefix in names)  # ids say whose
+    figures = batch.meta["envs"]
+    assert sum(f["groups"] for f in figures.values()) == 3
+    if "flat" in figures:
+        assert figures["flat"]["reward_mean"] == 0.25
+    assert {s.env for s in batch.samples} == set(figures)
+    # The same seed draws the same environments and tasks, and a resume skips to the same place.
+    fleet2, again, _ = await make(k=2, envs=envs)
+    await again.run(1, 3)
+    assert [r["task"] for r in records(again, 1)] == [r["task"] for r in rollouts]
+    fleet3, resumed, _ = await make(k=2, envs=envs)
+    await resumed.run(3, 3)
+    assert [r["task"] for r in records(resumed, 3)] == [r["task"] for r in records(again, 3)]
+    for f in (fleet, fleet2, fleet3):
+        await f.close()
+
+
+def test_the_run_stream_draws_environments_by_weight_and_keeps_each_ones_order():
+    from fleetrl.envs.mix import run_task_stream
+
+    envs = [RunEnv("a", Env(), weight=3.0), RunEnv("b", Env(), weight=1.0)]
+    drawn = list(itertools.islice(run_task_stream(envs, seed=7), 400))
+    share = sum(d.env.name == "a" for d in drawn) / len(drawn)
+    assert 0.65 < share < 0.85  # 3 : 1
+    for name in ("a", "b"):
+        own = [d.task.id for d in drawn if d.env.name == name]
+        assert own == [f"t7-{i}" for i in range(len(own))]  # each environment's own stream, in order
+        assert all(d.id == f"{name}/{d.task.id}" for d in drawn if d.env.name == name)
+    one = list(itertools.islice(run_task_stream(envs[:1], seed=7), 3))
+    assert [d.id for d in one] == ["t7-0", "t7-1", "t7-2"]  # one environment: its ids as they are

@@ -6,15 +6,16 @@ from __future__ import annotations
 from itertools import islice
 
 from fleetrl.config import Config, ConfigError
-from fleetrl.envs import Environment, EnvError, env_tools, get_environment, task_stream
+from fleetrl.envs import EnvError, env_tools, get_environment
+from fleetrl.envs.mix import RunEnv, run_task_stream
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 
 
-def check_config(config: Config) -> Environment:
+def check_config(config: Config) -> list[RunEnv]:
     """What `fleetrl rl` (and its --dry-run) refuses in a config before anything starts; the
-    environment, built to check it."""
+    environments, built to check them."""
     take_world_from_launcher(config)
     o = config.orchestrator
     # vLLM reports logprobs of the untempered distribution; the importance ratio is only
@@ -22,7 +23,7 @@ def check_config(config: Config) -> Environment:
     if o.temperature != 1.0 or o.top_p != 1.0:
         raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
                           "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
-    return make_environment(config, RunDir(config.run.dir))
+    return make_environments(config, RunDir(config.run.dir))
 
 
 def take_world_from_launcher(config: Config) -> None:
@@ -41,17 +42,22 @@ def take_world_from_launcher(config: Config) -> None:
     trainer.world_size = launched.world_size
 
 
-def make_environment(config: Config, run_dir: RunDir) -> Environment:
-    """The configured environment; a name or an option it does not know is a ConfigError."""
-    options = dict(config.orchestrator.env_options)
-    if config.orchestrator.env.startswith("verifiers:"):
-        # verifiers users see each rollout's policy provenance in the episodes file.
-        options.setdefault("episodes_path", run_dir.verifiers_episodes_path)
-        options.setdefault("run_id", run_dir.root.name)
-    try:
-        return get_environment(config.orchestrator.env, **options)
-    except EnvError as e:
-        raise ConfigError(f"orchestrator.env: {e}") from None
+def make_environments(config: Config, run_dir: RunDir) -> list[RunEnv]:
+    """The configured environments; a name or an option one does not know is a ConfigError
+    naming its key."""
+    o = config.orchestrator
+    out = []
+    for index, entry in enumerate(o.env_entries()):
+        options = dict(entry.options)
+        if entry.env_id.startswith("verifiers:"):
+            # verifiers users see each rollout's policy provenance in the episodes file.
+            options.setdefault("episodes_path", run_dir.verifiers_episodes_path)
+            options.setdefault("run_id", run_dir.root.name)
+        try:
+            out.append(RunEnv(entry.name, get_environment(entry.env_id, **options), entry.weight))
+        except EnvError as e:
+            raise ConfigError(f"{f'orchestrator.envs[{index}]' if o.envs else 'orchestrator.env'}: {e}") from None
+    return out
 
 
 # The most prompts rendered to check their length: a long run's later prompts are left to the
@@ -59,14 +65,15 @@ def make_environment(config: Config, run_dir: RunDir) -> Environment:
 PROMPTS_CHECKED = 4096
 
 
-def check_prompts_fit(config: Config, env: Environment, tokenizer) -> None:
+def check_prompts_fit(config: Config, envs: list[RunEnv], tokenizer) -> None:
     """The prompts the run will draw (the first PROMPTS_CHECKED), each plus
     orchestrator.max_tokens, fit the engine's max_model_len; otherwise vLLM would refuse
     their requests in the middle of the run."""
     o, limit = config.orchestrator, config.inference.vllm.max_model_len
-    tasks = islice(task_stream(env, config.run.seed), min(config.run.max_steps * o.batch_prompts, PROMPTS_CHECKED))
-    schemas = [tool.schema() for tool in env_tools(env)]
-    longest = max((len(render_prompt(tokenizer, task.messages, schemas)), i) for i, task in enumerate(tasks))
+    drawn = islice(run_task_stream(envs, config.run.seed),
+                   min(config.run.max_steps * o.prompts_per_step(), PROMPTS_CHECKED))
+    schemas = {run_env.name: [tool.schema() for tool in env_tools(run_env.env)] for run_env in envs}
+    longest = max((len(render_prompt(tokenizer, d.task.messages, schemas[d.env.name])), d.id) for d in drawn)
     if longest[0] + o.max_tokens > limit:
         raise ConfigError(f"orchestrator.max_tokens = {o.max_tokens} + the longest prompt of the run "
                           f"({longest[0]} tokens, task {longest[1]}) > inference.vllm.max_model_len = {limit}")

@@ -37,7 +37,7 @@ from fleetrl.app.providers import build_fleet, build_transport, start_recorded, 
 from fleetrl.batch import Batch
 from fleetrl.config import Config, load_config
 from fleetrl.cores import plan_cores
-from fleetrl.envs import Environment
+from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
 from fleetrl.files import sha256_file
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport, WeightSource
@@ -154,34 +154,34 @@ class RLRun:
         try:
             # Everything is checked before the run directory is touched: a refused command
             # leaves a finished run as it was (`fleetrl verify` still passes on it).
-            env = check_config(self.config)
+            envs = check_config(self.config)
             if self.config.run.core_plan != "off":
                 apply_core_plan(self.config, self.log)
             fleet, self.model_dir = build_fleet(self.config)
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            check_prompts_fit(self.config, env, self.tokenizer)
+            check_prompts_fit(self.config, envs, self.tokenizer)
             self.run_dir.start(self.config, self.resume)
             self.monitors = Monitors(self.config.run, self.config, self.run_dir.tensorboard_dir, self.run_dir.wandb_dir,
                                      log=self.log)
-            self.start_fleet(fleet, env)
+            self.start_fleet(fleet, envs)
             self.start_ranks()
             self.log(f"fleetrl: run {self.run_dir.root}: {self.config.run.max_steps} steps, "
                      f"k = {self.config.orchestrator.max_off_policy_steps}, {self.config.trainer.world_size} "
-                     f"trainer rank(s), env {env.name}" + (f", resuming after step {self.resume}" if self.resume else ""))
+                     f"trainer rank(s), env {', '.join(e.name for e in envs)}" + (f", resuming after step {self.resume}" if self.resume else ""))
             self.train()
             self.finish()
             return 0
         finally:
             self.stop()
 
-    def start_fleet(self, fleet: Fleet, env: Environment) -> None:
+    def start_fleet(self, fleet: Fleet, envs: list[RunEnv]) -> None:
         """Builds the weight transport and the orchestrator; the fleet starts on the control
         loop while the trainer ranks start here."""
         config = self.config
         self.transport = build_transport(config, self.run_dir)
-        self.orchestrator = Orchestrator(fleet, env, self.tokenizer, config.orchestrator, self.run_dir,
+        self.orchestrator = Orchestrator(fleet, envs, self.tokenizer, config.orchestrator, self.run_dir,
                                          config.run.seed, max_context=config.inference.vllm.max_model_len, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
@@ -331,6 +331,7 @@ class RLRun:
             **{f"{which}_{figure}": batch.meta[which][figure] for which in ("generated", "trained")
                for figure in ("reward_mean", "completion_tokens_mean")},
             "dropped_by": batch.meta["dropped_by"],
+            "envs": batch.meta["envs"],  # per environment: groups, samples, reward
             "misversioned": batch.meta["misversioned"],
             "reward_failed": batch.meta["reward_failed"],
             "empty": batch.meta["empty"],

@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from fleetrl import failpoints
 from fleetrl.batch import Batch, Sample
 from fleetrl.config import OrchestratorConfig
-from fleetrl.envs import Environment, EnvError, Rollout, Task, env_tools, is_multi_turn, score, task_stream
+from fleetrl.envs import EnvError, Rollout, env_tools, is_multi_turn, score
+from fleetrl.envs.mix import Drawn, RunEnv, run_task_stream
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams
@@ -70,7 +71,7 @@ REWARD_THREADS = 32
 
 @dataclass
 class Scored:
-    task: Task
+    drawn: Drawn  # the task, its environment and the run's id of it
     prompt_ids: list[int]
     completion: GenerateResponse
     text: str
@@ -83,16 +84,17 @@ class Scored:
 
 
 class Orchestrator:
-    def __init__(self, fleet: Fleet, env: Environment, tokenizer, config: OrchestratorConfig,
+    def __init__(self, fleet: Fleet, envs: list[RunEnv], tokenizer, config: OrchestratorConfig,
                  run_dir: RunDir, seed: int, max_context: int, log=print) -> None:
-        """`max_context`: the engine's max_model_len, which a multi-turn episode's turns must fit in."""
+        """`envs`: the run's environments (envs/mix.py); `max_context`: the engine's
+        max_model_len, which a multi-turn episode's turns must fit in."""
         self.fleet = fleet
-        self.env = env
+        self.envs = envs
         self.tokenizer = tokenizer
         self.config = config
         self.run_dir = run_dir
         self.log = log
-        self._tasks = task_stream(env, seed)
+        self._tasks = run_task_stream(envs, seed)
         self._drawn = 0  # tasks taken from the stream so far (used or skipped)
         self._reward_slots = asyncio.Semaphore(REWARD_THREADS)
         self.progress: tuple[int, int] | None = None  # (the step being sampled, its completions so far)
@@ -102,14 +104,14 @@ class Orchestrator:
             max_tokens=config.max_tokens,
             stop_token_ids=(tokenizer.eos_token_id,),
         )
-        self.multi_turn = is_multi_turn(env)
-        if self.multi_turn:
-            self.chat = ChatTokens(tokenizer)
-            self.tool_schemas = [tool.schema() for tool in env_tools(env)]
-            self.limits = EpisodeLimits(max_turns=config.max_turns, max_context=max_context,
-                                        max_off_policy_steps=config.max_off_policy_steps,
-                                        partial_episodes=config.partial_episodes,
-                                        user_code_timeout_s=config.reward_timeout_s)
+        # Per environment, by name: whether its tasks are episodes, and the tools its prompts offer.
+        self.multi_turn = {e.name: is_multi_turn(e.env) for e in envs}
+        self.tool_schemas = {e.name: [tool.schema() for tool in env_tools(e.env)] for e in envs}
+        self.chat = ChatTokens(tokenizer) if any(self.multi_turn.values()) else None
+        self.limits = EpisodeLimits(max_turns=config.max_turns, max_context=max_context,
+                                    max_off_policy_steps=config.max_off_policy_steps,
+                                    partial_episodes=config.partial_episodes,
+                                    user_code_timeout_s=config.reward_timeout_s)
 
     async def run(self, first_step: int, last_step: int) -> None:
         """Write batches first_step..last_step, each as soon as admission allows."""
@@ -163,6 +165,7 @@ class Orchestrator:
                     loss_mask=scored.episode.loss_mask if scored.episode else None,
                     turns=scored.episode.turns if scored.episode else None,
                     worker=c.worker_id,
+                    env=scored.drawn.env.name,
                 ))
                 records.append(self._record(step, group_index, scored, advantage, None))
         self.run_dir.write_rollouts(step, records)
@@ -185,6 +188,7 @@ class Orchestrator:
             "generated": batch_figures(records),
             "trained": batch_figures(trained),
             "dropped_by": dict(sorted(drops.items())),
+            "envs": env_figures(records),
             "waited_from": waited_from,
             "rollout_started": started,
             "rollout_finished": finished,
@@ -203,12 +207,12 @@ class Orchestrator:
         }
         return Batch(step=step, samples=samples, dropped=drops["off_policy"], meta=meta)
 
-    async def _sample_groups(self, step: int, window: list[Task]) -> list[list[Scored]]:
+    async def _sample_groups(self, step: int, window: list[Drawn]) -> list[list[Scored]]:
         """The groups of batch `step`: its first batch_prompts tasks, and with dynamic sampling,
         more of `window`, as many as groups are missing, until none is or the window is used."""
         wanted = self.config.batch_prompts
 
-        async def sample(first: int, tasks: list[Task]) -> list[list[Scored]]:
+        async def sample(first: int, tasks: list[Drawn]) -> list[list[Scored]]:
             return list(await asyncio.gather(*(self._sample_group(step, first + i, task)
                                                for i, task in enumerate(tasks))))
 
@@ -250,7 +254,7 @@ class Orchestrator:
                 self.log(f"fleetrl: batch {step}: dropped {drops[fault]} episode(s) ended by a failure of {what} "
                          f"(the first: {first})")
 
-    def _tasks_of(self, step: int) -> list[Task]:
+    def _tasks_of(self, step: int) -> list[Drawn]:
         """Step `step`'s window of the stream: `prompts_per_step` tasks from (step - 1) times
         that, skipping those of the steps before that this orchestrator did not make (a resumed
         run's). Steps come in order. Dynamic sampling may leave the end of a window unused."""
@@ -260,19 +264,19 @@ class Orchestrator:
         tasks = list(itertools.islice(self._tasks, skip, skip + size))
         self._drawn = first + len(tasks)
         if len(tasks) < self.config.batch_prompts:
-            raise EnvError(f"env {self.env.name}: its task stream ended after {self._drawn} tasks "
+            raise EnvError(f"env {', '.join(e.name for e in self.envs)}: its task stream ended after {self._drawn} tasks "
                            f"(batch {step} needs tasks {first}..{first + self.config.batch_prompts - 1})")
         return tasks
 
-    async def _sample_group(self, step: int, index: int, task: Task) -> list[Scored]:
+    async def _sample_group(self, step: int, index: int, drawn: Drawn) -> list[Scored]:
         # One session per group: its samples share the prompt, so one worker's prefix cache
         # serves them all, and the turns of an episode stay on the worker that holds its context.
         session = f"step{step}-group{index}"
-        if self.multi_turn:
-            prompt_ids = render_prompt(self.tokenizer, task.messages, self.tool_schemas)
-            return list(await asyncio.gather(*(self._sample_episode(step, index, i, task, prompt_ids, session)
+        if self.multi_turn[drawn.env.name]:
+            prompt_ids = render_prompt(self.tokenizer, drawn.task.messages, self.tool_schemas[drawn.env.name])
+            return list(await asyncio.gather(*(self._sample_episode(step, index, i, drawn, prompt_ids, session)
                                                for i in range(self.config.group_size))))
-        prompt_ids = render_prompt(self.tokenizer, task.messages)
+        prompt_ids = render_prompt(self.tokenizer, drawn.task.messages)
         request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=self.sampling, n=self.config.group_size,
                                   session_id=session)
         started = time.time()
@@ -280,16 +284,16 @@ class Orchestrator:
         finished = time.time()
         for i, c in enumerate(completions):
             self._sampled(step, index, i, c, started, finished)
-        return list(await asyncio.gather(*(self._score(step, task, prompt_ids, c) for c in completions)))
+        return list(await asyncio.gather(*(self._score(step, drawn, prompt_ids, c) for c in completions)))
 
-    async def _sample_episode(self, step: int, group: int, sample: int, task: Task, prompt_ids: list[int],
+    async def _sample_episode(self, step: int, group: int, sample: int, drawn: Drawn, prompt_ids: list[int],
                               session: str) -> Scored:
         started = time.time()
-        episode = await run_episode(self.fleet, self.env, self.chat, self._decode, task, prompt_ids, self.sampling,
-                                    session, step, f"{session}-sample{sample}", self.limits)
+        episode = await run_episode(self.fleet, drawn.env.env, self.chat, self._decode, drawn.task, prompt_ids,
+                                    self.sampling, session, step, f"{session}-sample{sample}", self.limits)
         completion = episode.response()
         self._sampled(step, group, sample, completion, started, time.time())
-        return await self._score(step, task, prompt_ids, completion, episode)
+        return await self._score(step, drawn, prompt_ids, completion, episode)
 
     def _sampled(self, step: int, group: int, sample: int, completion: GenerateResponse, started: float,
                  finished: float) -> None:
@@ -304,10 +308,11 @@ class Orchestrator:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    async def _score(self, step: int, task: Task, prompt_ids: list[int], completion: GenerateResponse,
+    async def _score(self, step: int, drawn: Drawn, prompt_ids: list[int], completion: GenerateResponse,
                      episode: Episode | None = None) -> Scored:
         text = self._decode(completion.token_ids)
-        scored = Scored(task=task, prompt_ids=prompt_ids, completion=completion, text=text, reward=None,
+        task, env = drawn.task, drawn.env.env
+        scored = Scored(drawn=drawn, prompt_ids=prompt_ids, completion=completion, text=text, reward=None,
                         episode=episode)
         if not completion.token_ids or (episode and episode.end in FAULTS):  # dropped unscored
             return scored
@@ -320,9 +325,9 @@ class Orchestrator:
                               messages=[*task.messages, {"role": "assistant", "content": text}])
         async with self._reward_slots:
             try:
-                scored.reward = await call_user_code(f"env {self.env.name}: reward of task {task.id}",
+                scored.reward = await call_user_code(f"env {env.name}: reward of task {task.id}",
                                                      self.config.reward_timeout_s, "orchestrator.reward_timeout_s",
-                                                     score, self.env, rollout)
+                                                     score, env, rollout)
             except EnvError as e:
                 scored.reward_error = str(e)
         return scored
@@ -344,7 +349,8 @@ class Orchestrator:
     def _record(step: int, group: int, scored: Scored, advantage: float | None, drop_reason: str | None) -> dict:
         c, episode, spans = scored.completion, scored.episode, scored.trained_spans()
         return {
-            "step": step, "group": group, "task": scored.task.id, "completion": scored.text,
+            "step": step, "group": group, "task": scored.drawn.id, "env": scored.drawn.env.name,
+            "completion": scored.text,
             "reward": scored.reward, "advantage": advantage, "worker": c.worker_id,
             "completion_tokens": len(c.token_ids),
             "prefill_worker": c.prefill_worker_id, "spans": [[s.version, s.start] for s in c.spans],
@@ -354,7 +360,7 @@ class Orchestrator:
             # Multi-turn episodes: where each model turn lies, how the episode ended and why, and
             # the conversation after the task's messages.
             **({"turns": episode.turns, "end": episode.end, "episode_error": episode.error,
-                "messages": episode.messages[len(scored.task.messages):]} if episode else {}),
+                "messages": episode.messages[len(scored.drawn.task.messages):]} if episode else {}),
         }
 
 
@@ -370,6 +376,17 @@ def batch_figures(records: list[dict]) -> dict:
     return {"samples": len(records),
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "completion_tokens_mean": sum(r["completion_tokens"] for r in records) / len(records) if records else None}
+
+
+def env_figures(records: list[dict]) -> dict[str, dict]:
+    """Per environment, of one batch's rollouts: groups sampled, samples generated and trained,
+    mean reward of those scored."""
+    out: dict[str, dict] = {}
+    for name in sorted({r["env"] for r in records}):
+        mine = [r for r in records if r["env"] == name]
+        out[name] = {"groups": len({r["group"] for r in mine}), **batch_figures(mine),
+                     "trained_samples": sum(r["trained"] for r in mine)}
+    return out
 
 
 def worker_stats(records: list[dict], seconds: float) -> dict[str, dict]:

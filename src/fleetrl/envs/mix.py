@@ -1,0 +1,59 @@
+"""The environments of one run and the one task stream they make together.
+
+A run trains on one environment (`orchestrator.env`) or on several (`[[orchestrator.envs]]`),
+each with a name and a sampling weight. The stream is deterministic in the run's seed, so a
+resume draws exactly what an uninterrupted run would (the orchestrator skips by position):
+
+- one environment: its own task stream, as it is;
+- several: task i of the run comes from the environment a seeded draw by weight picks for
+  position i, as that environment's next task; the run knows it by its id prefixed with the
+  environment's name (`arith/17`), unique across environments, while the environment is handed
+  its own task as it made it.
+
+A group is one task, so every sample of a group comes from one environment.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fleetrl.envs.base import Environment, Task, task_stream
+
+
+@dataclass(frozen=True)
+class RunEnv:
+    """One environment of the run: the name its figures and records are reported under."""
+
+    name: str
+    env: Environment
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """A task of the run's stream, with the environment it came from and the run's id of it."""
+
+    env: RunEnv
+    task: Task
+    id: str
+
+
+def run_task_stream(envs: list[RunEnv], seed: int) -> Iterator[Drawn]:
+    """The run's tasks, in order (see the module's docstring)."""
+    if len(envs) == 1:
+        for task in task_stream(envs[0].env, seed):
+            yield Drawn(envs[0], task, task.id)
+        return
+    streams = [task_stream(run_env.env, seed) for run_env in envs]
+    # The draw has a stream of its own, so that which environment comes next never depends on
+    # how many tasks the others generated.
+    picks = random.Random(f"fleetrl-envs-{seed}")
+    weights = [run_env.weight for run_env in envs]
+    while True:
+        (index,) = picks.choices(range(len(envs)), weights)
+        task = next(streams[index], None)
+        if task is None:  # that environment's tasks ran out: so does the run's stream
+            return
+        yield Drawn(envs[index], task, f"{envs[index].name}/{task.id}")
