@@ -217,7 +217,8 @@ def policy_loss(
         token_ratio = token_ratio.detach()
         # k3 = r - 1 - log r, with r = pi/mu on tokens sampled from mu: an unbiased,
         # non-negative estimate of KL(mu || pi), zero exactly when the logprobs agree.
-        k3 = (token_ratio - 1 - log_ratio.detach()) * mask
+        # (clamped at 0, where it is by definition: in fp32 r - 1 - log r rounds to -1e-10 near r = 1).
+        k3 = (token_ratio - 1 - log_ratio.detach()).clamp(min=0) * mask
         zero = mask.new_zeros(())
         stats = LossStats(
             tokens=mask.sum(),
