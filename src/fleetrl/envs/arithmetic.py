@@ -15,7 +15,7 @@ import random
 import re
 from collections.abc import Iterator
 
-from fleetrl.envs.base import Rollout, Task
+from fleetrl.envs.base import HeldOutSplit, Rollout, Task
 
 FORMAT_WEIGHT = 0.2
 CORRECT_WEIGHT = 0.8
@@ -37,7 +37,7 @@ _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 _INTEGER = re.compile(r"[-+]?\d+")
 
 
-class Arithmetic:
+class Arithmetic(HeldOutSplit):
     name = "arithmetic"
 
     def __init__(self, max_operand: int = 20, ops: str = "+-*") -> None:
@@ -48,7 +48,7 @@ class Arithmetic:
         self.max_operand = max_operand
         self.ops = ops
 
-    def tasks(self, seed: int) -> Iterator[Task]:
+    def generate(self, seed: int) -> Iterator[Task]:
         rng = random.Random(seed)
         index = 0
         while True:

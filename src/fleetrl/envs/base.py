@@ -24,6 +24,8 @@ as a NaN and never stalls the run; a task stream that raises ends the run with t
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -119,11 +121,49 @@ def respond(env: MultiTurnEnvironment, task: Task, messages: list[dict[str, str]
     return reply
 
 
-def task_stream(env: Environment, seed: int) -> Iterator[Task]:
-    """`env.tasks(seed)`, with whatever the environment raises turned into an `EnvError`."""
+# The built-in environments' held-out split: one task in HELD_OUT_EVERY, chosen by a hash of its
+# messages rather than by its position, so that no seed ever trains on it, and evaluation takes
+# only those (`HeldOutSplit`).
+HELD_OUT_EVERY = 10
+
+
+def held_out(task: Task) -> bool:
+    digest = hashlib.sha256(json.dumps(task.messages, sort_keys=True).encode()).digest()
+    return int.from_bytes(digest[:8], "big") % HELD_OUT_EVERY == 0
+
+
+class HeldOutSplit:
+    """An environment that generates its tasks (`generate(seed)`) and keeps a held-out split of
+    them: training (`tasks`) gets every task but those, evaluation (`eval_tasks`) those alone."""
+
+    def generate(self, seed: int) -> Iterator[Task]:
+        raise NotImplementedError
+
+    def tasks(self, seed: int) -> Iterator[Task]:
+        return (task for task in self.generate(seed) if not held_out(task))
+
+    def eval_tasks(self, seed: int) -> Iterator[Task]:
+        return (task for task in self.generate(seed) if held_out(task))
+
+
+def eval_stream(env: Environment, seed: int, held_out_only: bool) -> Iterator[Task]:
+    """The tasks an evaluation of `env` draws: its held-out split (`eval_tasks`), or, where the
+    user named the environment for evaluation and it has none, its tasks (`held_out_only` False);
+    an EnvError where a held-out split is needed and it has none."""
+    if callable(getattr(env, "eval_tasks", None)):
+        return task_stream(env, seed, split="eval_tasks")
+    if held_out_only:
+        raise EnvError(f"env {env.name} has no held-out split (eval_tasks): name what to evaluate on in "
+                       "eval.envs")
+    return task_stream(env, seed)
+
+
+def task_stream(env: Environment, seed: int, split: str = "tasks") -> Iterator[Task]:
+    """`env.tasks(seed)` (or another `split`), with whatever the environment raises turned into
+    an `EnvError`."""
     index = 0  # of the task being generated, for the error message
     try:
-        for task in env.tasks(seed):
+        for task in getattr(env, split)(seed):
             yield task
             index += 1
     except EnvError:

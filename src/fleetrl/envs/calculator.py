@@ -23,7 +23,7 @@ import random
 from collections.abc import Iterator
 
 from fleetrl.envs.arithmetic import CORRECT_WEIGHT, FORMAT_WEIGHT, parse_answer
-from fleetrl.envs.base import Rollout, Task
+from fleetrl.envs.base import HeldOutSplit, Rollout, Task
 from fleetrl.envs.tools import Tool
 
 SYSTEM = ("You can use a calculator. To use it, reply with only "
@@ -71,7 +71,7 @@ CALCULATOR = Tool(
 )
 
 
-class Calculator:
+class Calculator(HeldOutSplit):
     name = "calculator"
     tools = [CALCULATOR]
 
@@ -82,7 +82,7 @@ class Calculator:
             raise ValueError(f"ops must be a non-empty string of {''.join(OPERATORS)}, got {ops!r}")
         self.min_operand, self.max_operand, self.ops = min_operand, max_operand, ops
 
-    def tasks(self, seed: int) -> Iterator[Task]:
+    def generate(self, seed: int) -> Iterator[Task]:
         rng = random.Random(seed)
         index = 0
         while True:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from fleetrl.envs.base import Rollout, Task
+from fleetrl.envs.base import HeldOutSplit, Rollout, Task
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -35,7 +35,7 @@ EXAMPLES = [
 _STRIP = " \t\r\n\"'`*"
 
 
-class ReverseText:
+class ReverseText(HeldOutSplit):
     name = "reverse_text"
 
     def __init__(self, min_len: int = 3, max_len: int = 5) -> None:
@@ -44,7 +44,7 @@ class ReverseText:
         self.min_len = min_len
         self.max_len = max_len
 
-    def tasks(self, seed: int) -> Iterator[Task]:
+    def generate(self, seed: int) -> Iterator[Task]:
         rng = random.Random(seed)
         index = 0
         while True:
