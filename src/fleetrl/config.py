@@ -403,8 +403,9 @@ class OrchestratorConfig(Section):
     )
     envs: list[EnvEntry] = Field(
         default_factory=list,
-        description="Several environments in one run, instead of env and env_options: a list of tables, each "
-        "{name, env, options, weight} (TOML: [[orchestrator.envs]] entries). Each prompt's environment is "
+        description="Several environments in one run, instead of env and env_options: a list of tables (TOML: "
+        "[[orchestrator.envs]] entries), each with `name` (unique: how the run reports it), `env` (as "
+        "orchestrator.env names one; empty = the name), `options` and `weight` (> 0, default 1). Each prompt's environment is "
         "drawn by weight; each environment's reward and counts are reported apart (metrics.jsonl `envs`, "
         "TensorBoard `env/<name>/...`).")
     batch_prompts: int = Field(8, ge=1, description="Prompts per batch (one group of samples each).")
@@ -499,8 +500,9 @@ class TrainerConfig(Section):
         0, ge=0, description="Steps 1..N climb linearly to `lr`: the first batches' advantages are the noisiest and "
         "Adam's moments are not settled yet. 0 = none.")
     lr_decay: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="After warmup: constant keeps `lr`; linear and cosine decay it to `lr_min` over "
-        "`lr_decay_steps`, then hold it. Cosine stays near the peak longer and eases into the end.")
+        "constant", description="After warmup: constant keeps `lr`; linear and cosine decay it from `lr` toward "
+        "`lr_min` over `lr_decay_steps` (each step at the rate as it begins: the last still learns), then hold "
+        "`lr_min`. Cosine stays near the peak longer and eases into the end.")
     lr_decay_steps: int = Field(
         0, ge=0, description="Steps the decay runs over after warmup; 0 = until run.max_steps (a resume that raises "
         "max_steps then stretches the rest of the decay: set this to keep it fixed).")
@@ -540,11 +542,12 @@ class TrainerConfig(Section):
     mis_low: float = Field(
         0.0, ge=0, lt=1,
         description="Masked importance sampling (MIS): the floor of the band of the ratio pi/mu outside which "
-        "mis_level drops tokens (they give no loss and no gradient, but still count in the divisor); 0 = off.",
+        "mis_level drops tokens (they give no loss and no gradient, but still count in the divisor); in [0, 1), "
+        "0 = off. metrics: masked_frac.",
     )
     mis_high: float = Field(
         math.inf, gt=1, allow_inf_nan=True,
-        description="The ceiling of the MIS band; inf = off. IcePop is token-level MIS with the band [0.5, 5] "
+        description="The ceiling of the MIS band, above 1; inf = off. IcePop is token-level MIS with the band [0.5, 5] "
         "and neither clip nor cap: configs/icepop.toml.",
     )
     mis_level: Literal["token", "sequence", "geometric"] = Field(
@@ -557,9 +560,10 @@ class TrainerConfig(Section):
     )
     kl_coef: float = Field(
         0.0, ge=0,
-        description="Weight of a KL penalty to the reference model, per token the k3 estimate of KL(pi, ref); "
-        "0 = off. Pick it when drift from the reference must be bounded (a reward that can be gamed, abilities "
-        "to keep); the trainer step must then give the reference model's logprobs.",
+        description="Weight of a KL penalty to the base model (the policy as the run started, kept through "
+        "resumes), per token the k3 estimate of KL(pi, base); 0 = off. Pick it when drift from the base must be "
+        "bounded (a reward that can be gamed, abilities to keep). Costs one more fp32 copy of each rank's share "
+        "of the parameters and a forward without gradient per step; metrics: ref_kl.",
     )
     checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = never).")
     cpu_cores: list[str] = Field(
@@ -642,6 +646,9 @@ class Config(Section):
     @model_validator(mode="after")
     def _lr_decays_over_some_steps(self) -> "Config":
         t = self.trainer
+        if t.lr_warmup_steps > self.run.max_steps and not t.lr_decay_steps:
+            raise ValueError(f"trainer.lr_warmup_steps = {t.lr_warmup_steps} is longer than run.max_steps = "
+                             f"{self.run.max_steps}: the rate would never reach trainer.lr")
         if t.lr_decay != "constant" and not t.lr_decay_steps and t.lr_warmup_steps >= self.run.max_steps:
             raise ValueError(f"trainer.lr_decay = {t.lr_decay} has no step to decay over: trainer.lr_warmup_steps = "
                              f"{t.lr_warmup_steps} takes all of run.max_steps = {self.run.max_steps} (or set "

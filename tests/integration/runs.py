@@ -42,8 +42,8 @@ RUNS: dict[str, RunSpec] = {
         "--orchestrator.max_turns 2 --orchestrator.max_off_policy_steps 0 --run.wandb true",
         "a cluster as this machine can simulate one: 2 FSDP2 ranks on two torchrun nodes, Dynamo with etcd and "
         "NATS launched by fleetrl, a prefill and a decode worker in every publish, a verifiers multi-turn taskset "
-        "(versions in every turn of every trace), k = 0 (no overlap), W&B offline, a learning rate warmed up then "
-        "decayed, the geometric mask, 2 steps",
+        "(versions in every turn of every trace), k = 0 (no overlap), W&B offline, a learning rate decayed "
+        "linearly, the geometric mask, 2 steps",
         "test_rl_e2e.py"),
     "attached": RunSpec(
         ATTACHED_RUN,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -20,17 +21,18 @@ def test_warmup_climbs_linearly_to_the_peak_at_its_last_step():
     assert [schedule.rate(n) for n in range(1, 6)] == pytest.approx([2.5e-6, 5e-6, 7.5e-6, 1e-5, 1e-5])
 
 
-def test_linear_decay_reaches_lr_min_at_the_last_step_and_holds_it():
-    # warmup 2, then 4 steps of decay from 1.0 to 0.2: 1.0 - 0.8 * (n - 2) / 4
+def test_linear_decay_starts_at_the_peak_and_reaches_lr_min_after_its_last_step():
+    # warmup 2, then 4 steps of decay from 1.0 toward 0.2: 1.0 - 0.8 * (n - 3) / 4, as step n begins
     schedule = Schedule(lr=1.0, warmup_steps=2, decay="linear", lr_min=0.2, max_steps=6)
-    assert [schedule.rate(n) for n in range(1, 8)] == pytest.approx([0.5, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
+    assert [schedule.rate(n) for n in range(1, 9)] == pytest.approx([0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2])
+    assert schedule.rate(6) > 0.2  # the run's last step still learns, lr_min = 0 or not
 
 
 def test_cosine_decay_is_half_way_down_at_half_the_horizon():
     schedule = Schedule(lr=1.0, decay="cosine", lr_min=0.0, decay_steps=4, max_steps=100)
-    expected = [0.5 * (1 + math.cos(math.pi * n / 4)) for n in range(1, 5)]  # 0.854, 0.5, 0.146, 0
-    assert [schedule.rate(n) for n in range(1, 6)] == pytest.approx(expected + [0.0])
-    assert schedule.rate(2) == pytest.approx(0.5)
+    expected = [0.5 * (1 + math.cos(math.pi * (n - 1) / 4)) for n in range(1, 6)]  # 1, 0.854, 0.5, 0.146, 0
+    assert [schedule.rate(n) for n in range(1, 7)] == pytest.approx(expected + [0.0])
+    assert schedule.rate(3) == pytest.approx(0.5)
 
 
 def test_the_rate_of_a_step_depends_on_the_step_alone():
@@ -44,9 +46,10 @@ def test_the_rate_of_a_step_depends_on_the_step_alone():
     ([("trainer.lr_decay", "linear"), ("trainer.lr_warmup_steps", "10")], "trainer.lr_warmup_steps"),
     ([("trainer.lr_decay", "step")], "trainer.lr_decay"),
     ([("trainer.lr_warmup_steps", "-1")], "trainer.lr_warmup_steps"),
+    ([("trainer.lr_warmup_steps", "11")], "trainer.lr_warmup_steps = 11 is longer than run.max_steps"),
 ])
 def test_a_schedule_that_cannot_run_is_refused_naming_the_field(flags, field):
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(field)):
         load_config([], flags)
 
 

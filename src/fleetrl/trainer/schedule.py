@@ -7,7 +7,9 @@ that makes version n, counted from 1.
 
 - Warmup: steps 1..W climb linearly to `lr` (step W is the first at the full rate), since the
   first batches' advantages are the noisiest and Adam's moment estimates are not settled yet.
-- Decay: over the D steps after warmup, to `lr_min` at step W + D and held there after.
+- Decay: over the D steps after warmup, from `lr` at step W + 1 toward `lr_min`, which is the
+  rate from step W + D + 1 on: each step's rate is the schedule's value as the step begins, so
+  the last step of the run still learns (reaching `lr_min = 0` at it would waste it).
   D is `lr_decay_steps`, or 0 for "until run.max_steps" (a resume that raises max_steps then
   stretches the rest of the decay: set `lr_decay_steps` to keep the horizon fixed).
 """
@@ -47,6 +49,6 @@ class Schedule:
             return self.lr * step / self.warmup_steps
         if self.decay == "constant":
             return self.lr
-        progress = min(1.0, (step - self.warmup_steps) / self.horizon())
+        progress = min(1.0, (step - 1 - self.warmup_steps) / self.horizon())
         shape = 1 - progress if self.decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
         return self.lr_min + (self.lr - self.lr_min) * shape
