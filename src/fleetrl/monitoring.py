@@ -4,7 +4,8 @@ directory (by default, offline) and, when `run.wandb` is set, Weights & Biases (
 
 Each trainer step's metrics line (app/rl.py, the same one metrics.jsonl gets) is logged at its
 step: every number of the line under its own name, each worker's numbers under
-`worker/<id>/<name>`, and each environment's under `env/<name>/<name>`. metrics.jsonl stays the record `fleetrl verify` reads; these are views of it.
+`worker/<id>/<name>`, each environment's under `env/<name>/<name>`, and each evaluation's under
+`eval/<environment>/<name>` at the evaluated version. metrics.jsonl stays the record `fleetrl verify` reads; these are views of it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def scalars(line: dict) -> dict[str, float]:
     """The numbers of one metrics line, by chart name (None and text are left out)."""
     out = {key: float(value) for key, value in line.items()
            if key not in NOT_CHARTED and isinstance(value, int | float)}
-    for nested, prefix in (("workers", "worker"), ("envs", "env")):
+    for nested, prefix in (("workers", "worker"), ("envs", "env"), ("eval", "eval")):
         for name, values in (line.get(nested) or {}).items():
             out.update({f"{prefix}/{name}/{key}": float(value) for key, value in values.items()
                         if isinstance(value, int | float)})

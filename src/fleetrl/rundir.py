@@ -180,6 +180,8 @@ class RunDir:
         self.tokens_path = self.root / "tokens.json"
         self.batches_dir = self.root / "batches"
         self.rollouts_dir = self.root / "rollouts"
+        self.eval_dir = self.root / "eval"  # each evaluation's records, by version (step_N: version N)
+        self.eval_path = self.root / "eval.jsonl"  # a line per evaluation: its version and figures
         self.checkpoints_dir = self.root / "checkpoints"
         self.deployment = DeploymentPaths(self.root)  # the inference processes' files
         self.logs_dir = self.deployment.logs
@@ -194,6 +196,9 @@ class RunDir:
 
     def rollouts_path(self, step: int) -> Path:
         return self.rollouts_dir / f"{step_name(step)}.jsonl"
+
+    def eval_records_path(self, version: int) -> Path:
+        return self.eval_dir / f"{step_name(version)}.jsonl"
 
     def log_path(self, process: str) -> Path:
         return self.deployment.log(process)
@@ -220,11 +225,14 @@ class RunDir:
                 self._check_resume_keeps_the_run(config)
             # Steps after the checkpoint are redone: drop their batches, rollouts, metric lines
             # and verifiers episodes. Each rewrite is synced to disk before it replaces the file.
-            for folder in (self.batches_dir, self.rollouts_dir):
+            for folder in (self.batches_dir, self.rollouts_dir, self.eval_dir):
                 for path in folder.glob(f"{STEP_PREFIX}*"):
                     if step_of(path) > resume:
                         path.unlink()
             atomic_write(self.metrics_path, json_lines([m for m in metrics if m["step"] <= resume]), durable=True)
+            if self.eval_path.exists():
+                atomic_write(self.eval_path, json_lines([e for e in self.read_evals() if e["version"] <= resume]),
+                             durable=True)
             if self.verifiers_episodes_path.exists():
                 atomic_write(self.verifiers_episodes_path,
                              json_lines([e for e in episodes if episode_step(e) <= resume]), durable=True)
@@ -324,6 +332,14 @@ class RunDir:
 
     def append_metrics(self, line: dict) -> None:
         append_line(self.metrics_path, json.dumps(line))
+
+    def write_eval(self, version: int, records: list[dict], line: dict) -> None:
+        """One evaluation: its records, then its line in eval.jsonl."""
+        atomic_write(self.eval_records_path(version), json_lines(records))
+        append_line(self.eval_path, json.dumps(line))
+
+    def read_evals(self) -> list[dict]:
+        return read_json_lines(self.eval_path, self.log)
 
     def read_metrics(self) -> list[dict]:
         return read_json_lines(self.metrics_path, self.log)
@@ -437,6 +453,8 @@ def verify_run(root: Path) -> str:
             if distance > k:
                 raise VerifyError(f"step {batch.step}: sample {i} was trained at off-policy distance {distance} > k = {k}")
         samples += len(batch.samples)
+    for line in run_dir.read_evals():
+        check_eval(run_dir, line["version"])
     final = metrics[-1]
     for worker, version in final["worker_versions"].items():
         if version != final["step"]:
@@ -444,6 +462,14 @@ def verify_run(root: Path) -> str:
     return (f"{run_dir.root}: {len(listed)} artifacts match the manifest; {len(metrics)} steps, {samples} trained "
             f"samples, max off-policy distance {max(m['distance_max'] for m in metrics)} <= k = {k}; "
             f"{len(final['worker_versions'])} worker(s) at the final version {final['step']}")
+
+
+def check_eval(run_dir: RunDir, version: int) -> None:
+    """Every token an evaluation of `version` scored is of that version."""
+    for i, record in enumerate(read_json_lines(run_dir.eval_records_path(version), run_dir.log)):
+        if record["drop_reason"] is None and {v for v, _ in record["spans"]} != {version}:
+            raise VerifyError(f"the evaluation of v{version}: sample {i} ({record['task']}) holds tokens of "
+                              f"versions {sorted({v for v, _ in record['spans']})}")
 
 
 def check_turns(where: str, sample: Sample) -> None:

@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from fleetrl.app.checks import make_environments
+from fleetrl.app.checks import run_environments
 from fleetrl.app.providers import base_weights as base_weights_of
 from fleetrl.config import InferenceConfig, load_config
 from fleetrl.envs.mix import run_task_stream
@@ -199,7 +199,7 @@ def check_no_prompt_lost_or_repeated(run_dir: Path, steps: int) -> None:
     config = load_config([run_dir / "config.toml"], [])
     orchestrator = config.orchestrator
     window = orchestrator.prompts_per_step()
-    stream = run_task_stream(make_environments(config, RunDir(run_dir)), config.run.seed)
+    stream = run_task_stream(run_environments(config, RunDir(run_dir)), config.run.seed)
     expected = [next(stream).id for _ in range(steps * window)]
     seen: dict[str, int] = {}
     for step in range(1, steps + 1):

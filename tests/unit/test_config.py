@@ -268,13 +268,13 @@ def test_several_environments_are_named_one_way_uniquely(flags, message):
 
 
 def test_an_unknown_environment_among_several_is_named_by_its_entry():
-    from fleetrl.app.checks import make_environments
+    from fleetrl.app.checks import run_environments
     from fleetrl.rundir import RunDir
 
     config = load_config([], [("orchestrator.envs", '[{name = "r", env = "reverse_text"}, {name = "nope"}]')])
     with pytest.raises(ConfigError, match=r"^orchestrator\.envs\[1\]: unknown environment 'nope'"):
-        make_environments(config, RunDir(config.run.dir))
-    envs = make_environments(load_config([], [("orchestrator.envs", '[{name = "r", env = "reverse_text", '
+        run_environments(config, RunDir(config.run.dir))
+    envs = run_environments(load_config([], [("orchestrator.envs", '[{name = "r", env = "reverse_text", '
                                                                       'weight = 2}, {name = "arithmetic"}]')]),
                              RunDir(config.run.dir))
     assert [(e.name, e.env.name, e.weight) for e in envs] == [("r", "reverse_text", 2.0), ("arithmetic", "arithmetic", 1.0)]

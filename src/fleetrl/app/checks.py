@@ -5,17 +5,19 @@ from __future__ import annotations
 
 from itertools import islice
 
-from fleetrl.config import Config, ConfigError
+from fleetrl.config import Config, ConfigError, EnvEntry
 from fleetrl.envs import EnvError, env_tools, get_environment
+from fleetrl.envs.base import eval_stream
 from fleetrl.envs.mix import RunEnv, run_task_stream
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 
 
-def check_config(config: Config) -> list[RunEnv]:
+def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
     """What `fleetrl rl` (and its --dry-run) refuses in a config before anything starts; the
-    environments, built to check them."""
+    environments to train on and to evaluate on (none without eval.every_steps), built to check
+    them."""
     take_world_from_launcher(config)
     o = config.orchestrator
     # vLLM reports logprobs of the untempered distribution; the importance ratio is only
@@ -23,7 +25,17 @@ def check_config(config: Config) -> list[RunEnv]:
     if o.temperature != 1.0 or o.top_p != 1.0:
         raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
                           "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
-    return make_environments(config, RunDir(config.run.dir))
+    run_dir = RunDir(config.run.dir)
+    envs = run_environments(config, run_dir)
+    if not config.eval.every_steps:
+        return envs, []
+    evaluated = make_environments(config.eval.envs, run_dir, "eval.envs") if config.eval.envs else envs
+    for run_env in evaluated:
+        try:
+            next(eval_stream(run_env.env, config.run.seed, held_out_only=not config.eval.envs), None)
+        except EnvError as e:
+            raise ConfigError(f"eval.every_steps = {config.eval.every_steps}: {e}") from None
+    return envs, evaluated
 
 
 def take_world_from_launcher(config: Config) -> None:
@@ -42,12 +54,17 @@ def take_world_from_launcher(config: Config) -> None:
     trainer.world_size = launched.world_size
 
 
-def make_environments(config: Config, run_dir: RunDir) -> list[RunEnv]:
-    """The configured environments; a name or an option one does not know is a ConfigError
-    naming its key."""
+def run_environments(config: Config, run_dir: RunDir) -> list[RunEnv]:
+    """The environments the run trains on."""
     o = config.orchestrator
+    return make_environments(o.env_entries(), run_dir, "orchestrator.envs" if o.envs else "orchestrator.env")
+
+
+def make_environments(entries: list[EnvEntry], run_dir: RunDir, key: str) -> list[RunEnv]:
+    """The environments `entries` name; a name or an option one does not know is a ConfigError
+    naming `key` (and the entry, of several)."""
     out = []
-    for index, entry in enumerate(o.env_entries()):
+    for index, entry in enumerate(entries):
         options = dict(entry.options)
         if entry.env_id.startswith("verifiers:"):
             # verifiers users see each rollout's policy provenance in the episodes file.
@@ -56,7 +73,7 @@ def make_environments(config: Config, run_dir: RunDir) -> list[RunEnv]:
         try:
             out.append(RunEnv(entry.name, get_environment(entry.env_id, **options), entry.weight))
         except EnvError as e:
-            raise ConfigError(f"{f'orchestrator.envs[{index}]' if o.envs else 'orchestrator.env'}: {e}") from None
+            raise ConfigError(f"{key}[{index}]: {e}" if key.endswith("envs") else f"{key}: {e}") from None
     return out
 
 

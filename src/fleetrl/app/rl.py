@@ -45,6 +45,7 @@ from fleetrl.inference.provider import NamedTensors
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import Monitors
 from fleetrl.orchestrator.chat import render_prompt
+from fleetrl.orchestrator.evaluation import Evaluator
 from fleetrl.orchestrator.rollouts import Orchestrator
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
 from fleetrl.rundir import RunDir
@@ -125,6 +126,8 @@ class RLRun:
         self.published: tuple[Snapshot | None, AgreementProbe] | None = None
         self.view: LiveView | None = None  # on a terminal
         self.watching: Future | None = None  # the view's copy of the fleet's state, on the control loop
+        self.evaluator: Evaluator | None = None  # with eval.every_steps
+        self.evaluated: dict[int, dict] = {}  # each evaluation's figures by version, until its step's line
 
     def find_resume(self) -> None:
         """The step to resume from: the latest good checkpoint, read with the run directory
@@ -154,7 +157,7 @@ class RLRun:
         try:
             # Everything is checked before the run directory is touched: a refused command
             # leaves a finished run as it was (`fleetrl verify` still passes on it).
-            envs = check_config(self.config)
+            envs, evaluated = check_config(self.config)
             if self.config.run.core_plan != "off":
                 apply_core_plan(self.config, self.log)
             fleet, self.model_dir = build_fleet(self.config)
@@ -165,7 +168,7 @@ class RLRun:
             self.run_dir.start(self.config, self.resume)
             self.monitors = Monitors(self.config.run, self.config, self.run_dir.tensorboard_dir, self.run_dir.wandb_dir,
                                      log=self.log)
-            self.start_fleet(fleet, envs)
+            self.start_fleet(fleet, envs, evaluated)
             self.start_ranks()
             self.log(f"fleetrl: run {self.run_dir.root}: {self.config.run.max_steps} steps, "
                      f"k = {self.config.orchestrator.max_off_policy_steps}, {self.config.trainer.world_size} "
@@ -176,13 +179,16 @@ class RLRun:
         finally:
             self.stop()
 
-    def start_fleet(self, fleet: Fleet, envs: list[RunEnv]) -> None:
-        """Builds the weight transport and the orchestrator; the fleet starts on the control
-        loop while the trainer ranks start here."""
+    def start_fleet(self, fleet: Fleet, envs: list[RunEnv], evaluated: list[RunEnv]) -> None:
+        """Builds the weight transport, the orchestrator and the evaluator; the fleet starts on
+        the control loop while the trainer ranks start here."""
         config = self.config
         self.transport = build_transport(config, self.run_dir)
         self.orchestrator = Orchestrator(fleet, envs, self.tokenizer, config.orchestrator, self.run_dir,
                                          config.run.seed, max_context=config.inference.vllm.max_model_len, log=self.log)
+        if evaluated:
+            self.evaluator = Evaluator(self.orchestrator, evaluated, config.eval, config.run.seed,
+                                       held_out_only=not config.eval.envs, run_dir=self.run_dir, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
         # The same check as the training loop's, which hands the start weights (trainer/loop.py).
@@ -303,6 +309,9 @@ class RLRun:
         valid only during this call, while the other ranks serve it: the fleet keeps nothing to
         refit from, and the last version's final model is written here, from one more gather."""
         self.wait_fleet()
+        if self.evaluator and self.fleet.version not in {e["version"] for e in self.run_dir.read_evals()}:
+            # The version the run starts from (the base, or a resumed checkpoint's), once.
+            self.monitors.log({"step": self.fleet.version, "eval": self.evaluate(self.fleet.version)})
         self.phase(f"publishing v{step}")
         probe = AgreementProbe(probe_ids, reference)
         gathered = isinstance(weights, WeightGather)
@@ -313,7 +322,16 @@ class RLRun:
         self.published = (None if gathered else weights), probe
         if gathered and step == self.config.run.max_steps:
             self.write_final_model(weights.tensors)
+        every = self.config.eval.every_steps
+        if self.evaluator and (step % every == 0 or step == self.config.run.max_steps):
+            self.evaluated[step] = self.evaluate(step)
         return report
+
+    def evaluate(self, version: int) -> dict[str, dict]:
+        """The evaluation of `version`, which the fleet serves: the trainer waits in its publish
+        hook meanwhile, so no other version is published until it is done."""
+        self.phase(f"evaluating v{version}")
+        return self.control.run(self.evaluator.evaluate(version))
 
     def write_final_model(self, named: NamedTensors) -> None:
         self.log(f"fleetrl: writing the final model (v{self.fleet.version}) to {self.run_dir.final_model_dir}")
@@ -332,6 +350,7 @@ class RLRun:
                for figure in ("reward_mean", "completion_tokens_mean")},
             "dropped_by": batch.meta["dropped_by"],
             "envs": batch.meta["envs"],  # per environment: groups, samples, reward
+            "eval": self.evaluated.pop(batch.step, None),  # per evaluated environment, at an evaluated step
             "misversioned": batch.meta["misversioned"],
             "reward_failed": batch.meta["reward_failed"],
             "empty": batch.meta["empty"],

@@ -137,9 +137,9 @@ class Orchestrator:
         for group_index, group in enumerate(groups):
             usable = []
             for scored in group:
-                if reason := self._unusable(scored) or ("filtered" if group_index in filtered else None):
+                if reason := self.unusable(scored) or ("filtered" if group_index in filtered else None):
                     drops[reason] += 1
-                    records.append(self._record(step, group_index, scored, None, reason))
+                    records.append(self.record(step, group_index, scored, None, reason))
                 else:
                     usable.append(scored)
             if not usable:
@@ -152,7 +152,7 @@ class Orchestrator:
                 spans = scored.trained_spans()
                 if not spans or off_policy_distance(step, spans) > k:
                     drops["off_policy"] += 1
-                    records.append(self._record(step, group_index, scored, advantage, "off_policy"))
+                    records.append(self.record(step, group_index, scored, advantage, "off_policy"))
                     continue
                 samples.append(Sample(
                     prompt_ids=scored.prompt_ids,
@@ -167,7 +167,7 @@ class Orchestrator:
                     worker=c.worker_id,
                     env=scored.drawn.env.name,
                 ))
-                records.append(self._record(step, group_index, scored, advantage, None))
+                records.append(self.record(step, group_index, scored, advantage, None))
         self.run_dir.write_rollouts(step, records)
         reward_errors = [r["reward_error"] for r in records if r["drop_reason"] == "reward_failed"]
         self._log_drops(step, drops, reward_errors, records)
@@ -237,7 +237,7 @@ class Orchestrator:
         return flat
 
     def _usable(self, group: list[Scored]) -> list[Scored]:
-        return [scored for scored in group if not self._unusable(scored)]
+        return [scored for scored in group if not self.unusable(scored)]
 
     def _log_drops(self, step: int, drops: Counter, reward_errors: list[str], records: list[dict]) -> None:
         """One line per kind of fault in the batch (off-policy drops are the step line's)."""
@@ -284,16 +284,16 @@ class Orchestrator:
         finished = time.time()
         for i, c in enumerate(completions):
             self._sampled(step, index, i, c, started, finished)
-        return list(await asyncio.gather(*(self._score(step, drawn, prompt_ids, c) for c in completions)))
+        return list(await asyncio.gather(*(self.score_completion(step, drawn, prompt_ids, c) for c in completions)))
 
     async def _sample_episode(self, step: int, group: int, sample: int, drawn: Drawn, prompt_ids: list[int],
                               session: str) -> Scored:
         started = time.time()
-        episode = await run_episode(self.fleet, drawn.env.env, self.chat, self._decode, drawn.task, prompt_ids,
+        episode = await run_episode(self.fleet, drawn.env.env, self.chat, self.decode, drawn.task, prompt_ids,
                                     self.sampling, session, step, f"{session}-sample{sample}", self.limits)
         completion = episode.response()
         self._sampled(step, group, sample, completion, started, time.time())
-        return await self._score(step, drawn, prompt_ids, completion, episode)
+        return await self.score_completion(step, drawn, prompt_ids, completion, episode)
 
     def _sampled(self, step: int, group: int, sample: int, completion: GenerateResponse, started: float,
                  finished: float) -> None:
@@ -305,12 +305,13 @@ class Orchestrator:
                                    "tokens": len(completion.token_ids),
                                    "spans": [[s.version, s.start] for s in completion.spans]})
 
-    def _decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    async def _score(self, step: int, drawn: Drawn, prompt_ids: list[int], completion: GenerateResponse,
-                     episode: Episode | None = None) -> Scored:
-        text = self._decode(completion.token_ids)
+    async def score_completion(self, step: int, drawn: Drawn, prompt_ids: list[int], completion: GenerateResponse,
+                               episode: Episode | None = None) -> Scored:
+        """The completion with its reward (or why it has none), for the batch of `step`."""
+        text = self.decode(completion.token_ids)
         task, env = drawn.task, drawn.env.env
         scored = Scored(drawn=drawn, prompt_ids=prompt_ids, completion=completion, text=text, reward=None,
                         episode=episode)
@@ -333,7 +334,7 @@ class Orchestrator:
         return scored
 
     @staticmethod
-    def _unusable(scored: Scored) -> str | None:
+    def unusable(scored: Scored) -> str | None:
         """Why a sample can neither be trained on nor stand in its group's baseline, if so."""
         if scored.episode and scored.episode.end in FAULTS:
             return scored.episode.end
@@ -346,7 +347,7 @@ class Orchestrator:
         return None
 
     @staticmethod
-    def _record(step: int, group: int, scored: Scored, advantage: float | None, drop_reason: str | None) -> dict:
+    def record(step: int, group: int, scored: Scored, advantage: float | None, drop_reason: str | None) -> dict:
         c, episode, spans = scored.completion, scored.episode, scored.trained_spans()
         return {
             "step": step, "group": group, "task": scored.drawn.id, "env": scored.drawn.env.name,

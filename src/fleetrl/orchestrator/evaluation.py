@@ -1,0 +1,127 @@
+"""Evaluation during training: held-out prompts, sampled at one exact version, scored, recorded.
+
+Every `eval.every_steps` steps, at the last step, and for the version the run starts from,
+the trainer waits inside its publish hook while the fleet samples `eval.prompts` held-out
+prompts of each evaluated environment (`eval.samples_per_prompt` completions each, greedy by
+default). No publish can happen meanwhile, so every token is of the evaluated version: its spans
+say so, and `fleetrl verify` checks them (rundir.check_eval). Rollouts for training go on beside
+it on the same fleet.
+
+The prompts are the same at every evaluation: the first `eval.prompts` of each environment's
+held-out split (envs/base.HeldOutSplit), which training never samples; or of an environment
+named for evaluation alone (`eval.envs`). Figures per environment:
+- `reward_mean` over the scored completions;
+- `pass@1`, and `pass@k` for k = samples_per_prompt: the unbiased estimate over prompts of the
+  chance that one of k completions passes (reward >= eval.pass_reward);
+- `failed`: completions that could not be scored (an empty one, a failed reward or episode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import replace
+from itertools import islice
+
+from fleetrl.config import EvalConfig
+from fleetrl.envs import env_tools, is_multi_turn
+from fleetrl.envs.base import eval_stream
+from fleetrl.envs.mix import Drawn, RunEnv
+from fleetrl.inference.types import GenerateRequest
+from fleetrl.orchestrator.chat import ChatTokens, render_prompt
+from fleetrl.orchestrator.episodes import run_episode
+from fleetrl.orchestrator.rollouts import Orchestrator, Scored
+from fleetrl.rundir import RunDir
+
+
+def pass_at_k(samples: int, passed: int, k: int) -> float:
+    """The chance that at least one of k completions drawn from `samples` (`passed` of which
+    pass) passes: 1 - C(samples - passed, k) / C(samples, k)."""
+    if samples - passed < k:
+        return 1.0
+    return 1.0 - math.comb(samples - passed, k) / math.comb(samples, k)
+
+
+class Evaluator:
+    def __init__(self, orchestrator: Orchestrator, envs: list[RunEnv], config: EvalConfig, seed: int,
+                 held_out_only: bool, run_dir: RunDir, log=print) -> None:
+        """`envs`: what to evaluate on; `held_out_only`: they are the run's own environments,
+        evaluated on their held-out split alone (an environment without one is an EnvError)."""
+        self.orchestrator = orchestrator
+        self.config = config
+        self.run_dir = run_dir
+        self.log = log
+        self.prompts = {e.name: [Drawn(e, task, f"{e.name}/{task.id}")
+                                 for task in islice(eval_stream(e.env, seed, held_out_only), config.prompts)]
+                        for e in envs}
+        self.sampling = replace(orchestrator.sampling, temperature=0.0 if config.greedy else 1.0)
+        self.multi_turn = {e.name: is_multi_turn(e.env) for e in envs}
+        self.tool_schemas = {e.name: [tool.schema() for tool in env_tools(e.env)] for e in envs}
+        self.chat = orchestrator.chat
+        if self.chat is None and any(self.multi_turn.values()):
+            self.chat = ChatTokens(orchestrator.tokenizer)
+
+    async def evaluate(self, version: int) -> dict[str, dict]:
+        """Samples and scores every prompt at `version`, which the fleet must serve and keep
+        serving meanwhile; writes the records and eval.jsonl's line; returns the figures."""
+        started = time.time()
+        step = version + 1  # the step whose policy this is: an episode's k bound counts from it
+        groups = await asyncio.gather(*(self._sample(step, index, drawn, version) for index, drawn in
+                                        enumerate(d for prompts in self.prompts.values() for d in prompts)))
+        records, figures = [], {}
+        for name in self.prompts:
+            mine = [group for group in groups if group[0][0].drawn.env.name == name]
+            figures[name] = self._figures(mine)
+            records += [record for group in mine for _, record in group]
+        seconds = time.time() - started
+        self.run_dir.write_eval(version, records, {"version": version, "started": started, "seconds": seconds,
+                                                   "envs": figures})
+        self.log(f"fleetrl: evaluated v{version} in {seconds:.1f} s: " + "; ".join(
+            f"{name} reward {f['reward_mean']:.3f} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
+            else f"{name}: nothing scored" for name, f in figures.items()))
+        return figures
+
+    async def _sample(self, step: int, index: int, drawn: Drawn, version: int) -> list[tuple[Scored, dict]]:
+        """One prompt's completions, scored, each with its record."""
+        orchestrator, name, n = self.orchestrator, drawn.env.name, self.config.samples_per_prompt
+        session = f"eval-v{version}-prompt{index}"
+        if self.multi_turn[name]:
+            prompt_ids = render_prompt(orchestrator.tokenizer, drawn.task.messages, self.tool_schemas[name])
+            episodes = await asyncio.gather(*(
+                run_episode(orchestrator.fleet, drawn.env.env, self.chat, orchestrator.decode, drawn.task, prompt_ids,
+                            self.sampling, session, step, f"{session}-sample{i}", orchestrator.limits)
+                for i in range(n)))
+            scored = await asyncio.gather(*(orchestrator.score_completion(step, drawn, prompt_ids, e.response(), e)
+                                            for e in episodes))
+        else:
+            prompt_ids = render_prompt(orchestrator.tokenizer, drawn.task.messages)
+            completions = await orchestrator.fleet.generate(GenerateRequest(
+                prompt_token_ids=prompt_ids, sampling=self.sampling, n=n, session_id=session))
+            scored = await asyncio.gather(*(orchestrator.score_completion(step, drawn, prompt_ids, c)
+                                            for c in completions))
+        out = []
+        for s in scored:
+            reason = orchestrator.unusable(s)
+            if reason is None and {span.version for span in s.completion.spans} != {version}:
+                reason = "misversioned"  # never, while the trainer waits: the check that it holds
+            out.append((s, orchestrator.record(step, index, s, None, reason)))
+        return out
+
+    def _figures(self, groups: list[list[tuple[Scored, dict]]]) -> dict:
+        k = self.config.samples_per_prompt
+        rewards = [s.reward for group in groups for s, record in group if record["drop_reason"] is None]
+        passes = [(len(usable), sum(r >= self.config.pass_reward for r in usable))
+                  for group in groups
+                  if (usable := [s.reward for s, record in group if record["drop_reason"] is None])]
+        figures = {
+            "prompts": len(groups),
+            "samples": sum(len(group) for group in groups),
+            "failed": sum(record["drop_reason"] is not None for group in groups for _, record in group),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "pass@1": sum(pass_at_k(n, c, 1) for n, c in passes) / len(passes) if passes else None,
+        }
+        if k > 1:
+            full = [(n, c) for n, c in passes if n >= k]
+            figures[f"pass@{k}"] = sum(pass_at_k(n, c, k) for n, c in full) / len(full) if full else None
+        return figures
