@@ -371,8 +371,9 @@ class InferenceConfig(Section):
 class EnvEntry(Section):
     """One environment of a run that trains on several (`[[orchestrator.envs]]`)."""
 
-    name: str = Field(min_length=1, description="How the run reports it: per-environment figures in "
-                      "metrics.jsonl, the `env` of each record and sample, task ids `name/<id>`. Unique.")
+    name: str = Field(min_length=1, pattern=r"^[^/]+$", description="How the run reports it: per-environment "
+                      "figures in metrics.jsonl, the `env` of each record and sample, task ids `name/<id>`. Unique, "
+                      "without a `/`.")
     env: str = Field("", description="The environment, as orchestrator.env names one; empty = `name`.")
     options: dict[str, Any] = Field(default_factory=dict, description="Its keyword options, as "
                                     "orchestrator.env_options.")

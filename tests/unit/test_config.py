@@ -261,6 +261,7 @@ def test_secrets_are_never_in_the_resolved_config():
      "orchestrator.env / env_options and orchestrator.envs are both set"),
     ([("orchestrator.envs", '[{name = "r"}, {name = "r"}]')], "the name 'r' is given to two environments"),
     ([("orchestrator.envs", '[{name = "r", weight = 0}]')], "orchestrator.envs"),
+    ([("orchestrator.envs", '[{name = "a/b"}]')], "orchestrator.envs"),
 ])
 def test_several_environments_are_named_one_way_uniquely(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

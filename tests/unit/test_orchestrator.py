@@ -394,7 +394,7 @@ async def test_several_environments_each_give_whole_groups_and_are_reported_apar
 
 
 def test_the_run_stream_draws_environments_by_weight_and_keeps_each_ones_order():
-    from fleetrl.envs.mix import run_task_stream
+    from fleetrl.envs.mix import entry_seed, run_task_stream
 
     envs = [RunEnv("a", Env(), weight=3.0), RunEnv("b", Env(), weight=1.0)]
     drawn = list(itertools.islice(run_task_stream(envs, seed=7), 400))
@@ -402,7 +402,8 @@ def test_the_run_stream_draws_environments_by_weight_and_keeps_each_ones_order()
     assert 0.65 < share < 0.85  # 3 : 1
     for name in ("a", "b"):
         own = [d.task.id for d in drawn if d.env.name == name]
-        assert own == [f"t7-{i}" for i in range(len(own))]  # each environment's own stream, in order
+        seed = entry_seed(7, name)  # each environment's own stream, in order, from a seed of its own
+        assert own == [f"t{seed}-{i}" for i in range(len(own))]
         assert all(d.id == f"{name}/{d.task.id}" for d in drawn if d.env.name == name)
     one = list(itertools.islice(run_task_stream(envs[:1], seed=7), 3))
     assert [d.id for d in one] == ["t7-0", "t7-1", "t7-2"]  # one environment: its ids as they are

@@ -6,7 +6,8 @@ resume draws exactly what an uninterrupted run would (the orchestrator skips by 
 
 - one environment: its own task stream, as it is;
 - several: task i of the run comes from the environment a seeded draw by weight picks for
-  position i, as that environment's next task; the run knows it by its id prefixed with the
+  position i, as that environment's next task (each environment seeded from the run's seed and
+  its name); the run knows it by its id prefixed with the
   environment's name (`arith/17`), unique across environments, while the environment is handed
   its own task as it made it.
 
@@ -15,6 +16,7 @@ A group is one task, so every sample of a group comes from one environment.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,13 +42,20 @@ class Drawn:
     id: str
 
 
+def entry_seed(seed: int, name: str) -> int:
+    """The seed of the run's environment `name`, when it has several."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "big")
+
+
 def run_task_stream(envs: list[RunEnv], seed: int) -> Iterator[Drawn]:
     """The run's tasks, in order (see the module's docstring)."""
     if len(envs) == 1:
         for task in task_stream(envs[0].env, seed):
             yield Drawn(envs[0], task, task.id)
         return
-    streams = [task_stream(run_env.env, seed) for run_env in envs]
+    # Each environment draws from a seed of its own: two entries of one environment (other
+    # options, or the same) would otherwise give the same tasks at the same positions.
+    streams = [task_stream(run_env.env, entry_seed(seed, run_env.name)) for run_env in envs]
     # The draw has a stream of its own, so that which environment comes next never depends on
     # how many tasks the others generated.
     picks = random.Random(f"fleetrl-envs-{seed}")

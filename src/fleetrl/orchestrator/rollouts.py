@@ -228,8 +228,10 @@ class Orchestrator:
         """The groups dynamic sampling drops: those without a gradient; none if that is all of them."""
         if not self.config.dynamic_sampling:
             return set()
-        flat = {i for i, group in enumerate(groups) if not carries_gradient(self._usable(group))}
-        if len(flat) == len(groups):
+        # Groups with usable samples only: one with none drops its samples for their own reasons.
+        flat = {i for i, group in enumerate(groups)
+                if (usable := self._usable(group)) and not carries_gradient(usable)}
+        if flat and len(flat) == sum(1 for group in groups if self._usable(group)):
             self.log(f"fleetrl: batch {step}: the rewards of every group were equal within each, over "
                      f"{len(groups)} prompts (orchestrator.dynamic_sampling_prompts): trained as sampled, "
                      "with no gradient but the KL penalty's")
