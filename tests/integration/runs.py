@@ -43,7 +43,7 @@ RUNS: dict[str, RunSpec] = {
         "a cluster as this machine can simulate one: 2 FSDP2 ranks on two torchrun nodes, Dynamo with etcd and "
         "NATS launched by fleetrl, a prefill and a decode worker in every publish, a verifiers multi-turn taskset "
         "(versions in every turn of every trace), k = 0 (no overlap), W&B offline, a learning rate decayed "
-        "linearly, the geometric mask, 2 steps",
+        "linearly, the geometric mask, evaluation of every version on held-out arithmetic prompts, 2 steps",
         "test_rl_e2e.py"),
     "attached": RunSpec(
         ATTACHED_RUN,

@@ -46,6 +46,12 @@ mis_level = "geometric"
 mis_low = 0.5
 mis_high = 2.0
 checkpoint_interval = 5
+
+# Evaluation at v0, v1 and v2 on held-out arithmetic prompts (the taskset has no held-out split).
+[eval]
+every_steps = 1
+prompts = 2
+envs = [{name = "arithmetic"}]
 """
 
 
@@ -352,6 +358,23 @@ def test_the_clusters_loss_masks_by_the_geometric_mean_and_reports_entropy(clust
     """The geometric mask's band [0.5, 2] on two FSDP ranks drops nothing where sampler and
     trainer agree; the policy's entropy is reported, below log(vocab) = 10.8."""
     assert all(m["masked_frac"] == 0 and 0 < m["entropy"] < 11 for m in cluster.metrics), cluster.metrics
+
+
+def test_the_cluster_evaluates_every_version_on_held_out_prompts_at_that_version(cluster):
+    """eval.every_steps = 1 on two FSDP ranks and Dynamo: the start version and each published one,
+    every token of each evaluation of that version (as `fleetrl verify` checks too), the figures in
+    eval.jsonl and in the evaluated step's line."""
+    evals = RunDir(cluster.run_dir).read_evals()
+    assert [e["version"] for e in evals] == [0, 1, 2]
+    for e in evals:
+        figures = e["envs"]["arithmetic"]
+        assert figures["prompts"] == 2 and figures["samples"] == 2 and 0 <= figures["pass@1"] <= 1, e
+        records = [json.loads(line) for line in
+                   RunDir(cluster.run_dir).eval_records_path(e["version"]).read_text().splitlines()]
+        assert all({v for v, _ in r["spans"]} == {e["version"]} for r in records), records
+        assert all(r["task"].startswith("arithmetic/") for r in records)
+    assert [m["eval"] for m in cluster.metrics] == [evals[1]["envs"], evals[2]["envs"]]
+    assert "fleetrl: evaluated v2 in" in cluster.out
 
 
 def test_the_cluster_prefills_on_one_worker_and_decodes_on_the_other(cluster):

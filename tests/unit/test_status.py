@@ -79,3 +79,19 @@ def test_status_of_a_finished_run_shows_how_it_left_its_workers(tmp_path, capsys
     assert out[1].split() == ["WORKER", "ROLE", "STATE", "VERSION", "CHECKSUM", "IN-FLIGHT", "LAST", "PUBLISH"]
     cells = out[2].split()
     assert cells[:6] == ["w0", "aggregated", "stopped", "v2", "c" * 12, "-"] and "ago)" in out[2]
+
+
+def test_status_of_a_run_says_its_last_evaluation(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    config = Config()
+    config.run.max_steps = 2
+    (run / "config.toml").write_text(to_toml(config))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    (run / "final.json").write_text(json.dumps({"version": 2, "workers": {}}))
+    (run / "eval.jsonl").write_text("".join(json.dumps({"version": v, "envs": {"arith": {
+        "reward_mean": 0.1 * v, "pass@1": 0.05 * v}}}) + "\n" for v in (0, 2)))
+    assert main(["status", str(run)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"run {run}: finished at v2 (step 2 of 2 done; evaluated at v2: arith reward 0.200 pass@1 0.100); its "
+        "fleet has stopped: the workers as the run left them")

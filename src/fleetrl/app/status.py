@@ -123,7 +123,19 @@ def mark_stale(rows: list[WorkerRow]) -> None:
 def steps_done(run: RunDir) -> str:
     steps = run.read_metrics()
     max_steps = _max_steps(run)
-    return f"step {steps[-1]['step']} of {max_steps} done" if steps else f"no step done yet (of {max_steps})"
+    done = f"step {steps[-1]['step']} of {max_steps} done" if steps else f"no step done yet (of {max_steps})"
+    return done + last_evaluation(run)
+
+
+def last_evaluation(run: RunDir) -> str:
+    """The last evaluation's figures (eval.every_steps), per environment; empty without one."""
+    evals = run.read_evals()
+    if not evals:
+        return ""
+    last = evals[-1]
+    return f"; evaluated at v{last['version']}: " + ", ".join(
+        f"{name} reward {f['reward_mean']:.3f} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
+        else f"{name} nothing scored" for name, f in last["envs"].items())
 
 
 def running(run: RunDir) -> str:

@@ -65,6 +65,9 @@ class Rollout:
 
 
 class Environment(Protocol):
+    """An environment may also define `eval_tasks(seed)`: its held-out split, which `tasks`
+    never yields, for evaluation during training (`HeldOutSplit` makes one of a generator)."""
+
     name: str
 
     def tasks(self, seed: int) -> Iterator[Task]:
