@@ -56,13 +56,13 @@ RUNS: dict[str, RunSpec] = {
         "killed at each point of a step (SIGKILL mid-rollout and mid-publish, SIGINT mid-train, SIGTERM "
         "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same server; the "
         "final model exported and served by plain vLLM; the KL penalty to the base model, its reference kept "
-        "across every resume; two environments in one run (reverse_text and arithmetic), drawn by weight",
+        "across every resume; two environments in one run (reverse_text and arithmetic), drawn by weight; "
+        "dynamic sampling (a third prompt while a group scored alike)",
         "test_kill_points.py"),
     "hung-worker": RunSpec(
-        "fleetrl rl @ rl.toml (2 launched workers, 1 rank, k = 0, the multi-turn arithmetic_retry task, dynamic sampling)",
+        "fleetrl rl @ rl.toml (2 launched workers, 1 rank, k = 0, the multi-turn arithmetic_retry task)",
         "a worker frozen with SIGSTOP leaves the fence, is restarted and readmitted; multi-turn episodes with a "
-        "span per turn; dynamic sampling (a third prompt while a group scored alike); SIGTERM of fleetrl with "
-        "one rank leaves no process",
+        "span per turn; SIGTERM of fleetrl with one rank leaves no process",
         "test_chaos.py"),
     "dynamo": RunSpec(
         DYNAMO_RUN,

@@ -44,6 +44,7 @@ from fleetrl.inference.http import prompt_logprobs_of
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.processes import free_port
+from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint
 
 from tests.documented import documented, run_documented
@@ -58,8 +59,11 @@ pytestmark = [pytest.mark.chaos, pytest.mark.deployment(OPERATOR_SERVERS)]
 STEPS = 5
 # Two environments, one run (orchestrator.envs): which one each prompt comes from is drawn by
 # weight from the seed, so every resume of the sequence draws what the first run would have.
+# Dynamic sampling: a pair of samples often scores alike (arithmetic: both wrong), and then one
+# more prompt is sampled, at most; each step's window of the stream keeps the resumes exact.
 CONFIG = TINY_ROLLOUTS.replace('env = "reverse_text"', 'envs = [{name = "reverse", env = "reverse_text", weight = 2}, '
-                               '{name = "arithmetic"}]') + """
+                               '{name = "arithmetic"}]\ndynamic_sampling = true\n'
+                               'dynamic_sampling_prompts = 3') + """
 [inference]
 request_timeout_s = 60
 admin_timeout_s = 30
@@ -279,6 +283,7 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
     done = read_metrics(run_dir)
     assert [m["step"] for m in done] == list(range(1, STEPS + 1))  # none twice, none missing
     check_no_prompt_lost_or_repeated(run_dir, STEPS)  # the conformance suite's class (e)
+    check_dynamic_sampling(run_dir, done)
     # Both environments were sampled, each reported apart, and each sample says whose it is.
     assert set().union(*(m["envs"] for m in done)) == {"reverse", "arithmetic"}, [m["envs"] for m in done]
     for m in done:
@@ -301,6 +306,29 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
     check_the_final_model_serves_like_the_workers(run_dir, urls, tmp_path)
+
+
+def check_dynamic_sampling(run_dir, metrics: list[dict]) -> None:
+    """Dynamic sampling: each step sampled 2 prompts, and a third while one of them had no
+    gradient; a group whose samples all scored alike was filtered (recorded, not trained) unless
+    no group had a gradient; the step's figures of what was generated and what was trained are
+    those of its records."""
+    for m in metrics:
+        records = [json.loads(line) for line in RunDir(run_dir).rollouts_path(m["step"]).read_text().splitlines()]
+        groups: dict[int, list[dict]] = {}
+        for r in records:
+            groups.setdefault(r["group"], []).append(r)
+        # The rewards of each group's usable samples (those trained, or filtered as a group).
+        rewards = {g: {r["reward"] for r in rs if r["drop_reason"] in (None, "filtered")} for g, rs in groups.items()}
+        flat = {g for g, rs in rewards.items() if len(rs) == 1}
+        gradient = {g for g, rs in rewards.items() if len(rs) > 1}
+        filtered = {g for g, rs in groups.items() if all(r["drop_reason"] == "filtered" for r in rs)}
+        assert m["sampled_prompts"] == len(groups) and m["filtered"] == len(filtered), m
+        assert len(groups) == 2 + (not {0, 1} <= gradient), (m, rewards)
+        assert filtered == (flat if gradient else set()), (rewards, filtered)
+        trained = [r for r in records if r["trained"]]
+        assert m["trained_reward_mean"] == pytest.approx(sum(r["reward"] for r in trained) / len(trained))
+        assert m["dropped_by"].get("filtered", 0) == sum(len(groups[g]) for g in filtered), m
 
 
 def check_the_final_model_serves_like_the_workers(run_dir, workers, tmp_path) -> None:
