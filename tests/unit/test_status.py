@@ -62,17 +62,22 @@ async def test_a_worker_that_fails_a_call_is_an_error_row_and_one_behind_is_stal
     assert [r.state for r in rows] == ["ready", "stale"]
 
 
-def test_status_of_a_finished_run_shows_how_it_left_its_workers(tmp_path, capsys):
+def finished_run(tmp_path, workers: dict):
+    """A run directory as a run of 2 steps leaves it, its workers as `workers` says."""
     run = tmp_path / "run"
     run.mkdir()
     config = Config()
     config.run.max_steps = 2
     (run / "config.toml").write_text(to_toml(config))
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    (run / "final.json").write_text(json.dumps({"version": 2, "workers": workers}))
+    return run
+
+
+def test_status_of_a_finished_run_shows_how_it_left_its_workers(tmp_path, capsys):
+    run = finished_run(tmp_path, {"w0": {"role": "aggregated", "version": 2, "checksum": "c" * 64}})
     (run / "events.jsonl").write_text(json.dumps({"t": 1e9, "event": "fence", "phase": "end", "version": 2,
                                                   "ready": ["w0"]}) + "\n")
-    (run / "final.json").write_text(json.dumps({"version": 2, "workers": {
-        "w0": {"role": "aggregated", "version": 2, "checksum": "c" * 64}}}))
     assert main(["status", str(run)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"run {run}: finished at v2 (step 2 of 2 done); its fleet has stopped: the workers as the run left them"
@@ -82,13 +87,7 @@ def test_status_of_a_finished_run_shows_how_it_left_its_workers(tmp_path, capsys
 
 
 def test_status_of_a_run_says_its_last_evaluation(tmp_path, capsys):
-    run = tmp_path / "run"
-    run.mkdir()
-    config = Config()
-    config.run.max_steps = 2
-    (run / "config.toml").write_text(to_toml(config))
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
-    (run / "final.json").write_text(json.dumps({"version": 2, "workers": {}}))
+    run = finished_run(tmp_path, {})
     (run / "eval.jsonl").write_text("".join(json.dumps({"version": v, "envs": {"arith": {
         "reward_mean": 0.1 * v, "pass@1": 0.05 * v}}}) + "\n" for v in (0, 2)))
     assert main(["status", str(run)]) == 0
