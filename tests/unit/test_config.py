@@ -279,3 +279,10 @@ def test_an_unknown_environment_among_several_is_named_by_its_entry():
                                                                       'weight = 2}, {name = "arithmetic"}]')]),
                              RunDir(config.run.dir))
     assert [(e.name, e.env.name, e.weight) for e in envs] == [("r", "reverse_text", 2.0), ("arithmetic", "arithmetic", 1.0)]
+
+
+def test_dynamic_sampling_bound_must_hold_a_batch():
+    with pytest.raises(ConfigError, match=r"orchestrator\.dynamic_sampling_prompts \(4\) must be at least "
+                                          r"orchestrator\.batch_prompts \(8\)"):
+        load_config([], [("orchestrator.dynamic_sampling", "true"), ("orchestrator.dynamic_sampling_prompts", "4")])
+    assert load_config([], [("orchestrator.dynamic_sampling", "true")]).orchestrator.prompts_per_step() == 24
