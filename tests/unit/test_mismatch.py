@@ -11,7 +11,8 @@ import torch
 
 from fleetrl.batch import Batch
 from fleetrl.trainer.kept_weights import KeptWeights
-from fleetrl.trainer.mismatch import OUTLIER_KL, k3, mismatch_sums, outliers
+from fleetrl.trainer.loss import k3
+from fleetrl.trainer.mismatch import OUTLIER_KL, mismatch_sums, outliers
 from fleetrl.trainer.model import load_policy, named_tensors
 from fleetrl.trainer.step import build_optimizer, train_step
 from fleetrl.versions import VersionSpan

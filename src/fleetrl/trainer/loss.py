@@ -206,25 +206,22 @@ def policy_loss(
     token_loss = -surrogate * live_mask
     ref_k3 = None
     if reference_logprobs is not None:
-        # k3 of KL(pi || ref): r - 1 - log r with r = ref/pi; bounded as the ratio above.
-        ref_log_ratio = torch.where(keep, reference_logprobs.to(trainer_logprobs.dtype) - trainer_logprobs,
-                                    0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        ref_k3 = torch.exp(ref_log_ratio) - ref_log_ratio - 1
+        # k3 of KL(pi || ref), with r = ref/pi.
+        ref_k3 = k3(torch.where(keep, reference_logprobs.to(trainer_logprobs.dtype) - trainer_logprobs, 0.0))
         token_loss = token_loss + cfg.kl_coef * ref_k3 * live_mask
     loss = token_loss.sum() / num_tokens
 
     with torch.no_grad():
         token_ratio = token_ratio.detach()
-        # k3 = r - 1 - log r, with r = pi/mu on tokens sampled from mu: an unbiased,
-        # non-negative estimate of KL(mu || pi), zero exactly when the logprobs agree.
-        # (clamped at 0, where it is by definition: in fp32 r - 1 - log r rounds to -1e-10 near r = 1).
-        k3 = (token_ratio - 1 - log_ratio.detach()).clamp(min=0) * mask
+        # k3 of KL(mu || pi), with r = pi/mu on tokens sampled from mu; clamped at 0, where it is by
+        # definition: in fp32 r - 1 - log r rounds to -1e-10 near r = 1.
+        sampler_k3 = k3(log_ratio.detach()).clamp(min=0) * mask
         zero = mask.new_zeros(())
         stats = LossStats(
             tokens=mask.sum(),
             loss=token_loss.detach().sum(),
             ratio=(token_ratio * mask).sum(),
-            sampler_kl=k3.sum(),
+            sampler_kl=sampler_k3.sum(),
             clipped=(clipped.to(mask.dtype) * live_mask).sum(),
             truncated=(truncated.to(mask.dtype) * live_mask).sum(),
             masked=(dropped.to(mask.dtype) * mask).sum(),
@@ -232,6 +229,13 @@ def policy_loss(
             entropy=zero if entropy is None else torch.where(keep, entropy.detach().to(mask.dtype), 0.0).sum(),
         )
     return loss, stats
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """r - 1 - log r of log r = log(p/q), bounded by MAX_LOG_RATIO: Schulman's k3, an unbiased,
+    non-negative estimate of KL(q || p) for tokens drawn from q, 0 exactly where they agree."""
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_ratio) - 1 - log_ratio
 
 
 def _sample_mean(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fleetrl.trainer.loss import MAX_LOG_RATIO
+from fleetrl.trainer.loss import k3
 
 # A worker's mismatch stands out when it is above this and OUTLIER_FACTOR times the others'
 # median: above fp32's agreement by orders of magnitude (about 1e-9 on CPU, measured), and clear
@@ -66,12 +66,6 @@ class MismatchSums:
     def add(self, other: MismatchSums) -> None:
         for name in ("tokens", "mismatch_kl", "staleness_kl", "worker_tokens", "worker_mismatch_kl"):
             getattr(self, name).add_(getattr(other, name))
-
-
-def k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """r - 1 - log r of log r, bounded like the loss's ratio (loss.MAX_LOG_RATIO)."""
-    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(log_ratio) - 1 - log_ratio
 
 
 def mismatch_sums(current: torch.Tensor, previous: torch.Tensor | None, inference: torch.Tensor,
