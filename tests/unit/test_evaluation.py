@@ -46,7 +46,7 @@ async def test_an_evaluation_scores_every_prompt_at_one_version_and_records_it()
     config = EvalConfig(every_steps=1, prompts=3, samples_per_prompt=4, greedy=False, pass_reward=0.5)
     rewards = itertools.cycle([1.0, 0.0, 0.0, 0.0])  # one pass in four, per prompt
     evaluator = Evaluator(orch, [RunEnv("fake", Env(lambda rollout: next(rewards)))], config, seed=0,
-                          held_out_only=False, run_dir=orch.run_dir, log=lambda *_: None)
+                          held_out_only=False, run_dir=orch.run_dir, last_step=3, log=lambda *_: None)
     figures = await evaluator.evaluate(fleet.version)
     assert figures == {"fake": {"prompts": 3, "samples": 12, "failed": 0, "reward_mean": 0.25,
                                 "pass@1": pytest.approx(0.25), "pass@4": 1.0}}
@@ -61,6 +61,24 @@ async def test_an_evaluation_scores_every_prompt_at_one_version_and_records_it()
     orch.run_dir.eval_records_path(0).write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(VerifyError, match=r"the evaluation of v0: sample 5 \(fake/t0-1\) holds tokens of versions \[0, 1\]"):
         check_eval(orch.run_dir, 0)
+    await fleet.close()
+
+
+async def test_the_versions_evaluated_are_the_start_every_nth_and_the_last_each_once():
+    """every_steps = 2 of 5 steps, resumed after step 2, whose run had evaluated v0 and v2: the
+    start version (v2) stands, v4 and v5 are due, v1 and v3 are not."""
+    fleet, orch, _ = await make()
+    for version in (0, 2):
+        orch.run_dir.write_eval(version, [], {"version": version, "envs": {}})
+    evaluator = Evaluator(orch, [RunEnv("fake", Env())], EvalConfig(every_steps=2, prompts=1), seed=0,
+                          held_out_only=False, run_dir=orch.run_dir, last_step=5, log=lambda *_: None)
+    assert not evaluator.due(2, start=True)
+    assert [v for v in range(1, 6) if evaluator.due(v)] == [4, 5]
+    await evaluator.evaluate(4)
+    assert not evaluator.due(4)  # once
+    fresh = Evaluator(orch, [RunEnv("fake", Env())], EvalConfig(every_steps=2, prompts=1), seed=0,
+                      held_out_only=False, run_dir=orch.run_dir, last_step=5, log=lambda *_: None)
+    assert fresh.due(3, start=True) and not fresh.due(4)  # what eval.jsonl holds stands
     await fleet.close()
 
 

@@ -188,7 +188,8 @@ class RLRun:
                                          config.run.seed, max_context=config.inference.vllm.max_model_len, log=self.log)
         if evaluated:
             self.evaluator = Evaluator(self.orchestrator, evaluated, config.eval, config.run.seed,
-                                       held_out_only=not config.eval.envs, run_dir=self.run_dir, log=self.log)
+                                       held_out_only=not config.eval.envs, run_dir=self.run_dir,
+                                       last_step=config.run.max_steps, log=self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
         # The same check as the training loop's, which hands the start weights (trainer/loop.py).
@@ -300,7 +301,11 @@ class RLRun:
             self.view.set_phase(what)
 
     def start_rollouts(self, start: int) -> None:
+        """The fleet serves version `start` now, and nothing samples yet: the evaluation of the
+        version the run starts from (no step's line follows it, so it is charted here)."""
         self.wait_fleet()
+        if self.evaluator and self.evaluator.due(start, start=True):
+            self.monitors.log({"step": start, "eval": self.evaluate(start)})
         self.rollouts.append(self.control.submit(self.orchestrator.run(start + 1, self.config.run.max_steps)))
 
     def publish(self, step: int, weights: Snapshot | WeightGather, probe_ids: list[int],
@@ -309,9 +314,6 @@ class RLRun:
         valid only during this call, while the other ranks serve it: the fleet keeps nothing to
         refit from, and the last version's final model is written here, from one more gather."""
         self.wait_fleet()
-        if self.evaluator and self.fleet.version not in {e["version"] for e in self.run_dir.read_evals()}:
-            # The version the run starts from (the base, or a resumed checkpoint's), once.
-            self.monitors.log({"step": self.fleet.version, "eval": self.evaluate(self.fleet.version)})
         self.phase(f"publishing v{step}")
         probe = AgreementProbe(probe_ids, reference)
         gathered = isinstance(weights, WeightGather)
@@ -322,8 +324,9 @@ class RLRun:
         self.published = (None if gathered else weights), probe
         if gathered and step == self.config.run.max_steps:
             self.write_final_model(weights.tensors)
-        every = self.config.eval.every_steps
-        if self.evaluator and (step % every == 0 or step == self.config.run.max_steps):
+        # A resumed run publishes its checkpoint's version again, for no step's line: start_rollouts
+        # evaluates that one.
+        if self.evaluator and step > self.resume and self.evaluator.due(step):
             self.evaluated[step] = self.evaluate(step)
         return report
 

@@ -1,7 +1,8 @@
 """Evaluation during training: held-out prompts, sampled at one exact version, scored, recorded.
 
 Every `eval.every_steps` steps, at the last step, and for the version the run starts from,
-the trainer waits inside its publish hook while the fleet samples `eval.prompts` held-out
+the trainer waits (inside its publish hook; for the start version, before any rollout) while
+the fleet samples `eval.prompts` held-out
 prompts of each evaluated environment (`eval.samples_per_prompt` completions each, greedy by
 default). No publish can happen meanwhile, so every token is of the evaluated version: its spans
 say so, and `fleetrl verify` checks them (rundir.check_eval). Rollouts for training go on beside
@@ -45,13 +46,16 @@ def pass_at_k(samples: int, passed: int, k: int) -> float:
 
 class Evaluator:
     def __init__(self, orchestrator: Orchestrator, envs: list[RunEnv], config: EvalConfig, seed: int,
-                 held_out_only: bool, run_dir: RunDir, log=print) -> None:
+                 held_out_only: bool, run_dir: RunDir, last_step: int, log=print) -> None:
         """`envs`: what to evaluate on; `held_out_only`: they are the run's own environments,
-        evaluated on their held-out split alone (an environment without one is an EnvError)."""
+        evaluated on their held-out split alone (an environment without one is an EnvError);
+        `last_step`: run.max_steps."""
         self.orchestrator = orchestrator
         self.config = config
         self.run_dir = run_dir
+        self.last_step = last_step
         self.log = log
+        self.done = {line["version"] for line in run_dir.read_evals()}  # a resumed run's stand
         self.prompts = {e.name: [Drawn(e, task, f"{e.name}/{task.id}")
                                  for task in islice(eval_stream(e.env, seed, held_out_only), config.prompts)]
                         for e in envs}
@@ -62,10 +66,17 @@ class Evaluator:
         if self.chat is None and any(self.multi_turn.values()):
             self.chat = ChatTokens(orchestrator.tokenizer)
 
+    def due(self, version: int, start: bool = False) -> bool:
+        """Whether `version` is to be evaluated: the version the run starts from (`start`), every
+        eval.every_steps-th and the last; none twice (a resumed run keeps its earlier ones)."""
+        every = self.config.every_steps
+        return version not in self.done and (start or version % every == 0 or version == self.last_step)
+
     async def evaluate(self, version: int) -> dict[str, dict]:
         """Samples and scores every prompt at `version`, which the fleet must serve and keep
         serving meanwhile; writes the records and eval.jsonl's line; returns the figures."""
         started = time.time()
+        self.done.add(version)
         step = version + 1  # the step whose policy this is: an episode's k bound counts from it
         groups = await asyncio.gather(*(self._sample(step, index, drawn, version) for index, drawn in
                                         enumerate(d for prompts in self.prompts.values() for d in prompts)))
