@@ -385,6 +385,13 @@ class EnvEntry(Section):
         return self.env or self.name
 
 
+def _check_unique_names(entries: list[EnvEntry], key: str) -> None:
+    """Each environment's name is how the run reports it: two of one name would be merged."""
+    names = [entry.name for entry in entries]
+    if dupes := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError(f"{key}: the name {dupes[0]!r} is given to two environments")
+
+
 class OrchestratorConfig(Section):
     max_off_policy_steps: int = Field(
         1,
@@ -457,9 +464,7 @@ class OrchestratorConfig(Section):
         if self.envs and (self.env != OrchestratorConfig.model_fields["env"].default or self.env_options):
             raise ValueError("orchestrator.env / env_options and orchestrator.envs are both set: name one "
                              "environment with the first, or several with the second")
-        names = [entry.name for entry in self.envs]
-        if dupes := sorted({name for name in names if names.count(name) > 1}):
-            raise ValueError(f"orchestrator.envs: the name {dupes[0]!r} is given to two environments")
+        _check_unique_names(self.envs, "orchestrator.envs")
         return self
 
     def env_entries(self) -> list[EnvEntry]:
@@ -651,9 +656,7 @@ class EvalConfig(Section):
         if self.greedy and self.samples_per_prompt > 1:
             raise ValueError(f"eval.samples_per_prompt = {self.samples_per_prompt} needs eval.greedy = false: "
                              "greedy completions of one prompt are all the same")
-        names = [entry.name for entry in self.envs]
-        if dupes := sorted({name for name in names if names.count(name) > 1}):
-            raise ValueError(f"eval.envs: the name {dupes[0]!r} is given to two environments")
+        _check_unique_names(self.envs, "eval.envs")
         return self
 
 
