@@ -464,6 +464,12 @@ def verify_run(root: Path) -> str:
             f"{len(final['worker_versions'])} worker(s) at the final version {final['step']}")
 
 
+def eval_summary(figures: dict[str, dict]) -> str:
+    """An evaluation's figures in a line: each environment's reward and pass@1."""
+    return ", ".join(f"{name} reward {f['reward_mean']:.3f} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
+                     else f"{name} nothing scored" for name, f in figures.items())
+
+
 def check_eval(run_dir: RunDir, version: int) -> None:
     """Every token an evaluation of `version` scored is of that version."""
     for i, record in enumerate(read_json_lines(run_dir.eval_records_path(version), run_dir.log)):

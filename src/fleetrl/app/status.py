@@ -25,7 +25,7 @@ from fleetrl.config import Config, ConfigError, load_config
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import WorkerAdmin
 from fleetrl.inference.types import WorkerInfo
-from fleetrl.rundir import RunDir
+from fleetrl.rundir import RunDir, eval_summary
 from fleetrl.versions import version_name
 
 CHECKSUM_SHOWN = 12  # hex digits of a checksum: enough to tell versions apart at a glance
@@ -132,10 +132,7 @@ def last_evaluation(run: RunDir) -> str:
     evals = run.read_evals()
     if not evals:
         return ""
-    last = evals[-1]
-    return f"; evaluated at v{last['version']}: " + ", ".join(
-        f"{name} reward {f['reward_mean']:.3f} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
-        else f"{name} nothing scored" for name, f in last["envs"].items())
+    return f"; evaluated at v{evals[-1]['version']}: {eval_summary(evals[-1]['envs'])}"
 
 
 def running(run: RunDir) -> str:

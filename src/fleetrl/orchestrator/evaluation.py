@@ -33,7 +33,7 @@ from fleetrl.inference.types import GenerateRequest
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import run_episode
 from fleetrl.orchestrator.rollouts import Orchestrator, Scored
-from fleetrl.rundir import RunDir
+from fleetrl.rundir import RunDir, eval_summary
 
 
 def pass_at_k(samples: int, passed: int, k: int) -> float:
@@ -88,9 +88,7 @@ class Evaluator:
         seconds = time.time() - started
         self.run_dir.write_eval(version, records, {"version": version, "started": started, "seconds": seconds,
                                                    "envs": figures})
-        self.log(f"fleetrl: evaluated v{version} in {seconds:.1f} s: " + "; ".join(
-            f"{name} reward {f['reward_mean']:.3f} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
-            else f"{name}: nothing scored" for name, f in figures.items()))
+        self.log(f"fleetrl: evaluated v{version} in {seconds:.1f} s: {eval_summary(figures)}")
         return figures
 
     async def _sample(self, step: int, index: int, drawn: Drawn, version: int) -> list[tuple[Scored, dict]]:
