@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -275,28 +276,30 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     plans = [micro_batches(rank_units(units, r, world_size), cfg.micro_batch_tokens) for r in range(world_size)]
     mine = plans[rank] + [[]] * (max(len(p) for p in plans) - len(plans[rank]))
     workers = batch_workers(batch)
-    packed = [pack(micro, device, batch.step, workers) if micro else None for micro in mine]
-    previous_logprobs = score_previous_version(model, previous, batch, plans, packed)
+    # Packed when used, one micro-batch at a time, so that peak memory stays one micro-batch's.
+    packing = lambda micro: pack(micro, device, batch.step, workers)  # noqa: E731
+    previous_logprobs = score_previous_version(model, previous, batch, plans, packing)
     reference_logprobs = {}
     if cfg.loss.kl_coef > 0:
         if reference is None:
             raise ValueError(f"kl_coef = {cfg.loss.kl_coef} needs the reference model's weights")
-        reference_logprobs = logprobs_under(reference, model, packed,
-                                            [i for i, micro in enumerate(packed) if micro is not None], len(packed))
+        reference_logprobs = logprobs_under(reference, model, mine, packing,
+                                            [i for i, micro in enumerate(mine) if micro], len(mine))
 
     model.train()
     sums = torch.zeros(len(fields(LossStats)), dtype=torch.float64, device=device)
     mismatch = MismatchSums.zeros(len(workers), device)
-    for index, micro in enumerate(packed):
+    for index, micro in enumerate(mine):
         with compute_precision(model, device):
-            if micro is not None:
-                logprobs, entropy = token_logprobs(model, micro)
-                loss, stats = policy_loss(logprobs, micro.inference_logprobs, micro.advantages, micro.mask,
+            if micro:
+                packed = packing(micro)
+                logprobs, entropy = token_logprobs(model, packed)
+                loss, stats = policy_loss(logprobs, packed.inference_logprobs, packed.advantages, packed.mask,
                                           num_tokens, cfg.loss, reference_logprobs=reference_logprobs.get(index),
                                           entropy=entropy)
                 sums += stats.stack()
-                mismatch.add(mismatch_sums(logprobs, previous_logprobs.get(index), micro.inference_logprobs,
-                                           micro.lag, micro.mask, micro.worker, len(workers)))
+                mismatch.add(mismatch_sums(logprobs, previous_logprobs.get(index), packed.inference_logprobs,
+                                           packed.lag, packed.mask, packed.worker, len(workers)))
             else:
                 # Nothing left on this rank: a one-token forward whose loss is 0 joins the
                 # other ranks' collectives and adds zero gradient.
@@ -354,9 +357,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
 
 
 def score_previous_version(model: nn.Module, previous: KeptWeights | None, batch: Batch,
-                           plans: list[list[list[Unit]]], packed: list[PackedBatch | None]) -> dict[int, torch.Tensor]:
+                           plans: list[list[list[Unit]]],
+                           packing: Callable[[list[Unit]], PackedBatch]) -> dict[int, torch.Tensor]:
     """The logprobs under version step - 2 of this rank's micro-batches that hold a trained
-    token of that version, by index in `packed`; none where `previous` does not hold it."""
+    token of that version, by index in its plan; none where `previous` does not hold it."""
     behind = batch.step - 2
     if previous is None or previous.version != behind:
         return {}
@@ -367,20 +371,22 @@ def score_previous_version(model: nn.Module, previous: KeptWeights | None, batch
     most = max(sum(map(holds_behind, plan)) for plan in plans)
     if not most:
         return {}
-    mine = [i for i, micro in enumerate(plans[distributed.rank()]) if holds_behind(micro)]
-    return logprobs_under(previous, model, packed, mine, most)
+    plan = plans[distributed.rank()]
+    return logprobs_under(previous, model, plan, packing, [i for i, micro in enumerate(plan) if holds_behind(micro)],
+                          most)
 
 
-def logprobs_under(weights: KeptWeights, model: nn.Module, packed: list[PackedBatch | None], which: list[int],
+def logprobs_under(weights: KeptWeights, model: nn.Module, micro_batches: list[list[Unit]],
+                   packing: Callable[[list[Unit]], PackedBatch], which: list[int],
                    forwards: int) -> dict[int, torch.Tensor]:
-    """The logprobs of the micro-batches `which` (indices into `packed`) under `weights`, with no
-    gradient. Every rank runs `forwards` forwards (each is a collective on a sharded model),
-    those beyond `which` on a one-token input."""
+    """The logprobs of the micro-batches `which` (indices into `micro_batches`) under `weights`,
+    with no gradient. Every rank runs `forwards` forwards (each is a collective on a sharded
+    model), those beyond `which` on a one-token input."""
     device = next(model.parameters()).device
     out = {}
     with weights.swapped_in(model), torch.no_grad(), compute_precision(model, device):
         for i in which:
-            out[i] = token_logprobs(model, packed[i])[0]
+            out[i] = token_logprobs(model, packing(micro_batches[i]))[0]
         for _ in range(forwards - len(which)):
             model(input_ids=torch.full((1, 1), PAD_ID, device=device))
     return out
