@@ -17,8 +17,9 @@ so a reader never sees half a batch and a multi-node trainer only needs shared s
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
+from fleetrl.records import BatchMeta, read
 from fleetrl.versions import VersionSpan, off_policy_distance, trained_spans
 
 
@@ -58,7 +59,7 @@ class Batch:
     step: int
     samples: list[Sample]
     dropped: int = 0  # samples discarded for exceeding max_off_policy_steps
-    meta: dict = field(default_factory=dict)
+    meta: BatchMeta | None = None  # the orchestrator's (None: a batch made by hand, in tests)
 
     def distances(self) -> list[int]:
         return [off_policy_distance(self.step, s.trained_spans()) for s in self.samples]
@@ -70,4 +71,5 @@ class Batch:
     def from_json(cls, text: str) -> Batch:
         data = json.loads(text)
         samples = [Sample(**{**s, "spans": [VersionSpan(**sp) for sp in s["spans"]]}) for s in data["samples"]]
-        return cls(step=data["step"], samples=samples, dropped=data["dropped"], meta=data["meta"])
+        meta = read(BatchMeta, data["meta"], f"batch {data['step']}: meta") if data["meta"] is not None else None
+        return cls(step=data["step"], samples=samples, dropped=data["dropped"], meta=meta)

@@ -1,27 +1,31 @@
-"""The run's metrics, in the tools RL users already read: TensorBoard event files in the run
-directory (by default, offline) and, when `run.wandb` is set, Weights & Biases (offline unless
-`run.wandb_mode` says otherwise).
+"""Where each trainer step's line goes: one sink (`StepSink`) writes it, in this order, to
+metrics.jsonl (the record `fleetrl verify` reads), TensorBoard event files in the run directory
+(by default, offline), Weights & Biases when `run.wandb` is set (offline unless
+`run.wandb_mode` says otherwise), the live view on a terminal, and the printed step line.
 
-Each trainer step's metrics line (app/rl.py, the same one metrics.jsonl gets) is logged at its
-step: every number of the line under its own name, each worker's numbers under
-`worker/<id>/<name>`, each environment's under `env/<name>/<name>`, and each evaluation's under
-`eval/<environment>/<name>` at the evaluated version. metrics.jsonl stays the record `fleetrl verify` reads; these are views of it.
+In TensorBoard and W&B every number of the line is charted under its own name at its step,
+each worker's numbers under `worker/<id>/<name>`, each environment's under
+`env/<name>/<name>`, and each evaluation's under `eval/<environment>/<name>` at the evaluated
+version. metrics.jsonl stays the record; these are views of it.
 """
 
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
+from typing import Protocol
 
-from fleetrl.config import Config, RunConfig, to_toml
+from fleetrl.config import Config, to_toml
 from fleetrl.errors import FleetrlError
+from fleetrl.records import StepLine
+from fleetrl.rundir import RunDir
 
-# Fields of a metrics line that are no measure to chart: wall-clock stamps and identities.
+# Fields of a step line that are no measure to chart: wall-clock stamps and identities.
 NOT_CHARTED = ("step", "rollout_started", "rollout_finished", "train_started", "train_finished")
 
 
 def scalars(line: dict) -> dict[str, float]:
-    """The numbers of one metrics line, by chart name (None and text are left out)."""
+    """The numbers of one step line (as metrics.jsonl has it), by chart name (None and text are
+    left out)."""
     out = {key: float(value) for key, value in line.items()
            if key not in NOT_CHARTED and isinstance(value, int | float)}
     for nested, prefix in (("workers", "worker"), ("envs", "env"), ("eval", "eval")):
@@ -31,38 +35,91 @@ def scalars(line: dict) -> dict[str, float]:
     return out
 
 
-class Monitors:
-    """Where each step's metrics go besides metrics.jsonl; `close` flushes them all."""
+class StepView(Protocol):
+    """The live view, as the sink sees it (app/live.py)."""
 
-    def __init__(self, run: RunConfig, config: Config, tensorboard_dir: Path, wandb_dir: Path, log=print) -> None:
+    def step_done(self, step: int, detail: str) -> None: ...
+
+
+def kl_text(kl: float | None) -> str:
+    """A KL figure of the step line: `n/a` where no token measured it (mismatch_tokens = 0)."""
+    return f"{kl:.1e}" if kl is not None else "n/a"
+
+
+def step_text(line: StepLine, max_steps: int, dynamic_sampling: bool) -> str:
+    """The printed step line."""
+    loss = f"{line.loss:+.4f}" if line.loss is not None else "n/a"
+    return (f"step {line.step}/{max_steps}  reward {line.reward_mean:.3f}±{line.reward_std:.3f}  "
+            f"off-policy max {line.distance_max} mean {line.distance_mean:.2f}  dropped {line.dropped}  "
+            f"misversioned {line.misversioned}  reward failed {line.reward_failed}  empty {line.empty}  "
+            + (f"filtered {line.filtered}/{line.sampled_prompts} groups  " if dynamic_sampling else "")
+            + f"loss {loss}  mismatch {kl_text(line.mismatch_kl)}  staleness {kl_text(line.staleness_kl)}  "
+            f"lr {line.lr:.1e}  train {line.train_finished - line.train_started:.1f}s  publish {line.publish_s:.1f}s  "
+            f"workers at {sorted(set(line.worker_versions.values()))}")
+
+
+def outlier_texts(line: StepLine) -> list[str]:
+    """A line per worker whose mismatch_kl stands out from the others' (trainer/mismatch.py)."""
+    kl = {worker: w.mismatch_kl for worker, w in line.workers.items() if w.mismatch_kl is not None}
+    return [f"fleetrl: step {line.step}: worker {worker}'s mismatch_kl {kl[worker]:.2e} stands out from the other "
+            f"workers' ({', '.join(f'{v:.1e}' for w, v in kl.items() if w != worker)}): its engine disagrees with "
+            "the trainer at the same version" for worker in line.mismatch_outliers]
+
+
+class StepSink:
+    """Each step's line, to every place a user reads it; `close` flushes them all."""
+
+    def __init__(self, config: Config, run_dir: RunDir, view: StepView | None = None, log=print) -> None:
+        run = config.run
+        self.run_dir = run_dir
+        self.view = view
+        self.log = log
+        self.max_steps = run.max_steps
+        self.dynamic_sampling = config.orchestrator.dynamic_sampling
         self._tensorboard = self._wandb = None
         if run.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(log_dir=str(tensorboard_dir))
-            log(f"fleetrl: TensorBoard event files in {tensorboard_dir} (tensorboard --logdir {tensorboard_dir})")
+            self._tensorboard = SummaryWriter(log_dir=str(run_dir.tensorboard_dir))
+            log(f"fleetrl: TensorBoard event files in {run_dir.tensorboard_dir} "
+                f"(tensorboard --logdir {run_dir.tensorboard_dir})")
         if run.wandb:
             try:
                 import wandb
             except ImportError:
                 raise FleetrlError("run.wandb = true but the wandb package is not installed "
                                    "(pip install -e '.[wandb]')") from None
-            wandb_dir.mkdir(parents=True, exist_ok=True)
+            run_dir.wandb_dir.mkdir(parents=True, exist_ok=True)
             # The config as config.toml has it: no token reaches W&B's files or servers.
             # console="off": W&B would otherwise wrap this process's stdout to copy it to its files.
-            self._wandb = wandb.init(project=run.wandb_project, name=run.dir.name, dir=str(wandb_dir),
+            self._wandb = wandb.init(project=run.wandb_project, name=run.dir.name, dir=str(run_dir.wandb_dir),
                                      mode=run.wandb_mode, config=tomllib.loads(to_toml(config)),
                                      settings=wandb.Settings(console="off"))
-            log(f"fleetrl: W&B run {self._wandb.id} ({run.wandb_mode}) in {wandb_dir}")
+            log(f"fleetrl: W&B run {self._wandb.id} ({run.wandb_mode}) in {run_dir.wandb_dir}")
 
-    def log(self, line: dict) -> None:
+    def write(self, line: StepLine) -> None:
+        """metrics.jsonl first: a kill after it loses no step the record has."""
+        self.run_dir.append_metrics(line)
+        self._chart(line.step, line.to_dict())
+        if self.view is not None:
+            self.view.step_done(line.step, f"reward {line.reward_mean:.3f}")
+        for text in outlier_texts(line):
+            self.log(text)
+        self.log(step_text(line, self.max_steps, self.dynamic_sampling))
+
+    def write_eval(self, version: int, figures: dict[str, dict]) -> None:
+        """An evaluation no step's line carries (the version the run starts from): charted at its
+        version; eval.jsonl is its record (orchestrator/evaluation.py)."""
+        self._chart(version, {"eval": figures})
+
+    def _chart(self, step: int, line: dict) -> None:
         values = scalars(line)
         if self._tensorboard is not None:
             for name, value in values.items():
-                self._tensorboard.add_scalar(name, value, global_step=line["step"])
+                self._tensorboard.add_scalar(name, value, global_step=step)
             self._tensorboard.flush()  # a kill loses no step that metrics.jsonl has
         if self._wandb is not None:
-            self._wandb.log(values, step=line["step"])
+            self._wandb.log(values, step=step)
 
     def close(self) -> None:
         """Idempotent: the run closes them before its manifest, and again on any way out."""

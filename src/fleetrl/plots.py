@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 
+from fleetrl.records import FenceEvent, FleetEvent, SampleEvent, StepLine, TrainEvent, WorkerEvent
 from fleetrl.versions import VersionSpan, off_policy_distance
 
 # A worker serving ("ready") is drawn in its version's colour, full height; every other state
@@ -19,18 +20,18 @@ TRAIN_COLOR = "#37474f"  # a trainer step, from its batch to its optimizer step
 DROPPED_COLOR = "#ff00aa"  # the outline of a sample more than k versions behind
 
 
-def reward_plot(metrics: list[dict]) -> bytes:
-    return _plot(metrics, "mean reward", {"reward mean": [m["reward_mean"] for m in metrics]})
+def reward_plot(metrics: list[StepLine]) -> bytes:
+    return _plot(metrics, "mean reward", {"reward mean": [m.reward_mean for m in metrics]})
 
 
-def off_policy_plot(metrics: list[dict]) -> bytes:
+def off_policy_plot(metrics: list[StepLine]) -> bytes:
     return _plot(metrics, "off-policy distance", {
-        "max": [m["distance_max"] for m in metrics],
-        "mean": [m["distance_mean"] for m in metrics],
+        "max": [m.distance_max for m in metrics],
+        "mean": [m.distance_mean for m in metrics],
     })
 
 
-def timeline_plot(events: list[dict], k: int) -> bytes:
+def timeline_plot(events: list[FleetEvent], k: int) -> bytes:
     """Each trainer step and each worker's state over wall time (serving at vN in vN's colour,
     paused, updating, ...), publish fences as vertical bands, and below, one bar per sample from its start to its end,
     split where its tokens change version (at the token position, the bar read as the tokens in
@@ -39,11 +40,11 @@ def timeline_plot(events: list[dict], k: int) -> bytes:
     plt = _pyplot()
     from matplotlib.patches import Patch
 
-    t0 = min((e["t"] for e in events), default=0.0)
-    t_end = max((max(e["t"], e.get("end", e["t"])) for e in events), default=1.0)
-    workers = sorted({e["worker"] for e in events if e["event"] == "worker"})
+    t0 = min((e.t for e in events), default=0.0)
+    t_end = max((max(e.t, getattr(e, "end", e.t)) for e in events), default=1.0)
+    workers = sorted({e.worker for e in events if isinstance(e, WorkerEvent)})
     rows = workers + ["trainer"]  # the trainer's steps on the top row, above the workers
-    samples = sorted((e for e in events if e["event"] == "sample"), key=lambda e: (e["start"], e["step"], e["group"], e["sample"]))
+    samples = sorted((e for e in events if isinstance(e, SampleEvent)), key=lambda e: (e.start, e.step, e.group, e.sample))
     versions = sorted({v for e in events for v in _versions_of(e)} or {0})
     color = _version_colors(versions)
 
@@ -61,22 +62,22 @@ def timeline_plot(events: list[dict], k: int) -> bytes:
                 fill, hatch = STATE_STYLES.get(state, ("#ffffff", ""))
                 top.barh(row, end - start, left=start - t0, height=0.3, color=fill, hatch=hatch, edgecolor="#212121",
                          linewidth=0.5)
-    for train in (e for e in events if e["event"] == "train"):
-        top.barh(len(workers), train["end"] - train["start"], left=train["start"] - t0, height=0.6, color=TRAIN_COLOR)
+    for train in (e for e in events if isinstance(e, TrainEvent)):
+        top.barh(len(workers), train.end - train.start, left=train.start - t0, height=0.6, color=TRAIN_COLOR)
     top.set_yticks(range(len(rows)), rows, fontsize=7)
     top.set_ylim(-0.5, len(rows))
     top.set_title("trainer steps, and workers serving at vN in vN's colour (thin, hatched: not serving); "
                   "publish fences in yellow", fontsize=9)
     for row, sample in enumerate(samples):
-        duration = sample["end"] - sample["start"]
-        spans = [VersionSpan(v, start) for v, start in sample["spans"]]
-        tokens = max(1, sample["tokens"])
+        duration = sample.end - sample.start
+        spans = [VersionSpan(v, start) for v, start in sample.spans]
+        tokens = max(1, sample.tokens)
         for i, span in enumerate(spans):
             stop = spans[i + 1].start if i + 1 < len(spans) else tokens
-            bottom.barh(row, duration * (stop - span.start) / tokens, left=sample["start"] - t0 + duration * span.start / tokens,
+            bottom.barh(row, duration * (stop - span.start) / tokens, left=sample.start - t0 + duration * span.start / tokens,
                         height=0.8, color=color[span.version], edgecolor="none")
-        if spans and off_policy_distance(sample["step"], spans) > k:
-            bottom.barh(row, duration, left=sample["start"] - t0, height=0.8, fill=False, edgecolor=DROPPED_COLOR, linewidth=1.5)
+        if spans and off_policy_distance(sample.step, spans) > k:
+            bottom.barh(row, duration, left=sample.start - t0, height=0.8, fill=False, edgecolor=DROPPED_COLOR, linewidth=1.5)
     bottom.set_ylabel("samples", fontsize=8)
     bottom.set_yticks([])
     bottom.set_ylim(-0.5, max(1, len(samples)) - 0.5)
@@ -91,11 +92,11 @@ def timeline_plot(events: list[dict], k: int) -> bytes:
     return _png(fig)
 
 
-def _versions_of(event: dict) -> list[int]:
-    if event["event"] == "sample":
-        return [v for v, _ in event["spans"]]
-    if event["event"] == "worker" and event.get("version") is not None:
-        return [event["version"]]
+def _versions_of(event: FleetEvent) -> list[int]:
+    if isinstance(event, SampleEvent):
+        return [v for v, _ in event.spans]
+    if isinstance(event, WorkerEvent) and event.version is not None:
+        return [event.version]
     return []
 
 
@@ -110,23 +111,23 @@ def _version_colors(versions: list[int]) -> dict[int, str]:
     return {v: matplotlib.colors.to_hex(gradient(i / (len(versions) - 1))) for i, v in enumerate(versions)}
 
 
-def _fences(events: list[dict], t_end: float) -> list[tuple[float, float, int]]:
+def _fences(events: list[FleetEvent], t_end: float) -> list[tuple[float, float, int]]:
     """(start, end, version) of each publish fence; one the run did not see end ends with the run."""
     fences, open_at = [], {}
     for event in events:
-        if event["event"] == "fence":
-            if event["phase"] == "start":
-                open_at[event["version"]] = event["t"]
-            elif event["version"] in open_at:
-                fences.append((open_at.pop(event["version"]), event["t"], event["version"]))
+        if isinstance(event, FenceEvent):
+            if event.phase == "start":
+                open_at[event.version] = event.t
+            elif event.version in open_at:
+                fences.append((open_at.pop(event.version), event.t, event.version))
     return fences + [(start, t_end, version) for version, start in open_at.items()]
 
 
-def _states(events: list[dict], worker: str, t_end: float) -> list[tuple[float, float, str, int | None]]:
+def _states(events: list[FleetEvent], worker: str, t_end: float) -> list[tuple[float, float, str, int | None]]:
     """(start, end, state, version) of each stretch of one worker's states."""
-    changes = [e for e in events if e["event"] == "worker" and e["worker"] == worker]
-    ends = [e["t"] for e in changes[1:]] + [t_end]
-    return [(e["t"], end, e["state"], e.get("version")) for e, end in zip(changes, ends)]
+    changes = [e for e in events if isinstance(e, WorkerEvent) and e.worker == worker]
+    ends = [e.t for e in changes[1:]] + [t_end]
+    return [(e.t, end, e.state, e.version) for e, end in zip(changes, ends)]
 
 
 def _pyplot():
@@ -145,9 +146,9 @@ def _png(fig) -> bytes:
     return png.getvalue()
 
 
-def _plot(metrics: list[dict], ylabel: str, series: dict[str, list[float]]) -> bytes:
+def _plot(metrics: list[StepLine], ylabel: str, series: dict[str, list[float]]) -> bytes:
     plt = _pyplot()
-    steps = [m["step"] for m in metrics]
+    steps = [m.step for m in metrics]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, values in series.items():
         ax.plot(steps, values, marker="o", label=label)

@@ -58,6 +58,7 @@ from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import off_policy_plot, reward_plot, timeline_plot
+from fleetrl.records import FleetEvent, RolloutRecord, StepLine, event_to_dict, read, read_event
 from fleetrl.versions import off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -229,7 +230,7 @@ class RunDir:
                 for path in folder.glob(f"{STEP_PREFIX}*"):
                     if step_of(path) > resume:
                         path.unlink()
-            atomic_write(self.metrics_path, json_lines([m for m in metrics if m["step"] <= resume]), durable=True)
+            atomic_write(self.metrics_path, json_lines([m.to_dict() for m in metrics if m.step <= resume]), durable=True)
             if self.eval_path.exists():
                 atomic_write(self.eval_path, json_lines([e for e in self.read_evals() if e["version"] <= resume]),
                              durable=True)
@@ -238,7 +239,7 @@ class RunDir:
                              json_lines([e for e in episodes if episode_step(e) <= resume]), durable=True)
             if self.events_path.exists():  # the timeline keeps what happened, the redone steps too
                 self._events.close()  # its next line goes to the file written here, not the one replaced
-                atomic_write(self.events_path, json_lines(events), durable=True)
+                atomic_write(self.events_path, json_lines([event_to_dict(e) for e in events]), durable=True)
             atomic_write(self.config_path, config_text, durable=True)
             fsync_dir(self.root)
         except BaseException:
@@ -327,34 +328,40 @@ class RunDir:
             time.sleep(0.1)
         return self.read_batch(step)
 
-    def write_rollouts(self, step: int, records: list[dict]) -> Path:
-        return atomic_write(self.rollouts_path(step), json_lines(records))
+    def write_rollouts(self, step: int, records: list[RolloutRecord]) -> Path:
+        return atomic_write(self.rollouts_path(step), json_lines([r.to_dict() for r in records]))
 
-    def append_metrics(self, line: dict) -> None:
-        append_line(self.metrics_path, json.dumps(line))
+    def append_metrics(self, line: StepLine) -> None:
+        append_line(self.metrics_path, json.dumps(line.to_dict()))
 
-    def write_eval(self, version: int, records: list[dict], line: dict) -> None:
+    def write_eval(self, version: int, records: list[RolloutRecord], line: dict) -> None:
         """One evaluation: its records, then its line in eval.jsonl."""
-        atomic_write(self.eval_records_path(version), json_lines(records))
+        atomic_write(self.eval_records_path(version), json_lines([r.to_dict() for r in records]))
         append_line(self.eval_path, json.dumps(line))
+
+    def read_eval_records(self, version: int) -> list[RolloutRecord]:
+        path = self.eval_records_path(version)
+        return [read(RolloutRecord, data, f"{path}: record {i}") for i, data in enumerate(read_json_lines(path, self.log), 1)]
 
     def read_evals(self) -> list[dict]:
         return read_json_lines(self.eval_path, self.log)
 
-    def read_metrics(self) -> list[dict]:
-        return read_json_lines(self.metrics_path, self.log)
+    def read_metrics(self) -> list[StepLine]:
+        return [read(StepLine, data, f"{self.metrics_path}: record {i}")
+                for i, data in enumerate(read_json_lines(self.metrics_path, self.log), 1)]
 
     def write_final(self, final: dict) -> Path:
         return atomic_write(self.final_path, json.dumps(final, indent=1))
 
-    def append_event(self, event: dict) -> None:
-        """One event of the timeline (events.jsonl), stamped with the wall time now; written
+    def append_event(self, event: FleetEvent) -> None:
+        """One event of the timeline (events.jsonl), stamped with its wall time (`t`); written
         and synced by a thread of its own (`read_events` and `close` wait for it)."""
-        self._events.append(json.dumps({"t": time.time(), **event}))
+        self._events.append(json.dumps(event_to_dict(event)))
 
-    def read_events(self) -> list[dict]:
+    def read_events(self) -> list[FleetEvent]:
         self._events.flush()
-        return read_json_lines(self.events_path, self.log)
+        return [read_event(data, f"{self.events_path}: record {i}")
+                for i, data in enumerate(read_json_lines(self.events_path, self.log), 1)]
 
     def write_plots(self) -> list[Path]:
         """reward.png and off_policy.png from the metrics, timeline.png from the events."""
@@ -441,11 +448,11 @@ def verify_run(root: Path) -> str:
     if not metrics:
         raise VerifyError("metrics.jsonl has no step")
     for line in metrics:
-        if line["distance_max"] > k:
-            raise VerifyError(f"step {line['step']}: off-policy distance {line['distance_max']} > k = {k}")
+        if line.distance_max > k:
+            raise VerifyError(f"step {line.step}: off-policy distance {line.distance_max} > k = {k}")
     samples = 0
     for line in metrics:
-        batch = run_dir.read_batch(line["step"])
+        batch = run_dir.read_batch(line.step)
         for i, sample in enumerate(batch.samples):
             if sample.turns is not None:
                 check_turns(f"step {batch.step}: sample {i}", sample)
@@ -456,12 +463,12 @@ def verify_run(root: Path) -> str:
     for line in run_dir.read_evals():
         check_eval(run_dir, line["version"])
     final = metrics[-1]
-    for worker, version in final["worker_versions"].items():
-        if version != final["step"]:
-            raise VerifyError(f"worker {worker} ended at version {version}, not the final version {final['step']}")
+    for worker, version in final.worker_versions.items():
+        if version != final.step:
+            raise VerifyError(f"worker {worker} ended at version {version}, not the final version {final.step}")
     return (f"{run_dir.root}: {len(listed)} artifacts match the manifest; {len(metrics)} steps, {samples} trained "
-            f"samples, max off-policy distance {max(m['distance_max'] for m in metrics)} <= k = {k}; "
-            f"{len(final['worker_versions'])} worker(s) at the final version {final['step']}")
+            f"samples, max off-policy distance {max(m.distance_max for m in metrics)} <= k = {k}; "
+            f"{len(final.worker_versions)} worker(s) at the final version {final.step}")
 
 
 def eval_summary(figures: dict[str, dict]) -> str:
@@ -472,10 +479,10 @@ def eval_summary(figures: dict[str, dict]) -> str:
 
 def check_eval(run_dir: RunDir, version: int) -> None:
     """Every token an evaluation of `version` scored is of that version."""
-    for i, record in enumerate(read_json_lines(run_dir.eval_records_path(version), run_dir.log)):
-        if record["drop_reason"] is None and {v for v, _ in record["spans"]} != {version}:
-            raise VerifyError(f"the evaluation of v{version}: sample {i} ({record['task']}) holds tokens of "
-                              f"versions {sorted({v for v, _ in record['spans']})}")
+    for i, record in enumerate(run_dir.read_eval_records(version)):
+        if record.drop_reason is None and {v for v, _ in record.spans} != {version}:
+            raise VerifyError(f"the evaluation of v{version}: sample {i} ({record.task}) holds tokens of "
+                              f"versions {sorted({v for v, _ in record.spans})}")
 
 
 def check_turns(where: str, sample: Sample) -> None:

@@ -173,7 +173,7 @@ async def test_a_publish_between_turns_gives_the_later_turns_the_new_version():
     pending = asyncio.create_task(orch.make_batch(2))  # admitted at v0 with k = 1
     await publish_once_answers_wait(fleet, env, published, transport)
     batch = await pending
-    assert batch.dropped == 0 and batch.meta["distance_max"] == 1
+    assert batch.dropped == 0 and batch.meta.distance_max == 1
     for sample in batch.samples:
         (first, _), (second, _) = sample.turns
         versions = {s.start: s.version for s in sample.spans}
@@ -211,7 +211,7 @@ async def test_partial_episodes_go_on_and_train_only_the_turns_within_k(monkeypa
     pending = asyncio.create_task(orch.make_batch(2))  # k = 0 wants v1; the first turns run at v0
     await publish_once_answers_wait(fleet, env, published, transport)
     batch = await pending
-    assert len(batch.samples) == 4 and batch.meta["distance_max"] == 0
+    assert len(batch.samples) == 4 and batch.meta.distance_max == 0
     for sample in batch.samples:
         (first_start, first_end), (second_start, second_end) = sample.turns
         # Exact spans over every model token; those of v0 are context now.

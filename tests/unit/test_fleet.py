@@ -1,6 +1,7 @@
 """The fleet coordinator against an in-process fake provider: states, routing, the fence."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,7 @@ from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightS
 from fleetrl.inference.http import SINGLE_TRY
 from fleetrl.inference.provider import ImpostorWorker, WorkerCallError
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState
+from fleetrl.records import FenceEvent, WorkerEvent
 from fleetrl.versions import VersionSpan
 
 from .fake_fleet import FakeEngine, FakeProvider, FakeTransport
@@ -146,11 +148,12 @@ async def test_the_fleet_tells_of_every_state_change_and_fence():
     fleet.on_event = events.append
     transport.corrupt_worker = "b"
     report = await fleet.publish(1, transport, weights)
-    assert events[0] == {"event": "fence", "phase": "start", "version": 1}
-    assert events[-1] == {"event": "fence", "phase": "end", "version": 1, "ready": ["a"]}
-    states = {w: [(e["state"], e["version"]) for e in events if e.get("worker") == w] for w in ("a", "b")}
+    assert replace(events[0], t=0) == FenceEvent(phase="start", version=1, t=0)
+    assert replace(events[-1], t=0) == FenceEvent(phase="end", version=1, ready=["a"], t=0)
+    states = {w: [(e.state, e.version) for e in events if isinstance(e, WorkerEvent) and e.worker == w]
+              for w in ("a", "b")}
     assert states == {"a": [("paused", 0), ("updating", 0), ("ready", 1)], "b": [("paused", 0), ("updating", 0), ("stale", 0)]}
-    assert "checksum" in next(e["error"] for e in events if e.get("state") == "stale")
+    assert "checksum" in next(e.error for e in events if isinstance(e, WorkerEvent) and e.state == "stale")
     assert list(report.worker_seconds) == ["a"] and 0 < report.worker_seconds["a"] <= report.seconds
     await fleet.close()
     fleet, provider, transport = await started("a")
@@ -158,7 +161,7 @@ async def test_the_fleet_tells_of_every_state_change_and_fence():
     transport.corrupt_worker = "a"
     with pytest.raises(PublishError):  # a fence that fails still ends, with no worker ready
         await fleet.publish(1, transport, weights)
-    assert events[-1] == {"event": "fence", "phase": "end", "version": 1, "ready": []}
+    assert replace(events[-1], t=0) == FenceEvent(phase="end", version=1, ready=[], t=0)
     await fleet.close()
 
 

@@ -1,41 +1,73 @@
-"""Each step's metrics in TensorBoard event files and in an offline W&B run (real packages)."""
+"""The step sink: each step's line in metrics.jsonl, TensorBoard event files, an offline W&B run
+(real packages), the live view and the printed line, all from the one record."""
+
+from dataclasses import replace
 
 import psutil
 
 from fleetrl.config import Config
-from fleetrl.monitoring import Monitors, scalars
+from fleetrl.monitoring import StepSink, scalars, step_text
+from fleetrl.records import StepWorker
+from fleetrl.rundir import RunDir
 
-LINE = {"step": 1, "reward_mean": 0.25, "loss": None, "dropped": 0, "checksum": "abc", "rollout_started": 1e9,
-        "worker_versions": {"w0": 1},
-        "workers": {"w0": {"version": 1, "completions": 8, "completion_tokens": 96, "tokens_per_s": 12.0,
-                           "publish_s": 0.5}}}
+from .step_lines import LINE
+
+def test_scalars_are_the_numbers_of_a_line_each_workers_and_each_environments():
+    values = scalars(LINE.to_dict())
+    assert values["reward_mean"] == 0.25 and values["dropped"] == 0.0 and values["lr"] == 2e-5
+    assert "loss" not in values and "checksum" not in values and "rollout_started" not in values
+    assert {k: v for k, v in values.items() if k.startswith("worker/")} == {
+        "worker/w0/version": 1.0, "worker/w0/completions": 8.0, "worker/w0/completion_tokens": 96.0,
+        "worker/w0/tokens_per_s": 12.0, "worker/w0/mismatch_kl": 1e-10, "worker/w0/publish_s": 0.5}
+    assert values["env/reverse/trained_samples"] == 8.0
 
 
-def test_scalars_are_the_numbers_of_a_line_and_each_workers():
-    assert scalars(LINE) == {"reward_mean": 0.25, "dropped": 0.0, "worker/w0/version": 1.0,
-                             "worker/w0/completions": 8.0, "worker/w0/completion_tokens": 96.0,
-                             "worker/w0/tokens_per_s": 12.0, "worker/w0/publish_s": 0.5}
+def test_the_printed_line_says_n_a_for_what_measured_nothing():
+    text = step_text(replace(LINE, mismatch_kl=None), 10, dynamic_sampling=False)
+    assert text.startswith("step 1/10  reward 0.250±0.100  off-policy max 1 mean 0.50")
+    assert "loss n/a" in text and "mismatch n/a" in text and "staleness 1.0e-02" in text
+    assert "train 4.0s  publish 1.5s  workers at [1]" in text and "filtered" not in text
+    assert "filtered 0/2 groups" in step_text(LINE, 10, dynamic_sampling=True)
 
 
-def test_steps_reach_tensorboard_and_wandb_offline_without_the_tokens(tmp_path):
+def test_one_write_reaches_metrics_tensorboard_wandb_offline_the_view_and_the_log_without_the_tokens(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config = Config()
     config.run.wandb = True
+    config.run.max_steps = 2
     config.inference.admin_token = "secret-admin-token-123"
-    monitors = Monitors(config.run, config, tmp_path / "tensorboard", tmp_path / "wandb", log=lambda *_: None)
-    monitors.log(LINE)
-    monitors.log({**LINE, "step": 2, "reward_mean": 0.75})
-    monitors.close()
-    monitors.close()  # idempotent
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    shown, logged = [], []
 
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    class View:
+        def step_done(self, step: int, detail: str) -> None:
+            shown.append((step, detail))
+
+    sink = StepSink(config, run_dir, View(), log=logged.append)
+    sink.write_eval(0, {"reverse": {"reward_mean": 0.5, "pass@1": 0.25}})
+    sink.write(LINE)
+    outlier = StepWorker(version=2, mismatch_kl=1e-2)
+    sink.write(replace(LINE, step=2, reward_mean=0.75, mismatch_outliers=["w1"],
+                       workers={**LINE.workers, "w1": outlier}))
+    sink.close()
+    sink.close()  # idempotent
+
+    assert run_dir.read_metrics() == [LINE, replace(LINE, step=2, reward_mean=0.75, mismatch_outliers=["w1"],
+                                                    workers={**LINE.workers, "w1": outlier})]
+    assert shown == [(1, "reward 0.250"), (2, "reward 0.750")]
+    assert [line for line in logged if line.startswith("step ")] == [
+        step_text(LINE, 2, False), step_text(replace(LINE, step=2, reward_mean=0.75), 2, False)]
+    assert any("worker w1's mismatch_kl 1.00e-02 stands out" in line for line in logged), logged
+    events = EventAccumulator(str(run_dir.tensorboard_dir))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/reverse/pass@1")] == [(0, 0.25)]
     assert [e.value for e in events.Scalars("worker/w0/tokens_per_s")] == [12.0, 12.0]
-    (run,) = (tmp_path / "wandb" / "wandb").glob("offline-run-*")
+    (run,) = (run_dir.wandb_dir / "wandb").glob("offline-run-*")
     assert list(run.glob("*.wandb")), list(run.iterdir())
-    for path in (tmp_path / "wandb").rglob("*"):
+    for path in run_dir.root.rglob("*"):
         if path.is_file():
             assert b"secret-admin-token-123" not in path.read_bytes(), path
     assert not [p for p in psutil.Process().children(recursive=True) if "wandb" in " ".join(p.cmdline())]

@@ -81,7 +81,7 @@ async def test_batch_has_groups_with_normalized_advantages():
     for g in range(3):
         advantages = [s.advantage for s in batch.samples if s.group == g]
         assert abs(sum(advantages)) < 1e-6
-    assert batch.meta["distance_max"] == 0 and batch.meta["dispatch_version"] == 0
+    assert batch.meta.distance_max == 0 and batch.meta.dispatch_version == 0
     await fleet.close()
 
 
@@ -92,7 +92,7 @@ async def test_admission_waits_for_the_version_k_allows():
     assert not pending.done()
     await fleet.publish(1, transport, weights)
     batch = await pending
-    assert batch.meta["dispatch_version"] == 1 and batch.meta["distance_max"] == 0
+    assert batch.meta.dispatch_version == 1 and batch.meta.distance_max == 0
     await fleet.close()
 
 
@@ -104,7 +104,7 @@ async def test_publish_mid_rollout_stays_within_the_bound():
     await asyncio.sleep(0.02)
     await fleet.publish(2, transport, weights)
     batch = await pending
-    assert batch.dropped == 0 and batch.meta["distance_max"] == 1
+    assert batch.dropped == 0 and batch.meta.distance_max == 1
     assert any(len(s.spans) == 2 for s in batch.samples)
     await fleet.close()
 
@@ -133,7 +133,7 @@ async def test_samples_from_a_worker_at_the_wrong_version_are_rejected_and_count
     rejected = [r for r in written if r["version_error"]]
     assert rejected and all(r["worker"] == "a" and not r["trained"] and r["drop_reason"] == "misversioned"
                             for r in rejected)
-    assert batch.meta["misversioned"] == len(rejected) and batch.dropped == 0
+    assert batch.meta.misversioned == len(rejected) and batch.dropped == 0
     assert len(batch.samples) == 12 - len(rejected) and all(s.spans[0].version == 0 for s in batch.samples)
     trained = [r for r in written if r["trained"]]
     assert {r["worker"] for r in trained} == {"b"} and len(trained) == len(batch.samples)
@@ -168,12 +168,12 @@ async def test_dynamic_sampling_drops_flat_groups_and_samples_more_until_the_bat
     assert sorted({r["task"] for r in rollouts}) == [f"t0-{i}" for i in range(6)]
     assert {r["task"] for r in rollouts if r["trained"]} == {"t0-1", "t0-3", "t0-5"}
     assert {r["task"] for r in rollouts if r["drop_reason"] == "filtered"} == {"t0-0", "t0-2", "t0-4"}
-    assert batch.meta["sampled_prompts"] == 6 and batch.meta["filtered"] == 3
-    assert batch.meta["dropped_by"] == {"filtered": 12}
-    assert batch.meta["generated"]["samples"] == 24 and batch.meta["trained"]["samples"] == 12
-    assert batch.meta["generated"]["reward_mean"] == pytest.approx(
+    assert batch.meta.sampled_prompts == 6 and batch.meta.filtered == 3
+    assert batch.meta.dropped_by == {"filtered": 12}
+    assert batch.meta.generated.samples == 24 and batch.meta.trained.samples == 12
+    assert batch.meta.generated.reward_mean == pytest.approx(
         sum(r["reward"] for r in rollouts) / 24)
-    assert batch.meta["trained"]["reward_mean"] == pytest.approx(
+    assert batch.meta.trained.reward_mean == pytest.approx(
         sum(r["reward"] for r in rollouts if r["trained"]) / 12)
     assert len({s.group for s in batch.samples}) == 3 and all(s.advantage != 0 for s in batch.samples)
     await fleet.close()
@@ -182,7 +182,7 @@ async def test_dynamic_sampling_drops_flat_groups_and_samples_more_until_the_bat
 async def test_dynamic_sampling_stops_at_its_bound_and_trains_the_groups_it_has():
     fleet, orch, _ = await make(k=1, env=Env(even_tasks_flat), dynamic_sampling=True, dynamic_sampling_prompts=4)
     batch = await orch.make_batch(1)
-    assert batch.meta["sampled_prompts"] == 4 and batch.meta["filtered"] == 2
+    assert batch.meta.sampled_prompts == 4 and batch.meta.filtered == 2
     assert {r["task"] for r in records(orch, 1) if r["trained"]} == {"t0-1", "t0-3"}
     # Step 2 draws from its own window of 4 tasks, t0-4 onwards, whatever step 1 left unused.
     await orch.make_batch(2)
@@ -194,7 +194,7 @@ async def test_a_batch_whose_every_group_is_flat_trains_them_as_sampled():
     lines = []
     fleet, orch, _ = await make(env=Env(lambda rollout: 1.0), dynamic_sampling=True, log=lines.append)
     batch = await orch.make_batch(1)
-    assert batch.meta["sampled_prompts"] == 9 and batch.meta["filtered"] == 0  # 3 x batch_prompts, then given up
+    assert batch.meta.sampled_prompts == 9 and batch.meta.filtered == 0  # 3 x batch_prompts, then given up
     assert len(batch.samples) == 36 and all(s.advantage == 0 for s in batch.samples)
     assert any("the rewards of every group were equal" in line for line in lines), lines
     await fleet.close()
@@ -203,7 +203,7 @@ async def test_a_batch_whose_every_group_is_flat_trains_them_as_sampled():
 async def test_without_dynamic_sampling_a_flat_group_is_trained_and_nothing_more_is_sampled():
     fleet, orch, _ = await make(env=Env(even_tasks_flat))
     batch = await orch.make_batch(1)
-    assert batch.meta["sampled_prompts"] == 3 and batch.meta["filtered"] == 0 and batch.meta["dropped_by"] == {}
+    assert batch.meta.sampled_prompts == 3 and batch.meta.filtered == 0 and batch.meta.dropped_by == {}
     assert len(batch.samples) == 12
     await fleet.close()
 
@@ -266,14 +266,14 @@ async def test_a_failed_reward_drops_its_sample_and_the_batch_goes_on(bad, error
     batch = await orch.make_batch(1)
     written = records(orch, 1)
     failed = [r for r in written if r["drop_reason"] == "reward_failed"]
-    assert len(failed) == 4 and batch.meta["reward_failed"] == 4 and len(batch.samples) == 8
+    assert len(failed) == 4 and batch.meta.reward_failed == 4 and len(batch.samples) == 8
     for r in failed:
         assert not r["trained"] and r["reward"] is None and r["advantage"] is None
         assert re.fullmatch(f"env fake: reward of task {r['task']} {error}", r["reward_error"])
     # Advantages are relative to the samples of the group that have a reward.
     for g in {s.group for s in batch.samples}:
         assert abs(sum(s.advantage for s in batch.samples if s.group == g)) < 1e-6
-    assert batch.meta["reward_mean"] == pytest.approx(sum(s.reward for s in batch.samples) / 8)
+    assert batch.meta.reward_mean == pytest.approx(sum(s.reward for s in batch.samples) / 8)
     (line,) = [m for m in logged if "reward failed" in m]  # once per batch
     assert line.startswith("fleetrl: batch 1: dropped 4 sample(s) whose reward failed (the first: env fake: reward of task")
     await fleet.close()
@@ -286,7 +286,7 @@ async def test_rewards_that_keep_hanging_end_the_run_instead_of_piling_up_thread
     monkeypatch.setattr(threads, "_hung", {})  # none left by an earlier test's hung rewards
     fleet, orch, _ = await make(k=1, env=Env(every_third_sample(hang)), reward_timeout_s=2)  # k = 1: no publish
     batch = await orch.make_batch(1)  # its 4 hung rewards dropped, the batch goes on
-    assert batch.meta["reward_failed"] == 4 and len(threads._hung) == 4
+    assert batch.meta.reward_failed == 4 and len(threads._hung) == 4
     started = sum(t.name == "fleetrl-user-code" for t in threading.enumerate())
     with pytest.raises(threads.HungUserCode, match=r"^4 calls of user code still run past their time limits, each "
                                                    r"holding a thread that Python cannot stop \(the last given up "
@@ -353,7 +353,7 @@ async def test_an_empty_completion_is_dropped_and_counted(monkeypatch):
     monkeypatch.setattr(fleet, "generate", first_completion_empty)
     batch = await orch.make_batch(1)
     empty = [r for r in records(orch, 1) if r["drop_reason"] == "empty"]
-    assert len(empty) == 3 and batch.meta["empty"] == 3 and len(batch.samples) == 9
+    assert len(empty) == 3 and batch.meta.empty == 3 and len(batch.samples) == 9
     assert all(not r["trained"] and r["completion"] == "" and r["distance"] is None for r in empty)
     assert "fleetrl: batch 1: dropped 3 empty completion(s)" in logged
     await fleet.close()
@@ -377,10 +377,10 @@ async def test_several_environments_each_give_whole_groups_and_are_reported_apar
         by_group.setdefault(r["group"], set()).add((r["env"], r["task"].split("/")[0]))
     assert all(len(names) == 1 for names in by_group.values()), by_group  # a group is one environment's
     assert all(env == prefix for names in by_group.values() for env, prefix in names)  # ids say whose
-    figures = batch.meta["envs"]
-    assert sum(f["groups"] for f in figures.values()) == 3
+    figures = batch.meta.envs
+    assert sum(f.groups for f in figures.values()) == 3
     if "flat" in figures:
-        assert figures["flat"]["reward_mean"] == 0.25
+        assert figures["flat"].reward_mean == 0.25
     assert {s.env for s in batch.samples} == set(figures)
     # The same seed draws the same environments and tasks, and a resume skips to the same place.
     fleet2, again, _ = await make(k=2, envs=envs)

@@ -8,6 +8,8 @@ import numpy as np
 from fleetrl.cli import main
 from fleetrl.config import Config, to_toml
 
+from .step_lines import step_dict
+
 T = 1000.0
 
 
@@ -54,8 +56,8 @@ def test_plot_draws_the_timeline_from_the_events_and_the_same_bytes_again(tmp_pa
     config.orchestrator.max_off_policy_steps = 1
     (run / "config.toml").write_text(to_toml(config))
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EVENTS))
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5, "distance_max": 0,
-                                                   "distance_mean": 0.0}) + "\n")
+    (run / "metrics.jsonl").write_text(json.dumps(step_dict(1, reward_mean=0.5, distance_max=0,
+                                                            distance_mean=0.0)) + "\n")
     assert main(["plot", str(run)]) == 0
     out = capsys.readouterr().out
     pngs = {name: (run / name).read_bytes() for name in ("reward.png", "off_policy.png", "timeline.png")}

@@ -14,8 +14,11 @@ from fleetrl.batch import Batch, Sample
 from fleetrl.config import load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write
+from fleetrl.records import FenceEvent, RecordError, SampleEvent
 from fleetrl.rundir import RunDir, VerifyError, step_name, step_of, verify_run
 from fleetrl.versions import VersionSpan
+
+from .step_lines import step_dict, step_line
 
 
 def sample(spans):
@@ -31,8 +34,8 @@ def make_run(tmp_path, k=1, steps=3):
     for step in range(1, steps + 1):
         oldest = max(0, step - 1 - k)
         RunDir(run).write_batch(Batch(step, [sample([(oldest, 0), (step - 1, 2)])]))
-        lines.append({"step": step, "distance_max": (step - 1) - oldest,
-                      "worker_versions": {"vllm-0": step, "vllm-1": step}})
+        lines.append(step_dict(step, distance_max=(step - 1) - oldest,
+                               worker_versions={"vllm-0": step, "vllm-1": step}))
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     (run / "logs").mkdir()
     (run / "logs" / "vllm-0.log").write_text("logs are not in the manifest")
@@ -105,10 +108,10 @@ def test_step_names_round_trip():
 
 def test_a_resumed_run_drops_the_steps_after_its_checkpoint(tmp_path):
     run = RunDir(make_run(tmp_path))
-    run.write_rollouts(3, [{"step": 3}])
+    run.write_rollouts(3, [])
     config = load_config([run.config_path], [])
     run.start(config, resume=2)
-    assert [m["step"] for m in run.read_metrics()] == [1, 2]
+    assert [m.step for m in run.read_metrics()] == [1, 2]
     assert sorted(p.name for p in run.batches_dir.iterdir()) == [step_name(1) + ".json", step_name(2) + ".json"]
     assert not run.rollouts_path(3).exists()
     run.close()
@@ -155,15 +158,15 @@ def test_a_resume_drops_a_torn_last_event(tmp_path):
     """A kill mid-append tore the timeline's last line; appended after, it became a damaged
     middle line, and `fleetrl plot` and the run's finish failed on it."""
     run = RunDir(make_run(tmp_path))
-    run.append_event({"event": "fence", "phase": "start", "version": 3})
+    run.append_event(FenceEvent(phase="start", version=3))
     assert len(run.read_events()) == 1  # on disk: the kill comes after it
     with open(run.events_path, "a") as f:
         f.write('{"t": 1, "event": "fen')
     warnings = []
     run.log = warnings.append
     run.start(load_config([run.config_path], []), resume=3)
-    run.append_event({"event": "fence", "phase": "start", "version": 4})
-    assert [e["version"] for e in run.read_events()] == [3, 4]
+    run.append_event(FenceEvent(phase="start", version=4))
+    assert [e.version for e in run.read_events()] == [3, 4]
     assert any("torn" in line for line in warnings)
     run.close()
 
@@ -297,7 +300,7 @@ def contents(root):
 ])
 def test_a_resume_that_changes_what_the_run_means_is_refused_and_changes_nothing(tmp_path, field, value, message):
     run = RunDir(make_run(tmp_path))
-    run.write_rollouts(3, [{"step": 3}])
+    run.write_rollouts(3, [])
     before = contents(run.root)
     changed = load_config([run.config_path], [(field, value)])
     with pytest.raises(FleetrlError, match=rf"^run.dir {run.root}: resume with {re.escape(message)}; a resumed run "
@@ -324,8 +327,8 @@ def test_metric_lines_are_synced_to_disk_as_they_are_appended(tmp_path, monkeypa
     synced = []
     monkeypatch.setattr(files.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
     run = RunDir(tmp_path)
-    run.append_metrics({"step": 1})
-    assert synced == [str(run.metrics_path)] and run.read_metrics() == [{"step": 1}]
+    run.append_metrics(step_line(1))
+    assert synced == [str(run.metrics_path)] and run.read_metrics() == [step_line(1)]
 
 
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_by_the_resume(tmp_path):
@@ -333,12 +336,12 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_by_the_resume(tm
     run = RunDir(make_run(tmp_path), log=warnings.append)
     with open(run.metrics_path, "a") as f:
         f.write('{"step": 4, "distance_m')  # killed mid-append
-    assert [m["step"] for m in run.read_metrics()] == [1, 2, 3]
+    assert [m.step for m in run.read_metrics()] == [1, 2, 3]
     assert warnings == [f"fleetrl: {run.metrics_path}: dropped its last line 4, torn by a kill mid-write"]
     run.start(load_config([run.config_path], []), resume=3)
-    assert run.metrics_path.read_text().endswith("}\n") and [m["step"] for m in run.read_metrics()] == [1, 2, 3]
-    run.append_metrics({"step": 4})
-    assert [m["step"] for m in run.read_metrics()] == [1, 2, 3, 4]
+    assert run.metrics_path.read_text().endswith("}\n") and [m.step for m in run.read_metrics()] == [1, 2, 3]
+    run.append_metrics(step_line(4))
+    assert [m.step for m in run.read_metrics()] == [1, 2, 3, 4]
 
 
 def test_a_bad_metrics_line_before_the_last_is_an_error_naming_it(tmp_path):
@@ -348,6 +351,23 @@ def test_a_bad_metrics_line_before_the_last_is_an_error_naming_it(tmp_path):
     run.metrics_path.write_text("\n".join(lines) + "\n")
     with pytest.raises(FleetrlError, match=rf"^{run.metrics_path}: line 2 is not JSON .*only the last line may be torn"):
         run.read_metrics()
+
+
+def test_a_metrics_line_that_is_no_step_line_is_an_error_naming_the_file_record_and_keys(tmp_path):
+    run = RunDir(make_run(tmp_path))
+    lines = [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
+    del lines[1]["lr"]
+    lines[1]["kl"] = 0.1  # a figure no StepLine has
+    run.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    with pytest.raises(RecordError, match=rf"^{run.metrics_path}: record 2: not a StepLine: unknown kl; missing lr$"):
+        run.read_metrics()
+
+
+def test_an_event_of_no_known_kind_is_an_error_naming_it(tmp_path):
+    run = RunDir(tmp_path)
+    files.append_line(run.events_path, json.dumps({"t": 1.0, "event": "nap", "step": 1}))
+    with pytest.raises(RecordError, match=r"record 1: not an event of the timeline \(event: 'nap'"):
+        run.read_events()
 
 
 def episode(step):
@@ -398,8 +418,8 @@ def test_events_are_synced_off_the_thread_that_appends_them(tmp_path, monkeypatc
     fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced_on.append(threading.current_thread()), fsync(fd))[1])
     for i in range(50):
-        run.append_event({"event": "sample", "sample": i})
-    assert [e["sample"] for e in run.read_events()] == list(range(50))  # in order, all synced
+        run.append_event(SampleEvent(step=1, group=0, sample=i, worker="w0", start=0.0, end=1.0, tokens=1, spans=[[0, 0]]))
+    assert [e.sample for e in run.read_events()] == list(range(50))  # in order, all synced
     assert synced_on and threading.current_thread() not in synced_on
     run.close()
     assert len(run.events_path.read_text().splitlines()) == 50

@@ -10,6 +10,8 @@ from fleetrl.config import Config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.types import RankWeights, WorkerInfo, WorkerRole
 
+from .step_lines import step_dict
+
 
 class Admin:
     def __init__(self, healthy=True, version=3, paused=False, ranks=(RankWeights("ab" * 32, 100.0, False),),
@@ -69,7 +71,7 @@ def finished_run(tmp_path, workers: dict):
     config = Config()
     config.run.max_steps = 2
     (run / "config.toml").write_text(to_toml(config))
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(step_dict(s)) + "\n" for s in (1, 2)))
     (run / "final.json").write_text(json.dumps({"version": 2, "workers": workers}))
     return run
 

@@ -41,13 +41,14 @@ from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
 from fleetrl.files import sha256_file
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport, WeightSource
-from fleetrl.inference.provider import NamedTensors
+from fleetrl.inference.provider import NamedTensors, WeightTransport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
-from fleetrl.monitoring import Monitors
+from fleetrl.monitoring import StepSink
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
 from fleetrl.orchestrator.rollouts import Orchestrator
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
+from fleetrl.records import StepLine, StepWorker, TrainEvent
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 from fleetrl.trainer import checkpoint, distributed
@@ -56,6 +57,12 @@ from fleetrl.trainer.gather import WeightGather
 from fleetrl.trainer.loop import Hooks, Snapshot, train, train_peer
 from fleetrl.trainer.mismatch import outliers
 from fleetrl.trainer.step import StepMetrics, finite_or_none
+
+
+# A SIGTERM must end the run within seconds: the fleet's close (its workers' processes and
+# connections) is bounded, and a stop slower than SLOW_STOP_S says how long it took.
+CLOSE_BOUND_S = 5.0
+SLOW_STOP_S = 3.0
 
 
 class ControlLoop:
@@ -84,18 +91,23 @@ class ControlLoop:
     def submit(self, coro) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro):
-        return self.wait(self.submit(coro))
+    def run(self, coro, timeout_s: float | None = None):
+        return self.wait(self.submit(coro), timeout_s)
 
-    def wait(self, future: Future):
-        """`future.result()`, checking every second that the loop still runs."""
+    def wait(self, future: Future, timeout_s: float | None = None):
+        """`future.result()`, checking every second that the loop still runs; after `timeout_s`
+        (None: no bound) the coroutine is cancelled and TimeoutError raised."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
-                return future.result(timeout=1.0)
+                return future.result(timeout=1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic())))
             except TimeoutError:
                 if future.done():
                     raise  # the coroutine's own TimeoutError
                 self.check()
+                if deadline is not None and time.monotonic() >= deadline:
+                    future.cancel()
+                    raise
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -107,26 +119,34 @@ class RLRun:
     loop calls back."""
 
     def __init__(self, config: Config, log=print) -> None:
+        """Every component of the run, declared here and built by `run` in order; `stop` ends
+        those that were built, however far `run` got."""
         self.config = config
         self.log = log
         self.run_dir = RunDir(config.run.dir, log=log)
         self.resume = 0  # the step of the checkpoint to resume from (`find_resume`)
-        self.control = ControlLoop()
-        self.ranks: list[ManagedProcess] = []
-        self.rollouts: list[Future] = []
-        self.fleet: Fleet | None = None
+        self.control = ControlLoop()  # the thread of the fleet and the orchestrator
+        self.view: LiveView | None = None  # on a terminal
+        self.model_dir: Path | None = None  # the model folder every trainer rank and launched worker loads
+        self.tokenizer = None  # the model's (transformers)
+        self.sink: StepSink | None = None  # where each step's line goes, once the run directory is started
+        self.transport: WeightTransport | None = None
+        self.orchestrator: Orchestrator | None = None
+        self.evaluator: Evaluator | None = None  # with eval.every_steps
+        self.fleet: Fleet | None = None  # once set, stop() closes it and the transport
+        self.fleet_started: Future | None = None  # the fleet's start, on the control loop
+        self.ranks: list[ManagedProcess] = []  # trainer ranks 1..N-1, as children
+        self.world = None  # this process's place in the trainer group (trainer/distributed.py)
+        self.rollouts: list[Future] = []  # the orchestrator's run, on the control loop
+        self.watching: Future | None = None  # the view's copy of the fleet's state, on the control loop
         # The weights attached workers start from (`hand_start_weights`): the base, or the
         # checkpoint's the run resumes from, put by the training loop once it has loaded them,
         # taken by the fleet's start on the control loop (`take_start_weights`), which keeps them
         # only until the first publish replaces them; None: the run stopped first.
         self.start_weights: queue.Queue[WeightSource | None] = queue.Queue(maxsize=1)
-        self.monitors: Monitors | None = None
         # The last version's probe, and its weights where they are kept (a CPU snapshot; on CUDA none
         # is: the final model was written while the ranks gathered the last version, see publish).
         self.published: tuple[Snapshot | None, AgreementProbe] | None = None
-        self.view: LiveView | None = None  # on a terminal
-        self.watching: Future | None = None  # the view's copy of the fleet's state, on the control loop
-        self.evaluator: Evaluator | None = None  # with eval.every_steps
         self.evaluated: dict[int, dict] = {}  # each evaluation's figures by version, until its step's line
 
     def find_resume(self) -> None:
@@ -166,8 +186,7 @@ class RLRun:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             check_prompts_fit(self.config, envs, self.tokenizer)
             self.run_dir.start(self.config, self.resume)
-            self.monitors = Monitors(self.config.run, self.config, self.run_dir.tensorboard_dir, self.run_dir.wandb_dir,
-                                     log=self.log)
+            self.sink = StepSink(self.config, self.run_dir, self.view, log=self.log)
             self.start_fleet(fleet, envs, evaluated)
             self.start_ranks()
             self.log(f"fleetrl: run {self.run_dir.root}: {self.config.run.max_steps} steps, "
@@ -246,11 +265,12 @@ class RLRun:
         if weights is not None:
             self.write_final_model(lambda: iter(weights.items()))
         self.run_dir.write_plots()
-        self.monitors.close()  # its files complete before the manifest lists them
+        self.sink.close()  # its files complete before the manifest lists them
         self.run_dir.write_manifest()
         self.log(f"fleetrl: done: {self.run_dir.root} (check it with `fleetrl verify {self.run_dir.root}`)")
 
     def stop(self) -> None:
+        began = time.monotonic()
         try:
             self.start_weights.put_nowait(None)  # a fleet start still waiting for its weights gives up
         except queue.Full:
@@ -258,18 +278,24 @@ class RLRun:
         for future in self.rollouts + ([self.watching] if self.watching else []):
             future.cancel()
         if self.fleet is not None and self.control.thread.is_alive():  # else the exit's stop_all ends its processes
-            self.control.run(_close(self.fleet, self.transport))
+            try:
+                self.control.run(_close(self.fleet, self.transport), timeout_s=CLOSE_BOUND_S)
+            except TimeoutError:
+                self.log(f"fleetrl: the fleet did not close within {CLOSE_BOUND_S:.0f} s; its processes are "
+                         "stopped as this process exits")
         if self.fleet is not None:
             self.run_dir.forget_fleet()
         self.control.stop()
-        if self.monitors is not None:
-            self.monitors.close()
+        if self.sink is not None:
+            self.sink.close()
         distributed.destroy()
         for rank in self.ranks:
             rank.stop()
         self.run_dir.close()  # last: the directory is this run's until everything it started is gone
         if self.view is not None:
             self.view.stop()
+        if (took := time.monotonic() - began) > SLOW_STOP_S:  # what a user waited for, and where to look
+            self.log(f"fleetrl: stopping took {took:.1f} s")
 
     # -- what the training loop calls ------------------------------------------------------
 
@@ -305,7 +331,7 @@ class RLRun:
         version the run starts from (no step's line follows it, so it is charted here)."""
         self.wait_fleet()
         if self.evaluator and self.evaluator.due(start, start=True):
-            self.monitors.log({"step": start, "eval": self.evaluate(start)})
+            self.sink.write_eval(start, self.evaluate(start))
         self.rollouts.append(self.control.submit(self.orchestrator.run(start + 1, self.config.run.max_steps)))
 
     def publish(self, step: int, weights: Snapshot | WeightGather, probe_ids: list[int],
@@ -342,69 +368,59 @@ class RLRun:
 
     def on_step(self, batch: Batch, metrics: StepMetrics, report: PublishReport, started: float,
                 finished: float) -> None:
-        line = {
-            "step": batch.step,
-            **{k: batch.meta[k] for k in ("reward_mean", "reward_std", "distance_max", "distance_mean")},
-            "dropped": batch.dropped,
-            # What the trained batch is of what was generated (orchestrator/rollouts.py).
-            "sampled_prompts": batch.meta["sampled_prompts"],
-            "filtered": batch.meta["filtered"],
-            **{f"{which}_{figure}": batch.meta[which][figure] for which in ("generated", "trained")
-               for figure in ("reward_mean", "completion_tokens_mean")},
-            "dropped_by": batch.meta["dropped_by"],
-            "envs": batch.meta["envs"],  # per environment: groups, samples, reward
-            "eval": self.evaluated.pop(batch.step, None),  # per evaluated environment, at an evaluated step
-            "misversioned": batch.meta["misversioned"],
-            "reward_failed": batch.meta["reward_failed"],
-            "empty": batch.meta["empty"],
-            "skipped": metrics.skipped,
-            "samples": metrics.samples,
-            "completion_tokens": metrics.completion_tokens,
-            "tokens": metrics.tokens,
-            # JSON has no NaN: a step that was not finite (and skipped), or a figure measured on no
-            # token, records null.
+        meta = batch.meta
+        versions = self.control.run(ready_versions(self.fleet))
+        served = meta.workers
+        self.run_dir.append_event(TrainEvent(step=batch.step, start=started, end=finished))
+        self.sink.write(StepLine(
+            step=batch.step,
+            reward_mean=meta.reward_mean,
+            reward_std=meta.reward_std,
+            # The trainer's own reading of the spans, not the orchestrator's bookkeeping.
+            distance_max=metrics.max_off_policy,
+            distance_mean=metrics.mean_off_policy,
+            dropped=batch.dropped,
+            sampled_prompts=meta.sampled_prompts,
+            filtered=meta.filtered,
+            generated_reward_mean=meta.generated.reward_mean,
+            generated_completion_tokens_mean=meta.generated.completion_tokens_mean,
+            trained_reward_mean=meta.trained.reward_mean,
+            trained_completion_tokens_mean=meta.trained.completion_tokens_mean,
+            dropped_by=meta.dropped_by,
+            envs=meta.envs,
+            eval=self.evaluated.pop(batch.step, None),
+            misversioned=meta.misversioned,
+            reward_failed=meta.reward_failed,
+            empty=meta.empty,
+            skipped=metrics.skipped,
+            samples=metrics.samples,
+            completion_tokens=metrics.completion_tokens,
+            tokens=metrics.tokens,
             **{key: finite_or_none(getattr(metrics, key)) for key in (
                 "loss", "grad_norm", "sampler_kl", "mismatch_kl", "staleness_kl", "ratio_mean", "clip_frac",
                 "truncated_frac", "masked_frac", "entropy", "ref_kl")},
-            "mismatch_tokens": metrics.mismatch_tokens,
-            "mismatch_outliers": (standing_out := outliers(
-                {w: kl for w, kl in metrics.worker_mismatch_kl.items() if w is not None})),
-            "lr": metrics.lr,
-            "tokens_per_s": metrics.tokens_per_s,
-            "publish_s": report.seconds,
-            "checksum": report.checksum,
-            "worker_versions": (versions := self.control.run(ready_versions(self.fleet))),
-            # Per worker: its version, and what it served for this batch and its time in this publish.
-            "workers": {worker: {"version": versions.get(worker), **batch.meta["workers"].get(worker, {}),
-                                 "mismatch_kl": metrics.worker_mismatch_kl.get(worker),
-                                 "publish_s": report.worker_seconds.get(worker)}
-                        for worker in sorted(set(versions) | set(batch.meta["workers"]))},
-            "failed_workers": report.failed,
-            "probe_max_abs_diff": report.probe,
-            "rollout_started": batch.meta["rollout_started"],
-            "rollout_finished": batch.meta["rollout_finished"],
-            "train_started": started,
-            "train_finished": finished,
-        }
-        self.run_dir.append_metrics(line)
-        self.run_dir.append_event({"event": "train", "step": batch.step, "start": started, "end": finished})
-        self.monitors.log(line)
-        if self.view is not None:
-            self.phase(f"step {batch.step} published")
-            self.view.step_done(batch.step, f"reward {line['reward_mean']:.3f}")
-        for worker in standing_out:
-            self.log(f"fleetrl: step {batch.step}: worker {worker}'s mismatch_kl "
-                     f"{metrics.worker_mismatch_kl[worker]:.2e} stands out from the other workers' "
-                     f"({', '.join(f'{kl:.1e}' for w, kl in metrics.worker_mismatch_kl.items() if w != worker)}): "
-                     "its engine disagrees with the trainer at the same version")
-        self.log(f"step {batch.step}/{self.config.run.max_steps}  reward {line['reward_mean']:.3f}±{line['reward_std']:.3f}  "
-                 f"off-policy max {line['distance_max']} mean {line['distance_mean']:.2f}  dropped {batch.dropped}  "
-                 f"misversioned {line['misversioned']}  reward failed {line['reward_failed']}  empty {line['empty']}  "
-                 + (f"filtered {line['filtered']}/{line['sampled_prompts']} groups  " if self.config.orchestrator.dynamic_sampling else "")
-                 + f"loss {metrics.loss:+.4f}  "
-                 f"mismatch {figure(metrics.mismatch_kl)}  staleness {figure(metrics.staleness_kl)}  lr {metrics.lr:.1e}  "
-                 f"train {finished - started:.1f}s  publish {report.seconds:.1f}s  "
-                 f"workers at {sorted(set(line['worker_versions'].values()))}")
+            mismatch_tokens=metrics.mismatch_tokens,
+            mismatch_outliers=outliers({w: kl for w, kl in metrics.worker_mismatch_kl.items() if w is not None}),
+            lr=metrics.lr,
+            tokens_per_s=metrics.tokens_per_s,
+            publish_s=report.seconds,
+            checksum=report.checksum,
+            worker_versions=versions,
+            workers={worker: StepWorker(
+                version=versions.get(worker),
+                **({"completions": served[worker].completions, "completion_tokens": served[worker].completion_tokens,
+                    "tokens_per_s": served[worker].tokens_per_s} if worker in served else {}),
+                mismatch_kl=finite_or_none(metrics.worker_mismatch_kl[worker]) if worker in metrics.worker_mismatch_kl else None,
+                publish_s=report.worker_seconds.get(worker))
+                for worker in sorted(set(versions) | set(served))},
+            failed_workers=report.failed,
+            probe_max_abs_diff=report.probe,
+            rollout_started=meta.rollout_started,
+            rollout_finished=meta.rollout_finished,
+            train_started=started,
+            train_finished=finished,
+        ))
+        self.phase(f"step {batch.step} published")
 
     # -- failures of the other parts -------------------------------------------------------
 
@@ -415,7 +431,7 @@ class RLRun:
             if not rank.alive():
                 raise FleetrlError(f"{rank.name} died (exit code {rank.popen.returncode}); last lines of "
                                    f"{rank.log_path}: {rank.log_tail(3)}")
-        for future in self.rollouts + [self.fleet_started]:
+        for future in self.rollouts + ([self.fleet_started] if self.fleet_started else []):
             if future.done() and future.exception():
                 raise future.exception()
 
@@ -424,11 +440,6 @@ class RLRun:
             self.check_children()
             time.sleep(0.2)
         self.fleet_started.result()
-
-
-def figure(kl: float) -> str:
-    """A KL figure of the step line: `n/a` where no token measured it (mismatch_tokens = 0)."""
-    return f"{kl:.1e}" if kl == kl else "n/a"
 
 
 def run_peer_rank(config: Config) -> int:

@@ -25,6 +25,7 @@ from fleetrl.config import Config, ConfigError, load_config
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import WorkerAdmin
 from fleetrl.inference.types import WorkerInfo
+from fleetrl.records import FenceEvent
 from fleetrl.rundir import RunDir, eval_summary
 from fleetrl.versions import version_name
 
@@ -123,7 +124,7 @@ def mark_stale(rows: list[WorkerRow]) -> None:
 def steps_done(run: RunDir) -> str:
     steps = run.read_metrics()
     max_steps = _max_steps(run)
-    done = f"step {steps[-1]['step']} of {max_steps} done" if steps else f"no step done yet (of {max_steps})"
+    done = f"step {steps[-1].step} of {max_steps} done" if steps else f"no step done yet (of {max_steps})"
     return done + last_evaluation(run)
 
 
@@ -145,9 +146,9 @@ def finished_run(run: RunDir) -> str:
     """What a run that has ended left: its last step, and each worker's version and checksum at
     the end, stamped with the end of the last publish fence."""
     final = json.loads(run.final_path.read_text())
-    fences = [e for e in run.read_events() if e["event"] == "fence" and e["phase"] == "end"
-              and e["version"] == final["version"]]
-    published = fences[-1]["t"] if fences else None
+    fences = [e for e in run.read_events() if isinstance(e, FenceEvent) and e.phase == "end"
+              and e.version == final["version"]]
+    published = fences[-1].t if fences else None
     rows = [WorkerRow(worker, w["role"], "stopped", w["version"],
                       (w["checksum"] or "base")[:CHECKSUM_SHOWN], None, published)
             for worker, w in sorted(final["workers"].items())]

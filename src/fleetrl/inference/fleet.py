@@ -26,6 +26,7 @@ from fleetrl.inference.provider import (ImpostorWorker, InferenceProvider, Named
 from fleetrl.inference.types import (GenerateRequest, GenerateResponse, UnversionedTokens, WorkerInfo, WorkerRole,
                                      WorkerState)
 from fleetrl.processes import stopping
+from fleetrl.records import FenceEvent, FleetEvent, WorkerEvent
 from fleetrl.versions import VersionSpan
 
 # How many sessions keep their worker. A session is a rollout group (its turns and samples
@@ -91,7 +92,7 @@ class Fleet:
     def __init__(self, provider: InferenceProvider, pause_mode: PauseMode = "keep",
                  discovery_interval_s: float = 5.0, health_timeout_s: float = 10.0,
                  no_worker_timeout_s: float = 600.0, probe_tolerance: float = 0.1, max_restarts: int = 0,
-                 log=print, on_event: Callable[[dict], None] = lambda event: None) -> None:
+                 log=print, on_event: Callable[[FleetEvent], None] = lambda event: None) -> None:
         self.provider = provider
         self.pause_mode = pause_mode
         self.discovery_interval_s = discovery_interval_s
@@ -107,7 +108,7 @@ class Fleet:
         self._verdicts: dict[tuple[str, int], asyncio.Future[str | None]] = {}
         self.log = log
         # Told of every worker state change and publish fence (the run's events file, which
-        # its timeline is drawn from): {"event": "worker" | "fence", ...}.
+        # its timeline is drawn from): WorkerEvent and FenceEvent records.
         self.on_event = on_event
         self.transient_errors = 0  # requests sent again after a healthy worker failed them
         self.version = 0
@@ -410,7 +411,7 @@ class Fleet:
             done_s[worker.id] = time.monotonic() - started
 
         async with self._fence:
-            self.on_event({"event": "fence", "phase": "start", "version": version})
+            self.on_event(FenceEvent(phase="start", version=version))
             resumed: list[WorkerInfo] = []
             agreed: set[str] = set()  # scored the probe within tolerance
             try:
@@ -448,8 +449,7 @@ class Fleet:
                     self._mark(worker, WorkerState.READY)
             finally:
                 self._settle_verdicts(version, agreed, failed)
-                self.on_event({"event": "fence", "phase": "end", "version": version,
-                               "ready": sorted(w.id for w in resumed)})
+                self.on_event(FenceEvent(phase="end", version=version, ready=sorted(w.id for w in resumed)))
         await self._notify()
         if failed:
             self.log(f"fleetrl: publish v{version} excluded {self._format(failed)}")
@@ -658,8 +658,8 @@ class Fleet:
                 self._restarts.add(task)
                 task.add_done_callback(self._restarts.discard)
         if state != worker.state:
-            self.on_event({"event": "worker", "worker": worker.id, "role": worker.role.value, "state": state.value,
-                           "version": worker.version, "error": error})
+            self.on_event(WorkerEvent(worker=worker.id, role=worker.role.value, state=state.value,
+                                       version=worker.version, error=error))
         if state == WorkerState.READY:
             self._restarted.discard(worker.id)
         worker.state = state

@@ -33,6 +33,7 @@ from fleetrl.inference.types import GenerateRequest
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import run_episode
 from fleetrl.orchestrator.rollouts import Orchestrator, Scored
+from fleetrl.records import RolloutRecord
 from fleetrl.rundir import RunDir, eval_summary
 
 
@@ -91,7 +92,7 @@ class Evaluator:
         self.log(f"fleetrl: evaluated v{version} in {seconds:.1f} s: {eval_summary(figures)}")
         return figures
 
-    async def _sample(self, step: int, index: int, drawn: Drawn, version: int) -> list[tuple[Scored, dict]]:
+    async def _sample(self, step: int, index: int, drawn: Drawn, version: int) -> list[tuple[Scored, RolloutRecord]]:
         """One prompt's completions, scored, each with its record."""
         orchestrator, name, n = self.orchestrator, drawn.env.name, self.config.samples_per_prompt
         session = f"eval-v{version}-prompt{index}"
@@ -117,16 +118,16 @@ class Evaluator:
             out.append((s, orchestrator.record(step, index, s, None, reason)))
         return out
 
-    def _figures(self, groups: list[list[tuple[Scored, dict]]]) -> dict:
+    def _figures(self, groups: list[list[tuple[Scored, RolloutRecord]]]) -> dict:
         k = self.config.samples_per_prompt
-        rewards = [s.reward for group in groups for s, record in group if record["drop_reason"] is None]
+        rewards = [s.reward for group in groups for s, record in group if record.drop_reason is None]
         passes = [(len(usable), sum(r >= self.config.pass_reward for r in usable))
                   for group in groups
-                  if (usable := [s.reward for s, record in group if record["drop_reason"] is None])]
+                  if (usable := [s.reward for s, record in group if record.drop_reason is None])]
         figures = {
             "prompts": len(groups),
             "samples": sum(len(group) for group in groups),
-            "failed": sum(record["drop_reason"] is not None for group in groups for _, record in group),
+            "failed": sum(record.drop_reason is not None for group in groups for _, record in group),
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "pass@1": sum(pass_at_k(n, c, 1) for n, c in passes) / len(passes) if passes else None,
         }

@@ -59,6 +59,7 @@ from fleetrl.orchestrator.advantages import group_advantages
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import FAULTS, Episode, EpisodeLimits, run_episode
 from fleetrl.orchestrator.threads import call_user_code
+from fleetrl.records import BatchMeta, EnvFigures, Figures, RolloutRecord, SampleEvent, WorkerFigures
 from fleetrl.rundir import RunDir
 from fleetrl.versions import VersionSpan, off_policy_distance, trained_spans
 
@@ -121,7 +122,6 @@ class Orchestrator:
     async def make_batch(self, step: int) -> Batch:
         k = self.config.max_off_policy_steps
         admitted = (step - 1) - k
-        waited_from = time.time()
         await self.fleet.wait_for_version(admitted)
         started = time.time()
         self.progress = (step, 0)
@@ -169,7 +169,7 @@ class Orchestrator:
                 ))
                 records.append(self.record(step, group_index, scored, advantage, None))
         self.run_dir.write_rollouts(step, records)
-        reward_errors = [r["reward_error"] for r in records if r["drop_reason"] == "reward_failed"]
+        reward_errors = [r.reward_error for r in records if r.drop_reason == "reward_failed"]
         self._log_drops(step, drops, reward_errors, records)
         if not samples:
             raise FleetrlError(
@@ -178,33 +178,28 @@ class Orchestrator:
                 f"{drops['reward_failed']} had a failed reward and {drops['empty']} were empty"
                 + "".join(f", {drops[why]} {why}" for why in (*FAULTS, "filtered") if drops[why] and why != "off_policy")
                 + (f" (the first failed reward: {reward_errors[0]})" if reward_errors else ""))
-        rewards = [r["reward"] for r in records if r["reward"] is not None]
+        rewards = [r.reward for r in records if r.reward is not None]
         distances = [off_policy_distance(step, s.trained_spans()) for s in samples]
         mean = sum(rewards) / len(rewards)
-        trained = [r for r in records if r["trained"]]
-        meta = {
-            "sampled_prompts": len(groups),
-            "filtered": len(filtered),  # groups
-            "generated": batch_figures(records),
-            "trained": batch_figures(trained),
-            "dropped_by": dict(sorted(drops.items())),
-            "envs": env_figures(records),
-            "waited_from": waited_from,
-            "rollout_started": started,
-            "rollout_finished": finished,
-            "dispatch_version": dispatch_version,
-            "reward_mean": mean,
-            "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
-            "distance_max": max(distances),
-            "distance_mean": sum(distances) / len(distances),
-            "max_off_policy_steps": k,
-            "misversioned": drops["misversioned"],
-            "reward_failed": drops["reward_failed"],
-            "empty": drops["empty"],
-            "tool_failed": drops["tool_failed"],
-            "env_failed": drops["env_failed"],
-            "workers": worker_stats(records, finished - started),
-        }
+        meta = BatchMeta(
+            sampled_prompts=len(groups),
+            filtered=len(filtered),
+            generated=batch_figures(records),
+            trained=batch_figures([r for r in records if r.trained]),
+            dropped_by=dict(sorted(drops.items())),
+            envs=env_figures(records),
+            workers=worker_figures(records, finished - started),
+            rollout_started=started,
+            rollout_finished=finished,
+            dispatch_version=dispatch_version,
+            reward_mean=mean,
+            reward_std=math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+            distance_max=max(distances),
+            distance_mean=sum(distances) / len(distances),
+            misversioned=drops["misversioned"],
+            reward_failed=drops["reward_failed"],
+            empty=drops["empty"],
+        )
         return Batch(step=step, samples=samples, dropped=drops["off_policy"], meta=meta)
 
     async def _sample_groups(self, step: int, window: list[Drawn]) -> list[list[Scored]]:
@@ -241,7 +236,7 @@ class Orchestrator:
     def _usable(self, group: list[Scored]) -> list[Scored]:
         return [scored for scored in group if not self.unusable(scored)]
 
-    def _log_drops(self, step: int, drops: Counter, reward_errors: list[str], records: list[dict]) -> None:
+    def _log_drops(self, step: int, drops: Counter, reward_errors: list[str], records: list[RolloutRecord]) -> None:
         """One line per kind of fault in the batch (off-policy drops are the step line's)."""
         if drops["misversioned"]:
             self.log(f"fleetrl: batch {step}: rejected {drops['misversioned']} sample(s) from a worker at the wrong version")
@@ -252,7 +247,7 @@ class Orchestrator:
             self.log(f"fleetrl: batch {step}: dropped {drops['empty']} empty completion(s)")
         for fault, what in (("tool_failed", "a tool"), ("env_failed", "the environment's answer")):
             if drops[fault]:
-                first = next(r["episode_error"] for r in records if r["drop_reason"] == fault)
+                first = next(r.episode_error for r in records if r.drop_reason == fault)
                 self.log(f"fleetrl: batch {step}: dropped {drops[fault]} episode(s) ended by a failure of {what} "
                          f"(the first: {first})")
 
@@ -302,10 +297,9 @@ class Orchestrator:
         """Progress, and the timeline's event: one bar per sample, split at its spans."""
         if self.progress and self.progress[0] == step:  # with k > 0 an older step may still be finishing
             self.progress = (step, self.progress[1] + 1)
-        self.run_dir.append_event({"event": "sample", "step": step, "group": group, "sample": sample,
-                                   "worker": completion.worker_id, "start": started, "end": finished,
-                                   "tokens": len(completion.token_ids),
-                                   "spans": [[s.version, s.start] for s in completion.spans]})
+        self.run_dir.append_event(SampleEvent(step=step, group=group, sample=sample, worker=completion.worker_id,
+                                              start=started, end=finished, tokens=len(completion.token_ids),
+                                              spans=[[s.version, s.start] for s in completion.spans]))
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -349,22 +343,18 @@ class Orchestrator:
         return None
 
     @staticmethod
-    def record(step: int, group: int, scored: Scored, advantage: float | None, drop_reason: str | None) -> dict:
+    def record(step: int, group: int, scored: Scored, advantage: float | None,
+               drop_reason: str | None) -> RolloutRecord:
         c, episode, spans = scored.completion, scored.episode, scored.trained_spans()
-        return {
-            "step": step, "group": group, "task": scored.drawn.id, "env": scored.drawn.env.name,
-            "completion": scored.text,
-            "reward": scored.reward, "advantage": advantage, "worker": c.worker_id,
-            "completion_tokens": len(c.token_ids),
-            "prefill_worker": c.prefill_worker_id, "spans": [[s.version, s.start] for s in c.spans],
-            "distance": off_policy_distance(step, spans) if spans else None,
-            "trained": drop_reason is None, "drop_reason": drop_reason, "reward_error": scored.reward_error,
-            "version_error": c.version_error,
-            # Multi-turn episodes: where each model turn lies, how the episode ended and why, and
-            # the conversation after the task's messages.
+        return RolloutRecord(
+            step=step, group=group, task=scored.drawn.id, env=scored.drawn.env.name, completion=scored.text,
+            reward=scored.reward, advantage=advantage, worker=c.worker_id, completion_tokens=len(c.token_ids),
+            prefill_worker=c.prefill_worker_id, spans=[[s.version, s.start] for s in c.spans],
+            distance=off_policy_distance(step, spans) if spans else None,
+            trained=drop_reason is None, drop_reason=drop_reason, reward_error=scored.reward_error,
+            version_error=c.version_error,
             **({"turns": episode.turns, "end": episode.end, "episode_error": episode.error,
-                "messages": episode.messages[len(scored.drawn.task.messages):]} if episode else {}),
-        }
+                "messages": episode.messages[len(scored.drawn.task.messages):]} if episode else {}))
 
 
 def carries_gradient(group: list[Scored]) -> bool:
@@ -372,34 +362,32 @@ def carries_gradient(group: list[Scored]) -> bool:
     return len({scored.reward for scored in group}) > 1
 
 
-def batch_figures(records: list[dict]) -> dict:
-    """Samples, their mean reward (of those scored) and mean completion length: of what was
-    generated for a batch, or of what it trains on."""
-    rewards = [r["reward"] for r in records if r["reward"] is not None]
-    return {"samples": len(records),
-            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "completion_tokens_mean": sum(r["completion_tokens"] for r in records) / len(records) if records else None}
+def batch_figures(records: list[RolloutRecord]) -> Figures:
+    rewards = [r.reward for r in records if r.reward is not None]
+    return Figures(samples=len(records),
+                   reward_mean=sum(rewards) / len(rewards) if rewards else None,
+                   completion_tokens_mean=sum(r.completion_tokens for r in records) / len(records) if records else None)
 
 
-def env_figures(records: list[dict]) -> dict[str, dict]:
+def env_figures(records: list[RolloutRecord]) -> dict[str, EnvFigures]:
     """Per environment, of one batch's rollouts: groups sampled, samples generated and trained,
     mean reward of those scored."""
-    out: dict[str, dict] = {}
-    for name in sorted({r["env"] for r in records}):
-        mine = [r for r in records if r["env"] == name]
-        out[name] = {"groups": len({r["group"] for r in mine}), **batch_figures(mine),
-                     "trained_samples": sum(r["trained"] for r in mine)}
+    out: dict[str, EnvFigures] = {}
+    for name in sorted({r.env for r in records}):
+        mine = [r for r in records if r.env == name]
+        figures = batch_figures(mine)
+        out[name] = EnvFigures(groups=len({r.group for r in mine}), samples=figures.samples,
+                               reward_mean=figures.reward_mean, completion_tokens_mean=figures.completion_tokens_mean,
+                               trained_samples=sum(r.trained for r in mine))
     return out
 
 
-def worker_stats(records: list[dict], seconds: float) -> dict[str, dict]:
+def worker_figures(records: list[RolloutRecord], seconds: float) -> dict[str, WorkerFigures]:
     """Per worker, of one batch's rollouts: completions served, their tokens, and those tokens
     per second of the batch's sampling time."""
-    stats: dict[str, dict] = {}
+    served: dict[str, list[RolloutRecord]] = {}
     for record in records:
-        entry = stats.setdefault(record["worker"], {"completions": 0, "completion_tokens": 0})
-        entry["completions"] += 1
-        entry["completion_tokens"] += record["completion_tokens"]
-    for entry in stats.values():
-        entry["tokens_per_s"] = entry["completion_tokens"] / seconds if seconds > 0 else 0.0
-    return stats
+        served.setdefault(record.worker, []).append(record)
+    return {worker: WorkerFigures(completions=len(mine), completion_tokens=(tokens := sum(r.completion_tokens for r in mine)),
+                                  tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+            for worker, mine in served.items()}

@@ -76,7 +76,10 @@ class StepMetrics:
     masked_frac: float  # tokens masked importance sampling dropped (trainer.mis_*)
     entropy: float  # mean entropy of the policy being trained, over completion tokens
     ref_kl: float  # mean k3 KL(trainer || reference model) (trainer.kl_coef; 0 when off)
-    max_off_policy: int  # the batch's largest off-policy distance, recomputed from its spans
+    # The batch's largest and mean off-policy distance, recomputed here from its spans: the step
+    # line reports these, not the orchestrator's bookkeeping.
+    max_off_policy: int
+    mean_off_policy: float
     samples: int
     completion_tokens: int  # the tokens the loss saw (of a multi-turn episode: the model's turns)
     tokens: int  # prompt + completion tokens of the batch's samples (the forward takes a group's prompt once)
@@ -348,7 +351,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         masked_frac=total.masked.item() / num_tokens,
         entropy=total.entropy.item() / num_tokens,
         ref_kl=total.ref_kl.item() / num_tokens,
-        max_off_policy=max(batch.distances()),
+        max_off_policy=max(distances := batch.distances()),
+        mean_off_policy=sum(distances) / len(distances),
         samples=len(batch.samples),
         completion_tokens=num_tokens,
         tokens=all_tokens,

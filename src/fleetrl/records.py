@@ -1,0 +1,310 @@
+"""What the run directory's record files hold: one typed record per kind of line, written and
+read through these types only, and read strictly (a key missing or unknown is an error that
+names the file and the line, not a KeyError three modules later).
+
+    metrics.jsonl            StepLine       one per trained step: written by app/rl.py through
+                                            monitoring.StepSink, read by status, plots, verify
+    batches/step_N.json      BatchMeta      Batch.meta: how the orchestrator made batch N, and how
+                                            what it trains differs from what it generated
+    rollouts/step_N.jsonl    RolloutRecord  every sample generated for batch N, trained or not
+    events.jsonl             WorkerEvent, FenceEvent, SampleEvent, TrainEvent: the timeline
+
+Each type's JSON is its fields by name (`to_dict`); `read(data, where)` is the one way back.
+Nested figures are records too (`Figures`, `EnvFigures`, `WorkerFigures`, `StepWorker`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from fleetrl.errors import FleetrlError
+
+
+class RecordError(FleetrlError):
+    """A record file's line is not of its record type."""
+
+
+def _fields(cls) -> tuple[set[str], set[str]]:
+    """(every field, the fields without a default) of a record class."""
+    every = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    return every, required
+
+
+def read(cls, data: Any, where: str):
+    """`data` (decoded JSON) as a `cls` record; nested records as theirs (the class's NESTED:
+    field -> record type, for a record, or a dict of them by name)."""
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: not an object but {type(data).__name__}")
+    every, required = _fields(cls)
+    unknown, missing = sorted(set(data) - every), sorted(required - set(data))
+    if unknown or missing:
+        raise RecordError(f"{where}: not a {cls.__name__}: "
+                          + "; ".join(([f"unknown {', '.join(unknown)}"] if unknown else [])
+                                      + ([f"missing {', '.join(missing)}"] if missing else [])))
+    values = dict(data)
+    for name, (kind, nested) in getattr(cls, "NESTED", {}).items():
+        value = values.get(name)
+        if value is None:
+            continue
+        if kind == "dict":
+            values[name] = {key: read(nested, item, f"{where}: {name}.{key}") for key, item in value.items()}
+        else:
+            values[name] = read(nested, value, f"{where}: {name}")
+    return cls(**values)
+
+
+def to_dict(record) -> dict[str, Any]:
+    """A record as the JSON object its file holds."""
+    return dataclasses.asdict(record)
+
+
+# -- figures nested in the records -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Figures:
+    """Samples, their mean reward (of those scored) and mean completion length: of what was
+    generated for a batch, or of what it trains on."""
+
+    samples: int
+    reward_mean: float | None
+    completion_tokens_mean: float | None
+
+
+@dataclass(frozen=True)
+class EnvFigures:
+    """One environment's part of a batch (orchestrator.envs)."""
+
+    groups: int
+    samples: int
+    reward_mean: float | None
+    completion_tokens_mean: float | None
+    trained_samples: int
+
+
+@dataclass(frozen=True)
+class WorkerFigures:
+    """What one worker served for a batch."""
+
+    completions: int
+    completion_tokens: int
+    tokens_per_s: float  # of the batch's sampling time
+
+
+@dataclass(frozen=True)
+class StepWorker:
+    """One worker in a step's line: its version after the publish, what it served for the batch
+    (None: nothing), its mismatch_kl and its time in the publish (None: not measured)."""
+
+    version: int | None
+    completions: int | None = None
+    completion_tokens: int | None = None
+    tokens_per_s: float | None = None
+    mismatch_kl: float | None = None
+    publish_s: float | None = None
+
+
+# -- the records -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    """One sample generated for a batch: what it was, how it scored, where its tokens came from
+    (spans: [version, start] pairs), and whether it was trained or why not (drop_reason)."""
+
+    step: int
+    group: int
+    task: str
+    env: str
+    completion: str
+    reward: float | None
+    advantage: float | None
+    worker: str | None
+    completion_tokens: int
+    prefill_worker: str | None
+    spans: list[list[int]]
+    distance: int | None
+    trained: bool
+    drop_reason: str | None
+    reward_error: str | None
+    version_error: str | None
+    # Multi-turn episodes only: where each model turn lies, how the episode ended and why, and the
+    # conversation after the task's messages.
+    turns: list[list[int]] | None = None
+    end: str | None = None
+    episode_error: str | None = None
+    messages: list[dict] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A single completion's line has no episode keys."""
+        data = to_dict(self)
+        if self.turns is None:
+            for name in ("turns", "end", "episode_error", "messages"):
+                del data[name]
+        return data
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """How batch `step` was made; the figures of what it trains are those of its records."""
+
+    NESTED: ClassVar = {"generated": ("one", Figures), "trained": ("one", Figures),
+                        "envs": ("dict", EnvFigures), "workers": ("dict", WorkerFigures)}
+
+    sampled_prompts: int  # groups sampled (more than batch_prompts under dynamic sampling)
+    filtered: int  # groups dynamic sampling dropped
+    generated: Figures
+    trained: Figures
+    dropped_by: dict[str, int]  # samples not trained, by drop_reason
+    envs: dict[str, EnvFigures]
+    workers: dict[str, WorkerFigures]
+    rollout_started: float  # wall time: sampling began (after the k bound admitted it) and ended
+    rollout_finished: float
+    dispatch_version: int  # the fleet's version as sampling began
+    reward_mean: float  # over every scored sample generated
+    reward_std: float
+    distance_max: int  # over the trained samples
+    distance_mean: float
+    misversioned: int
+    reward_failed: int
+    empty: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+@dataclass(frozen=True)
+class StepLine:
+    """One trained step, as metrics.jsonl, TensorBoard, W&B, the live view and the printed line
+    have it (monitoring.StepSink). KL and loss figures are None where they were not finite or
+    measured no token: JSON has no NaN."""
+
+    NESTED: ClassVar = {"envs": ("dict", EnvFigures), "workers": ("dict", StepWorker)}
+
+    step: int
+    # The batch (orchestrator/rollouts.py): rewards, off-policy distances (recomputed by the
+    # trainer from the spans), what was dropped and why, per environment.
+    reward_mean: float
+    reward_std: float
+    distance_max: int
+    distance_mean: float
+    dropped: int  # off_policy drops
+    sampled_prompts: int
+    filtered: int
+    generated_reward_mean: float | None
+    generated_completion_tokens_mean: float | None
+    trained_reward_mean: float | None
+    trained_completion_tokens_mean: float | None
+    dropped_by: dict[str, int]
+    envs: dict[str, EnvFigures]
+    eval: dict[str, dict] | None  # per evaluated environment, at an evaluated step
+    misversioned: int
+    reward_failed: int
+    empty: int
+    # The update (trainer/step.py).
+    skipped: bool
+    samples: int
+    completion_tokens: int
+    tokens: int
+    loss: float | None
+    grad_norm: float | None
+    sampler_kl: float | None
+    mismatch_kl: float | None
+    staleness_kl: float | None
+    ratio_mean: float | None
+    clip_frac: float | None
+    truncated_frac: float | None
+    masked_frac: float | None
+    entropy: float | None
+    ref_kl: float | None
+    mismatch_tokens: int
+    mismatch_outliers: list[str]
+    lr: float
+    tokens_per_s: float
+    # The publish of this step's version (inference/fleet.py).
+    publish_s: float
+    checksum: str
+    worker_versions: dict[str, int]
+    workers: dict[str, StepWorker]
+    failed_workers: dict[str, str]
+    probe_max_abs_diff: dict[str, float]
+    # Wall times.
+    rollout_started: float
+    rollout_finished: float
+    train_started: float
+    train_finished: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+# -- the timeline (events.jsonl) --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """A worker changed state (inference/fleet.py)."""
+
+    KIND: ClassVar = "worker"
+    worker: str
+    role: str
+    state: str
+    version: int | None
+    error: str | None
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class FenceEvent:
+    """A publish's fence began (`start`) or ended (`end`, with the workers that came out ready)."""
+
+    KIND: ClassVar = "fence"
+    phase: str
+    version: int
+    ready: list[str] | None = None
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class SampleEvent:
+    """One sample's time on its worker, split at its spans (orchestrator/rollouts.py)."""
+
+    KIND: ClassVar = "sample"
+    step: int
+    group: int
+    sample: int
+    worker: str | None
+    start: float
+    end: float
+    tokens: int
+    spans: list[list[int]]
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class TrainEvent:
+    """One trainer step's time."""
+
+    KIND: ClassVar = "train"
+    step: int
+    start: float
+    end: float
+    t: float = field(default_factory=time.time)
+
+
+FleetEvent = WorkerEvent | FenceEvent | SampleEvent | TrainEvent
+EVENTS: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(FleetEvent)}
+
+
+def event_to_dict(event: FleetEvent) -> dict[str, Any]:
+    return {"event": event.KIND, **to_dict(event)}
+
+
+def read_event(data: Any, where: str) -> FleetEvent:
+    kind = data.get("event") if isinstance(data, dict) else None
+    if kind not in EVENTS:
+        raise RecordError(f"{where}: not an event of the timeline (event: {kind!r}, not one of {sorted(EVENTS)})")
+    return read(EVENTS[kind], {k: v for k, v in data.items() if k != "event"}, where)
