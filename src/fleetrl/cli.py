@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from fleetrl.app.bench import SUITE_CHOICES, SUITES
-from fleetrl.app.commands import check_command, run_command
+from fleetrl.app.commands import base_config_files, check_command, run_command
 from fleetrl.config import ConfigError, field_docs, load_config, to_toml
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
@@ -27,6 +27,8 @@ COMMANDS = {
     "plot": "Draw a run's plots (reward.png, off_policy.png and the version timeline timeline.png) from its "
             "metrics and events, while it runs or after.",
     "export": "Write a run's checkpoint (the newest complete one, or --step N) as a Hugging Face folder.",
+    "eval": "Score a saved model — a Hugging Face folder, or a run's final model or checkpoint — on the run's "
+            "evaluation environments ([eval]) with the config's workers; print the table, write the records.",
     "model": "Print the policy model's folder (model.path, or the embedded default, converted once into the "
              "cache): what a server you start yourself serves (`--model \"$(fleetrl model)\"`).",
     "bench": "Run the benchmark suites of benchmarks/ (from a source checkout): print their ratios, "
@@ -57,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(
             name, help=help_text, description=help_text, allow_abbrev=False,
             usage=f"fleetrl {name}{' [RUN_DIR]' if name in RUN_DIR_COMMANDS else ''}"
-                  f"{' OUT_DIR' if name == 'export' else ''} [@ CONFIG.toml ...] "
+                  f"{' OUT_DIR' if name == 'export' else ''}{' MODEL_OR_RUN' if name == 'eval' else ''} "
+                  "[@ CONFIG.toml ...] "
                   "[--SECTION.KEY VALUE ...] [options]",
         )
         sub.add_argument("--dry-run", action="store_true", help="Print the resolved config and exit.")
@@ -71,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("out_dir", nargs="?", type=Path, metavar="OUT_DIR",
                              help="The Hugging Face folder to write (it must not exist).")
             sub.add_argument("--step", type=int, help="The checkpoint's step [default: the newest complete one].")
+        if name == "eval":
+            sub.add_argument("model_or_run", nargs="?", type=Path, metavar="MODEL_OR_RUN",
+                             help="A Hugging Face model folder (scored as version 0), or a run directory: its "
+                                  "config.toml is the config this command starts from, and its final_model/ (else "
+                                  "its newest complete checkpoint) is scored at its version.")
+            sub.add_argument("--step", type=int, metavar="N",
+                             help="Score the run's checkpoint of step N, exported into a temporary folder "
+                                  "[default: RUN_DIR/final_model, else the newest complete checkpoint].")
+            sub.add_argument("--out", type=Path, metavar="DIR",
+                             help="The new folder for the records (eval.jsonl, eval/step_N.jsonl) and the "
+                                  "launched workers' logs: the command's run.dir [default: beside the run or model "
+                                  "folder, never inside a run: RUN_DIR-eval-vN, FOLDER-eval].")
         if name == "bench":
             sub.add_argument("--suite", choices=SUITE_CHOICES, default="all",
                              help="Which suite: " + "; ".join(f"{n}: {s.measures}" for n, s in SUITES.items())
@@ -158,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         # A dotted flag that is no config field still goes to the config loader, whose error
         # names the key; anything else is argparse's to reject.
         overrides += unknown_dotted_flags(unknown, parser)
-        config = load_config(files, overrides)
+        config = load_config(base_config_files(args) + files, overrides)
         for key in sorted({key for key, _ in overrides} & SECRET_FLAGS.keys()):
             print(f"fleetrl: warning: --{key} on the command line is readable by every local user (ps, "
                   f"/proc/PID/cmdline); export {SECRET_FLAGS[key]} instead", file=sys.stderr)

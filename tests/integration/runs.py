@@ -55,7 +55,9 @@ RUNS: dict[str, RunSpec] = {
         "environments; six runs, each with a failpoint)",
         "killed at each point of a step (SIGKILL mid-rollout and mid-publish, SIGINT mid-train, SIGTERM "
         "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same server; the "
-        "final model exported and served by plain vLLM; the KL penalty to the base model, its reference kept "
+        "final model exported and served by plain vLLM, then scored by the quickstart's `fleetrl eval` on the run's "
+        "server (held to its weights at v5 first, 8 held-out prompts per environment, every token at v5, the table "
+        "the records' figures); the KL penalty to the base model, its reference kept "
         "across every resume; two environments in one run (reverse_text and arithmetic), drawn by weight; "
         "dynamic sampling (a third prompt while a group scored alike)",
         "test_kill_points.py"),

@@ -7,7 +7,9 @@ items 8 and 13), packed into one sequence of runs on one vLLM server:
     run 4  SIGTERM mid-checkpoint of step 4 (its metrics line written, the checkpoint not complete)
     run 5  trainer rank 1 SIGKILLed after checkpoint 4: one error line naming the rank
     run 6  finishes the run; its final model (RUN_DIR/final_model, equal to `fleetrl export` of
-           the final checkpoint) is served by a plain vLLM server with the workers' logprobs
+           the final checkpoint) is served by a plain vLLM server with the workers' logprobs,
+           then scored by the quickstart's `fleetrl eval` on the run's server (riding on the
+           deployment: no vLLM started for it), every token at the final version
 
 Before them, on two such servers, the quickstart's attached run exactly as written (one trainer
 rank, both servers), which the sequence's two ranks do not cover. The sequence attaches to the
@@ -81,11 +83,13 @@ max_steps = 5
 
 
 # The quickstart's commands this module runs as written (tests/documented.py): a run attached to
-# two operator-started servers (deployments.py: SERVE), and the final model exported and served.
-# The sequence's runs add their own config to the same command line: not the documented command.
+# two operator-started servers (deployments.py: SERVE), the final model exported and served, and
+# scored on such a server. The sequence's runs add their own config to the same command line: not
+# the documented command.
 EXPORT = ".venv/bin/fleetrl export runs/default runs/default-step5 --step 5"
 SERVE_FINAL = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server "
                "--model runs/default/final_model --dtype float32 --max-model-len 512 --enforce-eager --port 8000")
+EVAL = ".venv/bin/fleetrl eval runs/attached --inference.urls '[\"http://127.0.0.1:8001\"]' --eval.prompts 8"
 CHAT = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": "
         "\"runs/default/final_model\", \"messages\": [{\"role\": \"user\", \"content\": \"Reverse the text: fleet\"}], "
         "\"max_tokens\": 16}'")
@@ -306,6 +310,7 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
     check_the_final_model_serves_like_the_workers(run_dir, urls, tmp_path)
+    check_the_final_model_scores_on_the_runs_server(run_dir, urls)
 
 
 def check_dynamic_sampling(run_dir, metrics: list[dict]) -> None:
@@ -366,3 +371,33 @@ def check_the_final_model_serves_like_the_workers(run_dir, workers, tmp_path) ->
 
     for scored in asyncio.run(workers_score()):
         assert max(abs(a - b) for a, b in zip(served, scored, strict=True)) < 2e-3
+
+
+def check_the_final_model_scores_on_the_runs_server(run_dir, workers) -> None:
+    """The quickstart's `fleetrl eval` on the run: its config.toml the base, its final model scored
+    on the run's own server on each environment's held-out prompts. The server carries the run's
+    label, not the command's, so it is held to the model's weights first; then every token scored
+    is of the final version, and the printed table is the records' figures."""
+    (server,) = workers
+    done = run_documented(EVAL, replace={"8001": server.rsplit(":", 1)[1], "runs/attached": str(run_dir)},
+                          env={ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"refitting it with the weights of v{STEPS}" in done.stderr, done.stderr[-3000:]
+    out = RunDir(Path(f"{run_dir}-eval-v{STEPS}"))  # beside the run: `fleetrl verify` above still holds
+    (line,) = out.read_evals()
+    records = [json.loads(record) for record in out.eval_records_path(STEPS).read_text().splitlines()]
+    assert line["version"] == STEPS and set(line["envs"]) == {"reverse", "arithmetic"}
+    assert records and all(r["worker"] == server and r["spans"] and {v for v, _ in r["spans"]} == {STEPS}
+                           for r in records if r["completion_tokens"]), records
+    header, *rows = [row.split() for row in done.stdout.strip().splitlines()]
+    assert header == ["environment", "prompts", "completions", "reward_mean", "pass@1", "failed"], done.stdout
+    table = {row[0]: dict(zip(header[1:], row[1:])) for row in rows}
+    assert set(table) == set(line["envs"]), done.stdout
+    for env, row in table.items():
+        mine = [r for r in records if r["env"] == env]
+        rewards = [r["reward"] for r in mine if r["drop_reason"] is None]
+        assert rewards, mine
+        assert row == {"prompts": "8", "completions": str(len(mine)),
+                       "reward_mean": f"{sum(rewards) / len(rewards):.3f}",
+                       "pass@1": f"{sum(r >= 1.0 for r in rewards) / len(rewards):.3f}",
+                       "failed": str(len(mine) - len(rewards))}, (done.stdout, line)

@@ -140,7 +140,8 @@ def test_attach_to_unreachable_url_fails_clearly(tmp_path, capsys):
     assert err == "fleetrl: error: inference.urls: cannot reach http://127.0.0.1:9 (no answer on /health)"
 
 
-@pytest.mark.parametrize("command", ["rl", "inference", "status", "verify", "plot", "export", "model", "bench"])
+@pytest.mark.parametrize("command", ["rl", "inference", "status", "verify", "plot", "export", "eval", "model",
+                                     "bench"])
 def test_help_works_for_every_command(command):
     result = run_cli(command, "--help")
     assert result.returncode == 0

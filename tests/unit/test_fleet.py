@@ -52,6 +52,22 @@ async def test_start_brings_every_worker_to_v0():
     await fleet.close()
 
 
+async def test_launched_workers_are_labelled_with_the_version_of_the_folder_they_loaded():
+    """`fleetrl eval` of a run's checkpoint launches workers from it: they are that step's version,
+    every token says so, and one restarted is labelled so again (nothing was published)."""
+    provider = FakeProvider("a")
+    fleet = Fleet(provider, discovery_interval_s=3600, log=lambda *_: None)
+    await fleet.start(launched_version=5)
+    assert fleet.version == 5 and fleet.workers["a"].version == 5 and provider.engines["a"].version == 5
+    (out,) = await fleet.generate(request(max_tokens=4))
+    assert out.spans == [VersionSpan(5, 0)] and out.version_error is None
+    provider.engines["a"].version = None  # restarted at its address: the folder's weights, no label
+    await fleet.refresh()
+    await fleet.refresh()
+    assert fleet.workers["a"].state == WorkerState.READY and provider.engines["a"].version == 5
+    await fleet.close()
+
+
 async def test_a_response_that_arrives_while_its_worker_is_resumed_is_no_fault():
     """Between resume and readmission the worker scores the agreement probe; a request that
     was in flight across the publish completes meanwhile, and comes back once the worker has

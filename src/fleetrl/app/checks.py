@@ -29,13 +29,23 @@ def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
     envs = run_environments(config, run_dir)
     if not config.eval.every_steps:
         return envs, []
-    evaluated = make_environments(config.eval.envs, run_dir, "eval.envs") if config.eval.envs else envs
+    return envs, eval_environments(config, run_dir, envs, f"eval.every_steps = {config.eval.every_steps}")
+
+
+def eval_environments(config: Config, run_dir: RunDir, run_envs: list[RunEnv] | None, context: str) -> list[RunEnv]:
+    """What `[eval]` scores (`fleetrl rl` during training, `fleetrl eval` once): the environments
+    eval.envs names, else the run's own (`run_envs`, built here when None) on their held-out
+    split. One without a held-out split is a ConfigError that starts with `context`."""
+    if config.eval.envs:
+        evaluated = make_environments(config.eval.envs, run_dir, "eval.envs")
+    else:
+        evaluated = run_environments(config, run_dir) if run_envs is None else run_envs
     for run_env in evaluated:
         try:
             next(eval_stream(run_env.env, config.run.seed, held_out_only=not config.eval.envs), None)
         except EnvError as e:
-            raise ConfigError(f"eval.every_steps = {config.eval.every_steps}: {e}") from None
-    return envs, evaluated
+            raise ConfigError(f"{context}: {e}") from None
+    return evaluated
 
 
 def take_world_from_launcher(config: Config) -> None:

@@ -9,10 +9,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
 from fleetrl.processes import stop_all
+
+
+def base_config_files(args: argparse.Namespace) -> list[Path]:
+    """The config files a command starts from, under the command line's own (`@ file.toml`,
+    then flags): `fleetrl eval RUN_DIR` the run's config.toml; a bad argument is refused here,
+    before anything is loaded."""
+    if args.command == "eval":
+        from fleetrl.app.eval import config_files
+
+        return config_files(args.model_or_run)
+    return []
 
 
 def check_command(args: argparse.Namespace, config: Config) -> None:
@@ -21,6 +33,10 @@ def check_command(args: argparse.Namespace, config: Config) -> None:
         from fleetrl.app.checks import check_config
 
         check_config(config)
+    if args.command == "eval":
+        from fleetrl.app.eval import plan
+
+        plan(config, args.model_or_run, args.step, args.out)
 
 
 def run_command(args: argparse.Namespace, config: Config) -> int:
@@ -73,6 +89,10 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
             raise FleetrlError("fleetrl export needs a run directory and a folder to write: "
                                "fleetrl export RUN_DIR OUT_DIR [--step N]")
         return run_export(args.run_dir, args.out_dir, args.step)
+    if args.command == "eval":
+        from fleetrl.app.eval import run_eval
+
+        return run_eval(config, args.model_or_run, args.step, args.out)
     if args.command == "bench":
         from fleetrl.app.bench import run_bench
 

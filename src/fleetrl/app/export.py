@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleetrl.config import load_config
+from fleetrl.config import Config, load_config
 from fleetrl.errors import FleetrlError
 from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir
@@ -18,16 +18,21 @@ def run_export(run_dir: Path, out_dir: Path, step: int | None, log=print) -> int
     if not run.config_path.exists():
         raise FleetrlError(f"{run_dir}: no config.toml (not a run directory)")
     config = load_config([run.config_path], [])
-    if step is None:
-        found = checkpoint.latest(run.checkpoints_dir, log)
-        if found is None:
-            raise FleetrlError(f"{run_dir}: no complete checkpoint to export (its config has trainer.checkpoint_interval "
-                               f"= {config.trainer.checkpoint_interval})")
-        step, folder = found
-    else:
-        folder = checkpoint.at_step(run.checkpoints_dir, step)
+    step, folder = find_checkpoint(run, step, config, log)
     log(f"fleetrl export: step {step} of {run_dir} -> {out_dir}")
     export_hf(resolve_model(config.model), folder, out_dir)
     log(f"fleetrl export: done: {out_dir} (a Hugging Face folder: transformers' from_pretrained and vLLM load it; "
         "docs/quickstart.md serves it)")
     return 0
+
+
+def find_checkpoint(run: RunDir, step: int | None, config: Config, log=print) -> tuple[int, Path]:
+    """(step, folder) of the run's checkpoint of `step`, default the newest complete one
+    (`config`: the run's); FleetrlError naming what is missing."""
+    if step is not None:
+        return step, checkpoint.at_step(run.checkpoints_dir, step)
+    found = checkpoint.latest(run.checkpoints_dir, log)
+    if found is None:
+        raise FleetrlError(f"{run.root}: no complete checkpoint to export (its config has trainer.checkpoint_interval "
+                           f"= {config.trainer.checkpoint_interval})")
+    return found

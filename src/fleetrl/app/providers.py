@@ -137,17 +137,18 @@ def build_transport(config: Config, run_dir: RunDir) -> WeightTransport:
                           backend=weights.backend)
 
 
-def base_weights(provider: InferenceProvider, model_dir: Path,
-                 transport: WeightTransport) -> Callable[[], WeightSource] | None:
-    """What attached workers are held to before they are labelled v0 (`Fleet.start` calls it
-    once they answered), in a process with no trainer (`fleetrl inference`): the base model's
-    weights loaded from `model_dir`, their checksum, and their logprobs of the agreement probe.
-    None where the provider launches its workers from `model_dir` itself. `fleetrl rl` takes
-    them from the trainer's own copy instead (`RLRun.hand_start_weights`)."""
-    return None if provider.launches_workers else functools.partial(_load_base_weights, model_dir, transport)
+def base_weights(provider: InferenceProvider, model_dir: Path, transport: WeightTransport,
+                 version: int = 0) -> Callable[[], WeightSource] | None:
+    """What attached workers are held to before they are labelled `version` (`Fleet.start`
+    calls it once they answered), in a process with no trainer: the weights of the model in
+    `model_dir` (`fleetrl inference`: the base, v0; `fleetrl eval`: the model it scores, at the
+    checkpoint's step), their checksum, and their logprobs of the agreement probe. None where
+    the provider launches its workers from `model_dir` itself. `fleetrl rl` takes them from the
+    trainer's own copy instead (`RLRun.hand_start_weights`)."""
+    return None if provider.launches_workers else functools.partial(_load_base_weights, model_dir, transport, version)
 
 
-def _load_base_weights(model_dir: Path, transport: WeightTransport) -> WeightSource:
+def _load_base_weights(model_dir: Path, transport: WeightTransport, version: int) -> WeightSource:
     """Loaded on the CPU, unsharded, and kept until the first publish replaces them: the same
     memory as the snapshot that every later publish keeps."""
     import torch
@@ -158,7 +159,7 @@ def _load_base_weights(model_dir: Path, transport: WeightTransport) -> WeightSou
     tensors = dict(named_tensors(model))
     probe_ids = agreement_probe(model)
     probe = AgreementProbe(probe_ids, prompt_logprobs(model, probe_ids, torch.device("cpu")))
-    return start_source(transport, tensors, probe, version=0)
+    return start_source(transport, tensors, probe, version)
 
 
 def start_source(transport: WeightTransport, tensors: dict, probe: AgreementProbe, version: int) -> WeightSource:

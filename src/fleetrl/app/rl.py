@@ -33,6 +33,7 @@ from pathlib import Path
 from fleetrl import progress
 from fleetrl.app.checks import check_config, check_prompts_fit
 from fleetrl.app.live import LiveView
+from fleetrl.app.orchestration import build_evaluator, build_orchestrator
 from fleetrl.app.providers import build_fleet, build_transport, start_recorded, start_source
 from fleetrl.batch import Batch
 from fleetrl.config import Config, load_config
@@ -46,7 +47,6 @@ from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import StepSink
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
-from fleetrl.orchestrator.rollouts import Orchestrator
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
 from fleetrl.records import StepLine, StepWorker, TrainEvent
 from fleetrl.rundir import RunDir
@@ -203,12 +203,9 @@ class RLRun:
         the control loop while the trainer ranks start here."""
         config = self.config
         self.transport = build_transport(config, self.run_dir)
-        self.orchestrator = Orchestrator(fleet, envs, self.tokenizer, config.orchestrator, self.run_dir,
-                                         config.run.seed, max_context=config.inference.vllm.max_model_len, log=self.log)
+        self.orchestrator = build_orchestrator(config, fleet, envs, self.tokenizer, self.run_dir, self.log)
         if evaluated:
-            self.evaluator = Evaluator(self.orchestrator, evaluated, config.eval, config.run.seed,
-                                       held_out_only=not config.eval.envs, run_dir=self.run_dir,
-                                       last_step=config.run.max_steps, log=self.log)
+            self.evaluator = build_evaluator(config, self.orchestrator, evaluated, self.run_dir, self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
         # The same check as the training loop's, which hands the start weights (trainer/loop.py).

@@ -58,10 +58,14 @@ def since(stamp: float | None, now: float) -> str:
 
 def table(rows: list[WorkerRow], now: float) -> str:
     """The rows in aligned columns, then one line per worker that failed a call, saying why."""
-    lines = [COLUMNS] + [row.cells(now) for row in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    text = aligned([COLUMNS] + [row.cells(now) for row in rows])
     return "\n".join(text + [f"{row.id}: {row.error}" for row in rows if row.error])
+
+
+def aligned(lines: list[tuple[str, ...]]) -> list[str]:
+    """Lines of cells (a header first) as text in columns: each as wide as its widest cell."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
 
 
 async def run_status(config: Config, run_dir: Path | None = None) -> int:

@@ -129,12 +129,14 @@ class Fleet:
         workers the provider launched (they received none)."""
         return self._source.checksum if self._source else None
 
-    async def start(self, weights: Callable[[], WeightSource] | None = None) -> None:
+    async def start(self, weights: Callable[[], WeightSource] | None = None, launched_version: int = 0) -> None:
         """Start the provider and bring its workers to the run's first version before any takes
         traffic: v0, the base model, or the version of the checkpoint a run resumes from.
 
-        Workers the provider launched from the run's model folder hold the base weights by
-        construction (a resumed run publishes the checkpoint's version to them next). Attached
+        Workers the provider launched from the run's model folder hold its weights by
+        construction, and are labelled `launched_version`: 0, the base (a resumed run publishes
+        the checkpoint's version to them next), or the version that folder is of (`fleetrl eval`
+        of a run's checkpoint: its step). Attached
         ones were started by someone else: a previous run may have left them at vN, or they may
         serve another model. With `weights` (the weights the run starts from, their version and
         the trainer's logprobs of the probe under them, got from `weights()` once the provider
@@ -149,6 +151,8 @@ class Fleet:
         if weights is not None:
             self._source = await asyncio.to_thread(weights)
             self.version = self._source.version
+        else:
+            self.version = launched_version
         await self.refresh()
         if not self.routable_workers():
             raise FleetrlError("no inference worker became ready: " + self._describe_failures())
@@ -277,11 +281,12 @@ class Fleet:
             await admin.weight_state()
             await admin.pause(self.pause_mode)
             if self._source is None:
-                # Version 0 is the base model that the provider's workers loaded at launch.
-                await admin.set_version(0)
+                # The fleet's version is that of the model folder the provider's workers loaded at
+                # launch (`start`'s launched_version): nothing was published since.
+                await admin.set_version(self.version)
                 reported = await admin.version()
-                if reported != 0:
-                    raise FleetrlError(f"reports version {reported} after being set to v0")
+                if reported != self.version:
+                    raise FleetrlError(f"reports version {reported} after being set to v{self.version}")
             elif first_sight and (why := await self._unlike(worker, self.version, self._source.checksum)) is None:
                 pass  # it holds them already (an attached worker at the base, say); the probe still decides
             elif self._source.named_tensors is None:

@@ -1,0 +1,214 @@
+"""`fleetrl eval MODEL_OR_RUN`: a saved model scored on the environments of a run's evaluation,
+printed as a table, its records written to a folder of their own.
+
+MODEL_OR_RUN is a Hugging Face model folder (with config.json) or a run directory (with
+config.toml). A run directory's config.toml is the config the command starts from, its own
+config files and flags on top (`config_files`); the model scored is the run's final_model/, at
+the run's final version, or a checkpoint (`--step N`, else the newest complete one when there is
+no final model), exported into a temporary folder inside OUT, at its step. A model folder is
+scored at version 0.
+
+What is scored is `[eval]` as `fleetrl rl` evaluates during training, through the same
+Evaluator: the environments eval.envs names, else the config's own on their held-out split;
+eval.prompts prompts of each, eval.samples_per_prompt completions per prompt, greedy by default
+(eval.every_steps plays no part).
+
+Where: the config's inference section, as for `fleetrl rl`. Launched workers load the model
+folder and are labelled with its version; attached ones (inference.urls, or a Dynamo
+deployment) are first held to its weights at that version (checksum and agreement probe), as
+`fleetrl rl` holds them to the weights it starts from. Nothing is published meanwhile, so every
+scored token carries that version in its spans.
+
+    OUT/  eval.jsonl          the evaluation's line: its version and each environment's figures
+          eval/step_N.jsonl   every completion scored at version N: task, reward, spans, worker
+          logs/               launched workers' logs (OUT is the command's run.dir)
+
+OUT (`--out`) is a new folder, by default beside the run directory or model folder and never
+inside a run directory (`default_out`): `fleetrl verify` refuses files a run's manifest does not
+list, and the run's own eval/ stays as the run wrote it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleetrl.app.checks import eval_environments
+from fleetrl.app.export import find_checkpoint
+from fleetrl.app.orchestration import build_evaluator, build_orchestrator
+from fleetrl.app.providers import base_weights, build_fleet, build_transport
+from fleetrl.app.status import aligned
+from fleetrl.config import Config
+from fleetrl.envs.mix import RunEnv
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.fleet import Fleet
+from fleetrl.model import resolve_model
+from fleetrl.rundir import RunDir
+from fleetrl.trainer.export import export_hf
+
+USAGE = "fleetrl eval MODEL_OR_RUN [--step N] [--out DIR]"
+
+
+def to_stderr(line: str) -> None:
+    """The command's progress lines: stdout is the table's."""
+    print(line, file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """What `fleetrl eval` scores: a model folder, or a run's checkpoint to export first."""
+
+    folder: Path | None  # a Hugging Face folder; None: `checkpoint`'s, written once all is checked
+    checkpoint: Path | None  # a run's checkpoint folder, where `folder` is None
+    version: int  # the policy version its tokens carry
+    name: str  # what it is, for the progress lines
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """Everything `fleetrl eval` checked before it starts anything."""
+
+    model: SavedModel
+    out: Path
+    envs: list[RunEnv]
+
+
+def config_files(model_or_run: Path | None) -> list[Path]:
+    """The config files `fleetrl eval MODEL_OR_RUN` starts from, under its own: a run directory's
+    config.toml; none for a model folder. Anything else is refused, naming it."""
+    if model_or_run is None:
+        raise FleetrlError(f"fleetrl eval needs a model folder or a run directory: {USAGE}")
+    if is_model_folder(model_or_run):
+        return []
+    run = RunDir(model_or_run)
+    if run.config_path.is_file():
+        return [run.config_path]
+    if not model_or_run.exists():
+        raise FleetrlError(f"MODEL_OR_RUN {model_or_run} does not exist")
+    raise FleetrlError(f"MODEL_OR_RUN {model_or_run} is neither a Hugging Face model folder (no config.json) nor a "
+                       "run directory (no config.toml)")
+
+
+def is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def plan(config: Config, model_or_run: Path, step: int | None, out: Path | None, log=to_stderr) -> EvalPlan:
+    """What `fleetrl eval` (and its --dry-run) refuses before it starts anything: the model, a
+    folder to write that exists already, an environment that cannot be evaluated."""
+    model = find_model(config, model_or_run, step, log)
+    out = out or default_out(model_or_run, model.version)
+    if out.exists():
+        raise FleetrlError(f"--out {out} exists: fleetrl eval writes a new folder (remove it, or name another)")
+    return EvalPlan(model, out, eval_environments(config, RunDir(out), None, "fleetrl eval"))
+
+
+def find_model(config: Config, model_or_run: Path, step: int | None, log=to_stderr) -> SavedModel:
+    """The model MODEL_OR_RUN names (`config_files` has checked it is a model folder or a run
+    directory) at its version."""
+    if is_model_folder(model_or_run):
+        if step is not None:
+            raise FleetrlError(f"--step {step}: {model_or_run} is a model folder, not a run directory with checkpoints")
+        return SavedModel(model_or_run, None, 0, str(model_or_run))
+    run = RunDir(model_or_run)
+    if step is None and run.final_model_dir.is_dir():
+        return SavedModel(run.final_model_dir, None, final_version(run), str(run.final_model_dir))
+    step, folder = find_checkpoint(run, step, config, log)
+    return SavedModel(None, folder, step, f"the checkpoint of step {step} of {run.root}")
+
+
+def final_version(run: RunDir) -> int:
+    """The version of a run's final_model/: its final.json's, which the run writes at the same
+    last version."""
+    if not run.final_path.is_file():
+        raise FleetrlError(f"{run.final_model_dir}: no final.json beside it to say which version it is; "
+                           "score a checkpoint with --step N")
+    return json.loads(run.final_path.read_text())["version"]
+
+
+def default_out(model_or_run: Path, version: int) -> Path:
+    """Beside MODEL_OR_RUN, named after it: runs/default-eval-v5 for a run at v5, FOLDER-eval for
+    a model folder. A model folder inside a run directory (its final_model/, say) has its
+    results beside the run instead: runs/default-final_model-eval."""
+    source = Path(os.path.abspath(model_or_run))
+    if not is_model_folder(source):
+        return source.with_name(f"{source.name}-eval-v{version}")
+    if RunDir(source.parent).config_path.is_file():
+        return source.parent.with_name(f"{source.parent.name}-{source.name}-eval")
+    return source.with_name(f"{source.name}-eval")
+
+
+def run_eval(config: Config, model_or_run: Path, step: int | None, out: Path | None) -> int:
+    # Every part logs with print (the fleet, the launcher, the export, the evaluator): while the
+    # command works those lines are its progress, on stderr; stdout carries the table alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        checked = plan(config, model_or_run, step, out)
+        figures = score(config, checked)
+    print(table(figures, config.eval.samples_per_prompt))
+    out_dir = RunDir(checked.out)
+    to_stderr(f"fleetrl eval: records in {out_dir.eval_path} and {out_dir.eval_records_path(checked.model.version)}")
+    return 0
+
+
+def score(config: Config, checked: EvalPlan) -> dict[str, dict]:
+    """Scores the model in OUT, locked for the command (a second `fleetrl eval` into it is
+    refused): a checkpoint is exported into a temporary folder there first."""
+    model, out_dir = checked.model, RunDir(checked.out)
+    out_dir.lock()
+    try:
+        with tempfile.TemporaryDirectory(dir=out_dir.root, prefix=".model-") as scratch:
+            folder = model.folder or export_checkpoint(config, model, Path(scratch) / "model")
+            # The launched workers serve that folder and log into OUT, labelled with OUT's run id
+            # (versions.run_id), so a run's own labels on attached workers are never taken for ours.
+            config = config.model_copy(update={"model": config.model.model_copy(update={"path": folder}),
+                                               "run": config.run.model_copy(update={"dir": out_dir.root})})
+            print(f"fleetrl eval: {model.name} at v{model.version}: {config.eval.prompts} prompt(s) of "
+                  f"{', '.join(e.name for e in checked.envs)}, {config.eval.samples_per_prompt} completion(s) each "
+                  f"-> {out_dir.root}")
+            fleet, model_dir = build_fleet(config)
+            return asyncio.run(evaluate(config, fleet, model_dir, model.version, checked.envs, out_dir))
+    finally:
+        out_dir.close()
+
+
+def export_checkpoint(config: Config, model: SavedModel, folder: Path) -> Path:
+    """The checkpoint as a Hugging Face folder, with `fleetrl export`'s code."""
+    print(f"fleetrl eval: exporting {model.name} to a temporary folder")
+    export_hf(resolve_model(config.model), model.checkpoint, folder)
+    return folder
+
+
+async def evaluate(config: Config, fleet: Fleet, model_dir: Path, version: int, envs: list[RunEnv],
+                   out_dir: RunDir) -> dict[str, dict]:
+    """Brings the fleet's workers to the model in `model_dir` at `version` (launched ones load
+    it; attached ones are held to its weights), evaluates it, and stops the fleet."""
+    from transformers import AutoTokenizer
+
+    transport = build_transport(config, out_dir)
+    try:
+        await fleet.start(base_weights(fleet.provider, model_dir, transport, version), launched_version=version)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        orchestrator = build_orchestrator(config, fleet, envs, tokenizer, out_dir)
+        return await build_evaluator(config, orchestrator, envs, out_dir).evaluate(version)
+    finally:
+        await transport.close()
+        await fleet.close()
+
+
+def table(figures: dict[str, dict], k: int) -> str:
+    """An evaluation's figures, an environment a row; pass@k for k = eval.samples_per_prompt
+    when it is more than 1 (else it is pass@1). "-": nothing of it could be scored."""
+    def cell(value) -> str:
+        return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    pass_at_k = [f"pass@{k}"] if k > 1 else []
+    header = ("environment", "prompts", "completions", "reward_mean", "pass@1", *pass_at_k, "failed")
+    rows = [(name, *(cell(f[key]) for key in ("prompts", "samples", "reward_mean", "pass@1", *pass_at_k, "failed")))
+            for name, f in figures.items()]
+    return "\n".join(aligned([header, *rows]))
