@@ -7,6 +7,8 @@ names the file and the line, not a KeyError three modules later).
     batches/step_N.json      BatchMeta      Batch.meta: how the orchestrator made batch N, and how
                                             what it trains differs from what it generated
     rollouts/step_N.jsonl    RolloutRecord  every sample generated for batch N, trained or not
+    eval.jsonl               EvalLine       one per evaluation (orchestrator/evaluation.py); its
+                                            samples are RolloutRecords, in eval/step_N.jsonl
     events.jsonl             WorkerEvent, FenceEvent, SampleEvent, TrainEvent: the timeline
 
 Each type's JSON is its fields by name (`to_dict`); `read(data, where)` is the one way back.
@@ -237,6 +239,20 @@ class StepLine:
     rollout_finished: float
     train_started: float
     train_finished: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+@dataclass(frozen=True)
+class EvalLine:
+    """One evaluation of `version`: when it began, how long it took, and each environment's
+    figures (prompts, samples, failed, reward_mean, pass@1, pass@k)."""
+
+    version: int
+    started: float
+    seconds: float
+    envs: dict[str, dict]
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -58,7 +58,7 @@ from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import off_policy_plot, reward_plot, timeline_plot
-from fleetrl.records import FleetEvent, RolloutRecord, StepLine, event_to_dict, read, read_event
+from fleetrl.records import EvalLine, FleetEvent, RolloutRecord, StepLine, event_to_dict, read, read_event
 from fleetrl.versions import off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -232,7 +232,7 @@ class RunDir:
                         path.unlink()
             atomic_write(self.metrics_path, json_lines([m.to_dict() for m in metrics if m.step <= resume]), durable=True)
             if self.eval_path.exists():
-                atomic_write(self.eval_path, json_lines([e for e in self.read_evals() if e["version"] <= resume]),
+                atomic_write(self.eval_path, json_lines([e.to_dict() for e in self.read_evals() if e.version <= resume]),
                              durable=True)
             if self.verifiers_episodes_path.exists():
                 atomic_write(self.verifiers_episodes_path,
@@ -334,17 +334,18 @@ class RunDir:
     def append_metrics(self, line: StepLine) -> None:
         append_line(self.metrics_path, json.dumps(line.to_dict()))
 
-    def write_eval(self, version: int, records: list[RolloutRecord], line: dict) -> None:
+    def write_eval(self, records: list[RolloutRecord], line: EvalLine) -> None:
         """One evaluation: its records, then its line in eval.jsonl."""
-        atomic_write(self.eval_records_path(version), json_lines([r.to_dict() for r in records]))
-        append_line(self.eval_path, json.dumps(line))
+        atomic_write(self.eval_records_path(line.version), json_lines([r.to_dict() for r in records]))
+        append_line(self.eval_path, json.dumps(line.to_dict()))
 
     def read_eval_records(self, version: int) -> list[RolloutRecord]:
         path = self.eval_records_path(version)
         return [read(RolloutRecord, data, f"{path}: record {i}") for i, data in enumerate(read_json_lines(path, self.log), 1)]
 
-    def read_evals(self) -> list[dict]:
-        return read_json_lines(self.eval_path, self.log)
+    def read_evals(self) -> list[EvalLine]:
+        return [read(EvalLine, data, f"{self.eval_path}: record {i}")
+                for i, data in enumerate(read_json_lines(self.eval_path, self.log), 1)]
 
     def read_metrics(self) -> list[StepLine]:
         return [read(StepLine, data, f"{self.metrics_path}: record {i}")
@@ -461,7 +462,7 @@ def verify_run(root: Path) -> str:
                 raise VerifyError(f"step {batch.step}: sample {i} was trained at off-policy distance {distance} > k = {k}")
         samples += len(batch.samples)
     for line in run_dir.read_evals():
-        check_eval(run_dir, line["version"])
+        check_eval(run_dir, line.version)
     final = metrics[-1]
     for worker, version in final.worker_versions.items():
         if version != final.step:

@@ -95,8 +95,8 @@ def test_a_runs_final_model_is_scored_at_the_runs_final_version_with_the_runs_co
     assert len(scored) == 3 and all(r["spans"] == [[5, 0]] for r in scored)
     check_eval(RunDir(out_dir), 5)
     (line,) = RunDir(out_dir).read_evals()
-    figures = line["envs"]["arithmetic"]
-    assert line["version"] == 5 and figures["prompts"] == 3 and figures["samples"] == 3
+    figures = line.envs["arithmetic"]
+    assert line.version == 5 and figures["prompts"] == 3 and figures["samples"] == 3
     table = printed_table(out)
     assert list(table) == ["arithmetic"]
     assert table["arithmetic"] == {"prompts": "3", "completions": "3", "reward_mean": f"{figures['reward_mean']:.3f}",

@@ -12,6 +12,7 @@ from fleetrl.envs import EnvError, get_environment
 from fleetrl.envs.base import eval_stream, held_out
 from fleetrl.envs.mix import RunEnv
 from fleetrl.orchestrator.evaluation import Evaluator, pass_at_k
+from fleetrl.records import EvalLine
 from fleetrl.rundir import VerifyError, check_eval
 
 from .test_orchestrator import Env, make
@@ -54,7 +55,7 @@ async def test_an_evaluation_scores_every_prompt_at_one_version_and_records_it()
     assert len(records) == 12 and {r["task"] for r in records} == {"fake/t0-0", "fake/t0-1", "fake/t0-2"}
     assert all(r["spans"] == [[0, 0]] for r in records)
     (line,) = orch.run_dir.read_evals()
-    assert line["version"] == 0 and line["envs"] == json.loads(json.dumps(figures))
+    assert line.version == 0 and line.envs == json.loads(json.dumps(figures))
     check_eval(orch.run_dir, 0)
     # A token of another version in an evaluation's records is what `fleetrl verify` refuses.
     records[5]["spans"] = [[0, 0], [1, 3]]
@@ -69,7 +70,7 @@ async def test_the_versions_evaluated_are_the_start_every_nth_and_the_last_each_
     start version (v2) stands, v4 and v5 are due, v1 and v3 are not."""
     fleet, orch, _ = await make()
     for version in (0, 2):
-        orch.run_dir.write_eval(version, [], {"version": version, "envs": {}})
+        orch.run_dir.write_eval([], EvalLine(version=version, started=0.0, seconds=1.0, envs={}))
     evaluator = Evaluator(orch, [RunEnv("fake", Env())], EvalConfig(every_steps=2, prompts=1), seed=0,
                           held_out_only=False, run_dir=orch.run_dir, last_step=5, log=lambda *_: None)
     assert not evaluator.due(2, start=True)

@@ -90,7 +90,7 @@ def test_status_of_a_finished_run_shows_how_it_left_its_workers(tmp_path, capsys
 
 def test_status_of_a_run_says_its_last_evaluation(tmp_path, capsys):
     run = finished_run(tmp_path, {})
-    (run / "eval.jsonl").write_text("".join(json.dumps({"version": v, "envs": {"arith": {
+    (run / "eval.jsonl").write_text("".join(json.dumps({"version": v, "started": 0.0, "seconds": 1.0, "envs": {"arith": {
         "reward_mean": 0.1 * v, "pass@1": 0.05 * v}}}) + "\n" for v in (0, 2)))
     assert main(["status", str(run)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == (

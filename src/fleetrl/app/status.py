@@ -137,7 +137,7 @@ def last_evaluation(run: RunDir) -> str:
     evals = run.read_evals()
     if not evals:
         return ""
-    return f"; evaluated at v{evals[-1]['version']}: {eval_summary(evals[-1]['envs'])}"
+    return f"; evaluated at v{evals[-1].version}: {eval_summary(evals[-1].envs)}"
 
 
 def running(run: RunDir) -> str:

@@ -33,7 +33,7 @@ from fleetrl.inference.types import GenerateRequest
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import run_episode
 from fleetrl.orchestrator.rollouts import Orchestrator, Scored
-from fleetrl.records import RolloutRecord
+from fleetrl.records import EvalLine, RolloutRecord
 from fleetrl.rundir import RunDir, eval_summary
 
 
@@ -56,7 +56,7 @@ class Evaluator:
         self.run_dir = run_dir
         self.last_step = last_step
         self.log = log
-        self.done = {line["version"] for line in run_dir.read_evals()}  # a resumed run's stand
+        self.done = {line.version for line in run_dir.read_evals()}  # a resumed run's stand
         self.prompts = {e.name: [Drawn(e, task, f"{e.name}/{task.id}")
                                  for task in islice(eval_stream(e.env, seed, held_out_only), config.prompts)]
                         for e in envs}
@@ -87,8 +87,7 @@ class Evaluator:
             figures[name] = self._figures(mine)
             records += [record for group in mine for _, record in group]
         seconds = time.time() - started
-        self.run_dir.write_eval(version, records, {"version": version, "started": started, "seconds": seconds,
-                                                   "envs": figures})
+        self.run_dir.write_eval(records, EvalLine(version=version, started=started, seconds=seconds, envs=figures))
         self.log(f"fleetrl: evaluated v{version} in {seconds:.1f} s: {eval_summary(figures)}")
         return figures
 
