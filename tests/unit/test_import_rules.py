@@ -7,6 +7,7 @@ inside a function, under TYPE_CHECKING): a lazy import is still an arrow between
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,7 @@ def is_module(name: str) -> bool:
     return (SRC / rel).with_suffix(".py").exists() or (SRC / rel / "__init__.py").exists()
 
 
+@functools.cache  # every test walks the same files: each is parsed once
 def imports_of(path: Path) -> list[tuple[str, int, bool]]:
     """(imported fleetrl module, line, at module level) for every import in `path`."""
     tree = ast.parse(path.read_text(), str(path))
@@ -76,6 +78,7 @@ def imports_of(path: Path) -> list[tuple[str, int, bool]]:
     return found
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
