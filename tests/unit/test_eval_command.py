@@ -12,7 +12,6 @@ from fleetrl.app import eval as eval_command
 from fleetrl.app.providers import base_weights
 from fleetrl.cli import main
 from fleetrl.config import Config, ModelConfig, load_config, to_toml
-from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.inference.fleet import Fleet
 from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir, check_eval
@@ -20,13 +19,8 @@ from fleetrl.rundir import RunDir, check_eval
 from .fake_fleet import FakeProvider, FakeTransport
 from .test_export import trained_run
 from .test_orchestrator import Tokenizer
+from .test_tokens import no_tokens_in_the_environment  # noqa: F401 (autouse: no token of the shell reaches the command)
 from .test_trainer_step import save_tiny_model, save_tiny_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def no_tokens_in_the_environment(monkeypatch):
-    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
-    monkeypatch.delenv(DATA_TOKEN_ENV, raising=False)
 
 
 @pytest.fixture

@@ -48,7 +48,7 @@ from fleetrl.monitoring import StepSink
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
 from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
-from fleetrl.records import StepLine, StepWorker, TrainEvent
+from fleetrl.records import StepLine, StepWorker, TrainEvent, to_dict
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 from fleetrl.trainer import checkpoint, distributed
@@ -405,8 +405,7 @@ class RLRun:
             worker_versions=versions,
             workers={worker: StepWorker(
                 version=versions.get(worker),
-                **({"completions": served[worker].completions, "completion_tokens": served[worker].completion_tokens,
-                    "tokens_per_s": served[worker].tokens_per_s} if worker in served else {}),
+                **(to_dict(served[worker]) if worker in served else {}),  # what it served for the batch
                 mismatch_kl=finite_or_none(metrics.worker_mismatch_kl[worker]) if worker in metrics.worker_mismatch_kl else None,
                 publish_s=report.worker_seconds.get(worker))
                 for worker in sorted(set(versions) | set(served))},
