@@ -68,8 +68,9 @@ class Batch:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> Batch:
+    def from_json(cls, text: str, where: str = "batch") -> Batch:
+        """`where`: the file, for an error about its meta."""
         data = json.loads(text)
         samples = [Sample(**{**s, "spans": [VersionSpan(**sp) for sp in s["spans"]]}) for s in data["samples"]]
-        meta = read(BatchMeta, data["meta"], f"batch {data['step']}: meta") if data["meta"] is not None else None
+        meta = read(BatchMeta, data["meta"], f"{where}: meta") if data["meta"] is not None else None
         return cls(step=data["step"], samples=samples, dropped=data["dropped"], meta=meta)

@@ -106,18 +106,31 @@ def is_dotted_flag(arg: str) -> bool:
     return arg.startswith("--") and "." in arg.split("=", 1)[0]
 
 
-def join_dotted_values(argv: list[str]) -> list[str]:
+def command_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag of every command that is no config field (--dry-run, --step, --help...)."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {flag for sub in [parser, *subparsers.choices.values()] for action in sub._actions
+            for flag in action.option_strings if not flag.startswith("--") or "." not in flag}
+
+
+def join_dotted_values(argv: list[str], flags: set[str]) -> list[str]:
     """`--section.key VALUE` -> `--section.key=VALUE`, whatever VALUE begins with.
 
     argparse reads an argument that starts with "-" as an option, so a token such as `-x3f`
-    or a value `-1` would be refused as a missing value; joined, it is the flag's value.
+    or a value `-1` would be refused as a missing value; joined, it is the flag's value. A
+    flag followed by another flag (`--run.dir --dry-run`; `flags`: the commands' own) has no
+    value: refused, naming it, rather than taking that flag as its value (and running without
+    --dry-run).
     """
     out = []
     it = iter(argv)
     for arg in it:
         if is_dotted_flag(arg) and "=" not in arg:
             value = next(it, None)
-            arg = arg if value is None else f"{arg}={value}"
+            if value is None or is_dotted_flag(value) or value in flags:
+                raise ConfigError(f"{arg} needs a value ({arg} VALUE or {arg}=VALUE)"
+                                  + (f", not the flag {value}" if value else ""))
+            arg = f"{arg}={value}"
         out.append(arg)
     return out
 
@@ -163,11 +176,11 @@ def keep_logging_as_it_is() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     keep_logging_as_it_is()
-    argv = join_dotted_values(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        rest, files = split_config_files(argv)
         parser = build_parser()
+        rest, files = split_config_files(join_dotted_values(argv, command_flags(parser)))
         args, unknown = parser.parse_known_args(rest)
         overrides = [(k[4:], v) for k, v in vars(args).items() if k.startswith("cfg:")]
         # A dotted flag that is no config field still goes to the config loader, whose error

@@ -46,12 +46,17 @@ def kl_text(kl: float | None) -> str:
     return f"{kl:.1e}" if kl is not None else "n/a"
 
 
+def dropped_text(line: StepLine) -> str:
+    """Every sample not trained, by reason (off_policy, misversioned, reward_failed, empty,
+    tool_failed, env_failed, filtered), or none."""
+    return ", ".join(f"{reason} {count}" for reason, count in line.dropped_by.items()) or "none"
+
+
 def step_text(line: StepLine, max_steps: int, dynamic_sampling: bool) -> str:
     """The printed step line."""
     loss = f"{line.loss:+.4f}" if line.loss is not None else "n/a"
     return (f"step {line.step}/{max_steps}  reward {line.reward_mean:.3f}±{line.reward_std:.3f}  "
-            f"off-policy max {line.distance_max} mean {line.distance_mean:.2f}  dropped {line.dropped}  "
-            f"misversioned {line.misversioned}  reward failed {line.reward_failed}  empty {line.empty}  "
+            f"off-policy max {line.distance_max} mean {line.distance_mean:.2f}  dropped {dropped_text(line)}  "
             + (f"filtered {line.filtered}/{line.sampled_prompts} groups  " if dynamic_sampling else "")
             + f"loss {loss}  mismatch {kl_text(line.mismatch_kl)}  staleness {kl_text(line.staleness_kl)}  "
             f"lr {line.lr:.1e}  train {line.train_finished - line.train_started:.1f}s  publish {line.publish_s:.1f}s  "

@@ -1,6 +1,7 @@
 """What the run directory's record files hold: one typed record per kind of line, written and
-read through these types only, and read strictly (a key missing or unknown is an error that
-names the file and the line, not a KeyError three modules later).
+read through these types only, and read strictly (a key missing or unknown, or a value of
+another type, is an error that names the file and the record, not a KeyError or a TypeError
+three modules later).
 
     metrics.jsonl            StepLine       one per trained step: written by app/rl.py through
                                             monitoring.StepSink, read by status, plots, verify
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -40,15 +42,21 @@ def _fields(cls) -> tuple[set[str], set[str]]:
 
 def read(cls, data: Any, where: str):
     """`data` (decoded JSON) as a `cls` record; nested records as theirs (the class's NESTED:
-    field -> record type, for a record, or a dict of them by name)."""
+    field -> record type, for a record, or a dict of them by name). Keys an older fleetrl wrote
+    and this one no longer does (the class's RETIRED) are dropped: its runs still verify."""
     if not isinstance(data, dict):
         raise RecordError(f"{where}: not an object but {type(data).__name__}")
+    data = {key: value for key, value in data.items() if key not in getattr(cls, "RETIRED", ())}
     every, required = _fields(cls)
     unknown, missing = sorted(set(data) - every), sorted(required - set(data))
     if unknown or missing:
         raise RecordError(f"{where}: not a {cls.__name__}: "
                           + "; ".join(([f"unknown {', '.join(unknown)}"] if unknown else [])
                                       + ([f"missing {', '.join(missing)}"] if missing else [])))
+    hints = typing.get_type_hints(cls)
+    for name, value in data.items():
+        if not _is_of(value, hints[name]):
+            raise RecordError(f"{where}: {name} is {value!r}, not {_type_name(hints[name])}")
     values = dict(data)
     for name, (kind, nested) in getattr(cls, "NESTED", {}).items():
         value = values.get(name)
@@ -59,6 +67,29 @@ def read(cls, data: Any, where: str):
         else:
             values[name] = read(nested, value, f"{where}: {name}")
     return cls(**values)
+
+
+def _is_of(value: Any, hint: Any) -> bool:
+    """Whether a JSON value can be of the type `hint`: a number of int (not a bool) or float,
+    a str, a bool, a list, an object (a dict, or a nested record), or None where allowed."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is_of(value, arg) for arg in typing.get_args(hint))
+    kind = typing.get_origin(hint) or hint
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if dataclasses.is_dataclass(kind):
+        return isinstance(value, dict)
+    return isinstance(value, kind)
+
+
+def _type_name(hint: Any) -> str:
+    return " or ".join(getattr(arg, "__name__", str(arg)).replace("NoneType", "null")
+                       for arg in (typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType)
+                                   else (hint,)))
 
 
 def to_dict(record) -> dict[str, Any]:
@@ -156,6 +187,9 @@ class BatchMeta:
 
     NESTED: ClassVar = {"generated": ("one", Figures), "trained": ("one", Figures),
                         "envs": ("dict", EnvFigures), "workers": ("dict", WorkerFigures)}
+    # Written until December 2026, never read: the admission wait's start, k (config.toml has it),
+    # and two drop counts dropped_by holds.
+    RETIRED: ClassVar = ("waited_from", "max_off_policy_steps", "tool_failed", "env_failed")
 
     sampled_prompts: int  # groups sampled (more than batch_prompts under dynamic sampling)
     filtered: int  # groups dynamic sampling dropped

@@ -318,7 +318,8 @@ class RunDir:
         return atomic_write(self.batch_path(batch.step), batch.to_json())
 
     def read_batch(self, step: int) -> Batch:
-        return Batch.from_json(self.batch_path(step).read_text())
+        path = self.batch_path(step)
+        return Batch.from_json(path.read_text(), where=str(path))
 
     def wait_batch(self, step: int, while_waiting: Callable[[], None] = lambda: None) -> Batch:
         """Batch `step` once the orchestrator has written it; `while_waiting` runs between looks

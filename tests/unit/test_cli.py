@@ -198,10 +198,17 @@ def test_a_negative_number_is_refused_by_the_field_not_the_parser(capsys):
     assert "config key 'inference.workers'" in err and "(from --inference.workers)" in err
 
 
-def test_a_dotted_flag_without_a_value_is_refused(capsys):
-    with pytest.raises(SystemExit):
-        main(["rl", "--inference.wokers"])
-    assert "--inference.wokers: expected one argument" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, said", [
+    (["rl", "--inference.wokers"], "--inference.wokers needs a value (--inference.wokers VALUE or "
+                                   "--inference.wokers=VALUE)"),
+    # The next flag is no value: taken as one, a dry run would have started a run in a folder
+    # named --dry-run.
+    (["rl", "--run.dir", "--dry-run"], "--run.dir needs a value (--run.dir VALUE or --run.dir=VALUE), not the "
+                                       "flag --dry-run"),
+])
+def test_a_dotted_flag_without_a_value_is_refused_in_one_line(capsys, argv, said):
+    assert main(argv) == 1
+    assert capsys.readouterr().err == f"fleetrl: error: {said}\n"
 
 
 @pytest.mark.parametrize("flags, field", [

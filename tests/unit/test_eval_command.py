@@ -15,6 +15,7 @@ from fleetrl.config import Config, ModelConfig, load_config, to_toml
 from fleetrl.inference.fleet import Fleet
 from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir, check_eval
+from fleetrl.trainer.export import VERSION_FILE
 
 from .fake_fleet import FakeProvider, FakeTransport
 from .test_export import trained_run
@@ -60,8 +61,7 @@ def finished_run(path: Path, version: int, **settings) -> Path:
     """A run directory with its config.toml (`settings`: dotted fields) and a final model at `version`."""
     path.mkdir()
     (path / "config.toml").write_text(to_toml(load_config([], list(settings.items()))))
-    model_folder(path / "final_model")
-    (path / "final.json").write_text(json.dumps({"version": version}))
+    model_folder(path / "final_model").joinpath(VERSION_FILE).write_text(json.dumps({"version": version}))
     return path
 
 
@@ -96,7 +96,8 @@ def test_a_runs_final_model_is_scored_at_the_runs_final_version_with_the_runs_co
     assert table["arithmetic"] == {"prompts": "3", "completions": "3", "reward_mean": f"{figures['reward_mean']:.3f}",
                                    "pass@1": f"{figures['pass@1']:.3f}", "failed": str(figures["failed"])}
     assert figures["reward_mean"] == pytest.approx(sum(r["reward"] for r in scored) / 3)
-    assert sorted(p.name for p in run.iterdir()) == ["config.toml", "final.json", "final_model"]  # the run as it was
+    # The run as it was, but for the lock it was held by while its model was scored.
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.toml", "final_model"]
     (fleet,) = fake_fleet
     assert fleet.version == 5 and fleet.provider.engines["w0"].version == 5
 
@@ -153,8 +154,10 @@ def test_attached_workers_are_held_to_the_models_weights_at_its_version(tmp_path
                                   "trainer.checkpoint_interval = 10)"),
     (["eval", "{tmp}/untrained", "--step", "3"], "no checkpoint of step 3 in {tmp}/untrained/checkpoints (steps "
                                                  "checkpointed: none)"),
-    (["eval", "{tmp}/no-final-json"], "{tmp}/no-final-json/final_model: no final.json beside it to say which version "
-                                      "it is; score a checkpoint with --step N"),
+    (["eval", "{tmp}/no-version"], "{tmp}/no-version/final_model has no fleetrl_version.json (a final model of an "
+                                   "older fleetrl) to say which version it is: score a checkpoint with --step N"),
+    (["eval", "{tmp}/model", "--out", "{tmp}/no-version/eval"], "--out {tmp}/no-version/eval is inside the run "
+                                                                "directory {tmp}/no-version"),
     (["eval", "{tmp}/model", "--out", "{tmp}/empty"], "--out {tmp}/empty exists: fleetrl eval writes a new folder "
                                                       "(remove it, or name another)"),
     (["eval", "{tmp}/model", "--eval.prompts", "0"], "eval.prompts"),
@@ -167,7 +170,7 @@ def test_a_bad_argument_is_one_line_naming_it_before_anything_starts(tmp_path, f
     (tmp_path / "empty").mkdir()
     (tmp_path / "untrained").mkdir()
     (tmp_path / "untrained" / "config.toml").write_text(to_toml(Config()))
-    finished_run(tmp_path / "no-final-json", 3).joinpath("final.json").unlink()
+    finished_run(tmp_path / "no-version", 3).joinpath("final_model", VERSION_FILE).unlink()
     before = sorted(tmp_path.rglob("*"))
     assert main([arg.format(tmp=tmp_path) for arg in args] + (["--dry-run"] if dry_run else [])) == 1
     err = capsys.readouterr().err.strip()

@@ -77,15 +77,16 @@ def test_the_final_weights_export_like_their_checkpoint(model_dir, tmp_path):
     the same folder as the export of a checkpoint of those weights."""
     from safetensors.torch import load_file
 
-    from fleetrl.trainer.export import export_weights
+    from fleetrl.trainer.export import export_weights, folder_version
 
     trained = trained_run(model_dir, tmp_path / "run", steps=(1,))
-    export_weights(model_dir, weights(trained).items(), tmp_path / "final")
+    export_weights(model_dir, weights(trained).items(), tmp_path / "final", version=1)
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "ckpt")]) == 0
+    assert folder_version(tmp_path / "final") == folder_version(tmp_path / "ckpt") == 1  # what `fleetrl eval` labels
     final, ckpt = (load_file(tmp_path / name / "model.safetensors") for name in ("final", "ckpt"))
     assert final.keys() == ckpt.keys() and all(torch.equal(final[n], ckpt[n]) for n in final)
     for name in ("config.json", "tokenizer.json"):
         assert (tmp_path / "final" / name).read_bytes() == (tmp_path / "ckpt" / name).read_bytes()
     with pytest.raises(FleetrlError, match="no weight given for"):
-        export_weights(model_dir, list(weights(trained).items())[1:], tmp_path / "partial")
+        export_weights(model_dir, list(weights(trained).items())[1:], tmp_path / "partial", version=1)
     assert not (tmp_path / "partial").exists()

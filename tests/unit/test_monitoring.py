@@ -27,6 +27,9 @@ def test_the_printed_line_says_n_a_for_what_measured_nothing():
     assert text.startswith("step 1/10  reward 0.250±0.100  off-policy max 1 mean 0.50")
     assert "loss n/a" in text and "mismatch n/a" in text and "staleness 1.0e-02" in text
     assert "train 4.0s  publish 1.5s  workers at [1]" in text and "filtered" not in text
+    assert "  dropped none  " in text
+    assert "  dropped off_policy 2, tool_failed 1  " in step_text(
+        replace(LINE, dropped_by={"off_policy": 2, "tool_failed": 1}), 10, dynamic_sampling=False)
     assert "filtered 0/2 groups" in step_text(LINE, 10, dynamic_sampling=True)
 
 

@@ -423,3 +423,41 @@ def test_events_are_synced_off_the_thread_that_appends_them(tmp_path, monkeypatc
     assert synced_on and threading.current_thread() not in synced_on
     run.close()
     assert len(run.events_path.read_text().splitlines()) == 50
+
+
+def test_a_batch_an_older_fleetrl_wrote_still_reads_and_an_unknown_key_names_the_file(tmp_path):
+    """Batches written before BatchMeta carried four keys it no longer has: a run resumed or
+    verified across the upgrade reads them; a key no fleetrl wrote is an error naming the file."""
+    from fleetrl.records import BatchMeta, Figures
+
+    run = RunDir(tmp_path)
+    figures = Figures(samples=1, reward_mean=1.0, completion_tokens_mean=3.0)
+    meta = BatchMeta(sampled_prompts=1, filtered=0, generated=figures, trained=figures, dropped_by={}, envs={},
+                     workers={}, rollout_started=1.0, rollout_finished=2.0, dispatch_version=0, reward_mean=1.0,
+                     reward_std=0.0, distance_max=0, distance_mean=0.0, misversioned=0, reward_failed=0, empty=0)
+    run.write_batch(Batch(1, [sample([(0, 0)])], meta=meta))
+    data = json.loads(run.batch_path(1).read_text())
+    data["meta"].update(waited_from=0.5, max_off_policy_steps=1, tool_failed=0, env_failed=0)
+    run.batch_path(1).write_text(json.dumps(data))
+    assert run.read_batch(1).meta == meta
+    data["meta"]["kl"] = 0.1
+    run.batch_path(1).write_text(json.dumps(data))
+    with pytest.raises(RecordError, match=rf"^{run.batch_path(1)}: meta: not a BatchMeta: unknown kl$"):
+        run.read_batch(1)
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("lr", "fast", "lr is 'fast', not float"),
+    ("reward_mean", None, "reward_mean is None, not float"),
+    ("distance_max", 1.5, "distance_max is 1.5, not int"),
+    ("skipped", 0, "skipped is 0, not bool"),
+    ("loss", "nan", "loss is 'nan', not float or null"),
+    ("workers", [], "workers is [], not dict"),
+])
+def test_a_value_of_another_type_is_an_error_naming_the_record_and_the_key(tmp_path, key, value, said):
+    run = RunDir(make_run(tmp_path))
+    lines = [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
+    lines[2][key] = value
+    run.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    with pytest.raises(RecordError, match=rf"^{run.metrics_path}: record 3: {re.escape(said)}$"):
+        run.read_metrics()

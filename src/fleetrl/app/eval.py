@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
 from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir
-from fleetrl.trainer.export import export_hf
+from fleetrl.trainer.export import VERSION_FILE, export_hf, folder_version
 
 USAGE = "fleetrl eval MODEL_OR_RUN [--step N] [--out DIR]"
 
@@ -77,15 +76,18 @@ class EvalPlan:
     model: SavedModel
     out: Path
     envs: list[RunEnv]
+    run: Path | None  # the run directory the model is of: held while it is scored, so no run replaces it
 
 
 def config_files(model_or_run: Path | None) -> list[Path]:
-    """The config files `fleetrl eval MODEL_OR_RUN` starts from, under its own: a run directory's
-    config.toml; none for a model folder. Anything else is refused, naming it."""
+    """The config files `fleetrl eval MODEL_OR_RUN` starts from, under its own: the config.toml
+    of the run directory it is or lies in (a run's final_model/); none for another model folder.
+    Anything else is refused, naming it."""
     if model_or_run is None:
         raise FleetrlError(f"fleetrl eval needs a model folder or a run directory: {USAGE}")
-    if is_model_folder(model_or_run):
-        return []
+    if is_model_folder(model_or_run):  # a run's final_model/, say, is scored as the run evaluates
+        run = run_of(model_or_run.absolute().parent)
+        return [RunDir(run).config_path] if run is not None else []
     run = RunDir(model_or_run)
     if run.config_path.is_file():
         return [run.config_path]
@@ -101,35 +103,40 @@ def is_model_folder(path: Path) -> bool:
 
 def plan(config: Config, model_or_run: Path, step: int | None, out: Path | None, log=to_stderr) -> EvalPlan:
     """What `fleetrl eval` (and its --dry-run) refuses before it starts anything: the model, a
-    folder to write that exists already, an environment that cannot be evaluated."""
+    folder to write that exists already or lies inside a run directory, an environment that
+    cannot be evaluated."""
     model = find_model(config, model_or_run, step, log)
     out = out or default_out(model_or_run, model.version)
     if out.exists():
         raise FleetrlError(f"--out {out} exists: fleetrl eval writes a new folder (remove it, or name another)")
-    return EvalPlan(model, out, eval_environments(config, RunDir(out), None, "fleetrl eval"))
+    if (run := run_of(out.absolute().parent)) is not None:
+        raise FleetrlError(f"--out {out} is inside the run directory {run}: `fleetrl verify` refuses files its "
+                           "manifest does not list (name a folder outside it)")
+    return EvalPlan(model, out, eval_environments(config, RunDir(out), None, "fleetrl eval"),
+                    run_of(model_or_run.absolute()))
+
+
+def run_of(path: Path) -> Path | None:
+    """The run directory `path` is, or lies inside; None if none."""
+    return next((folder for folder in (path, *path.parents) if RunDir(folder).config_path.is_file()), None)
 
 
 def find_model(config: Config, model_or_run: Path, step: int | None, log=to_stderr) -> SavedModel:
     """The model MODEL_OR_RUN names (`config_files` has checked it is a model folder or a run
-    directory) at its version."""
+    directory) at its version: the one fleetrl recorded in the folder (a run's final model, an
+    export), else 0; a checkpoint's step."""
     if is_model_folder(model_or_run):
         if step is not None:
             raise FleetrlError(f"--step {step}: {model_or_run} is a model folder, not a run directory with checkpoints")
-        return SavedModel(model_or_run, None, 0, str(model_or_run))
+        return SavedModel(model_or_run, None, folder_version(model_or_run) or 0, str(model_or_run))
     run = RunDir(model_or_run)
     if step is None and run.final_model_dir.is_dir():
-        return SavedModel(run.final_model_dir, None, final_version(run), str(run.final_model_dir))
+        if (version := folder_version(run.final_model_dir)) is None:
+            raise FleetrlError(f"{run.final_model_dir} has no {VERSION_FILE} (a final model of an older fleetrl) to "
+                               "say which version it is: score a checkpoint with --step N")
+        return SavedModel(run.final_model_dir, None, version, str(run.final_model_dir))
     step, folder = find_checkpoint(run, step, config, log)
     return SavedModel(None, folder, step, f"the checkpoint of step {step} of {run.root}")
-
-
-def final_version(run: RunDir) -> int:
-    """The version of a run's final_model/: its final.json's, which the run writes at the same
-    last version."""
-    if not run.final_path.is_file():
-        raise FleetrlError(f"{run.final_model_dir}: no final.json beside it to say which version it is; "
-                           "score a checkpoint with --step N")
-    return json.loads(run.final_path.read_text())["version"]
 
 
 def default_out(model_or_run: Path, version: int) -> Path:
@@ -158,10 +165,15 @@ def run_eval(config: Config, model_or_run: Path, step: int | None, out: Path | N
 
 def score(config: Config, checked: EvalPlan) -> dict[str, dict]:
     """Scores the model in OUT, locked for the command (a second `fleetrl eval` into it is
-    refused): a checkpoint is exported into a temporary folder there first."""
+    refused), with the run directory it is of locked too (a running run is refused; no run
+    started meanwhile replaces its final model or checkpoints): a checkpoint is exported into a
+    temporary folder in OUT first."""
     model, out_dir = checked.model, RunDir(checked.out)
-    out_dir.lock()
+    source = RunDir(checked.run) if checked.run is not None else None
+    if source is not None:
+        source.lock()
     try:
+        out_dir.lock()
         with tempfile.TemporaryDirectory(dir=out_dir.root, prefix=".model-") as scratch:
             folder = model.folder or export_checkpoint(config, model, Path(scratch) / "model")
             # The launched workers serve that folder and log into OUT, labelled with OUT's run id
@@ -175,12 +187,14 @@ def score(config: Config, checked: EvalPlan) -> dict[str, dict]:
             return asyncio.run(evaluate(config, fleet, model_dir, model.version, checked.envs, out_dir))
     finally:
         out_dir.close()
+        if source is not None:
+            source.close()
 
 
 def export_checkpoint(config: Config, model: SavedModel, folder: Path) -> Path:
     """The checkpoint as a Hugging Face folder, with `fleetrl export`'s code."""
     print(f"fleetrl eval: exporting {model.name} to a temporary folder")
-    export_hf(resolve_model(config.model), model.checkpoint, folder)
+    export_hf(resolve_model(config.model), model.checkpoint, folder, model.version)
     return folder
 
 

@@ -20,7 +20,7 @@ def run_export(run_dir: Path, out_dir: Path, step: int | None, log=print) -> int
     config = load_config([run.config_path], [])
     step, folder = find_checkpoint(run, step, config, log)
     log(f"fleetrl export: step {step} of {run_dir} -> {out_dir}")
-    export_hf(resolve_model(config.model), folder, out_dir)
+    export_hf(resolve_model(config.model), folder, out_dir, version=step)
     log(f"fleetrl export: done: {out_dir} (a Hugging Face folder: transformers' from_pretrained and vLLM load it; "
         "docs/quickstart.md serves it)")
     return 0

@@ -361,7 +361,8 @@ class RLRun:
 
     def write_final_model(self, named: NamedTensors) -> None:
         self.log(f"fleetrl: writing the final model (v{self.fleet.version}) to {self.run_dir.final_model_dir}")
-        self.run_dir.replace_final_model(lambda folder: export_weights(self.model_dir, named(), folder))
+        version = self.fleet.version  # the weights' own, recorded in the folder for `fleetrl eval`
+        self.run_dir.replace_final_model(lambda folder: export_weights(self.model_dir, named(), folder, version))
 
     def on_step(self, batch: Batch, metrics: StepMetrics, report: PublishReport, started: float,
                 finished: float) -> None:

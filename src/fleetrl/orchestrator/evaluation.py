@@ -114,7 +114,8 @@ class Evaluator:
             reason = orchestrator.unusable(s)
             if reason is None and {span.version for span in s.completion.spans} != {version}:
                 reason = "misversioned"  # never, while the trainer waits: the check that it holds
-            out.append((s, orchestrator.record(step, index, s, None, reason)))
+            # Filed under the version it scores (eval/step_N.jsonl), and never trained.
+            out.append((s, replace(orchestrator.record(step, index, s, None, reason), step=version, trained=False)))
         return out
 
     def _figures(self, groups: list[list[tuple[Scored, RolloutRecord]]]) -> dict:
