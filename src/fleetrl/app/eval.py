@@ -4,9 +4,11 @@ printed as a table, its records written to a folder of their own.
 MODEL_OR_RUN is a Hugging Face model folder (with config.json) or a run directory (with
 config.toml). A run directory's config.toml is the config the command starts from, its own
 config files and flags on top (`config_files`); the model scored is the run's final_model/, at
-the run's final version, or a checkpoint (`--step N`, else the newest complete one when there is
-no final model), exported into a temporary folder inside OUT, at its step. A model folder is
-scored at version 0.
+the version recorded in it (trainer/export.VERSION_FILE), or a checkpoint (`--step N`, else the
+newest complete one when there is no final model), exported into a temporary folder inside OUT,
+at its step. A model folder is scored at the version recorded in it, else 0, with the config of
+the run directory it lies in, if any. The run directory is held (locked) while its model is
+scored: a running run is refused, and none can start and replace the model meanwhile.
 
 What is scored is `[eval]` as `fleetrl rl` evaluates during training, through the same
 Evaluator: the environments eval.envs names, else the config's own on their held-out split;
@@ -106,7 +108,9 @@ def plan(config: Config, model_or_run: Path, step: int | None, out: Path | None,
     folder to write that exists already or lies inside a run directory, an environment that
     cannot be evaluated."""
     model = find_model(config, model_or_run, step, log)
-    out = out or default_out(model_or_run, model.version)
+    if out is None and (out := default_out(model_or_run, model.version)).exists():
+        raise FleetrlError(f"{out}, where fleetrl eval writes the records by default, exists: remove it, or name "
+                           "another folder with --out DIR")
     if out.exists():
         raise FleetrlError(f"--out {out} exists: fleetrl eval writes a new folder (remove it, or name another)")
     if (run := run_of(out.absolute().parent)) is not None:

@@ -47,7 +47,7 @@ from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import StepSink
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
-from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process
+from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process, stop_all
 from fleetrl.records import StepLine, StepWorker, TrainEvent, to_dict
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
@@ -61,7 +61,7 @@ from fleetrl.trainer.step import StepMetrics, finite_or_none
 
 # A SIGTERM must end the run within seconds: the fleet's close (its workers' processes and
 # connections) is bounded, and a stop slower than SLOW_STOP_S says how long it took.
-CLOSE_BOUND_S = 5.0
+CLOSE_BOUND_S = 10.0
 SLOW_STOP_S = 3.0
 
 
@@ -272,14 +272,14 @@ class RLRun:
             self.start_weights.put_nowait(None)  # a fleet start still waiting for its weights gives up
         except queue.Full:
             pass
-        for future in self.rollouts + ([self.watching] if self.watching else []):
+        for future in self.rollouts + [f for f in (self.watching, self.fleet_started) if f is not None]:
             future.cancel()
         if self.fleet is not None and self.control.thread.is_alive():  # else the exit's stop_all ends its processes
             try:
                 self.control.run(_close(self.fleet, self.transport), timeout_s=CLOSE_BOUND_S)
             except TimeoutError:
-                self.log(f"fleetrl: the fleet did not close within {CLOSE_BOUND_S:.0f} s; its processes are "
-                         "stopped as this process exits")
+                self.log(f"fleetrl: the fleet did not close within {CLOSE_BOUND_S:.0f} s: stopping its processes")
+                stop_all()  # before the run directory is let go: no worker of this run outlives its lock
         if self.fleet is not None:
             self.run_dir.forget_fleet()
         self.control.stop()

@@ -34,7 +34,7 @@ from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole
-from fleetrl.processes import ManagedProcess, free_port, listening_ports, start_process
+from fleetrl.processes import ManagedProcess, free_port, listening_ports, start_process, stop_groups
 from fleetrl.rundir import DeploymentPaths
 from fleetrl.versions import run_id
 
@@ -105,8 +105,8 @@ class DynamoDeployment:
     def stop(self) -> None:
         # Workers first: a frontend that outlives them only logs their disappearance. etcd
         # last: stopping processes withdraw their registrations from it.
-        for process in [*self.workers, self.frontend]:
-            process.stop()
+        stop_groups(self.workers)  # together: within one grace period
+        self.frontend.stop()
         self.cluster.stop()
 
 

@@ -24,6 +24,7 @@ from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInf
 from fleetrl.inference.vllm.admin import VllmAdminClient
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers, start_server
+from fleetrl.processes import stop_groups
 
 
 # What an attached server is asked at start: an admin route that only reads (and must refuse a
@@ -148,8 +149,7 @@ class VllmProvider:
             await admin.close()
         self._admins.clear()
         await self._data.close()
-        for server in self.launched:
-            server.process.stop()
+        stop_groups([server.process for server in self.launched])  # together: within one grace period
 
 
 def _worker(worker_id: str, url: str) -> WorkerInfo:
