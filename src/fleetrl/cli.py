@@ -49,8 +49,16 @@ RUN_DIR_COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as fleetrl's: one line naming the command and the argument at fault
+    (argparse prints a usage line first, the top-level one for an unknown argument)."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fleetrl",
         description="Asynchronous RL against a fleet of inference workers, with per-token policy versions.",
     )
@@ -104,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 def is_dotted_flag(arg: str) -> bool:
     """`--section.key` or `--section.key=value`: a config field set on the command line."""
     return arg.startswith("--") and "." in arg.split("=", 1)[0]
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
 
 
 def command_flags(parser: argparse.ArgumentParser) -> set[str]:
@@ -185,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [(k[4:], v) for k, v in vars(args).items() if k.startswith("cfg:")]
         # A dotted flag that is no config field still goes to the config loader, whose error
         # names the key; anything else is argparse's to reject.
-        overrides += unknown_dotted_flags(unknown, parser)
+        overrides += unknown_dotted_flags(unknown, command_parser(parser, args.command))
         config = load_config(base_config_files(args) + files, overrides)
         for key in sorted({key for key, _ in overrides} & SECRET_FLAGS.keys()):
             print(f"fleetrl: warning: --{key} on the command line is readable by every local user (ps, "
