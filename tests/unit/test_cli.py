@@ -64,7 +64,7 @@ def test_at_file_without_space(tmp_path, capsys):
         (["status", "--inference.provider", "dynamo", "--inference.dynamo.frontend_url", "http://h:8000",
           "--inference.dynamo.rl_url", "http://h:8001", "--inference.admin_token", "t"],
          "inference.admin_token set with inference.provider = 'dynamo', whose frontend and own worker kind take no token"),
-        (["status", "/nonexistent-run"], "/nonexistent-run: no fleet.json: no fleet of this run is running"),
+        (["status", "/nonexistent-run"], "RUN_DIR /nonexistent-run does not exist"),
         (["rl", "--inference.provider", "dynamo", "--inference.dynamo.frontend_url", "http://h:8000"],
          "inference.dynamo.frontend_url and inference.dynamo.rl_url: set both"),
         (["rl", "--orchestrator.temperature", "0.7"], "fleetrl rl samples at orchestrator.temperature = 1"),

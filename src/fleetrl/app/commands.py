@@ -27,8 +27,16 @@ def base_config_files(args: argparse.Namespace) -> list[Path]:
     return []
 
 
+def check_run_dir(args: argparse.Namespace) -> None:
+    """A RUN_DIR argument that is no folder, named as such (not as a run that did not finish)."""
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir is not None and not run_dir.is_dir():
+        raise FleetrlError(f"RUN_DIR {run_dir} {'is not a folder' if run_dir.exists() else 'does not exist'}")
+
+
 def check_command(args: argparse.Namespace, config: Config) -> None:
     """What a command refuses before it starts anything; `--dry-run` runs it too."""
+    check_run_dir(args)
     if args.command == "rl":
         from fleetrl.app.checks import check_config
 
@@ -42,6 +50,7 @@ def check_command(args: argparse.Namespace, config: Config) -> None:
 def run_command(args: argparse.Namespace, config: Config) -> int:
     """Runs `args.command`; every process it started is stopped on the way out, however it ends."""
     try:
+        check_run_dir(args)
         return _dispatch(args, config)
     finally:
         stop_all()
