@@ -24,8 +24,8 @@ COMMANDS = {
     "status": "Show each worker of a fleet (a running run's, or the one the config names): role, state, "
               "policy version, weight checksum, requests in flight, last publish; for a finished run, how it left them.",
     "verify": "Re-check a finished run directory's manifest and invariants.",
-    "plot": "Draw a run's plots (reward.png, off_policy.png and the version timeline timeline.png) from its "
-            "metrics and events, while it runs or after.",
+    "plot": "Draw a run's plots (reward.png, off_policy.png, the version timeline timeline.png, and eval.png "
+            "when it evaluates) from its metrics, events and evaluations, while it runs or after.",
     "export": "Write a run's checkpoint (the newest complete one, or --step N) as a Hugging Face folder.",
     "eval": "Score a saved model — a Hugging Face folder, or a run's final model or checkpoint — on the run's "
             "evaluation environments ([eval]) with the config's workers; print the table, write the records.",

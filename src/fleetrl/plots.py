@@ -1,5 +1,6 @@
-"""The run's plots: mean reward and off-policy distance per step (from its metrics lines), and
-the version timeline (from its events).
+"""The run's plots: mean reward and off-policy distance per step (from its metrics lines), the
+held-out figures per evaluated version (from eval.jsonl), and the version timeline (from its
+events).
 
 They are rendered to PNG bytes; the run directory (fleetrl.rundir) writes them.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import io
 
-from fleetrl.records import FenceEvent, FleetEvent, SampleEvent, StepLine, TrainEvent, WorkerEvent
+from fleetrl.records import EvalLine, FenceEvent, FleetEvent, SampleEvent, StepLine, TrainEvent, WorkerEvent
 from fleetrl.versions import VersionSpan, off_policy_distance
 
 # A worker serving ("ready") is drawn in its version's colour, full height; every other state
@@ -21,14 +22,26 @@ DROPPED_COLOR = "#ff00aa"  # the outline of a sample more than k versions behind
 
 
 def reward_plot(metrics: list[StepLine]) -> bytes:
-    return _plot(metrics, "mean reward", {"reward mean": [m.reward_mean for m in metrics]})
+    return _plot([m.step for m in metrics], "trainer step", "mean reward",
+                 {"reward mean": [m.reward_mean for m in metrics]})
 
 
 def off_policy_plot(metrics: list[StepLine]) -> bytes:
-    return _plot(metrics, "off-policy distance", {
+    return _plot([m.step for m in metrics], "trainer step", "off-policy distance", {
         "max": [m.distance_max for m in metrics],
         "mean": [m.distance_mean for m in metrics],
     })
+
+
+def eval_plot(evals: list[EvalLine]) -> bytes:
+    """Each evaluated environment's held-out mean reward and pass@1 per evaluated version (eval.jsonl's
+    lines). Version N is the policy after N trainer steps. A figure an evaluation does not have is
+    a gap in its line: None (every completion failed), or an environment it did not evaluate (a
+    resume may change eval.envs)."""
+    names = list(dict.fromkeys(name for e in evals for name in e.envs))
+    series = {f"{name} {label}": [_number(e.envs.get(name, {}).get(figure)) for e in evals]
+              for name in names for figure, label in (("reward_mean", "reward mean"), ("pass@1", "pass@1"))}
+    return _plot([e.version for e in evals], "policy version (trainer steps done)", "held-out evaluation", series)
 
 
 def timeline_plot(events: list[FleetEvent], k: int) -> bytes:
@@ -146,13 +159,16 @@ def _png(fig) -> bytes:
     return png.getvalue()
 
 
-def _plot(metrics: list[StepLine], ylabel: str, series: dict[str, list[float]]) -> bytes:
+def _number(figure: float | None) -> float:
+    return float("nan") if figure is None else figure
+
+
+def _plot(x: list[int], xlabel: str, ylabel: str, series: dict[str, list[float]]) -> bytes:
     plt = _pyplot()
-    steps = [m.step for m in metrics]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, values in series.items():
-        ax.plot(steps, values, marker="o", label=label)
-    ax.set_xlabel("trainer step")
+        ax.plot(x, values, marker="o", label=label)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -15,6 +15,7 @@
                              trainer step's start and end, and each sample's start, end, worker
                              and version spans
       reward.png, off_policy.png, timeline.png
+      eval.png               the held-out figures per evaluated version (when the run evaluates)
       verifiers_episodes.jsonl  a `verifiers` environment's episodes, when it runs one
       tensorboard/           each step's metrics as TensorBoard event files (run.tensorboard)
       wandb/                 W&B's offline run files (run.wandb): W&B's own, never in the manifest
@@ -57,7 +58,7 @@ from fleetrl.batch import Batch, Sample
 from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
-from fleetrl.plots import off_policy_plot, reward_plot, timeline_plot
+from fleetrl.plots import eval_plot, off_policy_plot, reward_plot, timeline_plot
 from fleetrl.records import EvalLine, FleetEvent, RolloutRecord, StepLine, event_to_dict, read, read_event
 from fleetrl.versions import off_policy_distance
 
@@ -174,6 +175,7 @@ class RunDir:
         self.reward_plot_path = self.root / "reward.png"
         self.off_policy_plot_path = self.root / "off_policy.png"
         self.timeline_plot_path = self.root / "timeline.png"
+        self.eval_plot_path = self.root / "eval.png"
         self.events_path = self.root / "events.jsonl"
         self._events = LineWriter(self.events_path)  # appended from the event loop: synced off it
         self.verifiers_episodes_path = self.root / "verifiers_episodes.jsonl"
@@ -366,12 +368,16 @@ class RunDir:
                 for i, data in enumerate(read_json_lines(self.events_path, self.log), 1)]
 
     def write_plots(self) -> list[Path]:
-        """reward.png and off_policy.png from the metrics, timeline.png from the events."""
+        """reward.png and off_policy.png from the metrics, timeline.png from the events, and
+        eval.png from eval.jsonl once the run has evaluated."""
         metrics = self.read_metrics()
         k = load_config([self.config_path], []).orchestrator.max_off_policy_steps
-        return [atomic_write(self.reward_plot_path, reward_plot(metrics)),
-                atomic_write(self.off_policy_plot_path, off_policy_plot(metrics)),
-                atomic_write(self.timeline_plot_path, timeline_plot(self.read_events(), k))]
+        written = [atomic_write(self.reward_plot_path, reward_plot(metrics)),
+                   atomic_write(self.off_policy_plot_path, off_policy_plot(metrics)),
+                   atomic_write(self.timeline_plot_path, timeline_plot(self.read_events(), k))]
+        if evals := self.read_evals():
+            written.append(atomic_write(self.eval_plot_path, eval_plot(evals)))
+        return written
 
     def artifacts(self) -> list[Path]:
         """Every file of the run but the manifest, what UNLISTED names, and dot-files and dot-folders

@@ -68,6 +68,28 @@ def test_plot_draws_the_timeline_from_the_events_and_the_same_bytes_again(tmp_pa
         assert rgb(color) in colors, color
     assert main(["plot", str(run)]) == 0
     assert {name: (run / name).read_bytes() for name in pngs} == pngs  # a finished run keeps its manifest
+    assert not (run / "eval.png").exists()  # the run has not evaluated
+
+
+def test_plot_draws_each_evaluated_environments_reward_and_pass_at_1_per_version(tmp_path, capsys):
+    """eval.png: a line per figure and environment, over the evaluated versions; a figure an
+    evaluation does not have (None, or an environment it did not evaluate) is a gap, not an error."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(to_toml(Config()))
+    (run / "metrics.jsonl").write_text(json.dumps(step_dict(1, reward_mean=0.5, distance_max=0,
+                                                            distance_mean=0.0)) + "\n")
+    figures = {"reward_mean": 0.3, "pass@1": 0.0}
+    evals = [{"version": 0, "envs": {"reverse_text": figures}},
+             {"version": 5, "envs": {"reverse_text": {"reward_mean": None, "pass@1": None}, "arithmetic": figures}},
+             {"version": 10, "envs": {"reverse_text": {"reward_mean": 0.6, "pass@1": 0.25}, "arithmetic": figures}}]
+    (run / "eval.jsonl").write_text("".join(json.dumps({"started": T, "seconds": 1.0, **e}) + "\n" for e in evals))
+    assert main(["plot", str(run)]) == 0
+    assert f"wrote {run / 'eval.png'}" in capsys.readouterr().out
+    colors = colors_in((run / "eval.png").read_bytes())
+    # four lines in matplotlib's first four colours: each environment's reward mean and pass@1
+    for color in ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"):
+        assert rgb(color) in colors, color
 
 
 def test_plot_refuses_what_is_no_run(tmp_path, capsys):

@@ -49,7 +49,8 @@ SUITES = {
     "trainer": Suite("bench_trainer.py", ("--reps", "1"),
                      "trainer step against a bare transformers + torch step, and 2 ranks against 1"),
     "trl": Suite("bench_trl.py", ("--steps", "3"),
-                 "fleetrl against TRL's GRPOTrainer: time per step and reward (the `bench` extra)", needs="trl"),
+                 "fleetrl against TRL's GRPOTrainer: time per step, time to a reward level, held-out "
+                 "reward (the `bench` extra)", needs="trl"),
 }
 BENCH_EXTRA = "pip install -e '.[bench]'"
 SUITE_CHOICES = [*SUITES, "all"]
