@@ -29,6 +29,7 @@ from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.processes import listening_ports, running_groups
+from fleetrl.records import WorkerEvent
 from fleetrl.versions import VersionSpan
 from fleetrl.weights.factory import make_transport
 
@@ -217,7 +218,7 @@ async def test_a_worker_that_registers_is_refitted_to_the_fleets_version_before_
     # never ready before that.
     assert (f"fleetrl: worker {new} holds no version of this run (another run's, or none), not v1: refitting it "
             "with the weights of v1") in attached.logs
-    states = [e["state"] for e in attached.events[seen:] if e.get("worker") == new]
+    states = [e.state for e in attached.events[seen:] if isinstance(e, WorkerEvent) and e.worker == new]
     assert states[0] == "syncing" and states[-1] == "ready" and states.count("ready") == 1, states
     admin = fleet.provider.admin(fleet.workers[new])
     assert await admin.version() == 1

@@ -386,13 +386,13 @@ def check_the_final_model_scores_on_the_runs_server(run_dir, workers) -> None:
     out = RunDir(Path(f"{run_dir}-eval-v{STEPS}"))  # beside the run: `fleetrl verify` above still holds
     (line,) = out.read_evals()
     records = [json.loads(record) for record in out.eval_records_path(STEPS).read_text().splitlines()]
-    assert line["version"] == STEPS and set(line["envs"]) == {"reverse", "arithmetic"}
+    assert line.version == STEPS and set(line.envs) == {"reverse", "arithmetic"}
     assert records and all(r["worker"] == server and r["spans"] and {v for v, _ in r["spans"]} == {STEPS}
                            for r in records if r["completion_tokens"]), records
     header, *rows = [row.split() for row in done.stdout.strip().splitlines()]
     assert header == ["environment", "prompts", "completions", "reward_mean", "pass@1", "failed"], done.stdout
     table = {row[0]: dict(zip(header[1:], row[1:])) for row in rows}
-    assert set(table) == set(line["envs"]), done.stdout
+    assert set(table) == set(line.envs), done.stdout
     for env, row in table.items():
         mine = [r for r in records if r["env"] == env]
         rewards = [r["reward"] for r in mine if r["drop_reason"] is None]

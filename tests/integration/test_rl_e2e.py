@@ -365,15 +365,15 @@ def test_the_cluster_evaluates_every_version_on_held_out_prompts_at_that_version
     every token of each evaluation of that version (as `fleetrl verify` checks too), the figures in
     eval.jsonl and in the evaluated step's line."""
     evals = RunDir(cluster.run_dir).read_evals()
-    assert [e["version"] for e in evals] == [0, 1, 2]
+    assert [e.version for e in evals] == [0, 1, 2]
     for e in evals:
-        figures = e["envs"]["arithmetic"]
+        figures = e.envs["arithmetic"]
         assert figures["prompts"] == 2 and figures["samples"] == 2 and 0 <= figures["pass@1"] <= 1, e
         records = [json.loads(line) for line in
-                   RunDir(cluster.run_dir).eval_records_path(e["version"]).read_text().splitlines()]
-        assert all({v for v, _ in r["spans"]} == {e["version"]} for r in records), records
+                   RunDir(cluster.run_dir).eval_records_path(e.version).read_text().splitlines()]
+        assert all({v for v, _ in r["spans"]} == {e.version} for r in records), records
         assert all(r["task"].startswith("arithmetic/") for r in records)
-    assert [m["eval"] for m in cluster.metrics] == [evals[1]["envs"], evals[2]["envs"]]
+    assert [m["eval"] for m in cluster.metrics] == [evals[1].envs, evals[2].envs]
     assert "fleetrl: evaluated v2 in" in cluster.out
 
 
