@@ -45,6 +45,7 @@ and reports the first violation.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -342,17 +343,18 @@ class RunDir:
         atomic_write(self.eval_records_path(line.version), json_lines([r.to_dict() for r in records]))
         append_line(self.eval_path, json.dumps(line.to_dict()))
 
+    def _read_records(self, path: Path, read_record: Callable[[object, str], object]) -> list:
+        """A record file's records, each read by `read_record` (records.py) with its place named."""
+        return [read_record(data, f"{path}: record {i}") for i, data in enumerate(read_json_lines(path, self.log), 1)]
+
     def read_eval_records(self, version: int) -> list[RolloutRecord]:
-        path = self.eval_records_path(version)
-        return [read(RolloutRecord, data, f"{path}: record {i}") for i, data in enumerate(read_json_lines(path, self.log), 1)]
+        return self._read_records(self.eval_records_path(version), functools.partial(read, RolloutRecord))
 
     def read_evals(self) -> list[EvalLine]:
-        return [read(EvalLine, data, f"{self.eval_path}: record {i}")
-                for i, data in enumerate(read_json_lines(self.eval_path, self.log), 1)]
+        return self._read_records(self.eval_path, functools.partial(read, EvalLine))
 
     def read_metrics(self) -> list[StepLine]:
-        return [read(StepLine, data, f"{self.metrics_path}: record {i}")
-                for i, data in enumerate(read_json_lines(self.metrics_path, self.log), 1)]
+        return self._read_records(self.metrics_path, functools.partial(read, StepLine))
 
     def write_final(self, final: dict) -> Path:
         return atomic_write(self.final_path, json.dumps(final, indent=1))
@@ -364,8 +366,7 @@ class RunDir:
 
     def read_events(self) -> list[FleetEvent]:
         self._events.flush()
-        return [read_event(data, f"{self.events_path}: record {i}")
-                for i, data in enumerate(read_json_lines(self.events_path, self.log), 1)]
+        return self._read_records(self.events_path, read_event)
 
     def write_plots(self) -> list[Path]:
         """reward.png and off_policy.png from the metrics, timeline.png from the events, and

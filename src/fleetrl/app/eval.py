@@ -150,8 +150,8 @@ def default_out(model_or_run: Path, version: int) -> Path:
     source = Path(os.path.abspath(model_or_run))
     if not is_model_folder(source):
         return source.with_name(f"{source.name}-eval-v{version}")
-    if RunDir(source.parent).config_path.is_file():
-        return source.parent.with_name(f"{source.parent.name}-{source.name}-eval")
+    if (run := run_of(source.parent)) is not None:
+        return run.with_name(f"{run.name}-{source.name}-eval")
     return source.with_name(f"{source.name}-eval")
 
 
