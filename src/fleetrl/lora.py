@@ -1,0 +1,119 @@
+"""A LoRA adapter as fleetrl moves it between processes: peft's folder format, which vLLM's
+LoRA loader, transformers + peft and `fleetrl export --adapter` all read.
+
+    adapter_config.json          AdapterSpec.peft_config: rank, alpha, target modules, ...
+    adapter_model.safetensors    `model.layers.N.self_attn.q_proj.lora_A.weight` [rank, in]
+                                 `model.layers.N.self_attn.q_proj.lora_B.weight` [out, rank]
+
+A leaf: the trainer writes these names, the engine side writes the folder its vLLM server
+reads, and the launchers write a worker's first folder; none of them imports another.
+
+Why a folder and not tensors handed to vLLM in memory: vLLM drops every adapter when a weight
+update finishes (`reset_lora_state`) and loads it again from its folder at the next request
+that names it. A worker's folder therefore always holds its current adapter, written whole
+(file by file, each replaced atomically) before the update that brought it finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fleetrl.errors import FleetrlError
+
+# The name requests use to be served through the adapter. It may not be the base model's
+# served name (`policy`): vLLM refuses an adapter named like a served model.
+ADAPTER_NAME = "policy-lora"
+# Set on a vLLM server's processes: the folder its `--lora-modules` entry points at, which the
+# engine side keeps current. A server without it cannot take an adapter update.
+ADAPTER_DIR_ENV = "FLEETRL_ADAPTER_DIR"
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# The values vLLM's --max-lora-rank accepts.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The linear layers of a Llama-style decoder layer that an adapter may target. Embeddings and
+# the LM head are not offered: SmolLM2 ties them, and vLLM reloads a tied head separately.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+
+
+class AdapterError(FleetrlError):
+    """Adapter tensors that do not fit the adapter's config."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds an adapter of `rank`."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What shapes an adapter: the config half of its folder."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool = False
+    dropout: float = 0.0
+
+    def peft_config(self, base_model: str | Path) -> dict:
+        """adapter_config.json: what peft's LoraConfig and vLLM's PEFTHelper read."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+                "r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.target_modules),
+                "lora_dropout": self.dropout, "use_rslora": self.use_rslora, "bias": "none"}
+
+    @classmethod
+    def of_folder(cls, folder: Path) -> AdapterSpec:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+        return cls(rank=config["r"], alpha=config["lora_alpha"], target_modules=tuple(config["target_modules"]),
+                   use_rslora=config.get("use_rslora", False), dropout=config.get("lora_dropout", 0.0))
+
+    def check(self, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+        """Every tensor is one of this adapter's: a target module's lora_A [rank, in] or
+        lora_B [out, rank]. Checked before a worker's folder changes: vLLM would find out only
+        inside the next forward step, where a failure costs the requests in it."""
+        for name, tensor in tensors:
+            match = _NAME.fullmatch(name)
+            if match is None or match[3] not in self.target_modules:
+                raise AdapterError(f"{where}: {name} is no tensor of an adapter on {', '.join(self.target_modules)}")
+            rank_dim = 0 if match[4] == "A" else 1
+            if tensor.dim() != 2 or tensor.shape[rank_dim] != self.rank:
+                raise AdapterError(f"{where}: {name} has shape {tuple(tensor.shape)}, not rank {self.rank}")
+
+
+def write_adapter(folder: Path, spec: AdapterSpec, base_model: str | Path,
+                  tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The adapter folder, each file replaced atomically (the weights last: a reader never
+    sees weights without the config that shapes them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / CONFIG_FILE
+    _replace(config, lambda tmp: tmp.write_text(json.dumps(spec.peft_config(base_model), indent=1)))
+    weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}
+    _replace(folder / WEIGHTS_FILE, lambda tmp: save_file(weights, str(tmp)))
+
+
+def _replace(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def zero_adapter(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
+    """An adapter that changes nothing (every B is zero), shaped for the model in `model_dir`:
+    what a launched worker holds before the first adapter update, so it serves the base
+    model's v0 through the adapter's name."""
+    from peft import LoraConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only: nothing is allocated or read
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        model.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules)))
+    return {name.replace(".default", ""): torch.zeros(param.shape)
+            for name, param in model.named_parameters() if ".lora_" in name}
