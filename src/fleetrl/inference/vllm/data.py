@@ -21,11 +21,12 @@ from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_sp
 
 class VllmDataClient:
     def __init__(self, data_token: str | None, timeout_s: float, run: str | None, max_connections: int = 256,
-                 admin_token: str | None = None) -> None:
+                 admin_token: str | None = None, model: str = SERVED_MODEL_NAME) -> None:
         # No token: a coordinator that only reads the workers' state (`fleetrl status`). With
         # the admin token, every answer must carry the worker's proof of a nonce of this client's
         # (admin_signature.py): a process on a dead worker's port cannot answer for it.
         self.timeout_s = timeout_s
+        self.model = model  # what requests are served by: the base model's name, or a LoRA run's adapter's
         self.run = run  # every token's label must name a version of this run; None: only looks
         self._admin_token = admin_token
         self._http = httpx.AsyncClient(
@@ -55,7 +56,7 @@ class VllmDataClient:
         if s.seed is not None:
             sampling["seed"] = s.seed
         body = {
-            "model": SERVED_MODEL_NAME,
+            "model": self.model,
             "token_ids": list(request.prompt_token_ids) + list(prompt_suffix),
             "sampling_params": sampling,
             "request_id": request.request_id,
@@ -73,7 +74,7 @@ class VllmDataClient:
     async def prompt_logprobs(self, worker_id: str, url: str, token_ids: list[int]) -> list[float]:
         """log p(token_i | tokens_<i) for i >= 1, scored by the worker's current weights."""
         body = {
-            "model": SERVED_MODEL_NAME,
+            "model": self.model,
             "token_ids": list(token_ids),
             "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False},
         }
