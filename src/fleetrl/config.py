@@ -518,7 +518,8 @@ class LoraConfig(Section):
     rank: int = Field(
         0, ge=0,
         description=f"The adapter's rank r; 0 = off (full fine-tuning). At most {VLLM_MAX_LORA_RANKS[-1]}: workers "
-        f"serve it with the smallest vLLM --max-lora-rank at least r (one of {', '.join(map(str, VLLM_MAX_LORA_RANKS))}).",
+        "serve it with the smallest vLLM --max-lora-rank at least r "
+        f"(one of {', '.join(map(str, VLLM_MAX_LORA_RANKS))}).",
     )
     alpha: float = Field(16.0, gt=0, description="LoRA's alpha: the update B A is scaled by alpha / rank (alpha / "
                          "sqrt(rank) with use_rslora).")

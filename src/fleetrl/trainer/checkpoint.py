@@ -54,12 +54,18 @@ from fleetrl.trainer.lora import ADAPTER_CONFIG_FILE, has_adapter
 from fleetrl.trainer.model import first_nonfinite, local_shards
 
 COMPLETE = "complete.json"
-# Frozen parameters (LoRA's base) are neither saved nor loaded: they are the base model's. With
-# nothing frozen (full fine-tuning) this is every parameter. Loading is not strict, because the
-# model's frozen parameters are then missing from what is loaded by design; `_check_holds`
-# makes sure instead that the checkpoint has every key that is loaded.
-_SAVED = StateDictOptions(ignore_frozen_params=True)
-_LOADED = StateDictOptions(ignore_frozen_params=True, strict=False)
+# Loading is not strict: the model's frozen parameters are missing from what is loaded by design
+# (`_trained`); `_check_holds` makes sure instead that the checkpoint has every key that is loaded.
+_LOADED = StateDictOptions(strict=False)
+
+
+def _trained(model_state: dict, model: nn.Module) -> dict:
+    """`model_state` without the frozen parameters (LoRA's base: the base model's folder has them),
+    under every name they go by: torch's `ignore_frozen_params` keeps a tied alias (the head of
+    tied embeddings, `lm_head.weight`), which would put the whole embedding into every checkpoint.
+    With nothing frozen (full fine-tuning) this is all of `model_state`."""
+    frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return {key: value for key, value in model_state.items() if key not in frozen}
 
 
 def latest(root: Path, log: Callable[[str], None] = print) -> tuple[int, Path] | None:
@@ -90,7 +96,7 @@ def load_weights(folder: Path, model: nn.Module) -> None:
     """The model's weights from the checkpoint in `folder` (a verified one: `latest`, `at_step`),
     without its optimizer state; every rank of a sharded model must call this. A LoRA
     checkpoint's adapter goes into a model built with its adapter (`adapter_of`)."""
-    state = {"model": get_model_state_dict(model, options=_SAVED)}
+    state = {"model": _trained(get_model_state_dict(model), model)}
     _check_holds(folder, state["model"])
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=folder)
@@ -126,7 +132,8 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
         tmp.mkdir()
     _barrier()
 
-    model_state, optim_state = get_state_dict(model, optimizer, options=_SAVED)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state = _trained(model_state, model)
     with _single_process_quiet():
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
     _barrier()  # every rank's shards are on disk
@@ -168,7 +175,8 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     if found is None:
         return None
     step, folder = found
-    model_state, optim_state = get_state_dict(model, optimizer, options=_SAVED)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state = _trained(model_state, model)
     _check_holds(folder, model_state)
     state = {"model": model_state, "optimizer": optim_state}
     with _single_process_quiet():

@@ -114,12 +114,13 @@ def named_tensors(model: nn.Module, dtype: torch.dtype | None = None,
     On a sharded model each step gathers one full tensor from every rank: all ranks must
     iterate to the end, in step; only rank 0 has a use for the result.
     """
-    with torch.no_grad():
-        for name, param in base_params(model) if base else published_params(model):
-            tensor = param.detach()
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-            yield name, tensor if dtype is None else tensor.to(dtype)
+    for name, param in base_params(model) if base else published_params(model):
+        # Detached, so no grad mode is needed: a `torch.no_grad()` held across the yield would
+        # leak into the caller, and two of these iterated side by side would leave grad mode off.
+        tensor = param.detach()
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, tensor if dtype is None else tensor.to(dtype)
 
 
 def local_shards(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
