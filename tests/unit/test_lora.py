@@ -277,7 +277,8 @@ def _one_step(model_dir, world):
     before = {name: tensor.clone() for name, tensor in named_tensors(model)}  # unsharded: the parameters
     peft_state = {name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
                   for name, tensor in get_peft_model_state_dict(model).items()}
-    train_step(model, build_optimizer(model, FAST), batch, FAST)
+    optimizer = build_optimizer(model, FAST)
+    train_step(model, optimizer, batch, FAST)
     gathered = {}
 
     def publish(version, gather, probe_ids, reference):
@@ -285,12 +286,19 @@ def _one_step(model_dir, world):
 
     hooks = Hooks(wait_batch=lambda step: None, publish=publish if world.rank == 0 else None)
     loop.publish_streamed(1, model, world, agreement_probe(model), hooks)
-    return {"before": before, "peft": peft_state, "after": dict(named_tensors(model)), "gathered": gathered}
+    after = {name: tensor.clone() for name, tensor in named_tensors(model)}
+    return {"before": before, "peft": peft_state, "after": after, "gathered": gathered}, model, optimizer
 
 
 def _rank_main(rank, model_dir, out_dir):
     world = distributed.init(timeout_s=60)  # joined already (tests/ranks.py)
-    torch.save(_one_step(model_dir, world), out_dir / f"lora_rank{rank}.pt")
+    result, model, optimizer = _one_step(model_dir, world)
+    # A checkpoint of the sharded adapter, loaded into a fresh sharded one.
+    checkpoint.save(out_dir / "checkpoints", 1, model, optimizer, keep=1, adapter=adapter_config(LORA, model_dir))
+    resumed = lora_policy(model_dir)
+    checkpoint.load(out_dir / "checkpoints", resumed, build_optimizer(resumed, FAST))
+    result["resumed"] = dict(named_tensors(resumed))
+    torch.save(result, out_dir / f"lora_rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -300,8 +308,8 @@ def two_ranks(model_dir, tmp_path_factory):
     return [torch.load(out_dir / f"lora_rank{rank}.pt") for rank in (0, 1)]
 
 
-def test_two_ranks_publish_peft_s_adapter_alike_and_step_as_one_rank(model_dir, two_ranks):
-    one = _one_step(model_dir, distributed.World(rank=0, world_size=1, device=CPU))
+def test_two_ranks_publish_peft_s_adapter_alike_step_as_one_rank_and_resume_exactly(model_dir, two_ranks):
+    one, _, _ = _one_step(model_dir, distributed.World(rank=0, world_size=1, device=CPU))
     rank0, rank1 = two_ranks
     for key in ("before", "after"):
         assert list(rank0[key]) == list(rank1[key]) == list(one[key])
@@ -316,3 +324,4 @@ def test_two_ranks_publish_peft_s_adapter_alike_and_step_as_one_rank(model_dir, 
     for name, want in one["after"].items():
         torch.testing.assert_close(rank0["after"][name], want, rtol=1e-5, atol=1e-6, msg=name)
     assert any(not torch.equal(one["after"][name], one["before"][name]) for name in one["after"])
+    assert all(torch.equal(rank0["resumed"][name], rank0["after"][name]) for name in one["after"])
