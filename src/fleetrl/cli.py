@@ -26,7 +26,8 @@ COMMANDS = {
     "verify": "Re-check a finished run directory's manifest and invariants.",
     "plot": "Draw a run's plots (reward.png, off_policy.png, the version timeline timeline.png, and eval.png "
             "when it evaluates) from its metrics, events and evaluations, while it runs or after.",
-    "export": "Write a run's checkpoint (the newest complete one, or --step N) as a Hugging Face folder.",
+    "export": "Write a run's checkpoint (the newest complete one, or --step N) as a Hugging Face folder (a LoRA "
+              "run's adapter merged in), or with --adapter a LoRA run's adapter as a peft adapter folder.",
     "eval": "Score a saved model — a Hugging Face folder, or a run's final model or checkpoint — on the run's "
             "evaluation environments ([eval]) with the config's workers; print the table, write the records.",
     "model": "Print the policy model's folder (model.path, or the embedded default, converted once into the "
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("out_dir", nargs="?", type=Path, metavar="OUT_DIR",
                              help="The Hugging Face folder to write (it must not exist).")
             sub.add_argument("--step", type=int, help="The checkpoint's step [default: the newest complete one].")
+            sub.add_argument("--adapter", action="store_true",
+                             help="A LoRA run's adapter alone, as a peft adapter folder (adapter_config.json, "
+                                  "adapter_model.safetensors) [default: the whole model, the adapter merged in].")
         if name == "eval":
             sub.add_argument("model_or_run", nargs="?", type=Path, metavar="MODEL_OR_RUN",
                              help="A Hugging Face model folder (scored as version 0), or a run directory: its "

@@ -495,6 +495,71 @@ class OrchestratorConfig(Section):
         return value
 
 
+# The ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py, MaxLoRARanks): a worker serves an
+# adapter of rank r with the smallest of them that is at least r.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The linear layers of a Llama decoder layer, which vLLM can serve a LoRA on.
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The --max-lora-rank a vLLM worker needs to serve an adapter of `rank`: the smallest value
+    vLLM accepts that is at least `rank`."""
+    fitting = [allowed for allowed in VLLM_MAX_LORA_RANKS if allowed >= rank]
+    if rank < 1 or not fitting:
+        raise ValueError(f"a LoRA rank must be 1 to {VLLM_MAX_LORA_RANKS[-1]} (what vLLM serves), got {rank}")
+    return fitting[0]
+
+
+class LoraConfig(Section):
+    """LoRA: train low-rank adapters on the base model's linear layers instead of all its weights
+    (peft); only the adapter is trained, checkpointed and published. Off while rank = 0."""
+
+    rank: int = Field(
+        0, ge=0,
+        description=f"The adapter's rank r; 0 = off (full fine-tuning). At most {VLLM_MAX_LORA_RANKS[-1]}: workers "
+        "serve it with the smallest vLLM --max-lora-rank at least r "
+        f"(one of {', '.join(map(str, VLLM_MAX_LORA_RANKS))}).",
+    )
+    alpha: float = Field(16.0, gt=0, description="LoRA's alpha: the update B A is scaled by alpha / rank (alpha / "
+                         "sqrt(rank) with use_rslora).")
+    dropout: float = Field(
+        0.0, ge=0, lt=1,
+        description="Dropout on the adapter's input while training. Keep 0: the importance ratio compares the "
+        "trainer's logprob of each token with the sampler's, and a forward with dropout scores the same token at "
+        "random, which the ratio, the clip and the mismatch figures would take for a policy change.",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LLAMA_LINEARS),
+        description="The linear layers that get an adapter, by name within a decoder layer. Not embed_tokens nor "
+        "lm_head: SmolLM2 ties them, and workers refit the tied head from the embedding.",
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilized LoRA: scale by alpha / sqrt(rank) instead of "
+                             "alpha / rank, so a larger rank does not shrink the update.")
+
+    @field_validator("rank")
+    @classmethod
+    def _vllm_serves_the_rank(cls, value: int) -> int:
+        if value:
+            vllm_max_lora_rank(value)  # its ValueError says why
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _linears_only(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("names no layer: list the linear layers that get an adapter")
+        tied = [name for name in value if name in ("embed_tokens", "lm_head")]
+        if tied:
+            raise ValueError(f"{tied[0]} cannot take an adapter: the embedding and the head are tied (one tensor), "
+                             "and workers refit the head from the embedding; adapt the linear layers only")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class TrainerConfig(Section):
     """The trainer's ranks, optimizer and policy loss (the loss options' math: src/fleetrl/trainer/loss.py)."""
 
@@ -608,6 +673,7 @@ class TrainerConfig(Section):
         "run ends with an error naming the step; skip = the step's update is skipped and counted "
         "(metrics: skipped), the version is still published.",
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class RunConfig(Section):

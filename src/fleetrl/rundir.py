@@ -96,6 +96,7 @@ RUN_DEFINING = (
     "trainer.mis_high",  # the loss
     "trainer.mis_level",  # the loss
     "trainer.kl_coef",  # the loss
+    "trainer.lora",  # what is trained (adapter or all weights) and what the checkpoints hold
     "run.seed",  # the task stream the resume continues
 )
 

@@ -96,8 +96,8 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
 
         if args.run_dir is None or args.out_dir is None:
             raise FleetrlError("fleetrl export needs a run directory and a folder to write: "
-                               "fleetrl export RUN_DIR OUT_DIR [--step N]")
-        return run_export(args.run_dir, args.out_dir, args.step)
+                               "fleetrl export RUN_DIR OUT_DIR [--step N] [--adapter]")
+        return run_export(args.run_dir, args.out_dir, args.step, adapter_only=args.adapter)
     if args.command == "eval":
         from fleetrl.app.eval import run_eval
 

@@ -55,6 +55,7 @@ from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.export import export_weights
 from fleetrl.trainer.gather import WeightGather
 from fleetrl.trainer.loop import Hooks, Snapshot, train, train_peer
+from fleetrl.trainer.lora import adapter_config
 from fleetrl.trainer.mismatch import outliers
 from fleetrl.trainer.step import StepMetrics, finite_or_none
 
@@ -362,7 +363,10 @@ class RLRun:
     def write_final_model(self, named: NamedTensors) -> None:
         self.log(f"fleetrl: writing the final model (v{self.fleet.version}) to {self.run_dir.final_model_dir}")
         version = self.fleet.version  # the weights' own, recorded in the folder for `fleetrl eval`
-        self.run_dir.replace_final_model(lambda folder: export_weights(self.model_dir, named(), folder, version))
+        # A LoRA run publishes its adapter alone: merged into the base, the folder loads with no peft.
+        adapter = adapter_config(self.config.trainer.lora, self.model_dir)
+        self.run_dir.replace_final_model(lambda folder: export_weights(self.model_dir, named(), folder, version,
+                                                                       adapter=adapter))
 
     def on_step(self, batch: Batch, metrics: StepMetrics, report: PublishReport, started: float,
                 finished: float) -> None:

@@ -1,5 +1,9 @@
 """Trainer checkpoints: model, optimizer and step, saved atomically, the last K kept.
 
+With LoRA (`trainer.lora`) a checkpoint holds the adapter and its optimizer state alone (the base
+weights are frozen: the base model's folder has them), and the adapter's config as
+adapter_config.json, so that an export knows the adapter it loads without the run's config.
+
 Format: `torch.distributed.checkpoint` (DCP) with the sharded state dicts of
 `get_state_dict` / `set_state_dict`. Each rank writes only its own shards, in parallel, so no
 rank ever holds the full model and optimizer (a full state dict gathered on rank 0 needs three
@@ -34,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -45,9 +50,22 @@ from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write, fsync_dir, sha256_file
 from fleetrl.rundir import STEP_PREFIX, step_name, step_of
 from fleetrl.trainer import distributed
+from fleetrl.trainer.lora import ADAPTER_CONFIG_FILE, has_adapter
 from fleetrl.trainer.model import first_nonfinite, local_shards
 
 COMPLETE = "complete.json"
+# Loading is not strict: the model's frozen parameters are missing from what is loaded by design
+# (`_trained`); `_check_holds` makes sure instead that the checkpoint has every key that is loaded.
+_LOADED = StateDictOptions(strict=False)
+
+
+def _trained(model_state: dict, model: nn.Module) -> dict:
+    """`model_state` without the frozen parameters (LoRA's base: the base model's folder has them),
+    under every name they go by: torch's `ignore_frozen_params` keeps a tied alias (the head of
+    tied embeddings, `lm_head.weight`), which would put the whole embedding into every checkpoint.
+    With nothing frozen (full fine-tuning) this is all of `model_state`."""
+    frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return {key: value for key, value in model_state.items() if key not in frozen}
 
 
 def latest(root: Path, log: Callable[[str], None] = print) -> tuple[int, Path] | None:
@@ -76,18 +94,31 @@ def at_step(root: Path, step: int) -> Path:
 
 def load_weights(folder: Path, model: nn.Module) -> None:
     """The model's weights from the checkpoint in `folder` (a verified one: `latest`, `at_step`),
-    without its optimizer state; every rank of a sharded model must call this."""
-    state = {"model": get_model_state_dict(model)}
+    without its optimizer state; every rank of a sharded model must call this. A LoRA
+    checkpoint's adapter goes into a model built with its adapter (`adapter_of`)."""
+    state = {"model": _trained(get_model_state_dict(model), model)}
+    _check_holds(folder, state["model"])
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=folder)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_LOADED)
 
 
-def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, keep: int) -> Path:
+def adapter_of(folder: Path) -> dict | None:
+    """The config of the LoRA adapter the checkpoint in `folder` holds (`lora.adapter_config`),
+    or None for a checkpoint of all the weights."""
+    path = Path(folder) / ADAPTER_CONFIG_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, keep: int,
+         adapter: dict | None = None) -> Path:
     """Saves a checkpoint of `step` and keeps the newest `keep`; every rank must call this.
+    `adapter`: the config of the model's LoRA adapter (`lora.adapter_config`), None without one.
     Raises FleetrlError, saving nothing, when a parameter is not finite."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    if has_adapter(model) != (adapter is not None):
+        raise ValueError("a model with a LoRA adapter is saved with its adapter's config, and only such a model")
     bad = first_nonfinite(local_shards(model), across_ranks=True)
     if bad is not None:
         raise FleetrlError(f"step {step}: parameter {bad} is not finite; checkpoint not saved")
@@ -102,12 +133,15 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
     _barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer)
+    model_state = _trained(model_state, model)
     with _single_process_quiet():
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
     _barrier()  # every rank's shards are on disk
 
     if distributed.rank() == 0:
         failpoints.hold("checkpoint", step)
+        if adapter is not None:  # listed with its checksum below, as every file of the folder
+            (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter, indent=1))
         files = {path.relative_to(tmp).as_posix(): {"size": path.stat().st_size, "sha256": sha256_file(path)}
                  for path in sorted(tmp.rglob("*")) if path.is_file()}
         record = {"step": step, "world_size": distributed.world_size(), "finite": True, "files": files}
@@ -142,11 +176,24 @@ def load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         return None
     step, folder = found
     model_state, optim_state = get_state_dict(model, optimizer)
+    model_state = _trained(model_state, model)
+    _check_holds(folder, model_state)
     state = {"model": model_state, "optimizer": optim_state}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_LOADED)
     return step
+
+
+def _check_holds(folder: Path, model_state: dict) -> None:
+    """FleetrlError, in one line, when the checkpoint lacks a weight `model_state` asks for: it
+    was written by a run that trained other weights (all of them, or another LoRA adapter)."""
+    stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    missing = [key for key in model_state if f"model.{key}" not in stored]
+    if missing:
+        raise FleetrlError(f"checkpoint {folder} holds no {missing[0]} ({len(missing)} weights missing): it is not a "
+                           "checkpoint of this model (trained with another trainer.lora?)")
 
 
 def _step_folders(root: Path) -> list[tuple[int, Path]]:

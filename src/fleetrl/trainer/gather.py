@@ -9,7 +9,7 @@ same time: gathering a sharded tensor is a collective of the trainer's group, an
 knows when the fleet asks for the weights, so rank 0 leads and the others follow.
 
 The protocol, over the trainer's default group: before each gather rank 0 broadcasts the index
-of the parameter it wants (in `named_parameters` order), and every rank then gathers that one
+of the parameter it wants (in `model.published_params` order), and every rank then gathers that one
 parameter; `STOP` ends the session. The peers follow whatever rank 0 asks, so rank 0 may stop a
 stream half way (a transfer failed) and start it again from the first tensor (the fleet retries
 it) without the peers' knowing: no collective is left half done.
@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fleetrl.trainer.distributed import World
+from fleetrl.trainer.model import published_params
 
 STOP = -1
 
@@ -49,7 +50,7 @@ class WeightGather:
         if world.rank != 0:
             raise ValueError("only rank 0 leads a weight gather; the other ranks serve it (serve_gathers)")
         self.world = world
-        self.params = list(model.named_parameters())  # tied weights once, as named_tensors
+        self.params = published_params(model)  # as named_tensors: tied weights once; the adapter alone with LoRA
         self._open = True
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -82,7 +83,7 @@ class WeightGather:
 
 def serve_gathers(model: nn.Module, world: World) -> None:
     """A rank other than 0: takes part in every gather rank 0 leads, until it stops the session."""
-    params = [param for _, param in model.named_parameters()]
+    params = [param for _, param in published_params(model)]
     while (index := _command(None, world.device)) != STOP:
         full_tensor(params[index])  # rank 0's to send; this rank's copy is dropped at once
 

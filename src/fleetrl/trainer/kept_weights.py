@@ -1,11 +1,14 @@
-"""A copy of this rank's share of the parameters, swapped into the model for a no-grad forward:
+"""A copy of this rank's share of the published parameters (`model.local_shards`: all of them, or
+with LoRA the adapter's alone, a few MiB, since the base never changes), swapped into the model
+for a no-grad forward:
 the tokens of a step scored under other weights than the ones being trained, with no second
 model (which FSDP would have to shard and gather on its own). Two are kept:
 
 - the previous version's, to score tokens sampled one version behind under their own version
   (`mismatch.py`), remembered right before each update;
 - the reference model's, for the KL penalty (`trainer.kl_coef`), remembered once from the base
-  model as it loads, before any checkpoint: a resumed run keeps the same reference.
+  model as it loads, before any checkpoint: a resumed run keeps the same reference (with LoRA
+  the fresh adapter, whose B = 0: the base model exactly).
 
 Each costs one more copy of the rank's share of the parameters (fp32), and is kept only where
 it is used.

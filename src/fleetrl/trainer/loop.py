@@ -1,6 +1,7 @@
 """The training loop every trainer rank runs: step n reads batch n and produces version n.
 
-Rank 0 also publishes, and how depends on where the trainer runs:
+Rank 0 also publishes (with LoRA, `trainer.lora`, the adapter alone: trainer/lora.py), and how
+depends on where the trainer runs:
 - CPU: after each optimizer step all ranks gather the full weights (a collective on a sharded
   model) into a CPU snapshot on rank 0, which the fleet coordinator publishes as version n. The
   snapshot is kept until the next step so a worker that joins or must be refitted later gets
@@ -43,6 +44,7 @@ from fleetrl.trainer.distributed import World
 from fleetrl.trainer.gather import WeightGather, serve_gathers
 from fleetrl.trainer.loss import LossConfig
 from fleetrl.trainer.kept_weights import KeptWeights
+from fleetrl.trainer.lora import adapter_config, has_adapter
 from fleetrl.trainer.model import (agreement_probe, first_nonfinite, is_sharded, load_policy, local_shards,
                                    named_tensors, prompt_logprobs)
 from fleetrl.trainer.schedule import Schedule
@@ -79,10 +81,11 @@ class Hooks:
     on_step: Callable[[Batch, StepMetrics, object, float, float], None] = lambda *a: None
 
 
-def snapshot(model: torch.nn.Module, rank: int) -> Snapshot:
-    """The full weights on rank 0 (CPU copies); every rank must call this, in step."""
+def snapshot(model: torch.nn.Module, rank: int, base: bool = False) -> Snapshot:
+    """The published weights (`model.named_tensors`; `base`: the base model's) on rank 0, as CPU
+    copies; every rank must call this, in step."""
     tensors = {}
-    for name, tensor in named_tensors(model):
+    for name, tensor in named_tensors(model, base=base):
         if rank == 0:
             tensors[name] = tensor.to("cpu", copy=True)
     return tensors
@@ -136,8 +139,14 @@ def hand_start_weights(model: torch.nn.Module, world: World, version: int, probe
     (`Fleet.start`): the base model's (v0) or a resumed checkpoint's, copied from the trainer's
     freshly loaded model; every rank must call this, in step. Never a second model load in this
     process: transformers patches module creation process-wide while it loads, so a load on the
-    control loop beside the trainer's would build one of the two models on the meta device."""
+    control loop beside the trainer's would build one of the two models on the meta device.
+
+    With LoRA an attached worker needs the base weights and the adapter: the snapshot holds
+    both, the base's under plain HF names, the adapter's under peft's (`lora.adapter_key` tells
+    them apart)."""
     weights = snapshot(model, world.rank)
+    if has_adapter(model):
+        weights = {**snapshot(model, world.rank, base=True), **weights}
     reference = prompt_logprobs(model, probe_ids, world.device)
     if hooks.start_weights:
         hooks.start_weights(version, weights, probe_ids, reference)
@@ -160,10 +169,12 @@ def train_peer(config: Config, run_dir: RunDir, model_dir: Path, world: World) -
 
 def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks: Hooks, log=print) -> None:
     cfg = step_config(config)
-    model = load_policy(model_dir, world.device)
+    adapter = adapter_config(config.trainer.lora, model_dir)
+    model = load_policy(model_dir, world.device, adapter=adapter)
     optimizer = build_optimizer(model, cfg)
     probe_ids = agreement_probe(model)
-    # The KL penalty's reference is the base model, kept before a checkpoint replaces it.
+    # The KL penalty's reference is the base model, kept before a checkpoint replaces it (with
+    # LoRA the fresh adapter, whose B = 0 adds nothing to the base).
     reference = None
     if cfg.loss.kl_coef > 0:
         reference = KeptWeights()
@@ -198,4 +209,5 @@ def train(config: Config, run_dir: RunDir, model_dir: Path, world: World, hooks:
         report = publish(step, model, world, probe_ids, hooks)
         hooks.on_step(batch, metrics, report, started, finished)
         if interval and (step % interval == 0 or step == config.run.max_steps):
-            checkpoint.save(run_dir.checkpoints_dir, step, model, optimizer, keep=config.trainer.keep_checkpoints)
+            checkpoint.save(run_dir.checkpoints_dir, step, model, optimizer, keep=config.trainer.keep_checkpoints,
+                            adapter=adapter)

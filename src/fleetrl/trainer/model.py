@@ -1,6 +1,7 @@
-"""The policy as the trainer holds it: a transformers causal LM, sharded with FSDP2 when the
-trainer has several ranks, the iteration over its weights that a publish sends, and the check
-that weights are finite before they are published or checkpointed.
+"""The policy as the trainer holds it: a transformers causal LM (with a LoRA adapter when
+`trainer.lora` is on: trainer/lora.py), sharded with FSDP2 when the trainer has several ranks,
+the iteration over its weights that a publish sends (the adapter's alone with LoRA), and the
+check that weights are finite before they are published or checkpointed.
 
 Precision: the trainer keeps fp32 master weights, gradients and AdamW state everywhere. RL
 learning rates are tiny (1e-6 is common) and a bf16 weight cannot absorb an update that much
@@ -25,6 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from fleetrl.trainer.lora import adapter_params, add_adapter, base_params, has_adapter
+
 
 # One model load at a time in a process: while transformers loads a model it patches module
 # creation for the whole process (parameters are made on the meta device, then filled from the
@@ -34,10 +37,12 @@ from torch.distributed.tensor import DTensor
 _loading = threading.Lock()
 
 
-def load_policy(path: Path, device: torch.device, sharded: bool = True) -> nn.Module:
+def load_policy(path: Path, device: torch.device, sharded: bool = True, adapter: dict | None = None) -> nn.Module:
     """The HF model in `path`, fp32 on `device`, in train mode; sharded when the default
     process group has several ranks (every rank must call this), unless `sharded` is False: a
-    whole copy in this process alone (`fleetrl inference`'s base weights of attached workers)."""
+    whole copy in this process alone (`fleetrl inference`'s base weights of attached workers).
+    `adapter`: a LoRA adapter's config (`lora.adapter_config`), added fresh before sharding, so
+    that only it trains."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -45,6 +50,8 @@ def load_policy(path: Path, device: torch.device, sharded: bool = True) -> nn.Mo
     with _loading:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False  # a training forward never reuses a KV cache
+    if adapter is not None:
+        add_adapter(model, adapter)
     model.to(device)
     if sharded and dist.is_initialized() and dist.get_world_size() > 1:
         shard(model, device)
@@ -91,25 +98,35 @@ def compute_precision(model: nn.Module, device: torch.device) -> contextlib.Abst
     return contextlib.nullcontext()
 
 
-def named_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter once (tied weights under their first name), in registration order,
-    with HF names, as full tensors; cast to `dtype` if given (what the workers serve).
+def published_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a publish sends, under the names the workers load them by: with LoRA the
+    adapter's alone (`lora.adapter_params`), else every parameter once (tied weights under their
+    first name) with HF names; in registration order, the same on every rank."""
+    return adapter_params(model) if has_adapter(model) else list(model.named_parameters())
+
+
+def named_tensors(model: nn.Module, dtype: torch.dtype | None = None,
+                  base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The published parameters (`published_params`) as full tensors, cast to `dtype` if given
+    (what the workers serve); `base`: the base model's instead (`lora.base_params`: with LoRA the
+    frozen weights under plain HF names, else the same as the published ones).
 
     On a sharded model each step gathers one full tensor from every rank: all ranks must
     iterate to the end, in step; only rank 0 has a use for the result.
     """
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            tensor = param.detach()
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-            yield name, tensor if dtype is None else tensor.to(dtype)
+    for name, param in base_params(model) if base else published_params(model):
+        # Detached, so no grad mode is needed: a `torch.no_grad()` held across the yield would
+        # leak into the caller, and two of these iterated side by side would leave grad mode off.
+        tensor = param.detach()
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        yield name, tensor if dtype is None else tensor.to(dtype)
 
 
 def local_shards(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter's part that this rank holds (all of it on an unsharded model), with HF
-    names: no collective, unlike `named_tensors`."""
-    for name, param in model.named_parameters():
+    """The part of every published parameter (`published_params`) that this rank holds (all of
+    it on an unsharded model): no collective, unlike `named_tensors`."""
+    for name, param in published_params(model):
         tensor = param.detach()
         yield name, tensor.to_local() if isinstance(tensor, DTensor) else tensor
 

@@ -92,7 +92,10 @@ def finite_or_none(value: float) -> float | None:
 
 
 def build_optimizer(model: nn.Module, cfg: StepConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.schedule.lr, weight_decay=cfg.weight_decay)
+    """AdamW over the parameters that train: all of them, or with LoRA the adapter's alone (peft
+    froze the rest), so that the optimizer's state is the adapter's."""
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    return torch.optim.AdamW(trainable, lr=cfg.schedule.lr, weight_decay=cfg.weight_decay)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,127 @@
+"""LoRA through peft: the adapter on the trainer's model, and the names under which its tensors are
+published, checkpointed and exported (`trainer.lora`; off while its rank is 0).
+
+The adapter is injected in place (`model.add_adapter`), not by wrapping the model in a
+`PeftModel` (`get_peft_model`): the model stays a transformers causal LM, so FSDP2 finds its
+decoder layers where it shards them (`model.decoder_layers`), and `model.config` and the names
+of its parameters stay those of transformers. peft freezes the base weights, so only the
+adapter's A and B train, and the optimizer, built from the trainable parameters alone, holds
+state for them alone.
+
+Names. peft renames what it wraps: a targeted linear's frozen weight becomes
+`...q_proj.base_layer.weight`, and its adapter `...q_proj.lora_A.default.weight` ("default":
+peft's name for the one adapter). Outside the trainer both go by the names of peft's saved
+form, which vLLM and peft read: `adapter_key` drops `.default` (`...q_proj.lora_A.weight`), and
+`base_key` drops `.base_layer` (the plain Hugging Face name, `...q_proj.weight`).
+
+The adapter starts at B = 0 (peft's default init), so a fresh adapter's model computes exactly
+the base model's logits: the KL penalty's reference, the adapter as it loaded, is the base model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fleetrl.config import LoraConfig
+
+ADAPTER = "default"  # peft's name for the model's one adapter
+# A's initial values are drawn from a generator of this seed: every rank builds the whole
+# adapter before FSDP2 keeps its own shard of it, so all ranks must draw the same A (and a run
+# then starts from the same adapter whatever its world size).
+INIT_SEED = 0
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+# The prefix of the tensors in a peft adapter folder: PeftModel.save_pretrained writes its own
+# module path (`base_model.model.` + the transformers name), and PeftModel.from_pretrained only
+# loads names written so. vLLM reads either form.
+PEFT_FOLDER_PREFIX = "base_model.model."
+
+
+def adapter_config(lora: LoraConfig, base_model: str | Path) -> dict | None:
+    """The adapter's peft config, as a peft adapter folder's adapter_config.json holds it (what
+    vLLM builds a LoRA from); None when LoRA is off. `base_model`: the base model's folder."""
+    if not lora.enabled:
+        return None
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model),
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": list(lora.target_modules),
+        "use_rslora": lora.use_rslora,
+        "bias": "none",
+    }
+
+
+def add_adapter(model: nn.Module, adapter: dict) -> None:
+    """Injects the fresh adapter `adapter` (an `adapter_config`) into `model` in place, before it
+    is sharded, and freezes everything else."""
+    import peft
+
+    config = peft.LoraConfig(**{key: value for key, value in adapter.items() if key != "peft_type"})
+    with torch.random.fork_rng(devices=[]):  # peft draws A on the CPU, where the model is built
+        torch.manual_seed(INIT_SEED)
+        model.add_adapter(config, adapter_name=ADAPTER)
+
+
+def adapter_key(name: str) -> str | None:
+    """The name in peft's saved form of an adapter tensor, given its parameter's name
+    (`...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`) or that form itself; None
+    for a name that is not the adapter's. The one test of which tensors are the adapter."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("lora_A", "lora_B"):
+            return ".".join(parts[:i + 1] + parts[i + 2 if parts[i + 1] == ADAPTER else i + 1:])
+    return None
+
+
+def base_key(name: str) -> str:
+    """The plain Hugging Face name of a base parameter (`...q_proj.base_layer.weight` ->
+    `...q_proj.weight`)."""
+    return name.replace(".base_layer.", ".")
+
+
+def has_adapter(model: nn.Module) -> bool:
+    return any(adapter_key(name) for name, _ in model.named_parameters())
+
+
+def adapter_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The adapter's parameters, in registration order, under `adapter_key` names."""
+    return [(key, param) for name, param in model.named_parameters() if (key := adapter_key(name))]
+
+
+def base_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Every parameter but the adapter's (tied ones once), under plain Hugging Face names: the
+    base model's weights."""
+    return [(base_key(name), param) for name, param in model.named_parameters() if not adapter_key(name)]
+
+
+def merge(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The base weights with the adapter merged in (W + scale B A), under plain Hugging Face names:
+    a model without the adapter computes with them what `model` computes with it. Merges
+    `model`'s adapter layers in place: train or score nothing with it afterwards."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge(safe_merge=True)  # refuses to merge in a weight that is not finite
+        return [(key, param.detach()) for key, param in base_params(model)]
+
+
+def write_adapter_folder(folder: Path, adapter: dict, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """A peft adapter folder in `folder` (which exists): adapter_config.json and
+    adapter_model.safetensors, the tensors named as `adapter_key` gives them; peft's
+    `PeftModel.from_pretrained` and vLLM's `--lora-modules` load it on the base model."""
+    from safetensors.torch import save_file
+
+    (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter, indent=2) + "\n")
+    save_file({PEFT_FOLDER_PREFIX + key: tensor.detach().to("cpu").contiguous() for key, tensor in tensors},
+              str(folder / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
