@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fleetrl.cores import parse_cpus
 from fleetrl.errors import FleetrlError
+from fleetrl.lora import LLAMA_LINEARS, VLLM_MAX_LORA_RANKS, AdapterSpec, vllm_max_lora_rank
 
 
 # The longest any timeout or interval may be: a week. Longer is a hang by another name, and
@@ -495,22 +496,6 @@ class OrchestratorConfig(Section):
         return value
 
 
-# The ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py, MaxLoRARanks): a worker serves an
-# adapter of rank r with the smallest of them that is at least r.
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# The linear layers of a Llama decoder layer, which vLLM can serve a LoRA on.
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The --max-lora-rank a vLLM worker needs to serve an adapter of `rank`: the smallest value
-    vLLM accepts that is at least `rank`."""
-    fitting = [allowed for allowed in VLLM_MAX_LORA_RANKS if allowed >= rank]
-    if rank < 1 or not fitting:
-        raise ValueError(f"a LoRA rank must be 1 to {VLLM_MAX_LORA_RANKS[-1]} (what vLLM serves), got {rank}")
-    return fitting[0]
-
-
 class LoraConfig(Section):
     """LoRA: train low-rank adapters on the base model's linear layers instead of all its weights
     (peft); only the adapter is trained, checkpointed and published. Off while rank = 0."""
@@ -558,6 +543,14 @@ class LoraConfig(Section):
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @property
+    def spec(self) -> AdapterSpec | None:
+        """The adapter these settings make; None while LoRA is off."""
+        if not self.enabled:
+            return None
+        return AdapterSpec(rank=self.rank, alpha=self.alpha, target_modules=tuple(self.target_modules),
+                           use_rslora=self.use_rslora, dropout=self.dropout)
 
 
 class TrainerConfig(Section):

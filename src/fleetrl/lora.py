@@ -2,8 +2,12 @@
 LoRA loader, transformers + peft and `fleetrl export --adapter` all read.
 
     adapter_config.json          AdapterSpec.peft_config: rank, alpha, target modules, ...
-    adapter_model.safetensors    `model.layers.N.self_attn.q_proj.lora_A.weight` [rank, in]
-                                 `model.layers.N.self_attn.q_proj.lora_B.weight` [out, rank]
+    adapter_model.safetensors    `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`
+                                 [rank, in], and `...lora_B.weight` [out, rank]
+
+The tensors travel (publish, checkpoint) under their names without peft's folder prefix
+(`model.layers.N...`); the folder adds it, since peft's PeftModel.from_pretrained loads only
+names written so (vLLM reads either).
 
 A leaf: the trainer writes these names, the engine side writes the folder its vLLM server
 reads, and the launchers write a worker's first folder; none of them imports another.
@@ -34,13 +38,15 @@ ADAPTER_NAME = "policy-lora"
 # Set on a vLLM server's processes: the folder its `--lora-modules` entry points at, which the
 # engine side keeps current. A server without it cannot take an adapter update.
 ADAPTER_DIR_ENV = "FLEETRL_ADAPTER_DIR"
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-# The values vLLM's --max-lora-rank accepts.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# The linear layers of a Llama-style decoder layer that an adapter may target. Embeddings and
-# the LM head are not offered: SmolLM2 ties them, and vLLM reloads a tied head separately.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_FOLDER_PREFIX = "base_model.model."
+# The ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py, MaxLoRARanks): a worker serves an
+# adapter of rank r with the smallest of them that is at least r.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The linear layers of a Llama decoder layer, which vLLM can serve a LoRA on. Embeddings and
+# the LM head are not offered: SmolLM2 ties them, and workers refit the tied head separately.
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -49,8 +55,12 @@ class AdapterError(FleetrlError):
 
 
 def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest --max-lora-rank vLLM accepts that holds an adapter of `rank`."""
-    return next(r for r in VLLM_LORA_RANKS if r >= rank)
+    """The --max-lora-rank a vLLM worker needs to serve an adapter of `rank`: the smallest value
+    vLLM accepts that is at least `rank`."""
+    fitting = [allowed for allowed in VLLM_MAX_LORA_RANKS if allowed >= rank]
+    if rank < 1 or not fitting:
+        raise ValueError(f"a LoRA rank must be 1 to {VLLM_MAX_LORA_RANKS[-1]} (what vLLM serves), got {rank}")
+    return fitting[0]
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,10 @@ class AdapterSpec:
 
     @classmethod
     def of_folder(cls, folder: Path) -> AdapterSpec:
-        config = json.loads((folder / CONFIG_FILE).read_text())
+        return cls.of_peft_config(json.loads((folder / ADAPTER_CONFIG_FILE).read_text()))
+
+    @classmethod
+    def of_peft_config(cls, config: dict) -> AdapterSpec:
         return cls(rank=config["r"], alpha=config["lora_alpha"], target_modules=tuple(config["target_modules"]),
                    use_rslora=config.get("use_rslora", False), dropout=config.get("lora_dropout", 0.0))
 
@@ -88,15 +101,18 @@ class AdapterSpec:
                 raise AdapterError(f"{where}: {name} has shape {tuple(tensor.shape)}, not rank {self.rank}")
 
 
-def write_adapter(folder: Path, spec: AdapterSpec, base_model: str | Path,
-                  tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def write_adapter(folder: Path, peft_config: dict, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """The adapter folder, each file replaced atomically (the weights last: a reader never
     sees weights without the config that shapes them)."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = folder / CONFIG_FILE
-    _replace(config, lambda tmp: tmp.write_text(json.dumps(spec.peft_config(base_model), indent=1)))
-    weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}
-    _replace(folder / WEIGHTS_FILE, lambda tmp: save_file(weights, str(tmp)))
+    _replace(folder / ADAPTER_CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(peft_config, indent=1) + "\n"))
+    write_weights(folder, tensors)
+
+
+def write_weights(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The adapter's tensors into its folder, replacing the file they were in atomically."""
+    weights = {PEFT_FOLDER_PREFIX + name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}
+    _replace(folder / ADAPTER_WEIGHTS_FILE, lambda tmp: save_file(weights, str(tmp), metadata={"format": "pt"}))
 
 
 def _replace(path: Path, write) -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fleetrl.cli import main
-from fleetrl.config import Config, ConfigError, LoraConfig, ModelConfig, load_config, to_toml, vllm_max_lora_rank
+from fleetrl.config import Config, ConfigError, LoraConfig, ModelConfig, load_config, to_toml
+from fleetrl.lora import vllm_max_lora_rank
 from fleetrl.errors import FleetrlError
 from fleetrl.rundir import RUN_DEFINING
 from fleetrl.trainer import checkpoint, distributed, loop

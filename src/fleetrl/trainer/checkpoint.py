@@ -50,7 +50,8 @@ from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write, fsync_dir, sha256_file
 from fleetrl.rundir import STEP_PREFIX, step_name, step_of
 from fleetrl.trainer import distributed
-from fleetrl.trainer.lora import ADAPTER_CONFIG_FILE, has_adapter
+from fleetrl.lora import ADAPTER_CONFIG_FILE
+from fleetrl.trainer.lora import has_adapter
 from fleetrl.trainer.model import first_nonfinite, local_shards
 
 COMPLETE = "complete.json"

@@ -27,7 +27,8 @@ import torch
 
 from fleetrl.errors import FleetrlError
 from fleetrl.trainer import checkpoint
-from fleetrl.trainer.lora import adapter_params, has_adapter, merge, write_adapter_folder
+from fleetrl.lora import write_adapter
+from fleetrl.trainer.lora import adapter_params, has_adapter, merge
 from fleetrl.trainer.model import load_policy, published_params
 
 
@@ -51,7 +52,7 @@ def export_hf(model_dir: Path, folder: Path, out_dir: Path, version: int, adapte
     model = load_policy(model_dir, torch.device("cpu"), sharded=False, adapter=adapter).eval()
     checkpoint.load_weights(folder, model)
     if adapter_only:
-        _new_folder(out_dir, version, lambda tmp: write_adapter_folder(tmp, adapter, adapter_params(model)))
+        _new_folder(out_dir, version, lambda tmp: write_adapter(tmp, adapter, adapter_params(model)))
     else:
         _write_model(model_dir, model, out_dir, version)
 

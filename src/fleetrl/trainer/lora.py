@@ -20,8 +20,6 @@ the base model's logits: the KL penalty's reference, the adapter as it loaded, i
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -34,30 +32,12 @@ ADAPTER = "default"  # peft's name for the model's one adapter
 # adapter before FSDP2 keeps its own shard of it, so all ranks must draw the same A (and a run
 # then starts from the same adapter whatever its world size).
 INIT_SEED = 0
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-# The prefix of the tensors in a peft adapter folder: PeftModel.save_pretrained writes its own
-# module path (`base_model.model.` + the transformers name), and PeftModel.from_pretrained only
-# loads names written so. vLLM reads either form.
-PEFT_FOLDER_PREFIX = "base_model.model."
 
 
 def adapter_config(lora: LoraConfig, base_model: str | Path) -> dict | None:
     """The adapter's peft config, as a peft adapter folder's adapter_config.json holds it (what
     vLLM builds a LoRA from); None when LoRA is off. `base_model`: the base model's folder."""
-    if not lora.enabled:
-        return None
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base_model),
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": list(lora.target_modules),
-        "use_rslora": lora.use_rslora,
-        "bias": "none",
-    }
+    return lora.spec.peft_config(base_model) if lora.enabled else None
 
 
 def add_adapter(model: nn.Module, adapter: dict) -> None:
@@ -114,14 +94,3 @@ def merge(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             if isinstance(module, BaseTunerLayer):
                 module.merge(safe_merge=True)  # refuses to merge in a weight that is not finite
         return [(key, param.detach()) for key, param in base_params(model)]
-
-
-def write_adapter_folder(folder: Path, adapter: dict, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """A peft adapter folder in `folder` (which exists): adapter_config.json and
-    adapter_model.safetensors, the tensors named as `adapter_key` gives them; peft's
-    `PeftModel.from_pretrained` and vLLM's `--lora-modules` load it on the base model."""
-    from safetensors.torch import save_file
-
-    (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter, indent=2) + "\n")
-    save_file({PEFT_FOLDER_PREFIX + key: tensor.detach().to("cpu").contiguous() for key, tensor in tensors},
-              str(folder / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
