@@ -43,7 +43,7 @@ from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.trainer.model import agreement_probe, prompt_logprobs
 from fleetrl.versions import run_id
-from fleetrl.weights import group as bgroup
+from fleetrl.weights.broadcast import group as bgroup
 from fleetrl.weights.factory import make_transport
 
 BUCKET_BYTES = 64 << 20

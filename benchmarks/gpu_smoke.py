@@ -63,7 +63,7 @@ def fail(message: str) -> None:
 
 def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int) -> None:
     """Answers the transport's admin calls as fleetrl's weight receiver would, one at a time."""
-    from fleetrl.weights import group as broadcast_group
+    from fleetrl.weights.broadcast import group as broadcast_group
     from fleetrl.weights.buckets import layout, unpack_bucket
     from fleetrl.weights.checksum import WeightsHasher
     from fleetrl.weights.wire import BucketInfo, InitInfo
@@ -224,7 +224,7 @@ class Publisher:
     """The publish hook: sends a WeightGather to the receiver, measuring memory around it."""
 
     def __init__(self, bucket_bytes: int, mode: str) -> None:
-        from fleetrl.weights.broadcast import BroadcastTransport
+        from fleetrl.weights.broadcast.sender import BroadcastTransport
 
         self.bucket_bytes = bucket_bytes
         self.mode = mode

@@ -34,7 +34,7 @@ from fleetrl.processes import stop_all
 from fleetrl.rundir import RunDir
 from fleetrl.trainer.model import prompt_logprobs
 from fleetrl.versions import VersionSpan, run_id
-from fleetrl.weights import filesystem
+from fleetrl.weights.filesystem import sender as filesystem
 from fleetrl.weights.checksum import checksum_of
 from fleetrl.weights.factory import make_transport
 

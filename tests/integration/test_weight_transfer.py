@@ -22,7 +22,7 @@ from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES, WEIGHT_U
 from fleetrl.inference.http import RunClaim
 from fleetrl.inference.provider import WeightTransport
 from fleetrl.inference.vllm.admin import VllmAdminClient
-from fleetrl.weights import manifest
+from fleetrl.weights.filesystem import manifest
 from fleetrl.weights.factory import make_transport
 
 from .deployments import ADMIN, OPERATOR_SERVERS
@@ -204,7 +204,7 @@ def test_filesystem_refuses_an_unready_version(server, tmp_path, prompt_ids, ori
         (written.folder / manifest.READY).unlink()
         return written
 
-    monkeypatch.setattr("fleetrl.weights.filesystem.write_version", write_without_ready)
+    monkeypatch.setattr("fleetrl.weights.filesystem.sender.write_version", write_without_ready)
 
     async def scenario(client: VllmAdminClient) -> None:
         transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=64 << 20, storage_dir=tmp_path)

@@ -11,9 +11,9 @@ import torch
 import torch.multiprocessing as mp
 
 from fleetrl.weights import WeightsHasher
-from fleetrl.weights import group as broadcast_group
+from fleetrl.weights.broadcast import group as broadcast_group
 from fleetrl.weights.buckets import ALIGN, TensorMeta, iter_buckets, layout, packed_buckets, unpack_bucket
-from fleetrl.weights.manifest import (
+from fleetrl.weights.filesystem.manifest import (
     MANIFEST,
     MARKER,
     READY,
@@ -188,7 +188,7 @@ def test_packed_buckets_hold_one_source_tensor_at_a_time():
 def test_broadcast_backend_is_automatic_and_overridable(monkeypatch):
     from fleetrl.config import load_config
     from fleetrl.errors import FleetrlError
-    from fleetrl.weights.broadcast import BroadcastTransport
+    from fleetrl.weights.broadcast.sender import BroadcastTransport
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert load_config([], []).inference.weights.backend == "auto"

@@ -50,10 +50,10 @@ from vllm.model_executor.model_loader.reload import (
 
 from fleetrl.contract import WEIGHT_UPDATE_PHASES
 from fleetrl.engine.load_pipeline import LoadPipeline
-from fleetrl.weights import group as broadcast_group
+from fleetrl.weights.broadcast import group as broadcast_group
 from fleetrl.weights.buckets import TensorMeta, layout, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
-from fleetrl.weights.manifest import iter_tensors, read_manifest
+from fleetrl.weights.filesystem.manifest import iter_tensors, read_manifest
 from fleetrl.weights.wire import BucketInfo, InitInfo, ManifestInfo
 
 BACKEND = "fleetrl"

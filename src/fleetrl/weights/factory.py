@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fleetrl.inference.provider import WeightTransport
-from fleetrl.weights.broadcast import BroadcastTransport
-from fleetrl.weights.filesystem import FilesystemTransport
-from fleetrl.weights.group import BackendSetting
+from fleetrl.weights.broadcast.sender import BroadcastTransport
+from fleetrl.weights.filesystem.sender import FilesystemTransport
+from fleetrl.weights.broadcast.group import BackendSetting
 from fleetrl.weights.wire import TransportKind
 
 

@@ -1,4 +1,4 @@
-"""The wire schema of a weight transfer: what the sender (broadcast.py, filesystem.py) posts
+"""The wire schema of a weight transfer: what the sender (broadcast/sender.py, filesystem/sender.py) posts
 to each worker, and what fleetrl's weight receiver reads in every rank of it
 (engine/weight_receiver.py). Both sides import these types; neither spells a key by hand.
 

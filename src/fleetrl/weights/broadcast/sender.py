@@ -36,7 +36,7 @@ import torch
 from fleetrl import failpoints
 from fleetrl.inference.provider import NamedTensors, WorkerAdmin
 from fleetrl.weights import fanout
-from fleetrl.weights import group as broadcast_group
+from fleetrl.weights.broadcast import group as broadcast_group
 from fleetrl.weights.buckets import packed_buckets, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
 from fleetrl.weights.wire import BucketInfo, InitInfo

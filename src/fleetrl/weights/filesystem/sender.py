@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fleetrl.inference.provider import NamedTensors, WorkerAdmin
 from fleetrl.weights import fanout
-from fleetrl.weights.manifest import MANIFEST, collect_garbage, write_version
+from fleetrl.weights.filesystem.manifest import MANIFEST, collect_garbage, write_version
 from fleetrl.weights.wire import InitInfo, ManifestInfo
 
 # The version being published and the one before it (a worker may still be refitted from it).
