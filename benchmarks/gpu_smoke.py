@@ -66,7 +66,7 @@ def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int
     from fleetrl.weights.broadcast import group as broadcast_group
     from fleetrl.weights.buckets import layout, unpack_bucket
     from fleetrl.weights.checksum import WeightsHasher
-    from fleetrl.weights.wire import BucketInfo, InitInfo
+    from fleetrl.weights.wire import parse_init, parse_update
 
     torch.cuda.set_device(device_index)
     group, hasher, devices = None, None, set()
@@ -76,7 +76,7 @@ def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int
             if command == "membership":
                 result = (1, group is not None and group.name == argument)
             elif command == "init":
-                info = InitInfo.from_dict(argument)
+                info = parse_init(argument)
                 if group is not None:
                     group.close()
                 store = broadcast_group.connect_store(info.master_address, info.master_port, info.world_size,
@@ -87,7 +87,7 @@ def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int
             elif command == "start":
                 hasher, result = WeightsHasher(), None
             elif command == "update":
-                metas = BucketInfo.from_dict(argument).metas()
+                metas = parse_update("broadcast", argument).metas()
                 buffer = torch.empty(layout(metas)[1], dtype=torch.uint8,
                                      device=broadcast_group.buffer_device(group.backend_name))
                 group.broadcast(buffer)

@@ -24,7 +24,9 @@ from fleetrl.weights.filesystem.manifest import (
     version_dir,
     write_version,
 )
-from fleetrl.weights.wire import BucketInfo, InitInfo, ManifestInfo
+from fleetrl.weights.broadcast.wire import BroadcastInit, BucketInfo
+from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
+from fleetrl.weights.wire import parse_init, parse_update
 
 
 def sample_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -108,17 +110,18 @@ def test_unpack_bucket_refuses_metadata_of_another_size():
 
 
 def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
-    init = InitInfo("broadcast", master_address="10.0.0.1", master_port=29500, group_name="g", backend="gloo",
-                    rank_offset=3, world_size=5, timeout_s=60.0)
+    init = BroadcastInit(master_address="10.0.0.1", master_port=29500, group_name="g", backend="gloo",
+                         rank_offset=3, world_size=5, timeout_s=60.0)
     sent = json.loads(json.dumps(init.to_dict()))
     assert sent == {"transport": "broadcast", "master_address": "10.0.0.1", "master_port": 29500, "group_name": "g",
                     "backend": "gloo", "rank_offset": 3, "world_size": 5, "timeout_s": 60.0}
-    assert InitInfo.from_dict(sent) == init
-    assert InitInfo("filesystem").to_dict() == {"transport": "filesystem"}
+    assert parse_init(sent) == init
+    assert FilesystemInit().to_dict() == {"transport": "filesystem"}
+    assert parse_init(FilesystemInit().to_dict()) == FilesystemInit()
     _, metas = pack_bucket(sample_tensors())
-    bucket = BucketInfo.from_dict(json.loads(json.dumps(BucketInfo.of(metas).to_dict())))
+    bucket = parse_update("broadcast", json.loads(json.dumps(BucketInfo.of(metas).to_dict())))
     assert bucket.metas() == metas
-    assert ManifestInfo.from_dict(ManifestInfo("/w/v3/manifest.json").to_dict()).manifest == "/w/v3/manifest.json"
+    assert parse_update("filesystem", ManifestInfo("/w/v3/manifest.json").to_dict()).manifest == "/w/v3/manifest.json"
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -128,7 +131,7 @@ def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
 ])
 def test_wire_init_info_refuses_what_the_receiver_cannot_use(bad, match):
     with pytest.raises(ValueError, match=match):
-        InitInfo.from_dict(bad)
+        parse_init(bad)
 
 
 def test_buckets_respect_the_size_limit_in_order():

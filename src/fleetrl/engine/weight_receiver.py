@@ -54,21 +54,23 @@ from fleetrl.weights.broadcast import group as broadcast_group
 from fleetrl.weights.buckets import TensorMeta, layout, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
 from fleetrl.weights.filesystem.manifest import iter_tensors, read_manifest
-from fleetrl.weights.wire import BucketInfo, InitInfo, ManifestInfo
+from fleetrl.weights.broadcast.wire import BroadcastInit
+from fleetrl.weights.filesystem.wire import ManifestInfo
+from fleetrl.weights.wire import InitInfo, TransportKind, UpdateInfo, parse_init, parse_update
 
 BACKEND = "fleetrl"
 T = TypeVar("T")
 _END = object()  # what `next` gives back once an iterator is spent
 
 
-class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | ManifestInfo]):
-    init_info_cls = InitInfo
-    update_info_cls = BucketInfo  # the filesystem transport swaps in ManifestInfo, see parse_update_info
+class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
+    # No init_info_cls / update_info_cls: they serve only vLLM's default parse_*_info, which
+    # this class replaces with the envelope's (one backend, two transports).
     supports_draft_weight_update = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.transport: str | None = None
+        self.transport: TransportKind | None = None
         self.group: broadcast_group.BroadcastGroup | None = None
         self.checksum: str | None = None  # of the last completed update
         self.received_at: float | None = None  # when it completed (Unix time)
@@ -84,12 +86,12 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
     # -- protocol ---------------------------------------------------------------------------
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
-        return InitInfo.from_dict(init_dict)
+        return parse_init(init_dict)
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         """(Re)joins: a new init replaces the previous group (the worker set changed)."""
         self.shutdown()
-        if init_info.transport == "broadcast":
+        if isinstance(init_info, BroadcastInit):
             self.group = self._join(init_info)
         self.transport = init_info.transport
 
@@ -105,12 +107,11 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
             self._pipeline = LoadPipeline(self._hash, self._load)
         self.checksum = None  # the weights are in flux until finish_weight_update
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> BucketInfo | ManifestInfo:
-        if self.transport == "filesystem":
-            return ManifestInfo.from_dict(update_dict)
-        return BucketInfo.from_dict(update_dict)
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
+        # Before any init, read as a bucket: receive_weights then refuses it (no update is open).
+        return parse_update(self.transport or "broadcast", update_dict)
 
-    def receive_weights(self, update_info: BucketInfo | ManifestInfo) -> None:
+    def receive_weights(self, update_info: UpdateInfo) -> None:
         if self._hasher is None:
             raise RuntimeError("fleetrl weight receiver: update_weights outside start/finish_weight_update")
         try:
@@ -151,7 +152,7 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
 
     # -- transports -------------------------------------------------------------------------
 
-    def _join(self, info: InitInfo) -> broadcast_group.BroadcastGroup:
+    def _join(self, info: BroadcastInit) -> broadcast_group.BroadcastGroup:
         parallel = self.parallel_config
         rank = info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         store = broadcast_group.connect_store(info.master_address, info.master_port, info.world_size,

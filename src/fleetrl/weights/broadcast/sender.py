@@ -39,7 +39,7 @@ from fleetrl.weights import fanout
 from fleetrl.weights.broadcast import group as broadcast_group
 from fleetrl.weights.buckets import packed_buckets, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
-from fleetrl.weights.wire import BucketInfo, InitInfo
+from fleetrl.weights.broadcast.wire import BroadcastInit, BucketInfo
 
 JOIN_POLL_S = 0.05
 
@@ -101,8 +101,8 @@ class BroadcastTransport:
         world_size = 1 + sum(ranks)
         name = uuid.uuid4().hex[:12]
         store = broadcast_group.open_store(self.host, world_size, self.timeout_s)
-        init_info = InitInfo("broadcast", master_address=self.host, master_port=store.port, group_name=name,
-                             backend=backend, world_size=world_size, timeout_s=self.timeout_s)
+        init_info = BroadcastInit(master_address=self.host, master_port=store.port, group_name=name,
+                                  backend=backend, world_size=world_size, timeout_s=self.timeout_s)
         # Each call returns only once the whole group has formed, the sender included.
         inits = [
             asyncio.ensure_future(worker.init_weight_transfer(

@@ -15,7 +15,7 @@ from pathlib import Path
 from fleetrl.inference.provider import NamedTensors, WorkerAdmin
 from fleetrl.weights import fanout
 from fleetrl.weights.filesystem.manifest import MANIFEST, collect_garbage, write_version
-from fleetrl.weights.wire import InitInfo, ManifestInfo
+from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
 
 # The version being published and the one before it (a worker may still be refitted from it).
 KEEP_VERSIONS = 2
@@ -33,7 +33,7 @@ class FilesystemTransport:
                        version: int) -> str:
         manifest = await asyncio.to_thread(
             write_version, self.storage_dir, version, named_tensors(), self.shard_bytes)
-        init_info = InitInfo("filesystem").to_dict()
+        init_info = FilesystemInit().to_dict()
         update_info = ManifestInfo(str((manifest.folder / MANIFEST).resolve())).to_dict()
         try:
             # Cheap (no group to join), so done every time: a restarted worker needs it too.
