@@ -62,37 +62,29 @@ def fail(message: str) -> None:
 
 
 def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int) -> None:
-    """Answers the transport's admin calls as fleetrl's weight receiver would, one at a time."""
-    from fleetrl.weights.broadcast import group as broadcast_group
-    from fleetrl.weights.buckets import layout, unpack_bucket
+    """Answers the transport's admin calls as fleetrl's weight receiver would, one at a time,
+    through the same receiver (weights/broadcast/receiver.py), without vLLM's reload."""
+    from fleetrl.weights.broadcast.receiver import BroadcastReceiver
     from fleetrl.weights.checksum import WeightsHasher
     from fleetrl.weights.wire import parse_init, parse_update
 
     torch.cuda.set_device(device_index)
-    group, hasher, devices = None, None, set()
+    receiver, hasher, devices = None, None, set()
     while True:
         command, argument = conn.recv()
         try:
             if command == "membership":
-                result = (1, group is not None and group.name == argument)
+                result = (1, receiver is not None and receiver.group_name == argument)
             elif command == "init":
-                info = parse_init(argument)
-                if group is not None:
-                    group.close()
-                store = broadcast_group.connect_store(info.master_address, info.master_port, info.world_size,
-                                                      info.timeout_s)
-                group = broadcast_group.join(store, info.group_name, info.rank_offset, info.world_size,
-                                             info.backend, info.timeout_s)
-                result = None
+                if receiver is not None:
+                    receiver.close()
+                receiver, result = BroadcastReceiver.join(parse_init(argument), 0), None
             elif command == "start":
                 hasher, result = WeightsHasher(), None
             elif command == "update":
-                metas = parse_update("broadcast", argument).metas()
-                buffer = torch.empty(layout(metas)[1], dtype=torch.uint8,
-                                     device=broadcast_group.buffer_device(group.backend_name))
-                group.broadcast(buffer)
-                devices.add(str(buffer.device))
-                hasher.update_all(unpack_bucket(buffer.cpu(), metas))
+                bucket = receiver.receive(parse_update("broadcast", argument))
+                devices.update(str(tensor.device) for _, tensor in bucket)
+                hasher.update_all(bucket)  # each tensor copied to the host to be hashed
                 result = None
             elif command == "finish":
                 result = {"checksum": hasher.hexdigest(), "devices": sorted(devices)}
@@ -100,8 +92,8 @@ def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int
             elif command == "abandon":
                 hasher, result = None, None
             elif command == "stop":
-                if group is not None:
-                    group.close()
+                if receiver is not None:
+                    receiver.close()
                 conn.send(("ok", None))
                 return
             else:

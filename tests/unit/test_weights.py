@@ -24,7 +24,9 @@ from fleetrl.weights.filesystem.manifest import (
     version_dir,
     write_version,
 )
+from fleetrl.weights.broadcast.receiver import BroadcastReceiver
 from fleetrl.weights.broadcast.wire import BroadcastInit, BucketInfo
+from fleetrl.weights.filesystem.receiver import FilesystemReceiver
 from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
 from fleetrl.weights.wire import parse_init, parse_update
 
@@ -397,6 +399,112 @@ def test_nccl_broadcast_between_processes():
         receiver.join(timeout=30)
         if receiver.is_alive():
             receiver.kill()
+
+
+# -- sender -> receiver, as a worker rank runs them (without vLLM) ------------------------------
+
+
+def _worker_rank(conn) -> None:
+    """One worker rank: what fleetrl's weight-transfer backend does with each call, less vLLM's
+    reload (engine/weight_receiver.py): the transport's receiver takes the bytes in and the
+    rank hashes them."""
+    receiver, hasher = None, None
+    while (call := conn.recv()) is not None:
+        method, argument = call
+        try:
+            result = None
+            if method == "membership":
+                result = (1, isinstance(receiver, BroadcastReceiver) and receiver.group_name == argument)
+            elif method == "init":
+                init = parse_init(argument)
+                receiver = BroadcastReceiver.join(init, 0) if isinstance(init, BroadcastInit) else FilesystemReceiver()
+            elif method == "start":
+                hasher = WeightsHasher()
+            elif method == "update":
+                hasher.update_all(receiver.receive(parse_update(receiver.transport, argument)))
+            elif method == "finish":
+                result = hasher.hexdigest()
+            conn.send(("ok", result))
+        except Exception as e:
+            conn.send(("error", repr(e)))
+
+
+class PipeWorker:
+    """The weight-sync calls of one worker of one rank, answered by `_worker_rank` in a process
+    of its own (a broadcast's sender and receiver block in the same collective)."""
+
+    worker_id = "pipe-worker"
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.calls: list[str] = []
+        self.checksums: list[str] = []  # what the rank computed, per finished update
+
+    async def _call(self, method: str, argument=None):
+        import asyncio
+
+        self.calls.append(method)
+
+        def call():
+            self.conn.send((method, argument))
+            return self.conn.recv()
+
+        status, result = await asyncio.to_thread(call)
+        assert status == "ok", f"{method}: {result}"
+        return result
+
+    async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
+        return tuple(await self._call("membership", group_name))
+
+    async def init_weight_transfer(self, init_info: dict, timeout_s: float) -> None:
+        await self._call("init", init_info)
+
+    async def start_weight_update(self, timeout_s: float) -> None:
+        await self._call("start")
+
+    async def update_weights(self, update_info: dict, timeout_s: float) -> None:
+        await self._call("update", update_info)
+
+    async def finish_weight_update(self, version: int, timeout_s: float) -> None:
+        self.checksums.append(await self._call("finish"))
+
+    async def abandon_weight_update(self, version: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "filesystem"])
+def test_each_transport_delivers_to_its_receiver_bit_exact(kind, tmp_path):
+    """The sender's checksum is the receiving rank's, over the wire records both sides read; the
+    second broadcast publish reuses the group the first formed (one init), while the filesystem
+    transport, with no group, inits every time."""
+    import asyncio
+
+    from fleetrl.weights.factory import make_transport
+
+    named = [(f"{i}.{n}", t) for i, (n, t) in enumerate(sample_tensors() * 3)]
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    rank = ctx.Process(target=_worker_rank, args=(child,), daemon=True)
+    rank.start()
+    worker = PipeWorker(conn)
+
+    async def publish_twice() -> list[str]:
+        transport = make_transport(kind, host="127.0.0.1", bucket_bytes=128, storage_dir=tmp_path, timeout_s=60)
+        try:
+            return [await transport.transfer([worker], lambda: iter(named), version) for version in (1, 2)]
+        finally:
+            await transport.close()
+
+    try:
+        sent = asyncio.run(publish_twice())
+    finally:
+        conn.send(None)
+        rank.join(timeout=30)
+        if rank.is_alive():
+            rank.kill()
+    assert sent == worker.checksums == [digest(named)] * 2
+    assert worker.calls.count("init") == (1 if kind == "broadcast" else 2)
+    assert worker.calls.count("update") == (2 * len(list(iter_buckets(named, 128))) if kind == "broadcast" else 2)
 
 
 # -- sender plumbing and engine registration ---------------------------------------------------
