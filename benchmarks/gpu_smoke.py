@@ -103,8 +103,8 @@ def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int
             conn.send(("error", traceback.format_exc()))
 
 
-class PipeAdmin:
-    """The `WorkerAdmin` calls a `BroadcastTransport` makes, sent to `nccl_receiver`."""
+class PipeWeightSync:
+    """The `WeightSyncClient` calls a `BroadcastTransport` makes, sent to `nccl_receiver`."""
 
     worker_id = "smoke-receiver"
 
@@ -122,22 +122,22 @@ class PipeAdmin:
             raise RuntimeError(f"receiver: {command} failed:\n{result}")
         return result
 
-    async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
+    async def membership(self, group_name: str) -> tuple[int, bool]:
         return tuple(await self._call("membership", group_name))
 
-    async def init_weight_transfer(self, init_info: dict, timeout_s: float) -> None:
+    async def init(self, init_info: dict, timeout_s: float) -> None:
         await self._call("init", init_info)
 
-    async def start_weight_update(self, timeout_s: float) -> None:
+    async def start(self, timeout_s: float) -> None:
         await self._call("start")
 
-    async def update_weights(self, update_info: dict, timeout_s: float) -> None:
+    async def update(self, update_info: dict, timeout_s: float) -> None:
         await self._call("update", update_info)
 
-    async def finish_weight_update(self, version: int, timeout_s: float) -> None:
+    async def finish(self, version: int, timeout_s: float) -> None:
         self.received = await self._call("finish")
 
-    async def abandon_weight_update(self, version: int) -> None:
+    async def abandon(self, version: int) -> None:
         await self._call("abandon")
 
 
@@ -225,7 +225,7 @@ class Publisher:
         if mode == "nccl":
             self.conn, child = ctx.Pipe()
             self.receiver = ctx.Process(target=nccl_receiver, args=(child, 1), daemon=True)
-            self.admin = PipeAdmin(self.conn)
+            self.sync = PipeWeightSync(self.conn)
             self.transport = BroadcastTransport("127.0.0.1", bucket_bytes, timeout_s=300.0, backend="auto")
         else:
             self.buckets, self.results = ctx.Queue(), ctx.Queue()
@@ -244,8 +244,8 @@ class Publisher:
         started = time.perf_counter()
         with PeakRss() as host:
             if self.mode == "nccl":
-                sent = asyncio.run(self.transport.transfer([self.admin], weights.tensors, version))
-                received = self.admin.received
+                sent = asyncio.run(self.transport.transfer([self.sync], weights.tensors, version))
+                received = self.sync.received
             else:
                 sent, received = self._send_ipc(weights)
         torch.cuda.synchronize()

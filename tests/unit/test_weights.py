@@ -453,22 +453,22 @@ class PipeWorker:
         assert status == "ok", f"{method}: {result}"
         return result
 
-    async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
+    async def membership(self, group_name: str) -> tuple[int, bool]:
         return tuple(await self._call("membership", group_name))
 
-    async def init_weight_transfer(self, init_info: dict, timeout_s: float) -> None:
+    async def init(self, init_info: dict, timeout_s: float) -> None:
         await self._call("init", init_info)
 
-    async def start_weight_update(self, timeout_s: float) -> None:
+    async def start(self, timeout_s: float) -> None:
         await self._call("start")
 
-    async def update_weights(self, update_info: dict, timeout_s: float) -> None:
+    async def update(self, update_info: dict, timeout_s: float) -> None:
         await self._call("update", update_info)
 
-    async def finish_weight_update(self, version: int, timeout_s: float) -> None:
+    async def finish(self, version: int, timeout_s: float) -> None:
         self.checksums.append(await self._call("finish"))
 
-    async def abandon_weight_update(self, version: int) -> None:
+    async def abandon(self, version: int) -> None:
         pass
 
 
