@@ -405,23 +405,23 @@ def test_nccl_broadcast_between_processes():
 
 
 def _worker_rank(conn) -> None:
-    """One worker rank: what fleetrl's weight-transfer backend does with each call, less vLLM's
-    reload (engine/weight_receiver.py): the transport's receiver takes the bytes in and the
-    rank hashes them."""
+    """One worker rank: what fleetrl's weight-transfer backend does with each weight-sync call,
+    less vLLM's reload (engine/weight_receiver.py): the transport's receiver takes the bytes in
+    and the rank hashes them."""
     receiver, hasher = None, None
     while (call := conn.recv()) is not None:
-        method, argument = call
+        method, args = call
         try:
             result = None
             if method == "membership":
-                result = (1, isinstance(receiver, BroadcastReceiver) and receiver.group_name == argument)
+                result = (1, isinstance(receiver, BroadcastReceiver) and receiver.group_name == args[0])
             elif method == "init":
-                init = parse_init(argument)
+                init = parse_init(args[0])
                 receiver = BroadcastReceiver.join(init, 0) if isinstance(init, BroadcastInit) else FilesystemReceiver()
             elif method == "start":
                 hasher = WeightsHasher()
             elif method == "update":
-                hasher.update_all(receiver.receive(parse_update(receiver.transport, argument)))
+                hasher.update_all(receiver.receive(parse_update(receiver.transport, args[0])))
             elif method == "finish":
                 result = hasher.hexdigest()
             conn.send(("ok", result))
@@ -430,46 +430,33 @@ def _worker_rank(conn) -> None:
 
 
 class PipeWorker:
-    """The weight-sync calls of one worker of one rank, answered by `_worker_rank` in a process
-    of its own (a broadcast's sender and receiver block in the same collective)."""
+    """A one-rank worker's weight-sync client: every call goes to `_worker_rank` in a process of
+    its own (a broadcast's sender and receiver block in the same collective), and its answer is
+    kept, in order."""
 
     worker_id = "pipe-worker"
 
     def __init__(self, conn) -> None:
         self.conn = conn
-        self.calls: list[str] = []
-        self.checksums: list[str] = []  # what the rank computed, per finished update
+        self.answers: list[tuple[str, object]] = []  # (method, what the rank answered)
 
-    async def _call(self, method: str, argument=None):
-        import asyncio
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
 
-        self.calls.append(method)
+        async def call(*args):
+            import asyncio
 
-        def call():
-            self.conn.send((method, argument))
-            return self.conn.recv()
+            def round_trip():
+                self.conn.send((method, args))
+                return self.conn.recv()
 
-        status, result = await asyncio.to_thread(call)
-        assert status == "ok", f"{method}: {result}"
-        return result
+            status, result = await asyncio.to_thread(round_trip)
+            assert status == "ok", f"{method}: {result}"
+            self.answers.append((method, result))
+            return result
 
-    async def membership(self, group_name: str) -> tuple[int, bool]:
-        return tuple(await self._call("membership", group_name))
-
-    async def init(self, init_info: dict, timeout_s: float) -> None:
-        await self._call("init", init_info)
-
-    async def start(self, timeout_s: float) -> None:
-        await self._call("start")
-
-    async def update(self, update_info: dict, timeout_s: float) -> None:
-        await self._call("update", update_info)
-
-    async def finish(self, version: int, timeout_s: float) -> None:
-        self.checksums.append(await self._call("finish"))
-
-    async def abandon(self, version: int) -> None:
-        pass
+        return call
 
 
 @pytest.mark.parametrize("kind", ["broadcast", "filesystem"])
@@ -502,9 +489,10 @@ def test_each_transport_delivers_to_its_receiver_bit_exact(kind, tmp_path):
         rank.join(timeout=30)
         if rank.is_alive():
             rank.kill()
-    assert sent == worker.checksums == [digest(named)] * 2
-    assert worker.calls.count("init") == (1 if kind == "broadcast" else 2)
-    assert worker.calls.count("update") == (2 * len(list(iter_buckets(named, 128))) if kind == "broadcast" else 2)
+    calls = [method for method, _ in worker.answers]
+    assert sent == [checksum for method, checksum in worker.answers if method == "finish"] == [digest(named)] * 2
+    assert calls.count("init") == (1 if kind == "broadcast" else 2)
+    assert calls.count("update") == (2 * len(list(iter_buckets(named, 128))) if kind == "broadcast" else 2)
 
 
 # -- sender plumbing and engine registration ---------------------------------------------------
