@@ -15,8 +15,9 @@ What runs:
    on the GPU as it is pulled and sends the bucket;
 3. a receiver process standing for one worker rank, receiving each bucket as fleetrl's receiver
    does (same group, same bucket layout, same checksum; without vLLM's reload):
-   - two GPUs or more: it joins the broadcast group on cuda:1 and the buckets go by NCCL, GPU to
-     GPU, through the transport's own admin calls (a pipe stands in for HTTP);
+   - two GPUs or more: fleetrl's BroadcastReceiver joins the broadcast group on cuda:1 and the
+     buckets go by NCCL, GPU to GPU, through the transport's own weight-sync calls (a pipe
+     stands in for HTTP);
    - one GPU: NCCL cannot hold two ranks on one device, so each packed bucket goes by CUDA IPC
      (torch.multiprocessing shares the GPU buffer) and the result says NCCL was not exercised.
 
@@ -62,7 +63,7 @@ def fail(message: str) -> None:
 
 
 def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int) -> None:
-    """Answers the transport's admin calls as fleetrl's weight receiver would, one at a time,
+    """Answers the transport's weight-sync calls as fleetrl's weight receiver would, one at a time,
     through the same receiver (weights/broadcast/receiver.py), without vLLM's reload."""
     from fleetrl.weights.broadcast.receiver import BroadcastReceiver
     from fleetrl.weights.checksum import WeightsHasher
