@@ -1,5 +1,6 @@
 """Weight-transfer formats and the broadcast group, without vLLM: checksum, bucket layout,
-manifest writing/verification, and a real two-process gloo broadcast."""
+manifest writing/verification, a real two-process gloo broadcast, and each transport's sender
+against its receiver in a second process."""
 
 from __future__ import annotations
 
