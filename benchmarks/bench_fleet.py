@@ -43,7 +43,7 @@ from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.trainer.model import agreement_probe, prompt_logprobs
 from fleetrl.versions import run_id
-from fleetrl.weights import group as bgroup
+from fleetrl.weights.broadcast import group as bgroup
 from fleetrl.weights.factory import make_transport
 
 BUCKET_BYTES = 64 << 20
@@ -116,7 +116,8 @@ async def interleaved_publishes(cases: dict[str, tuple[Fleet, WeightTransport, A
 async def receiver_phases(fleet: Fleet) -> dict[str, float]:
     """Where the workers' ranks spent the last update (contract.WEIGHT_UPDATE_PHASES), in
     seconds: the slowest rank's figure per phase, as the publish waits for the slowest."""
-    states = [s for w in fleet.ready_workers() for s in await fleet.provider.admin(w).collective_rpc(WEIGHT_STATE_METHOD)]
+    states = [s for w in fleet.ready_workers()
+              for s in await fleet.provider.admin(w).routes.collective_rpc(WEIGHT_STATE_METHOD)]
     return {phase: max(s["phases"].get(phase, 0.0) for s in states) for phase in WEIGHT_UPDATE_PHASES}
 
 

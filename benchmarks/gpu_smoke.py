@@ -15,8 +15,9 @@ What runs:
    on the GPU as it is pulled and sends the bucket;
 3. a receiver process standing for one worker rank, receiving each bucket as fleetrl's receiver
    does (same group, same bucket layout, same checksum; without vLLM's reload):
-   - two GPUs or more: it joins the broadcast group on cuda:1 and the buckets go by NCCL, GPU to
-     GPU, through the transport's own admin calls (a pipe stands in for HTTP);
+   - two GPUs or more: fleetrl's BroadcastReceiver joins the broadcast group on cuda:1 and the
+     buckets go by NCCL, GPU to GPU, through the transport's own weight-sync calls (a pipe
+     stands in for HTTP);
    - one GPU: NCCL cannot hold two ranks on one device, so each packed bucket goes by CUDA IPC
      (torch.multiprocessing shares the GPU buffer) and the result says NCCL was not exercised.
 
@@ -62,37 +63,29 @@ def fail(message: str) -> None:
 
 
 def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int) -> None:
-    """Answers the transport's admin calls as fleetrl's weight receiver would, one at a time."""
-    from fleetrl.weights import group as broadcast_group
-    from fleetrl.weights.buckets import layout, unpack_bucket
+    """Answers the transport's weight-sync calls as fleetrl's weight receiver would, one at a time,
+    through the same receiver (weights/broadcast/receiver.py), without vLLM's reload."""
+    from fleetrl.weights.broadcast.receiver import BroadcastReceiver
     from fleetrl.weights.checksum import WeightsHasher
-    from fleetrl.weights.wire import BucketInfo, InitInfo
+    from fleetrl.weights.wire import parse_init, parse_update
 
     torch.cuda.set_device(device_index)
-    group, hasher, devices = None, None, set()
+    receiver, hasher, devices = None, None, set()
     while True:
         command, argument = conn.recv()
         try:
             if command == "membership":
-                result = (1, group is not None and group.name == argument)
+                result = (1, receiver is not None and receiver.group_name == argument)
             elif command == "init":
-                info = InitInfo.from_dict(argument)
-                if group is not None:
-                    group.close()
-                store = broadcast_group.connect_store(info.master_address, info.master_port, info.world_size,
-                                                      info.timeout_s)
-                group = broadcast_group.join(store, info.group_name, info.rank_offset, info.world_size,
-                                             info.backend, info.timeout_s)
-                result = None
+                if receiver is not None:
+                    receiver.close()
+                receiver, result = BroadcastReceiver.join(parse_init(argument), 0), None
             elif command == "start":
                 hasher, result = WeightsHasher(), None
             elif command == "update":
-                metas = BucketInfo.from_dict(argument).metas()
-                buffer = torch.empty(layout(metas)[1], dtype=torch.uint8,
-                                     device=broadcast_group.buffer_device(group.backend_name))
-                group.broadcast(buffer)
-                devices.add(str(buffer.device))
-                hasher.update_all(unpack_bucket(buffer.cpu(), metas))
+                bucket = receiver.receive(parse_update("broadcast", argument))
+                devices.update(str(tensor.device) for _, tensor in bucket)
+                hasher.update_all(bucket)  # each tensor copied to the host to be hashed
                 result = None
             elif command == "finish":
                 result = {"checksum": hasher.hexdigest(), "devices": sorted(devices)}
@@ -100,8 +93,8 @@ def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int
             elif command == "abandon":
                 hasher, result = None, None
             elif command == "stop":
-                if group is not None:
-                    group.close()
+                if receiver is not None:
+                    receiver.close()
                 conn.send(("ok", None))
                 return
             else:
@@ -111,8 +104,8 @@ def nccl_receiver(conn: multiprocessing.connection.Connection, device_index: int
             conn.send(("error", traceback.format_exc()))
 
 
-class PipeAdmin:
-    """The `WorkerAdmin` calls a `BroadcastTransport` makes, sent to `nccl_receiver`."""
+class PipeWeightSync:
+    """The `WeightSyncClient` calls a `BroadcastTransport` makes, sent to `nccl_receiver`."""
 
     worker_id = "smoke-receiver"
 
@@ -130,22 +123,22 @@ class PipeAdmin:
             raise RuntimeError(f"receiver: {command} failed:\n{result}")
         return result
 
-    async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
+    async def membership(self, group_name: str) -> tuple[int, bool]:
         return tuple(await self._call("membership", group_name))
 
-    async def init_weight_transfer(self, init_info: dict, timeout_s: float) -> None:
+    async def init(self, init_info: dict, timeout_s: float) -> None:
         await self._call("init", init_info)
 
-    async def start_weight_update(self, timeout_s: float) -> None:
+    async def start(self, timeout_s: float) -> None:
         await self._call("start")
 
-    async def update_weights(self, update_info: dict, timeout_s: float) -> None:
+    async def update(self, update_info: dict, timeout_s: float) -> None:
         await self._call("update", update_info)
 
-    async def finish_weight_update(self, version: int, timeout_s: float) -> None:
+    async def finish(self, version: int, timeout_s: float) -> None:
         self.received = await self._call("finish")
 
-    async def abandon_weight_update(self, version: int) -> None:
+    async def abandon(self, version: int) -> None:
         await self._call("abandon")
 
 
@@ -224,7 +217,7 @@ class Publisher:
     """The publish hook: sends a WeightGather to the receiver, measuring memory around it."""
 
     def __init__(self, bucket_bytes: int, mode: str) -> None:
-        from fleetrl.weights.broadcast import BroadcastTransport
+        from fleetrl.weights.broadcast.sender import BroadcastTransport
 
         self.bucket_bytes = bucket_bytes
         self.mode = mode
@@ -233,7 +226,7 @@ class Publisher:
         if mode == "nccl":
             self.conn, child = ctx.Pipe()
             self.receiver = ctx.Process(target=nccl_receiver, args=(child, 1), daemon=True)
-            self.admin = PipeAdmin(self.conn)
+            self.sync = PipeWeightSync(self.conn)
             self.transport = BroadcastTransport("127.0.0.1", bucket_bytes, timeout_s=300.0, backend="auto")
         else:
             self.buckets, self.results = ctx.Queue(), ctx.Queue()
@@ -252,8 +245,8 @@ class Publisher:
         started = time.perf_counter()
         with PeakRss() as host:
             if self.mode == "nccl":
-                sent = asyncio.run(self.transport.transfer([self.admin], weights.tensors, version))
-                received = self.admin.received
+                sent = asyncio.run(self.transport.transfer([self.sync], weights.tensors, version))
+                received = self.sync.received
             else:
                 sent, received = self._send_ipc(weights)
         torch.cuda.synchronize()

@@ -34,7 +34,7 @@ from fleetrl.processes import stop_all
 from fleetrl.rundir import RunDir
 from fleetrl.trainer.model import prompt_logprobs
 from fleetrl.versions import VersionSpan, run_id
-from fleetrl.weights import filesystem
+from fleetrl.weights.filesystem import sender as filesystem
 from fleetrl.weights.checksum import checksum_of
 from fleetrl.weights.factory import make_transport
 
@@ -152,7 +152,7 @@ async def test_b_a_recovered_worker_serves_nothing_before_its_refit(attached, ba
     version = fleet.version
     victim = sorted(fleet.workers)[0]
     admin = fleet.provider.admin(fleet.workers[victim])
-    await admin.call("POST", "/update_weight_version", idempotent=True, json={"new_version": "default"})
+    await admin.routes.call("POST", "/update_weight_version", idempotent=True, json={"new_version": "default"})
     responses = [r for (r,) in await asyncio.gather(
         *(fleet.generate(GenerateRequest(story(tokenizer), SamplingParams(max_tokens=4))) for _ in range(4)))]
     assert all(r.worker_id != victim and r.spans == [VersionSpan(version, 0)] for r in responses), responses

@@ -43,7 +43,7 @@ import torch
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.failpoints import ENV as FAILPOINT_ENV
 from fleetrl.inference.http import prompt_logprobs_of
-from fleetrl.inference.vllm.admin import VllmAdminClient
+from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.processes import free_port
 from fleetrl.rundir import RunDir
@@ -178,8 +178,9 @@ def latest_checkpoint(run_dir) -> int | None:
     return found[0] if found else None
 
 
-def admin_of(url: str) -> VllmAdminClient:
-    return VllmAdminClient(url, url, ADMIN, timeout_s=30, retries=1, claim=None)  # looks only, as status does
+def admin_of(url: str) -> VllmWorkerControl:
+    # Looks only, as status does.
+    return VllmWorkerControl(VllmAdminRoutes(url, url, ADMIN, timeout_s=30, retries=1, claim=None))
 
 
 async def paused_and_versions(urls) -> list[tuple[bool, int | None]]:

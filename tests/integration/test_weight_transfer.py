@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES, WEIGHT_UPDATE_SERIAL_PHASES
 from fleetrl.inference.http import RunClaim
 from fleetrl.inference.provider import WeightTransport
-from fleetrl.inference.vllm.admin import VllmAdminClient
-from fleetrl.weights import manifest
+from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
+from fleetrl.inference.vllm.weight_sync import VllmWeightSync
+from fleetrl.weights.filesystem import manifest
 from fleetrl.weights.factory import make_transport
 
 from .deployments import ADMIN, OPERATOR_SERVERS
@@ -45,7 +46,7 @@ def server(operator_servers, original, tmp_path_factory) -> str:
     a shared server may hold what its last user left)."""
     url = operator_servers[0]
 
-    async def restore(client: VllmAdminClient) -> None:
+    async def restore(client: VllmWorkerControl) -> None:
         transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=64 << 20,
                                    storage_dir=tmp_path_factory.mktemp("base"))
         try:
@@ -111,31 +112,32 @@ def hf_greedy(model_dir: Path, weights: Weights, prompt_ids: list[int]) -> list[
 
 
 async def with_client(url: str, body):
-    client = VllmAdminClient("worker-0", url, ADMIN, timeout_s=120, retries=2, claim=RunClaim(RUN, 30))
+    client = VllmWorkerControl(VllmAdminRoutes("worker-0", url, ADMIN, timeout_s=120, retries=2,
+                                               claim=RunClaim(RUN, 30)))
     try:
         return await body(client)
     finally:
         await client.close()
 
 
-async def generate(client: VllmAdminClient, prompt_ids: list[int]) -> list[int]:
-    response = await client.call("POST", "/inference/v1/generate", idempotent=False, json={
+async def generate(client: VllmWorkerControl, prompt_ids: list[int]) -> list[int]:
+    response = await client.routes.call("POST", "/inference/v1/generate", idempotent=False, json={
         "token_ids": prompt_ids,
         "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0},
     })
     return response["choices"][0]["token_ids"]
 
 
-async def publish(client: VllmAdminClient, transport: WeightTransport, weights: Weights,
+async def publish(client: VllmWorkerControl, transport: WeightTransport, weights: Weights,
                   version: int) -> None:
     """pause -> transfer -> checks while paused -> resume."""
     await client.pause("keep")
     try:
         started, wall = time.monotonic(), time.time()
-        checksum = await transport.transfer([client], lambda: iter(weights), version)
+        checksum = await transport.transfer([VllmWeightSync(client.routes)], lambda: iter(weights), version)
         seconds = time.monotonic() - started
         assert await client.version() == version
-        (state,) = await client.collective_rpc(WEIGHT_STATE_METHOD)
+        (state,) = await client.routes.collective_rpc(WEIGHT_STATE_METHOD)
         assert state["checksum"] == checksum and state["received_at"] >= wall and not state["updating"]
         # The receiver's profile of this update (the publish breakdown of docs/benchmarks.md).
         assert list(state["phases"]) == list(WEIGHT_UPDATE_PHASES), state["phases"]
@@ -153,23 +155,23 @@ async def publish(client: VllmAdminClient, transport: WeightTransport, weights: 
 
 def test_broadcast_publishes_and_restores(server, tmp_path, prompt_ids, original, modified,
                                           original_output, expected_output):
-    async def scenario(client: VllmAdminClient) -> None:
+    async def scenario(client: VllmWorkerControl) -> None:
         transport = make_transport("broadcast", host="127.0.0.1", bucket_bytes=32 << 20, storage_dir=tmp_path)
         try:
             await publish(client, transport, modified, 101)
             assert await generate(client, prompt_ids) == expected_output
-            group = (await client.collective_rpc("fleetrl_broadcast_group"))[0]
+            group = (await client.routes.collective_rpc("fleetrl_broadcast_group"))[0]
             assert group
 
             await publish(client, transport, original, 102)
             assert await generate(client, prompt_ids) == original_output
             # Same workers, all in the group: the group is reused.
-            assert (await client.collective_rpc("fleetrl_broadcast_group"))[0] == group
+            assert (await client.routes.collective_rpc("fleetrl_broadcast_group"))[0] == group
 
             # A worker that left the group (as after a restart) makes the sender re-form it.
-            await client.call("POST", "/shutdown_weight_transfer_engine", idempotent=False)
+            await client.routes.call("POST", "/shutdown_weight_transfer_engine", idempotent=False)
             await publish(client, transport, modified, 103)
-            assert (await client.collective_rpc("fleetrl_broadcast_group"))[0] not in ("", group)
+            assert (await client.routes.collective_rpc("fleetrl_broadcast_group"))[0] not in ("", group)
             assert await generate(client, prompt_ids) == expected_output
             await publish(client, transport, original, 104)
         finally:
@@ -180,7 +182,7 @@ def test_broadcast_publishes_and_restores(server, tmp_path, prompt_ids, original
 
 def test_filesystem_publishes_and_restores(server, tmp_path, prompt_ids, original, modified,
                                            original_output, expected_output):
-    async def scenario(client: VllmAdminClient) -> None:
+    async def scenario(client: VllmWorkerControl) -> None:
         transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=64 << 20, storage_dir=tmp_path)
         await publish(client, transport, modified, 201)
         assert await generate(client, prompt_ids) == expected_output
@@ -204,17 +206,18 @@ def test_filesystem_refuses_an_unready_version(server, tmp_path, prompt_ids, ori
         (written.folder / manifest.READY).unlink()
         return written
 
-    monkeypatch.setattr("fleetrl.weights.filesystem.write_version", write_without_ready)
+    monkeypatch.setattr("fleetrl.weights.filesystem.sender.write_version", write_without_ready)
 
-    async def scenario(client: VllmAdminClient) -> None:
+    async def scenario(client: VllmWorkerControl) -> None:
         transport = make_transport("filesystem", host="127.0.0.1", bucket_bytes=64 << 20, storage_dir=tmp_path)
         await client.pause("keep")
         try:
             with pytest.raises(Exception, match="v301/READY is missing"):
-                await transport.transfer([client], lambda: iter(modified), 301)
+                await transport.transfer([VllmWeightSync(client.routes)], lambda: iter(modified), 301)
             assert await client.version() is None
-            assert (await client.call("GET", "/weight_info", idempotent=True))["weight_version"] == f"incomplete-v301@{RUN}"
-            assert [s["checksum"] for s in await client.collective_rpc(WEIGHT_STATE_METHOD)] == [None]
+            info = await client.routes.call("GET", "/weight_info", idempotent=True)
+            assert info["weight_version"] == f"incomplete-v301@{RUN}"
+            assert [s["checksum"] for s in await client.routes.collective_rpc(WEIGHT_STATE_METHOD)] == [None]
         finally:
             await client.resume()
         assert await generate(client, prompt_ids) == original_output

@@ -36,7 +36,9 @@ class FakeEngine:
         self.unpaused.set()
 
 
-class FakeAdmin:
+class FakeClient:
+    """What a worker's clients share: its engine, which may be dead or fail an operation."""
+
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
         self.worker_id = engine.id
@@ -47,6 +49,11 @@ class FakeAdmin:
         if op in self.engine.fail:
             raise FleetrlError(f"worker {self.worker_id}: {op} failed: injected")
 
+    async def close(self) -> None:
+        pass
+
+
+class FakeControl(FakeClient):
     async def health(self) -> bool:
         return self.engine.alive
 
@@ -72,10 +79,6 @@ class FakeAdmin:
         self._check("set_version")
         self.engine.version = version
 
-    async def abandon_weight_update(self, version: int) -> None:
-        self._check("abandon_weight_update")
-        self.engine.abandoned += 1
-
     async def weight_state(self) -> list[RankWeights]:
         return [RankWeights(self.engine.checksum, None, False)]
 
@@ -87,8 +90,13 @@ class FakeAdmin:
         if self.engine.checksum != checksum:
             raise FleetrlError(f"worker {self.worker_id}: checksum {self.engine.checksum} != sender's {checksum}")
 
-    async def close(self) -> None:
-        pass
+
+class FakeWeightSync(FakeClient):
+    """The one weight-sync call the fleet makes itself; FakeTransport moves the weights without the others."""
+
+    async def abandon(self, version: int) -> None:
+        self._check("abandon")
+        self.engine.abandoned += 1
 
 
 class FakeProvider:
@@ -98,7 +106,7 @@ class FakeProvider:
         self.engines = {i: FakeEngine(i) for i in ids}
         self.launches_workers = launches_workers  # False: attached, held to the base checksum
         self.step_s = step_s
-        self._admins: dict[str, FakeAdmin] = {}
+        self._clients: dict[str, tuple[FakeControl, FakeWeightSync]] = {}
 
     def add(self, worker_id: str, role: WorkerRole = WorkerRole.AGGREGATED) -> FakeEngine:
         self.engines[worker_id] = FakeEngine(worker_id, role=role)
@@ -111,11 +119,17 @@ class FakeProvider:
         return [WorkerInfo(id=e.id, data_url=f"fake://{e.id}", admin_url=f"fake://{e.id}", role=e.role)
                 for e in self.engines.values() if e.alive]
 
-    def admin(self, worker: WorkerInfo) -> FakeAdmin:
+    def admin(self, worker: WorkerInfo) -> FakeControl:
+        return self._clients_of(worker)[0]
+
+    def weight_sync(self, worker: WorkerInfo) -> FakeWeightSync:
+        return self._clients_of(worker)[1]
+
+    def _clients_of(self, worker: WorkerInfo) -> tuple[FakeControl, FakeWeightSync]:
         engine = self.engines[worker.id]
-        if worker.id not in self._admins or self._admins[worker.id].engine is not engine:
-            self._admins[worker.id] = FakeAdmin(engine)
-        return self._admins[worker.id]
+        if worker.id not in self._clients or self._clients[worker.id][0].engine is not engine:
+            self._clients[worker.id] = FakeControl(engine), FakeWeightSync(engine)
+        return self._clients[worker.id]
 
     async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix=(),
                        prefill=None) -> list[GenerateResponse]:

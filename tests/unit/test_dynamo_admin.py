@@ -14,7 +14,7 @@ from fleetrl.contract import ADMIN_TOKEN_ENV, WEIGHT_STATE_METHOD
 from fleetrl.engine.dynamo_worker import _answering_checksums
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo import launcher
-from fleetrl.inference.dynamo.admin import DynamoAdminClient
+from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerControl
 
 
 class Started(Exception):
@@ -79,15 +79,16 @@ def test_fleetrls_worker_kind_takes_the_admin_token_and_gives_it_to_its_workers_
     assert own.admin_token is None and ADMIN_TOKEN_ENV not in launcher.worker_env(own.config, tmp_path)
 
 
-def admin_answering(answer: dict) -> DynamoAdminClient:
-    """A Dynamo admin client whose worker answers fleetrl's checksum call with `answer`."""
+def admin_answering(answer: dict) -> DynamoWorkerControl:
+    """A Dynamo control client whose worker answers fleetrl's checksum call with `answer`."""
     def worker(request):
         body = json.loads(request.content)
         assert request.url.path == "/engine/update_weights_from_distributed"
         assert body == {"engine_rpc": WEIGHT_STATE_METHOD, "reset_prefix_cache": False, "allow_unpaused": True}
         return httpx.Response(200, json=answer)
-    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=2, timeout_s=1, retries=0, run="r1")
-    admin._http._http = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(worker))
+    admin = DynamoWorkerControl(DynamoAdminRoutes("7", "http://127.0.0.1:9", world_size=2, timeout_s=1, retries=0,
+                                                  run="r1"))
+    admin.routes.http._http = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(worker))
     return admin
 
 
@@ -202,12 +203,14 @@ async def test_admin_clients_no_worker_needs_are_closed(tmp_path, monkeypatch):
     worker = lambda i, port: WorkerInfo(id=i, data_url="http://f", admin_url=f"http://127.0.0.1:{port}")  # noqa: E731
     first = provider.admin(worker("7", 9001))
     second = provider.admin(worker("7", 9002))  # the same instance, at a new URL
+    assert provider.weight_sync(worker("7", 9002)).routes is second.routes  # one fence record
     gone = provider.admin(worker("8", 9003))  # an instance that will leave discovery
     listed[:] = [worker("7", 9002)]
+    closed = lambda client: client.routes.http._http.is_closed  # noqa: E731
     await provider.discover()
-    assert first._http._http.is_closed and not second._http._http.is_closed
-    assert not gone._http._http.is_closed  # one round without it: a publish may still call it
+    assert closed(first) and not closed(second)
+    assert not closed(gone)  # one round without it: a publish may still call it
     await provider.discover()
-    assert gone._http._http.is_closed and not second._http._http.is_closed
+    assert closed(gone) and not closed(second)
     await provider.close()
-    assert second._http._http.is_closed
+    assert closed(second)

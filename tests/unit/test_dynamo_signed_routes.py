@@ -10,7 +10,7 @@ import pytest
 from fleetrl import admin_signature
 from fleetrl.contract import ADMIN_TOKEN_ENV, DYNAMO_GUARDED_ROUTES
 from fleetrl.engine.dynamo_worker import _require_signed_calls, signed_calls_only
-from fleetrl.inference.dynamo.admin import DynamoAdminClient
+from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerControl
 from fleetrl.inference.provider import ImpostorWorker, WorkerCallError
 
 from .asgi_server import serving
@@ -45,8 +45,9 @@ def system_server(calls: list, token: str = TOKEN, answer_ok_unguarded: bool = F
     return app
 
 
-def client(url: str, token: str | None = TOKEN) -> DynamoAdminClient:
-    return DynamoAdminClient("7", url, world_size=1, timeout_s=5, retries=1, run="r1", admin_token=token)
+def client(url: str, token: str | None = TOKEN) -> DynamoWorkerControl:
+    return DynamoWorkerControl(DynamoAdminRoutes("7", url, world_size=1, timeout_s=5, retries=1, run="r1",
+                                                 admin_token=token))
 
 
 async def test_a_signed_call_reaches_the_route_with_its_body_and_is_proven():
@@ -55,7 +56,7 @@ async def test_a_signed_call_reaches_the_route_with_its_body_and_is_proven():
         admin = client(url)
         try:
             assert await admin.version() == 1
-            await admin.call("set_weight_version", {"weight_version": "v2@r1"})
+            await admin.routes.call("set_weight_version", {"weight_version": "v2@r1"})
             assert await admin.health()
         finally:
             await admin.close()
@@ -71,13 +72,13 @@ async def test_a_call_without_the_runs_token_reaches_nothing():
         try:
             with pytest.raises(WorkerCallError, match=r"^worker 7: POST /engine/set_weight_version failed: the admin "
                                                       r"token was refused: set inference.admin_token"):
-                await wrong.call("set_weight_version", {"weight_version": "v9@evil"})
+                await wrong.routes.call("set_weight_version", {"weight_version": "v9@evil"})
         finally:
             await wrong.close()
         unsigned = client(url, token=None)  # as anyone who reaches the system port
         try:
             with pytest.raises(WorkerCallError, match="fleetrl: this route needs the run's admin token"):
-                await unsigned.call("pause_generation", {"mode": "keep"})
+                await unsigned.routes.call("pause_generation", {"mode": "keep"})
             assert await unsigned.health()  # the liveness probe stays open
         finally:
             await unsigned.close()

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.dynamo.admin import DynamoAdminClient
+from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerControl
 from fleetrl.inference.dynamo.attribution import FenceRecord, prefill_agrees, sequence_version
 from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers, parse_worker
@@ -93,14 +93,15 @@ async def test_startup_waits_until_the_frontend_serves_every_decode_and_prefill_
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_keep_and_abort_pauses_need_per_token_versions(mode, monkeypatch):
-    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0, run="r1")
+    admin = DynamoWorkerControl(DynamoAdminRoutes("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0,
+                                                  run="r1"))
 
     async def dynamo_own_worker():
         return False
     monkeypatch.setattr(admin, "reports_token_versions", dynamo_own_worker)
     with pytest.raises(FleetrlError, match="worker 7: pause .* reports no per-token versions"):
         await admin.pause(mode)
-    assert admin.fence == FenceRecord()  # nothing sent, nothing counted
+    assert admin.routes.fence == FenceRecord()  # nothing sent, nothing counted
     await admin.close()
 
 
@@ -132,9 +133,10 @@ async def test_is_paused_asks_the_route_that_runs_only_on_a_paused_worker():
             return httpx.Response(200, json={"status": "ok"})
         return httpx.Response(200, json={"status": "error", "message": "Worker must be paused via "
                                          "pause_generation() before updating weights."})
-    admin = DynamoAdminClient("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0, run="r1")
-    await admin._http.close()
-    admin._http._http = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(worker))
+    admin = DynamoWorkerControl(DynamoAdminRoutes("7", "http://127.0.0.1:9", world_size=1, timeout_s=1, retries=0,
+                                                  run="r1"))
+    await admin.routes.http.close()
+    admin.routes.http._http = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(worker))
     assert await admin.is_paused() is False
     paused = True
     assert await admin.is_paused() is True

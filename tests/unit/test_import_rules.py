@@ -38,6 +38,9 @@ FORBIDDEN = [
     ("fleetrl.trainer", "fleetrl.weights", "the trainer publishes through a hook the composition root fills"),
     ("fleetrl.trainer", "fleetrl.orchestrator", "the trainer reads batches as files"),
 ]
+# What the engine (inside workers) may use of weights/: the receiving side and the formats both
+# sides share, by module name; never a sender, the factory or the fanout, which run in the trainer.
+ENGINE_USES_OF_WEIGHTS = {"receiver", "wire", "group", "buckets", "checksum", "manifest"}
 # The composition root: only the CLI (and the root itself) imports it.
 ROOT, ROOT_IMPORTERS = "fleetrl.app", {"fleetrl.cli"}
 
@@ -113,6 +116,33 @@ def test_leaves_import_only_leaves():
     bad = [f"{leaf} imports {name}" for leaf in LEAVES for name in graph().get(leaf, ()) if name not in LEAVES]
     assert all(leaf in graph() for leaf in LEAVES)
     assert not bad, "; ".join(bad)
+
+
+def test_the_engine_uses_only_the_receiving_side_of_weights():
+    bad = [
+        f"{path.relative_to(SRC)}:{line} imports {name}"
+        for path in sorted((PACKAGE / "engine").rglob("*.py"))
+        for name, line, _ in imports_of(path)
+        if name.startswith("fleetrl.weights") and name.rpartition(".")[2] not in ENGINE_USES_OF_WEIGHTS
+    ]
+    assert not bad, f"fleetrl.engine may import only {sorted(ENGINE_USES_OF_WEIGHTS)} of fleetrl.weights: " + \
+        "; ".join(bad)
+
+
+def test_receivers_reach_no_coordinator_code():
+    """Not even through another module: a worker rank runs them, and has no coordinator."""
+    edges = graph()
+    receivers = sorted(module_name(path) for path in (PACKAGE / "weights").rglob("receiver.py"))
+    assert receivers, "no weights/*/receiver.py found"
+    for receiver in receivers:
+        reached, todo = set(), [receiver]
+        while todo:
+            for name in edges.get(todo.pop(), ()):
+                if name not in reached:
+                    reached.add(name)
+                    todo.append(name)
+        bad = sorted(name for name in reached if name.startswith("fleetrl.inference"))
+        assert not bad, f"{receiver} reaches {bad}"
 
 
 def test_weights_never_import_vllm_at_module_level():

@@ -17,7 +17,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.http import RunClaim
 from fleetrl.inference.provider import ImpostorWorker
 from fleetrl.inference.vllm import launcher
-from fleetrl.inference.vllm.admin import VllmAdminClient
+from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.rundir import RunDir
 
@@ -188,7 +188,7 @@ async def test_a_process_on_a_workers_port_never_gets_the_admin_token_and_is_fou
     without the worker's proof (none, a wrong one, one that is not even hex) is an impostor's."""
     requests: list = []
     with serving(recording(requests, proof=proof)) as url:
-        admin = VllmAdminClient("vllm-0", url, ADMIN, timeout_s=5, retries=0, claim=RunClaim("r1", 30))
+        admin = VllmWorkerControl(VllmAdminRoutes("vllm-0", url, ADMIN, timeout_s=5, retries=0, claim=RunClaim("r1", 30)))
         try:
             for call in (admin.health, admin.version):
                 with pytest.raises(ImpostorWorker, match="vllm-0.*without proof that it holds the run's admin token"):

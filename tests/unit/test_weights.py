@@ -1,5 +1,6 @@
 """Weight-transfer formats and the broadcast group, without vLLM: checksum, bucket layout,
-manifest writing/verification, and a real two-process gloo broadcast."""
+manifest writing/verification, a real two-process gloo broadcast, and each transport's sender
+against its receiver in a second process."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 import torch.multiprocessing as mp
 
 from fleetrl.weights import WeightsHasher
-from fleetrl.weights import group as broadcast_group
+from fleetrl.weights.broadcast import group as broadcast_group
 from fleetrl.weights.buckets import ALIGN, TensorMeta, iter_buckets, layout, packed_buckets, unpack_bucket
-from fleetrl.weights.manifest import (
+from fleetrl.weights.filesystem.manifest import (
     MANIFEST,
     MARKER,
     READY,
@@ -24,7 +25,11 @@ from fleetrl.weights.manifest import (
     version_dir,
     write_version,
 )
-from fleetrl.weights.wire import BucketInfo, InitInfo, ManifestInfo
+from fleetrl.weights.broadcast.receiver import BroadcastReceiver
+from fleetrl.weights.broadcast.wire import BroadcastInit, BucketInfo
+from fleetrl.weights.filesystem.receiver import FilesystemReceiver
+from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
+from fleetrl.weights.wire import parse_init, parse_update
 
 
 def sample_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -108,17 +113,18 @@ def test_unpack_bucket_refuses_metadata_of_another_size():
 
 
 def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
-    init = InitInfo("broadcast", master_address="10.0.0.1", master_port=29500, group_name="g", backend="gloo",
-                    rank_offset=3, world_size=5, timeout_s=60.0)
+    init = BroadcastInit(master_address="10.0.0.1", master_port=29500, group_name="g", backend="gloo",
+                         rank_offset=3, world_size=5, timeout_s=60.0)
     sent = json.loads(json.dumps(init.to_dict()))
     assert sent == {"transport": "broadcast", "master_address": "10.0.0.1", "master_port": 29500, "group_name": "g",
                     "backend": "gloo", "rank_offset": 3, "world_size": 5, "timeout_s": 60.0}
-    assert InitInfo.from_dict(sent) == init
-    assert InitInfo("filesystem").to_dict() == {"transport": "filesystem"}
+    assert parse_init(sent) == init
+    assert FilesystemInit().to_dict() == {"transport": "filesystem"}
+    assert parse_init(FilesystemInit().to_dict()) == FilesystemInit()
     _, metas = pack_bucket(sample_tensors())
-    bucket = BucketInfo.from_dict(json.loads(json.dumps(BucketInfo.of(metas).to_dict())))
+    bucket = parse_update("broadcast", json.loads(json.dumps(BucketInfo.of(metas).to_dict())))
     assert bucket.metas() == metas
-    assert ManifestInfo.from_dict(ManifestInfo("/w/v3/manifest.json").to_dict()).manifest == "/w/v3/manifest.json"
+    assert parse_update("filesystem", ManifestInfo("/w/v3/manifest.json").to_dict()).manifest == "/w/v3/manifest.json"
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -128,7 +134,7 @@ def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
 ])
 def test_wire_init_info_refuses_what_the_receiver_cannot_use(bad, match):
     with pytest.raises(ValueError, match=match):
-        InitInfo.from_dict(bad)
+        parse_init(bad)
 
 
 def test_buckets_respect_the_size_limit_in_order():
@@ -188,7 +194,7 @@ def test_packed_buckets_hold_one_source_tensor_at_a_time():
 def test_broadcast_backend_is_automatic_and_overridable(monkeypatch):
     from fleetrl.config import load_config
     from fleetrl.errors import FleetrlError
-    from fleetrl.weights.broadcast import BroadcastTransport
+    from fleetrl.weights.broadcast.sender import BroadcastTransport
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert load_config([], []).inference.weights.backend == "auto"
@@ -394,6 +400,100 @@ def test_nccl_broadcast_between_processes():
         receiver.join(timeout=30)
         if receiver.is_alive():
             receiver.kill()
+
+
+# -- sender -> receiver, as a worker rank runs them (without vLLM) ------------------------------
+
+
+def _worker_rank(conn) -> None:
+    """One worker rank: what fleetrl's weight-transfer backend does with each weight-sync call,
+    less vLLM's reload (engine/weight_receiver.py): the transport's receiver takes the bytes in
+    and the rank hashes them."""
+    receiver, hasher = None, None
+    while (call := conn.recv()) is not None:
+        method, args = call
+        try:
+            result = None
+            if method == "membership":
+                result = (1, isinstance(receiver, BroadcastReceiver) and receiver.group_name == args[0])
+            elif method == "init":
+                init = parse_init(args[0])
+                receiver = BroadcastReceiver.join(init, 0) if isinstance(init, BroadcastInit) else FilesystemReceiver()
+            elif method == "start":
+                hasher = WeightsHasher()
+            elif method == "update":
+                hasher.update_all(receiver.receive(parse_update(receiver.transport, args[0])))
+            elif method == "finish":
+                result = hasher.hexdigest()
+            conn.send(("ok", result))
+        except Exception as e:
+            conn.send(("error", repr(e)))
+
+
+class PipeWorker:
+    """A one-rank worker's weight-sync client: every call goes to `_worker_rank` in a process of
+    its own (a broadcast's sender and receiver block in the same collective), and its answer is
+    kept, in order."""
+
+    worker_id = "pipe-worker"
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.answers: list[tuple[str, object]] = []  # (method, what the rank answered)
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        async def call(*args):
+            import asyncio
+
+            def round_trip():
+                self.conn.send((method, args))
+                return self.conn.recv()
+
+            status, result = await asyncio.to_thread(round_trip)
+            assert status == "ok", f"{method}: {result}"
+            self.answers.append((method, result))
+            return result
+
+        return call
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "filesystem"])
+def test_each_transport_delivers_to_its_receiver_bit_exact(kind, tmp_path):
+    """The sender's checksum is the receiving rank's, over the wire records both sides read; the
+    second broadcast publish reuses the group the first formed (one init), while the filesystem
+    transport, with no group, inits every time."""
+    import asyncio
+
+    from fleetrl.weights.factory import make_transport
+
+    named = [(f"{i}.{n}", t) for i, (n, t) in enumerate(sample_tensors() * 3)]
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    rank = ctx.Process(target=_worker_rank, args=(child,), daemon=True)
+    rank.start()
+    worker = PipeWorker(conn)
+
+    async def publish_twice() -> list[str]:
+        transport = make_transport(kind, host="127.0.0.1", bucket_bytes=128, storage_dir=tmp_path, timeout_s=60)
+        try:
+            return [await transport.transfer([worker], lambda: iter(named), version) for version in (1, 2)]
+        finally:
+            await transport.close()
+
+    try:
+        sent = asyncio.run(publish_twice())
+    finally:
+        conn.send(None)
+        rank.join(timeout=30)
+        if rank.is_alive():
+            rank.kill()
+    calls = [method for method, _ in worker.answers]
+    assert sent == [checksum for method, checksum in worker.answers if method == "finish"] == [digest(named)] * 2
+    assert calls.count("init") == (1 if kind == "broadcast" else 2)
+    assert calls.count("update") == (2 * len(list(iter_buckets(named, 128))) if kind == "broadcast" else 2)
 
 
 # -- sender plumbing and engine registration ---------------------------------------------------

@@ -14,7 +14,7 @@ from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.http import RunClaim
 from fleetrl.inference.provider import WorkerHeldByAnotherRun
 from fleetrl.inference.types import UnversionedTokens, WorkerState, engine_spans
-from fleetrl.inference.vllm.admin import VllmAdminClient
+from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
 from fleetrl.versions import VersionSpan, run_id
 
 from .asgi_server import serving
@@ -77,9 +77,9 @@ def worker(monkeypatch):
         yield url
 
 
-def admin_of(url: str, run: str | None, lease_s: float = 30) -> VllmAdminClient:
-    return VllmAdminClient(url, url, ADMIN, timeout_s=5, retries=0,
-                           claim=RunClaim(run, lease_s) if run is not None else None)
+def admin_of(url: str, run: str | None, lease_s: float = 30) -> VllmWorkerControl:
+    return VllmWorkerControl(VllmAdminRoutes(url, url, ADMIN, timeout_s=5, retries=0,
+                                             claim=RunClaim(run, lease_s) if run is not None else None))
 
 
 async def test_a_worker_another_run_holds_refuses_it_naming_both(worker):

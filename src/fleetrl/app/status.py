@@ -23,7 +23,7 @@ from pathlib import Path
 from fleetrl.app.providers import PROVIDERS, attached_to_run, build_provider, resolve_tokens
 from fleetrl.config import Config, ConfigError, load_config
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import WorkerAdmin
+from fleetrl.inference.provider import WorkerControl
 from fleetrl.inference.types import WorkerInfo
 from fleetrl.records import FenceEvent
 from fleetrl.rundir import RunDir, eval_summary
@@ -93,7 +93,7 @@ async def run_status(config: Config, run_dir: Path | None = None) -> int:
     return 0 if rows and all(r.state in ("ready", "paused", "updating", "stale") for r in rows) else 1
 
 
-async def worker_row(worker: WorkerInfo, admin: WorkerAdmin) -> WorkerRow:
+async def worker_row(worker: WorkerInfo, admin: WorkerControl) -> WorkerRow:
     row = WorkerRow(worker.id, worker.role.value, "dead")
     try:
         if not await admin.health():

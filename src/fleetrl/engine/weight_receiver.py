@@ -8,14 +8,15 @@ collective_rpc on every rank):
     /update_weights {"update_info": {...}}   stream tensors into model.load_weights
     /finish_weight_update                    close the reload; keep the checksum
 
-The infos are the wire schema the sender builds them from (fleetrl.weights.wire).
+The infos are the wire records the sender builds them from (fleetrl.weights.wire). This
+module is the vLLM side only; each transport's receiver, which has no vLLM, takes the bytes in:
 
-Two transports share the lifecycle:
-- broadcast: the rank joins the trainer's broadcast group (gloo on CPU, NCCL on CUDA) and
-  receives one bucket per /update_weights call; update_info carries the bucket's names,
-  dtypes and shapes.
-- filesystem: update_info names a manifest.json of a published version; it is verified in
-  full (READY marker, every shard's sha256, names/dtypes/shapes) before a tensor is loaded.
+- broadcast (weights/broadcast/receiver.py): the rank joins the trainer's broadcast group
+  (gloo on CPU, NCCL on CUDA) and receives one bucket per /update_weights call; update_info
+  carries the bucket's names, dtypes and shapes.
+- filesystem (weights/filesystem/receiver.py): update_info names a manifest.json of a
+  published version; it is verified in full (READY marker, every shard's sha256,
+  names/dtypes/shapes) before a tensor is loaded.
 
 Each rank hashes and loads what it received on threads of its own (`LoadPipeline`), so an
 update_weights call returns once the bytes are in and the next bucket's broadcast overlaps
@@ -50,26 +51,26 @@ from vllm.model_executor.model_loader.reload import (
 
 from fleetrl.contract import WEIGHT_UPDATE_PHASES
 from fleetrl.engine.load_pipeline import LoadPipeline
-from fleetrl.weights import group as broadcast_group
-from fleetrl.weights.buckets import TensorMeta, layout, unpack_bucket
+from fleetrl.weights.broadcast.receiver import BroadcastReceiver
+from fleetrl.weights.broadcast.wire import BroadcastInit
 from fleetrl.weights.checksum import WeightsHasher
-from fleetrl.weights.manifest import iter_tensors, read_manifest
-from fleetrl.weights.wire import BucketInfo, InitInfo, ManifestInfo
+from fleetrl.weights.filesystem.receiver import FilesystemReceiver
+from fleetrl.weights.filesystem.wire import ManifestInfo
+from fleetrl.weights.wire import InitInfo, UpdateInfo, parse_init, parse_update
 
 BACKEND = "fleetrl"
 T = TypeVar("T")
 _END = object()  # what `next` gives back once an iterator is spent
 
 
-class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | ManifestInfo]):
-    init_info_cls = InitInfo
-    update_info_cls = BucketInfo  # the filesystem transport swaps in ManifestInfo, see parse_update_info
+class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
+    # No init_info_cls / update_info_cls: they serve only vLLM's default parse_*_info, which
+    # this class replaces with the envelope's (one backend, two transports).
     supports_draft_weight_update = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.transport: str | None = None
-        self.group: broadcast_group.BroadcastGroup | None = None
+        self._receiver: BroadcastReceiver | FilesystemReceiver | None = None  # of the transport the init named
         self.checksum: str | None = None  # of the last completed update
         self.received_at: float | None = None  # when it completed (Unix time)
         # Seconds in each phase (`_timed`) of the last completed update, and of the open one:
@@ -84,17 +85,20 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
     # -- protocol ---------------------------------------------------------------------------
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
-        return InitInfo.from_dict(init_dict)
+        return parse_init(init_dict)
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         """(Re)joins: a new init replaces the previous group (the worker set changed)."""
         self.shutdown()
-        if init_info.transport == "broadcast":
-            self.group = self._join(init_info)
-        self.transport = init_info.transport
+        if isinstance(init_info, BroadcastInit):
+            parallel = self.parallel_config
+            self._receiver = BroadcastReceiver.join(
+                init_info, parallel.data_parallel_index * parallel.world_size + parallel.rank)
+        else:
+            self._receiver = FilesystemReceiver()
 
     def start_weight_update(self) -> None:
-        if self.transport is None:
+        if self._receiver is None:
             raise RuntimeError("fleetrl weight receiver: start_weight_update before init_weight_transfer_engine")
         self._open_phases = dict.fromkeys(WEIGHT_UPDATE_PHASES, 0.0)
         with self._timed("start"):
@@ -105,19 +109,26 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
             self._pipeline = LoadPipeline(self._hash, self._load)
         self.checksum = None  # the weights are in flux until finish_weight_update
 
-    def parse_update_info(self, update_dict: dict[str, Any]) -> BucketInfo | ManifestInfo:
-        if self.transport == "filesystem":
-            return ManifestInfo.from_dict(update_dict)
-        return BucketInfo.from_dict(update_dict)
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
+        if self._receiver is None:
+            raise RuntimeError("fleetrl weight receiver: update_weights before init_weight_transfer_engine")
+        return parse_update(self._receiver.transport, update_dict)
 
-    def receive_weights(self, update_info: BucketInfo | ManifestInfo) -> None:
+    def receive_weights(self, update_info: UpdateInfo) -> None:
         if self._hasher is None:
             raise RuntimeError("fleetrl weight receiver: update_weights outside start/finish_weight_update")
         try:
             if isinstance(update_info, ManifestInfo):
-                self._receive_manifest(Path(update_info.manifest))
+                with self._timed("receive"):
+                    tensors = self._receiver.receive(update_info)  # verified in full before anything loads
+                # One tensor at a time; reading each one is receiving. Loaded from the CPU: the
+                # weight loaders copy into the model's device.
+                for named in self._timed_each("receive", tensors):
+                    self._submit([named])
             else:
-                self._receive_bucket(update_info.metas())
+                with self._timed("receive"):
+                    bucket = self._receiver.receive(update_info)
+                self._submit(bucket)
         except BaseException:
             self._abort()
             raise
@@ -143,41 +154,15 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         """An update is open: between start_weight_update and its finish (or failure)."""
         return self._hasher is not None
 
+    @property
+    def group_name(self) -> str:
+        """The broadcast group this rank has joined; "" if none."""
+        return self._receiver.group_name if isinstance(self._receiver, BroadcastReceiver) else ""
+
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        self.transport = None
-
-    # -- transports -------------------------------------------------------------------------
-
-    def _join(self, info: InitInfo) -> broadcast_group.BroadcastGroup:
-        parallel = self.parallel_config
-        rank = info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
-        store = broadcast_group.connect_store(info.master_address, info.master_port, info.world_size,
-                                              info.timeout_s)
-        return broadcast_group.join(store, info.group_name, rank, info.world_size, info.backend,
-                                    info.timeout_s)
-
-    def _receive_bucket(self, metas: list[TensorMeta]) -> None:
-        if self.group is None:
-            raise RuntimeError("fleetrl weight receiver: a bucket arrived but no broadcast group is joined")
-        _, total = layout(metas)
-        # A fresh buffer per bucket, never a reused one: the layerwise reload keeps the
-        # loaded views until their layer is complete, which may be in the next bucket.
-        buffer = torch.empty(total, dtype=torch.uint8,
-                             device=broadcast_group.buffer_device(self.group.backend_name))
-        with self._timed("receive"):
-            self.group.broadcast(buffer)
-        self._submit(unpack_bucket(buffer, metas))
-
-    def _receive_manifest(self, manifest_path: Path) -> None:
-        with self._timed("receive"):
-            manifest = read_manifest(manifest_path)  # verifies everything before anything loads
-        # One tensor at a time, never a second copy of the model; reading each one is receiving.
-        # Loaded from the CPU: the weight loaders copy into the model's device.
-        for named in self._timed_each("receive", iter_tensors(manifest)):
-            self._submit([named])
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
 
     # -- the pipeline's stages (hash and load run on its threads) ----------------------------
 
@@ -203,7 +188,7 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, BucketInfo | Manifest
         if self._pipeline is not None:
             self._pipeline.cancel()  # nothing loads into the model while the reload closes
         self._close_reload()
-        if self.transport == "broadcast":
+        if isinstance(self._receiver, BroadcastReceiver):
             self.shutdown()
 
     @contextmanager

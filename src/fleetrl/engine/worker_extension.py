@@ -49,7 +49,7 @@ class FleetrlWorkerExtension:
         """Name of the broadcast group this rank has joined; "" if none. The sender re-forms
         the group when any rank of any worker is not in its current one (a restarted worker)."""
         receiver = self._fleetrl_receiver()
-        return receiver.group.name if receiver and receiver.group else ""
+        return receiver.group_name if receiver else ""
 
     def fleetrl_verify_broadcast_group(self, group_name: str) -> None:
         joined = self.fleetrl_broadcast_group()

@@ -292,12 +292,13 @@ class Fleet:
             elif self._source.named_tensors is None:
                 raise FleetrlError(f"it {why}; it waits for the next publish: {UNKEPT_WEIGHTS}")
             else:
+                sync = self.provider.weight_sync(worker)
                 if first_sight:
                     self.log(f"fleetrl: worker {worker.id} {why}: refitting it with the weights of v{self.version}")
                     # A coordinator that died mid-publish (a run killed, then run again on the same
                     # attached workers) may have left an update open: the worker would refuse a new one.
-                    await admin.abandon_weight_update(self.version)
-                checksum = await self._source.transport.transfer([admin], self._source.named_tensors, self.version)
+                    await sync.abandon(self.version)
+                checksum = await self._source.transport.transfer([sync], self._source.named_tensors, self.version)
                 await self._verify(worker, self.version, checksum)
             probe = self._source.probe if self._source is not None else None
             if probe is not None:
@@ -475,7 +476,8 @@ class Fleet:
             if not workers:
                 raise PublishError(f"publish v{version}: no live worker to publish to: {self._format(failed)}")
             try:
-                checksum = await transport.transfer([self.provider.admin(w) for w in workers], named_tensors, version)
+                checksum = await transport.transfer([self.provider.weight_sync(w) for w in workers], named_tensors,
+                                                    version)
                 return checksum, workers
             except Exception as e:
                 culprits = [] if retried else await self._transfer_culprits(workers, e)

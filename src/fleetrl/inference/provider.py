@@ -2,9 +2,10 @@
 
 The orchestrator and the fleet coordinator depend on these protocols only. A provider
 launches or attaches to a fleet, says which workers exist right now (discovery), sends
-data-plane requests, and hands out one control-plane client per worker: admin calls always go
-straight to the worker, never through a router. A weight transport (fleetrl.weights) moves a
-policy version onto paused workers through those control-plane clients.
+data-plane requests, and hands out two control-plane clients per worker: its control (health,
+pause, versions, what its ranks hold) and its weight sync (the worker side of a transfer).
+Admin calls always go straight to the worker, never through a router. A weight transport
+(fleetrl.weights) moves a policy version onto paused workers through their weight-sync clients.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class WorkerHeldByAnotherRun(WorkerCallError):
         self.holder = holder
 
 
-class WorkerAdmin(Protocol):
+class WorkerControl(Protocol):
     """Control plane of one worker (all of its tensor-parallel ranks)."""
 
     worker_id: str
@@ -78,23 +79,29 @@ class WorkerAdmin(Protocol):
     async def in_flight(self) -> int | None:
         """Requests the engine is running or has queued (vLLM's own gauges); None: it does not say."""
 
-    # The worker side of a weight transfer (fleetrl's `fleetrl` weight-transfer backend in
-    # every rank), driven by a WeightTransport on a paused worker. The infos are the wire
-    # schema's dicts (fleetrl.weights.wire), passed through unread.
+    async def close(self) -> None: ...
 
-    async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
+
+class WeightSyncClient(Protocol):
+    """The worker side of a weight transfer (fleetrl's `fleetrl` weight-transfer backend in
+    every rank of one worker), driven by a WeightTransport on a paused worker. The infos are
+    the wire records' dicts (fleetrl.weights.wire), passed through unread."""
+
+    worker_id: str
+
+    async def membership(self, group_name: str) -> tuple[int, bool]:
         """(ranks of this worker, whether all of them are in broadcast group `group_name`)."""
 
-    async def init_weight_transfer(self, init_info: dict, timeout_s: float) -> None: ...
+    async def init(self, init_info: dict, timeout_s: float) -> None: ...
 
-    async def start_weight_update(self, timeout_s: float) -> None: ...
+    async def start(self, timeout_s: float) -> None: ...
 
-    async def update_weights(self, update_info: dict, timeout_s: float) -> None: ...
+    async def update(self, update_info: dict, timeout_s: float) -> None: ...
 
-    async def finish_weight_update(self, version: int, timeout_s: float) -> None:
+    async def finish(self, version: int, timeout_s: float) -> None:
         """Close the update and label the worker `version`."""
 
-    async def abandon_weight_update(self, version: int) -> None:
+    async def abandon(self, version: int) -> None:
         """After a failed transfer (best effort): close any open update and label the worker
         with a name that is no policy version, so its half-updated weights pass for none."""
 
@@ -103,7 +110,7 @@ class WorkerAdmin(Protocol):
 
 class WeightTransport(Protocol):
     """Runs the weight part of publish(v) on workers the coordinator has already paused:
-    (join if needed) -> start_weight_update -> update_weights ... -> finish_weight_update(v).
+    (init if needed) -> start -> update ... -> finish(v).
 
     Returns fleetrl's checksum of what it sent; the coordinator then has every worker check
     that each of its ranks received exactly that. If a transfer fails, no worker is left with
@@ -113,7 +120,7 @@ class WeightTransport(Protocol):
 
     name: str
 
-    async def transfer(self, workers: Sequence[WorkerAdmin], named_tensors: NamedTensors,
+    async def transfer(self, workers: Sequence[WeightSyncClient], named_tensors: NamedTensors,
                        version: int) -> str:
         """Moves the weights onto already-paused workers as policy `version`; returns the
         sender-side checksum."""
@@ -145,7 +152,10 @@ class InferenceProvider(Protocol):
         """Score a token sequence on `worker`: log p(token_i | tokens_<i) for i >= 1 (through
         `prefill` where the deployment routes every request through a prefill worker)."""
 
-    def admin(self, worker: WorkerInfo) -> WorkerAdmin: ...
+    def admin(self, worker: WorkerInfo) -> WorkerControl: ...
+
+    def weight_sync(self, worker: WorkerInfo) -> WeightSyncClient:
+        """The worker's weight-sync client: beside its control client, over the same connection."""
 
     async def restart(self, worker: WorkerInfo) -> bool:
         """Start a worker this provider launched again, after it died or hung; False when it

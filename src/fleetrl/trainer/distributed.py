@@ -6,7 +6,7 @@ reads them). Without them the trainer is one process and no group is formed: eve
 in the trainer is skipped when the world is 1, so a laptop run needs no rendezvous.
 
 The default group is the trainer's alone; the trainer -> workers broadcast uses its own
-stateless group (`fleetrl.weights.group`), never this one.
+stateless group (`fleetrl.weights.broadcast.group`), never this one.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The weight transport the run asked for (`inference.weights.transport`), built for the fleet
 coordinator, which drives it through the provider seam's `WeightTransport` protocol.
 
-A transport moves a policy version onto workers through each worker's admin client: the
-admin client maps its calls onto the worker kind's routes (vLLM's weight-transfer protocol,
-or Dynamo's RL routes naming the same engine methods), and fleetrl's `fleetrl`
-weight-transfer backend receives them in every rank (engine/weight_receiver.py).
+A transport moves a policy version onto workers through each worker's weight-sync client,
+which maps its calls onto the worker kind's routes (vLLM's weight-transfer protocol, or
+Dynamo's RL routes naming the same engine methods), and fleetrl's `fleetrl` weight-transfer
+backend receives them in every rank (engine/weight_receiver.py, with the transport's
+receiver).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fleetrl.inference.provider import WeightTransport
-from fleetrl.weights.broadcast import BroadcastTransport
-from fleetrl.weights.filesystem import FilesystemTransport
-from fleetrl.weights.group import BackendSetting
+from fleetrl.weights.broadcast.sender import BroadcastTransport
+from fleetrl.weights.filesystem.sender import FilesystemTransport
+from fleetrl.weights.broadcast.group import BackendSetting
 from fleetrl.weights.wire import TransportKind
 
 

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.provider import WorkerAdmin
+from fleetrl.inference.provider import WeightSyncClient
 
 T = TypeVar("T")
 
@@ -20,7 +20,7 @@ class WeightTransferError(FleetrlError):
     pass
 
 
-async def on_all(workers: Sequence[WorkerAdmin], call: Callable[[WorkerAdmin], Awaitable[T]]) -> list[T]:
+async def on_all(workers: Sequence[WeightSyncClient], call: Callable[[WeightSyncClient], Awaitable[T]]) -> list[T]:
     """`call` on every worker concurrently; waits for all, then raises the first failure."""
     results = await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
     for result in results:
@@ -44,5 +44,5 @@ async def run_together(*steps: Awaitable[Any], on_failure: Callable[[], None]) -
         raise next(e for e in errors if e is not None)
 
 
-async def abandon_update(workers: Sequence[WorkerAdmin], version: int) -> None:
-    await asyncio.gather(*(w.abandon_weight_update(version) for w in workers))
+async def abandon_update(workers: Sequence[WeightSyncClient], version: int) -> None:
+    await asyncio.gather(*(w.abandon(version) for w in workers))

@@ -1,26 +1,23 @@
-"""Control plane of one Dynamo vLLM worker: its RL routes, `POST <system URL>/engine/<route>`.
+"""The RL routes of one Dynamo vLLM worker, `POST <system URL>/engine/<route>`, and its control
+client: health, pause, resume, versions, what its ranks hold. Its weight-sync client
+(weight_sync.py) shares the routes and the fence record.
 
 The routes answer HTTP 200 with `{"status": "ok" | "error", ...}` (labelled text/plain), so
 the body, not the HTTP status, says whether a call worked. Calls have a timeout and are
 retried where that is safe (see `http.AdminHttp`; the weight-transfer calls only when the
-connection was never made).
+connection was never made). Two of the routes run any engine method on every rank by name
+(`engine_rpc`): `init_weights_update_group` and `update_weights_from_distributed` (the latter
+only while paused, unless the call says it only reads; with `weight_version` it also labels
+the worker). Dynamo's routes return none of the ranks' results, but the weight check must:
+a worker must prove it holds the published bytes, and a bare "ok" would prove nothing, so
+fleetrl's worker entry (engine/dynamo_worker.py) answers the checksum method with the
+checksum each rank computed itself, which the coordinator compares with the sender's.
 
-Weight transfer: the worker runs with fleetrl's worker extension and `fleetrl`
-weight-transfer backend (engine arguments Dynamo passes through to vLLM), and two of its RL
-routes run any engine method on every rank by name (`engine_rpc`): `init_weights_update_group`
-and `update_weights_from_distributed` (the latter only while paused; with `weight_version`
-it also labels the worker). The client names vLLM's own weight-transfer steps through them,
-so the engine side is the same as the native provider's. Dynamo's routes return none of the
-ranks' results, so the broadcast-group check runs the other way (the expected name goes in,
-and a rank in another group raises, which the route reports as an error). The weight check
-does not: a worker must prove it holds the published bytes, and a bare "ok" would prove
-nothing, so fleetrl's worker entry (engine/dynamo_worker.py) answers the checksum method with
-the checksum each rank computed itself, which the coordinator compares with the sender's.
-
-The client also keeps the worker's fence record (attribution.py): for Dynamo's own worker,
-which reports no weight version with its tokens, the provider derives each completion's
-version from it. fleetrl's worker kind does report them (engine/dynamo_worker.py) and says
-so in `get_weight_version` (`token_versions: true`).
+The routes also keep the worker's fence record (attribution.py), which the control client
+(pause, resume, set_version) and the weight-sync client (start, finish) both move: for Dynamo's
+own worker, which reports no weight version with its tokens, the provider derives each
+completion's version from it. fleetrl's worker kind does report them (engine/dynamo_worker.py)
+and says so in `get_weight_version` (`token_versions: true`).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ from typing import Any
 from fleetrl.config import pause_modes
 from fleetrl.contract import DYNAMO_WORKER_MODULE, WEIGHT_STATE_METHOD
 from fleetrl.inference.dynamo.attribution import FenceRecord
-from fleetrl.inference.http import (ABANDON_TIMEOUT_S, AdminHttp, abandon_weight_update, check_rank_checksums,
-                                    requests_in_engine)
+from fleetrl.inference.http import AdminHttp, check_rank_checksums, requests_in_engine
 from fleetrl.inference.provider import PauseMode, WorkerCallError
 from fleetrl.inference.types import RankWeights
 from fleetrl.versions import incomplete_label, parse_label, version_label
@@ -40,11 +36,14 @@ from fleetrl.versions import incomplete_label, parse_label, version_label
 NOT_PAUSED = "must be paused"
 
 
-class DynamoAdminClient:
+class DynamoAdminRoutes:
+    """One worker's system port (one connection pool), shared by its control and weight-sync
+    clients, with the run they act for and the fence record they both move."""
+
     def __init__(self, worker_id: str, system_url: str, world_size: int, timeout_s: float, retries: int,
                  run: str | None, admin_token: str | None = None) -> None:
-        """`run`: the run whose versions this client labels the worker with; None for a client
-        that only looks (`fleetrl status`), which reads any run's version and labels nothing.
+        """`run`: the run whose versions these clients label the worker with; None for clients
+        that only look (`fleetrl status`), which read any run's version and label nothing.
         `admin_token`: fleetrl's worker kind takes only calls signed with it (in the body,
         engine/dynamo_worker.py), and proves each answer; None for Dynamo's own kind."""
         self.worker_id = worker_id
@@ -52,27 +51,51 @@ class DynamoAdminClient:
         self.admin_url = system_url
         self.world_size = world_size
         self.fence = FenceRecord()
-        self._token_versions: bool | None = None  # unknown until get_weight_version answers
-        self._http = AdminHttp(worker_id, system_url, timeout_s, retries, admin_token, body_signed=True)
+        self.http = AdminHttp(worker_id, system_url, timeout_s, retries, admin_token, body_signed=True)
 
     async def close(self) -> None:
-        await self._http.close()
+        await self.http.close()
 
     async def call(self, route: str, body: dict[str, Any] | None = None,
                    timeout_s: float | None = None, retry: bool = True) -> dict[str, Any]:
         what = f"{route} at {self.admin_url}"
         if body and "engine_rpc" in body:
             what = f"{route} ({body['engine_rpc']}) at {self.admin_url}"
-        response = await self._http.call("POST", f"/engine/{route}", idempotent=retry, timeout_s=timeout_s,
-                                          what=what, json=body or {})
+        response = await self.http.call("POST", f"/engine/{route}", idempotent=retry, timeout_s=timeout_s,
+                                         what=what, json=body or {})
         result = response.json()
         if result.get("status") != "ok":
             raise WorkerCallError(self.worker_id, what, str(result.get("message") or result)[:300])
         return result
 
+    async def on_ranks(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None,
+                       reads_only: bool = False) -> dict[str, Any]:
+        """Run engine method `method` on every rank; the route's answer. The route refuses a
+        worker that is not paused unless told the call changes nothing (`reads_only`: a check)."""
+        body = {"engine_rpc": method, **kwargs, "reset_prefix_cache": False}
+        if reads_only:
+            body["allow_unpaused"] = True
+        return await self.call("update_weights_from_distributed", body, timeout_s=timeout_s, retry=reads_only)
+
+    def label(self, version: int, incomplete: bool = False) -> str:
+        if self.run is None:
+            raise WorkerCallError(self.worker_id, "label", "this admin client only looks; it labels nothing")
+        return (incomplete_label if incomplete else version_label)(version, self.run)
+
+
+class DynamoWorkerControl:
+    def __init__(self, routes: DynamoAdminRoutes) -> None:
+        self.worker_id = routes.worker_id
+        self.routes = routes
+        self._token_versions: bool | None = None  # unknown until get_weight_version answers
+
+    async def close(self) -> None:
+        await self.routes.close()
+
     async def health(self) -> bool:
         """The engine's event loop answers (a round trip into the engine core)."""
-        response = await self._http.probe("POST", "/engine/liveness_probe", timeout_s=10.0, signed=True, json={})
+        response = await self.routes.http.probe("POST", "/engine/liveness_probe", timeout_s=10.0, signed=True,
+                                                json={})
         return response is not None and response.status_code == 200 and response.json().get("alive") is True
 
     async def is_paused(self) -> bool:
@@ -80,8 +103,8 @@ class DynamoAdminClient:
         is not paused: a read-only engine method sent through it (the ranks' broadcast group
         names) runs only on a paused worker."""
         try:
-            await self.call("update_weights_from_distributed",
-                            {"engine_rpc": "fleetrl_broadcast_group", "reset_prefix_cache": False})
+            await self.routes.call("update_weights_from_distributed",
+                                   {"engine_rpc": "fleetrl_broadcast_group", "reset_prefix_cache": False})
         except WorkerCallError as e:
             if NOT_PAUSED in str(e):
                 return False
@@ -102,38 +125,33 @@ class DynamoAdminClient:
             raise WorkerCallError(self.worker_id, f"pause ({mode})",
                                   "Dynamo's own vLLM worker reports no per-token versions; set "
                                   "inference.pause_mode = \"wait\" or run fleetrl's worker kind")
-        self.fence = self.fence.pausing()
+        self.routes.fence = self.routes.fence.pausing()
         # clear_cache: a prefix cache filled by old weights must not serve the new version.
-        await self.call("pause_generation", {"mode": mode, "clear_cache": True})
+        await self.routes.call("pause_generation", {"mode": mode, "clear_cache": True})
 
     async def resume(self) -> None:
-        self.fence = self.fence.resuming()
-        await self.call("resume_generation")
-        self.fence = self.fence.resumed()
+        self.routes.fence = self.routes.fence.resuming()
+        await self.routes.call("resume_generation")
+        self.routes.fence = self.routes.fence.resumed()
 
     async def version(self) -> int | None:
         """The version the worker reports; None if it was never given a fleetrl version."""
-        result = await self.call("get_weight_version")
+        result = await self.routes.call("get_weight_version")
         self._token_versions = bool(result.get("token_versions"))
         label = parse_label(str(result["version"])) if result.get("version_declared") else None
-        if label is None or (self.run is not None and label.run != self.run):
+        if label is None or (self.routes.run is not None and label.run != self.routes.run):
             return None  # never given one, an incomplete transfer's, or another run's
         return label.version
 
-    def _label(self, version: int, incomplete: bool = False) -> str:
-        if self.run is None:
-            raise WorkerCallError(self.worker_id, "label", "this admin client only looks; it labels nothing")
-        return (incomplete_label if incomplete else version_label)(version, self.run)
-
     async def set_version(self, version: int) -> None:
-        if not self.fence.paused:
+        if not self.routes.fence.paused:
             # The data plane relies on versions changing only while the worker is paused.
             raise WorkerCallError(self.worker_id, "set_weight_version", "the worker is not paused")
-        await self.call("set_weight_version", {"weight_version": self._label(version)})
-        self.fence = self.fence.at_version(version)
+        await self.routes.call("set_weight_version", {"weight_version": self.routes.label(version)})
+        self.routes.fence = self.routes.fence.at_version(version)
 
     async def weight_state(self) -> list[RankWeights]:
-        result = await self._on_ranks(WEIGHT_STATE_METHOD, {}, reads_only=True)
+        result = await self.routes.on_ranks(WEIGHT_STATE_METHOD, {}, reads_only=True)
         if not isinstance(result.get("results"), list):
             raise WorkerCallError(self.worker_id, "weight check",
                                   "the worker answered without its ranks' checksums, which proves nothing: run it "
@@ -145,49 +163,5 @@ class DynamoAdminClient:
 
     async def in_flight(self) -> int | None:
         """From the vLLM gauges that Dynamo's worker serves on its system port."""
-        response = await self._http.call("GET", "/metrics", idempotent=True, signed=False)
+        response = await self.routes.http.call("GET", "/metrics", idempotent=True, signed=False)
         return requests_in_engine(response.text)
-
-    # -- weight transfer (see the module docstring) -------------------------------------------
-
-    async def broadcast_membership(self, group_name: str) -> tuple[int, bool]:
-        try:
-            await self._on_ranks("fleetrl_verify_broadcast_group", {"group_name": group_name}, reads_only=True)
-        except WorkerCallError:
-            return self.world_size, False  # a rank not in it, or no answer: the sender re-forms
-        return self.world_size, True
-
-    async def init_weight_transfer(self, init_info: dict, timeout_s: float) -> None:
-        await self.call("init_weights_update_group",
-                        {"engine_rpc": "init_weight_transfer_engine", "init_info": init_info},
-                        timeout_s=timeout_s, retry=False)
-
-    async def start_weight_update(self, timeout_s: float) -> None:
-        self.fence = self.fence.at_version(None)  # in flux until finished
-        await self._on_ranks("start_weight_update", {}, timeout_s)
-
-    async def update_weights(self, update_info: dict, timeout_s: float) -> None:
-        await self._on_ranks("update_weights", {"update_info": update_info}, timeout_s)
-
-    async def finish_weight_update(self, version: int, timeout_s: float) -> None:
-        # One call closes the update, labels the worker and clears its prefix cache.
-        await self.call("update_weights_from_distributed",
-                        {"engine_rpc": "finish_weight_update", "weight_version": self._label(version)},
-                        timeout_s=timeout_s, retry=False)
-        self.fence = self.fence.at_version(version)
-
-    async def abandon_weight_update(self, version: int) -> None:
-        await abandon_weight_update(
-            lambda: self._on_ranks("finish_weight_update", {}, ABANDON_TIMEOUT_S),
-            lambda: self.call("set_weight_version", {"weight_version": self._label(version, incomplete=True)},
-                              timeout_s=ABANDON_TIMEOUT_S),
-        )
-
-    async def _on_ranks(self, method: str, kwargs: dict[str, Any], timeout_s: float | None = None,
-                        reads_only: bool = False) -> dict[str, Any]:
-        """Run engine method `method` on every rank; the route's answer. The route refuses a
-        worker that is not paused unless told the call changes nothing (`reads_only`: a check)."""
-        body = {"engine_rpc": method, **kwargs, "reset_prefix_cache": False}
-        if reads_only:
-            body["allow_unpaused"] = True
-        return await self.call("update_weights_from_distributed", body, timeout_s=timeout_s, retry=reads_only)

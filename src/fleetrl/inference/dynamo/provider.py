@@ -3,7 +3,8 @@
 fleetrl launches the deployment (launcher.py) or attaches to a running one
 (`inference.dynamo.frontend_url` + `rl_url`), learns the workers from the frontend's RL
 discovery (discovery.py), sends rollouts through the frontend pinned to the worker the
-coordinator chose (data.py), and drives each worker's admin routes directly (admin.py).
+coordinator chose (data.py), and drives each worker's RL routes directly: its control client
+(admin.py) and its weight-sync client (weight_sync.py), which share one fence record.
 
 Versions: fleetrl's worker kind reports the version of every token, as a native vLLM server
 does. Dynamo's own vLLM worker reports none, so each of its completions gets the one version
@@ -21,11 +22,12 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.dynamo.admin import DynamoAdminClient
-from fleetrl.inference.dynamo.attribution import prefill_agrees, sequence_version, with_span
+from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerControl
+from fleetrl.inference.dynamo.attribution import FenceRecord, prefill_agrees, sequence_version, with_span
 from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, served_model
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.launcher import DynamoDeployment, launch_dynamo, run_namespace
+from fleetrl.inference.dynamo.weight_sync import DynamoWeightSync
 from fleetrl.inference.http import SERVED_MODEL_NAME
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole
 from fleetrl.versions import run_id
@@ -61,10 +63,11 @@ class DynamoProvider:
         self._frontend_url, self._rl_url = config.dynamo.frontend_url, config.dynamo.rl_url
         self._data: DynamoDataClient | None = None  # set by start()
         self._discovery = httpx.AsyncClient(timeout=10.0)
-        self._admins: dict[str, DynamoAdminClient] = {}
+        # Each worker's control and weight-sync clients, over one DynamoAdminRoutes: one fence record.
+        self._clients: dict[str, tuple[DynamoWorkerControl, DynamoWeightSync]] = {}
         self._refused: set[str] = set()  # admin URLs of instances a launched deployment did not launch
-        # Admin clients no worker needs any more, closed at the next discovery round (`_retire`).
-        self._replaced: list[DynamoAdminClient] = []
+        # Routes no worker needs any more, closed at the next discovery round (`_retire`).
+        self._replaced: list[DynamoAdminRoutes] = []
         self._missing: set[str] = set()  # workers with an admin client whom the last round did not list
 
     async def start(self) -> None:
@@ -111,32 +114,33 @@ class DynamoProvider:
         instance, with a new id). Two rounds, not one: the fleet marks a worker a round does not
         list dead only once it holds the publish fence, and a publish under way until then still
         calls its client (one made again would not have its fence record)."""
-        gone = [self._admins.pop(worker_id) for worker_id in self._missing - listed if worker_id in self._admins]
-        self._missing = self._admins.keys() - listed
+        gone = [self._clients.pop(worker_id)[0].routes for worker_id in self._missing - listed
+                if worker_id in self._clients]
+        self._missing = self._clients.keys() - listed
         replaced, self._replaced = self._replaced, []
-        for admin in [*replaced, *gone]:
-            await admin.close()
+        for routes in [*replaced, *gone]:
+            await routes.close()
 
     async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix: list[int] = (),
                        prefill: WorkerInfo | None = None) -> list[GenerateResponse]:
         admin = self.admin(worker)
         token_versions = await admin.reports_token_versions()
         for _ in range(ATTEMPTS):
-            fences_at_dispatch = {worker_id: a.fence for worker_id, a in self._admins.items()}
-            at_dispatch = admin.fence
+            fences_at_dispatch = self._fences()
+            at_dispatch = admin.routes.fence
             if not token_versions and (at_dispatch.paused or at_dispatch.version is None):
                 raise FleetrlError(f"worker {worker.id}: request {request.request_id} sent to a worker that is "
                                    f"paused or was never given a version ({worker.admin_url})")
             responses = await gather_samples(self._started_data(), worker.id, prefill.id if prefill else None,
                                              request, list(prompt_suffix), token_versions)
             if not token_versions:
-                version = sequence_version(at_dispatch, admin.fence)
+                version = sequence_version(at_dispatch, admin.routes.fence)
                 if version is None:
                     self.log(f"fleetrl: worker {worker.id}: request {request.request_id} straddled a publish; "
                              "sampling it again")
                     continue
                 responses = [with_span(r, version) for r in responses]
-            fences_at_receipt = {worker_id: a.fence for worker_id, a in self._admins.items()}
+            fences_at_receipt = self._fences()
             if all(prefill_agrees(r, fences_at_dispatch, fences_at_receipt) for r in responses):
                 return responses
             self.log(f"fleetrl: request {request.request_id}: its prefill worker's version is not provably the "
@@ -164,20 +168,30 @@ class DynamoProvider:
         self.log(f"fleetrl: Dynamo worker {worker.id} ({process.name}) replaced by {replacement.name}")
         return True
 
-    def admin(self, worker: WorkerInfo) -> DynamoAdminClient:
-        known = self._admins.get(worker.id)
-        if known is not None and known.admin_url != worker.admin_url:
-            self._replaced.append(known)  # closed at the next round: a call may still be under way on it
-        if known is None or known.admin_url != worker.admin_url:
-            self._admins[worker.id] = DynamoAdminClient(worker.id, worker.admin_url, worker.world_size,
-                                                        self.config.admin_timeout_s, self.config.admin_retries,
-                                                        self.run, self.admin_token)
-        return self._admins[worker.id]
+    def admin(self, worker: WorkerInfo) -> DynamoWorkerControl:
+        return self._clients_of(worker)[0]
+
+    def weight_sync(self, worker: WorkerInfo) -> DynamoWeightSync:
+        return self._clients_of(worker)[1]
+
+    def _clients_of(self, worker: WorkerInfo) -> tuple[DynamoWorkerControl, DynamoWeightSync]:
+        known = self._clients.get(worker.id)
+        if known is None or known[0].routes.admin_url != worker.admin_url:
+            if known is not None:
+                self._replaced.append(known[0].routes)  # closed at the next round: a call may still be under way on it
+            routes = DynamoAdminRoutes(worker.id, worker.admin_url, worker.world_size, self.config.admin_timeout_s,
+                                       self.config.admin_retries, self.run, self.admin_token)
+            self._clients[worker.id] = DynamoWorkerControl(routes), DynamoWeightSync(routes)
+        return self._clients[worker.id]
+
+    def _fences(self) -> dict[str, FenceRecord]:
+        """Every worker's fence record now, by worker id."""
+        return {worker_id: control.routes.fence for worker_id, (control, _) in self._clients.items()}
 
     async def close(self) -> None:
-        for admin in [*self._admins.values(), *self._replaced]:
-            await admin.close()
-        self._admins.clear()
+        for routes in [*(control.routes for control, _ in self._clients.values()), *self._replaced]:
+            await routes.close()
+        self._clients.clear()
         self._replaced.clear()
         if self._data:
             await self._data.close()

@@ -21,9 +21,10 @@ from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.http import RunClaim, sign, unproven
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
-from fleetrl.inference.vllm.admin import VllmAdminClient
+from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers, start_server
+from fleetrl.inference.vllm.weight_sync import VllmWeightSync
 from fleetrl.processes import stop_groups
 
 
@@ -50,7 +51,7 @@ class VllmProvider:
         self.log = log
         self.launched: list[LaunchedServer] = []
         self.launches_workers = not config.attaches()
-        self._admins: dict[str, VllmAdminClient] = {}
+        self._clients: dict[str, tuple[VllmWorkerControl, VllmWeightSync]] = {}  # by worker id
         self.run = run
         self._claim = RunClaim(run, config.claim_lease_s) if run is not None else None
         self._data = VllmDataClient(data_token, config.request_timeout_s, run, admin_token=admin_token)
@@ -124,12 +125,18 @@ class VllmProvider:
             raise FleetrlError(f"the vllm provider has no prefill workers (asked to prefill on {prefill.id})")
         return await self._data.prompt_logprobs(worker.id, worker.data_url, token_ids)
 
-    def admin(self, worker: WorkerInfo) -> VllmAdminClient:
-        if worker.id not in self._admins:
-            self._admins[worker.id] = VllmAdminClient(
-                worker.id, worker.admin_url, self.admin_token, self.config.admin_timeout_s, self.config.admin_retries,
-                self._claim)
-        return self._admins[worker.id]
+    def admin(self, worker: WorkerInfo) -> VllmWorkerControl:
+        return self._clients_of(worker)[0]
+
+    def weight_sync(self, worker: WorkerInfo) -> VllmWeightSync:
+        return self._clients_of(worker)[1]
+
+    def _clients_of(self, worker: WorkerInfo) -> tuple[VllmWorkerControl, VllmWeightSync]:
+        if worker.id not in self._clients:
+            routes = VllmAdminRoutes(worker.id, worker.admin_url, self.admin_token, self.config.admin_timeout_s,
+                                     self.config.admin_retries, self._claim)
+            self._clients[worker.id] = VllmWorkerControl(routes), VllmWeightSync(routes)
+        return self._clients[worker.id]
 
     async def restart(self, worker: WorkerInfo) -> bool:
         """Start a launched server again at its address, after stopping what is left of it (a
@@ -145,9 +152,9 @@ class VllmProvider:
         return True
 
     async def close(self) -> None:
-        for admin in self._admins.values():
-            await admin.close()
-        self._admins.clear()
+        for control, _ in self._clients.values():
+            await control.close()  # and the weight-sync client's routes with it: they are one
+        self._clients.clear()
         await self._data.close()
         stop_groups([server.process for server in self.launched])  # together: within one grace period
 

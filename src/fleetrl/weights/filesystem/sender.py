@@ -12,10 +12,10 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from fleetrl.inference.provider import NamedTensors, WorkerAdmin
+from fleetrl.inference.provider import NamedTensors, WeightSyncClient
 from fleetrl.weights import fanout
-from fleetrl.weights.manifest import MANIFEST, collect_garbage, write_version
-from fleetrl.weights.wire import InitInfo, ManifestInfo
+from fleetrl.weights.filesystem.manifest import MANIFEST, collect_garbage, write_version
+from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
 
 # The version being published and the one before it (a worker may still be refitted from it).
 KEEP_VERSIONS = 2
@@ -29,18 +29,18 @@ class FilesystemTransport:
         self.shard_bytes = shard_bytes
         self.timeout_s = timeout_s
 
-    async def transfer(self, workers: Sequence[WorkerAdmin], named_tensors: NamedTensors,
+    async def transfer(self, workers: Sequence[WeightSyncClient], named_tensors: NamedTensors,
                        version: int) -> str:
         manifest = await asyncio.to_thread(
             write_version, self.storage_dir, version, named_tensors(), self.shard_bytes)
-        init_info = InitInfo("filesystem").to_dict()
+        init_info = FilesystemInit().to_dict()
         update_info = ManifestInfo(str((manifest.folder / MANIFEST).resolve())).to_dict()
         try:
             # Cheap (no group to join), so done every time: a restarted worker needs it too.
-            await fanout.on_all(workers, lambda w: w.init_weight_transfer(init_info, self.timeout_s))
-            await fanout.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
-            await fanout.on_all(workers, lambda w: w.update_weights(update_info, self.timeout_s))
-            await fanout.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.init(init_info, self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.start(self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.update(update_info, self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.finish(version, self.timeout_s))
         except BaseException:
             await fanout.abandon_update(workers, version)
             raise

@@ -34,12 +34,12 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from fleetrl import failpoints
-from fleetrl.inference.provider import NamedTensors, WorkerAdmin
+from fleetrl.inference.provider import NamedTensors, WeightSyncClient
 from fleetrl.weights import fanout
-from fleetrl.weights import group as broadcast_group
+from fleetrl.weights.broadcast import group as broadcast_group
 from fleetrl.weights.buckets import packed_buckets, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
-from fleetrl.weights.wire import BucketInfo, InitInfo
+from fleetrl.weights.broadcast.wire import BroadcastInit, BucketInfo
 
 JOIN_POLL_S = 0.05
 
@@ -56,7 +56,7 @@ class BroadcastTransport:
         self.backend = backend
         self._group: broadcast_group.BroadcastGroup | None = None
 
-    async def transfer(self, workers: Sequence[WorkerAdmin], named_tensors: NamedTensors,
+    async def transfer(self, workers: Sequence[WeightSyncClient], named_tensors: NamedTensors,
                        version: int) -> str:
         tensors = iter(named_tensors())
         first = await asyncio.to_thread(next, tensors, None)  # a gathered stream's first collective
@@ -71,10 +71,10 @@ class BroadcastTransport:
             self._drop_group()
             raise
         try:
-            await fanout.on_all(workers, lambda w: w.start_weight_update(self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.start(self.timeout_s))
             checksum = await self._send(workers, stream)
             await failpoints.held("publish", version)  # every bucket in, the update still open
-            await fanout.on_all(workers, lambda w: w.finish_weight_update(version, self.timeout_s))
+            await fanout.on_all(workers, lambda w: w.finish(version, self.timeout_s))
         except BaseException:
             self._drop_group()
             await fanout.abandon_update(workers, version)
@@ -86,9 +86,9 @@ class BroadcastTransport:
 
     # -- group ------------------------------------------------------------------------------
 
-    async def _ensure_group(self, workers: Sequence[WorkerAdmin], backend: broadcast_group.Backend) -> None:
+    async def _ensure_group(self, workers: Sequence[WeightSyncClient], backend: broadcast_group.Backend) -> None:
         current = self._group
-        membership = await fanout.on_all(workers, lambda w: w.broadcast_membership(current.name if current else ""))
+        membership = await fanout.on_all(workers, lambda w: w.membership(current.name if current else ""))
         ranks = [count for count, _ in membership]
         if (current is not None and current.backend_name == backend
                 and current.world_size == 1 + sum(ranks) and all(joined for _, joined in membership)):
@@ -96,16 +96,16 @@ class BroadcastTransport:
         self._drop_group()
         self._group = await self._form_group(workers, ranks, backend)
 
-    async def _form_group(self, workers: Sequence[WorkerAdmin], ranks: list[int],
+    async def _form_group(self, workers: Sequence[WeightSyncClient], ranks: list[int],
                           backend: broadcast_group.Backend) -> broadcast_group.BroadcastGroup:
         world_size = 1 + sum(ranks)
         name = uuid.uuid4().hex[:12]
         store = broadcast_group.open_store(self.host, world_size, self.timeout_s)
-        init_info = InitInfo("broadcast", master_address=self.host, master_port=store.port, group_name=name,
-                             backend=backend, world_size=world_size, timeout_s=self.timeout_s)
+        init_info = BroadcastInit(master_address=self.host, master_port=store.port, group_name=name,
+                                  backend=backend, world_size=world_size, timeout_s=self.timeout_s)
         # Each call returns only once the whole group has formed, the sender included.
         inits = [
-            asyncio.ensure_future(worker.init_weight_transfer(
+            asyncio.ensure_future(worker.init(
                 dataclasses.replace(init_info, rank_offset=offset).to_dict(), self.timeout_s))
             for worker, offset in zip(workers, itertools.accumulate([1, *ranks[:-1]]))
         ]
@@ -143,7 +143,7 @@ class BroadcastTransport:
 
     # -- send -------------------------------------------------------------------------------
 
-    async def _send(self, workers: Sequence[WorkerAdmin],
+    async def _send(self, workers: Sequence[WeightSyncClient],
                     tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         assert self._group is not None
         group = self._group
@@ -160,7 +160,7 @@ class BroadcastTransport:
                 buffer, metas = packed
                 update_info = BucketInfo.of(metas).to_dict()
                 await fanout.run_together(
-                    *(w.update_weights(update_info, self.timeout_s) for w in workers),
+                    *(w.update(update_info, self.timeout_s) for w in workers),
                     asyncio.to_thread(group.broadcast, buffer),
                     # Hashing overlaps the broadcast (hashlib releases the GIL); from the packed
                     # bytes, one device-to-host copy per bucket, as the receiver hashes them.

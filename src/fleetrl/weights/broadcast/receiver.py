@@ -1,0 +1,47 @@
+"""Broadcast transport, receiver side: one worker rank in the trainer's broadcast group.
+
+It joins the group an init names and takes each bucket's bytes as the sender broadcasts them.
+No vLLM here: fleetrl's weight-transfer backend (engine/weight_receiver.py) drives it in every
+rank, and hashes and loads what it returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fleetrl.weights.broadcast import group as broadcast_group
+from fleetrl.weights.broadcast.wire import BroadcastInit, BucketInfo
+from fleetrl.weights.buckets import layout, unpack_bucket
+
+
+class BroadcastReceiver:
+    transport = "broadcast"
+
+    def __init__(self, group: broadcast_group.BroadcastGroup) -> None:
+        self._group = group
+
+    @classmethod
+    def join(cls, init: BroadcastInit, worker_rank: int) -> BroadcastReceiver:
+        """Blocks until the whole group has formed, the sender included. `worker_rank`: this
+        rank's place among its worker's ranks; its group rank is init.rank_offset + worker_rank."""
+        store = broadcast_group.connect_store(init.master_address, init.master_port, init.world_size,
+                                              init.timeout_s)
+        return cls(broadcast_group.join(store, init.group_name, init.rank_offset + worker_rank, init.world_size,
+                                        init.backend, init.timeout_s))
+
+    @property
+    def group_name(self) -> str:
+        return self._group.name
+
+    def receive(self, bucket: BucketInfo) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors, once its bytes are in: views into a buffer of its own."""
+        metas = bucket.metas()
+        _, total = layout(metas)
+        # A fresh buffer per bucket, never a reused one: the layerwise reload keeps the
+        # loaded views until their layer is complete, which may be in the next bucket.
+        buffer = torch.empty(total, dtype=torch.uint8, device=broadcast_group.buffer_device(self._group.backend_name))
+        self._group.broadcast(buffer)
+        return unpack_bucket(buffer, metas)
+
+    def close(self) -> None:
+        self._group.close()
