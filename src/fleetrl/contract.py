@@ -34,7 +34,8 @@ ADMIN_AUTHORITIES_ENV = "FLEETRL_ADMIN_AUTHORITIES"
 # The worker extension's method that returns what a rank holds (one result per rank):
 # {"checksum": the fleetrl checksum of the weights it last received in full, computed by the
 # receiver from the bytes it got, or None; "received_at": when that update finished (Unix
-# time), or None; "updating": whether an update is open; "phases": seconds of that update in
+# time), or None; "received_bytes": the tensor bytes that update moved (a LoRA run's adapter
+# alone, or the whole model), or None; "updating": whether an update is open; "phases": seconds of that update in
 # each of WEIGHT_UPDATE_PHASES, {} before the first}. Dynamo's engine_rpc route returns no
 # results of its own, so fleetrl's Dynamo worker entry answers this method with them.
 WEIGHT_STATE_METHOD = "fleetrl_weight_state"

@@ -132,7 +132,8 @@ class WorkerFigures:
 @dataclass(frozen=True)
 class StepWorker:
     """One worker in a step's line: its version after the publish, what it served for the batch
-    (None: nothing), its mismatch_kl and its time in the publish (None: not measured)."""
+    (None: nothing), its mismatch_kl, its time in the publish and the tensor bytes the publish
+    moved onto it (None: not measured; a LoRA run's publish moves its adapter alone)."""
 
     version: int | None
     completions: int | None = None
@@ -140,6 +141,7 @@ class StepWorker:
     tokens_per_s: float | None = None
     mismatch_kl: float | None = None
     publish_s: float | None = None
+    publish_bytes: int | None = None
 
 
 # -- the records -----------------------------------------------------------------------------

@@ -85,10 +85,11 @@ class FakeControl(FakeClient):
     async def in_flight(self) -> int | None:
         return None
 
-    async def verify_weights(self, checksum: str | None) -> None:
+    async def verify_weights(self, checksum: str | None) -> list[RankWeights]:
         self._check("verify_weights")
         if self.engine.checksum != checksum:
             raise FleetrlError(f"worker {self.worker_id}: checksum {self.engine.checksum} != sender's {checksum}")
+        return await self.weight_state()
 
 
 class FakeWeightSync(FakeClient):

@@ -106,8 +106,8 @@ def test_status_of_a_run_directory_attaches_to_the_fleet_it_recorded(tmp_path, m
                          {"admin_token": "the-admin-token", "data_token": "the-data-token"})
     built = {}
 
-    def build(config, run_dir, model_dir, tokens, runs):
-        built.update(urls=config.inference.urls, tokens=tokens, runs=runs)
+    def build(config, run_dir, model_dir, tokens, runs, adapter):
+        built.update(urls=config.inference.urls, tokens=tokens, runs=runs, adapter=adapter)
         return FakeProvider("a")
 
     monkeypatch.setitem(PROVIDERS, "vllm",
@@ -118,6 +118,7 @@ def test_status_of_a_run_directory_attaches_to_the_fleet_it_recorded(tmp_path, m
     assert row.split() == ["a", "aggregated", "stale", "-", "base", "?", "never"]  # no version: stale
     assert built["urls"] == ["http://10.0.0.1:8000"] and built["tokens"].admin == "the-admin-token"
     assert built["runs"] is False  # status only looks: it labels nothing and holds no worker
+    assert built["adapter"] is None  # nor serves through an adapter
 
 
 def test_status_reads_each_discovered_worker_through_the_provider(monkeypatch, capsys):

@@ -114,13 +114,13 @@ def test_unpack_bucket_refuses_metadata_of_another_size():
 
 def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
     init = BroadcastInit(master_address="10.0.0.1", master_port=29500, group_name="g", backend="gloo",
-                         rank_offset=3, world_size=5, timeout_s=60.0)
+                         rank_offset=3, world_size=5, timeout_s=60.0, target="adapter")
     sent = json.loads(json.dumps(init.to_dict()))
     assert sent == {"transport": "broadcast", "master_address": "10.0.0.1", "master_port": 29500, "group_name": "g",
-                    "backend": "gloo", "rank_offset": 3, "world_size": 5, "timeout_s": 60.0}
+                    "backend": "gloo", "rank_offset": 3, "world_size": 5, "timeout_s": 60.0, "target": "adapter"}
     assert parse_init(sent) == init
-    assert FilesystemInit().to_dict() == {"transport": "filesystem"}
-    assert parse_init(FilesystemInit().to_dict()) == FilesystemInit()
+    assert FilesystemInit().to_dict() == {"transport": "filesystem", "target": "model"}
+    assert parse_init(FilesystemInit("adapter").to_dict()) == FilesystemInit("adapter")
     _, metas = pack_bucket(sample_tensors())
     bucket = parse_update("broadcast", json.loads(json.dumps(BucketInfo.of(metas).to_dict())))
     assert bucket.metas() == metas
@@ -131,6 +131,7 @@ def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
     ({"transport": "carrier-pigeon"}, "not one of"),
     ({"transport": "broadcast", "master_address": "h"}, "needs master_address"),
     ({"transport": "filesystem", "colour": "red"}, "init_info: .*colour"),
+    ({"transport": "filesystem", "target": "optimizer"}, "init_info.target: 'optimizer' is not one of"),
 ])
 def test_wire_init_info_refuses_what_the_receiver_cannot_use(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -13,6 +13,11 @@ from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 
+# Dynamo's vLLM worker loads adapters by URI (/engine/load_lora), a new URI per version, and
+# refuses a keep pause while adapter requests run; fleetrl does not drive that yet.
+LORA_ON_DYNAMO = ("trainer.lora with inference.provider = 'dynamo': fleetrl publishes LoRA adapters to native vLLM "
+                  "workers only; set inference.provider = 'vllm'")
+
 
 def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
     """What `fleetrl rl` (and its --dry-run) refuses in a config before anything starts; the
@@ -25,6 +30,8 @@ def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
     if o.temperature != 1.0 or o.top_p != 1.0:
         raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
                           "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
+    if config.trainer.lora.enabled and config.inference.provider == "dynamo":
+        raise ConfigError(LORA_ON_DYNAMO)
     run_dir = RunDir(config.run.dir)
     envs = run_environments(config, run_dir)
     if not config.eval.every_steps:

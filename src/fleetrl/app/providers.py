@@ -16,17 +16,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetrl.app.checks import LORA_ON_DYNAMO
 from fleetrl.config import Config, ConfigError, InferenceConfig, secret_fields
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import AgreementProbe, Fleet, WeightSource
 from fleetrl.inference.provider import InferenceProvider, WeightTransport
 from fleetrl.inference.vllm.provider import VllmProvider
+from fleetrl.lora import AdapterSpec
 from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir
 from fleetrl.weights.checksum import checksum_of
 from fleetrl.versions import run_id
 from fleetrl.weights.factory import make_transport
+from fleetrl.weights.target import UpdateTarget
 
 
 @dataclass(frozen=True)
@@ -57,15 +60,17 @@ def resolve_tokens(inference: InferenceConfig, *, draw_missing: bool,
 @dataclass(frozen=True)
 class ProviderEntry:
     # (config, run directory, model folder — None when only attaching —, tokens, whether the
-    # provider is a run's: it labels and holds the workers; else it only looks) -> provider
-    build: Callable[[Config, RunDir, Path | None, Tokens, bool], InferenceProvider]
+    # provider is a run's: it labels and holds the workers; else it only looks, the LoRA adapter
+    # its workers serve, None: the base model) -> provider
+    build: Callable[[Config, RunDir, Path | None, Tokens, bool, AdapterSpec | None], InferenceProvider]
     # What the config lacks to attach to a running fleet, as "fleetrl status needs ..." ends; None: nothing.
     missing_to_attach: Callable[[InferenceConfig], str | None]
 
 
-def _vllm(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool) -> VllmProvider:
+def _vllm(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool,
+          adapter: AdapterSpec | None) -> VllmProvider:
     return VllmProvider(config.inference, model_dir, run_dir.logs_dir, tokens.admin, tokens.data,
-                        run_id(run_dir.root) if runs else None)
+                        run_id(run_dir.root) if runs else None, adapter=adapter)
 
 
 def _vllm_missing(inference: InferenceConfig) -> str | None:
@@ -77,7 +82,10 @@ def _vllm_missing(inference: InferenceConfig) -> str | None:
     return None
 
 
-def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool) -> DynamoProvider:
+def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool,
+            adapter: AdapterSpec | None) -> DynamoProvider:
+    if adapter is not None:
+        raise ConfigError(LORA_ON_DYNAMO)
     # Dynamo's frontend takes no token, and neither do the system ports (the RL admin routes) of
     # Dynamo's own worker kind: a token set for them would protect nothing, and saying nothing
     # would let the user think so. fleetrl's worker kind takes only calls signed with the admin
@@ -112,29 +120,33 @@ PROVIDERS: dict[str, ProviderEntry] = {
 }
 
 
-def build_provider(config: Config, model_dir: Path | None, tokens: Tokens, runs: bool = True) -> InferenceProvider:
-    """The configured provider; `runs` False: one that only looks at the workers (`fleetrl status`)."""
-    return PROVIDERS[config.inference.provider].build(config, RunDir(config.run.dir), model_dir, tokens, runs)
+def build_provider(config: Config, model_dir: Path | None, tokens: Tokens, runs: bool = True,
+                   adapter: AdapterSpec | None = None) -> InferenceProvider:
+    """The configured provider; `runs` False: one that only looks at the workers (`fleetrl status`).
+    `adapter`: the LoRA adapter its workers serve requests through (a LoRA run's)."""
+    return PROVIDERS[config.inference.provider].build(config, RunDir(config.run.dir), model_dir, tokens, runs, adapter)
 
 
-def build_fleet(config: Config) -> tuple[Fleet, Path]:
-    """The fleet coordinator on the configured provider, and the model folder it serves."""
+def build_fleet(config: Config, adapter: AdapterSpec | None = None) -> tuple[Fleet, Path]:
+    """The fleet coordinator on the configured provider, and the model folder it serves;
+    `adapter`: the LoRA adapter the workers serve through (`fleetrl rl` of a LoRA run)."""
     model_dir = resolve_model(config.model)
     tokens = resolve_tokens(config.inference, draw_missing=True)
     inference = config.inference
-    fleet = Fleet(build_provider(config, model_dir, tokens), pause_mode=inference.resolved_pause_mode(),
+    fleet = Fleet(build_provider(config, model_dir, tokens, adapter=adapter), pause_mode=inference.resolved_pause_mode(),
                   discovery_interval_s=inference.discovery_interval_s, health_timeout_s=inference.health_timeout_s,
                   no_worker_timeout_s=inference.no_worker_timeout_s, probe_tolerance=inference.probe_tolerance,
                   max_restarts=inference.max_restarts)
     return fleet, model_dir
 
 
-def build_transport(config: Config, run_dir: RunDir) -> WeightTransport:
-    """The weight transport of `inference.weights` (rank 0 is its sender)."""
+def build_transport(config: Config, run_dir: RunDir, target: UpdateTarget = "model") -> WeightTransport:
+    """The weight transport of `inference.weights` (rank 0 is its sender); `target` "adapter":
+    what it sends replaces the workers' LoRA adapter (a LoRA run's publishes)."""
     weights = config.inference.weights
     return make_transport(weights.transport, host=weights.sender_host, bucket_bytes=weights.bucket_mb << 20,
                           storage_dir=weights.dir or run_dir.weights_dir, timeout_s=weights.transfer_timeout_s,
-                          backend=weights.backend)
+                          backend=weights.backend, target=target)
 
 
 def base_weights(provider: InferenceProvider, model_dir: Path, transport: WeightTransport,

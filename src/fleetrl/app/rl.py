@@ -181,7 +181,7 @@ class RLRun:
             envs, evaluated = check_config(self.config)
             if self.config.run.core_plan != "off":
                 apply_core_plan(self.config, self.log)
-            fleet, self.model_dir = build_fleet(self.config)
+            fleet, self.model_dir = build_fleet(self.config, adapter=self.config.trainer.lora.spec)
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -203,7 +203,8 @@ class RLRun:
         """Builds the weight transport, the orchestrator and the evaluator; the fleet starts on
         the control loop while the trainer ranks start here."""
         config = self.config
-        self.transport = build_transport(config, self.run_dir)
+        # A LoRA run publishes its adapter alone (trainer/lora.py), into the workers' adapter.
+        self.transport = build_transport(config, self.run_dir, "adapter" if config.trainer.lora.enabled else "model")
         self.orchestrator = build_orchestrator(config, fleet, envs, self.tokenizer, self.run_dir, self.log)
         if evaluated:
             self.evaluator = build_evaluator(config, self.orchestrator, evaluated, self.run_dir, self.log)
@@ -412,7 +413,8 @@ class RLRun:
                 version=versions.get(worker),
                 **(to_dict(served[worker]) if worker in served else {}),  # what it served for the batch
                 mismatch_kl=finite_or_none(metrics.worker_mismatch_kl[worker]) if worker in metrics.worker_mismatch_kl else None,
-                publish_s=report.worker_seconds.get(worker))
+                publish_s=report.worker_seconds.get(worker),
+                publish_bytes=report.received_bytes.get(worker))
                 for worker in sorted(set(versions) | set(served))},
             failed_workers=report.failed,
             probe_max_abs_diff=report.probe,

@@ -3,7 +3,8 @@
 vLLM drives it through its weight-transfer protocol (HTTP routes -> engine core ->
 collective_rpc on every rank):
 
-    /init_weight_transfer_engine {"init_info": {"transport": "broadcast"|"filesystem", ...}}
+    /init_weight_transfer_engine {"init_info": {"transport": "broadcast"|"filesystem",
+                                                "target": "model"|"adapter", ...}}
     /start_weight_update                     open vLLM's layerwise reload
     /update_weights {"update_info": {...}}   stream tensors into model.load_weights
     /finish_weight_update                    close the reload; keep the checksum
@@ -30,10 +31,17 @@ on CPU fp32 (prepacked linear weights) after applying half the tensors. The relo
 not re-process a layer that only shares its weight with a reloaded one (a tied LM head):
 on CPU that head would keep computing logits from a stale prepacked copy of the old
 embedding, so such layers are re-processed at the end.
+
+An adapter update (a LoRA run's, target "adapter") leaves the model alone: its tensors, a few
+MiB, are kept as they arrive and hashed alike, then checked against the adapter's config and
+written whole into the server's adapter folder (fleetrl/lora.py, $FLEETRL_ADAPTER_DIR) before
+the update finishes. vLLM drops its adapters once an update finishes and loads the adapter
+again from that folder at the next request that names it.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
@@ -51,6 +59,7 @@ from vllm.model_executor.model_loader.reload import (
 
 from fleetrl.contract import WEIGHT_UPDATE_PHASES
 from fleetrl.engine.load_pipeline import LoadPipeline
+from fleetrl.lora import ADAPTER_DIR_ENV, ADAPTER_NAME, AdapterSpec, write_weights
 from fleetrl.weights.broadcast.receiver import BroadcastReceiver
 from fleetrl.weights.broadcast.wire import BroadcastInit
 from fleetrl.weights.checksum import WeightsHasher
@@ -71,8 +80,11 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._receiver: BroadcastReceiver | FilesystemReceiver | None = None  # of the transport the init named
+        self._adapter_folder: Path | None = None  # set while the init names the adapter as its target
+        self._adapter: list[tuple[str, torch.Tensor]] | None = None  # an open adapter update's tensors
         self.checksum: str | None = None  # of the last completed update
         self.received_at: float | None = None  # when it completed (Unix time)
+        self.received_bytes: int | None = None  # the tensor bytes it received
         # Seconds in each phase (`_timed`) of the last completed update, and of the open one:
         # the publish profile of docs/benchmarks.md.
         self.phases: dict[str, float] = {}
@@ -90,6 +102,7 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         """(Re)joins: a new init replaces the previous group (the worker set changed)."""
         self.shutdown()
+        self._adapter_folder = self._adapter_folder_for(init_info.target)
         if isinstance(init_info, BroadcastInit):
             parallel = self.parallel_config
             self._receiver = BroadcastReceiver.join(
@@ -103,7 +116,10 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._open_phases = dict.fromkeys(WEIGHT_UPDATE_PHASES, 0.0)
         with self._timed("start"):
             clear_shared_kv_storage(self.vllm_config)
-            initialize_layerwise_reload(self.model)
+            if self._adapter_folder is None:
+                initialize_layerwise_reload(self.model)
+            else:
+                self._adapter = []
         self._hasher = WeightsHasher()
         if self._pipeline is None:
             self._pipeline = LoadPipeline(self._hash, self._load)
@@ -143,8 +159,16 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
             self._abort()
             raise
         with self._timed("finalize"):
-            self._close_reload()
+            if self._adapter is None:
+                self._close_reload()
+            else:
+                try:
+                    self._write_adapter()
+                except BaseException:
+                    self._abort()
+                    raise
         self.checksum = self._hasher.hexdigest()
+        self.received_bytes = self._hasher.bytes
         self.received_at = time.time()
         self.phases = self._open_phases
         self._hasher = None
@@ -176,7 +200,29 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     def _load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         with self._timed("load"):
-            self.model.load_weights(tensors)
+            if self._adapter is None:
+                self.model.load_weights(tensors)
+            else:
+                self._adapter.extend(tensors)
+
+    # -- adapter updates ---------------------------------------------------------------------
+
+    def _adapter_folder_for(self, target: str) -> Path | None:
+        if target == "model":
+            return None
+        folder = os.environ.get(ADAPTER_DIR_ENV)
+        if not folder or not self.vllm_config.lora_config:
+            raise RuntimeError(
+                "fleetrl weight receiver: an adapter update needs a server started with --enable-lora, an adapter "
+                f"named {ADAPTER_NAME} in --lora-modules, and ${ADAPTER_DIR_ENV} set to that adapter's folder")
+        return Path(folder)
+
+    def _write_adapter(self) -> None:
+        """The adapter, checked against the config of the folder it replaces, written whole."""
+        spec = AdapterSpec.of_folder(self._adapter_folder)
+        spec.check(self._adapter, f"adapter update into {self._adapter_folder}")
+        write_weights(self._adapter_folder, self._adapter)
+        self._adapter = None
 
     def _abort(self) -> None:
         """Close the reload after a failed update so the model is whole again: layers that
@@ -187,7 +233,9 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.checksum = None
         if self._pipeline is not None:
             self._pipeline.cancel()  # nothing loads into the model while the reload closes
-        self._close_reload()
+        if self._adapter is None:
+            self._close_reload()
+        self._adapter = None  # the folder still holds the adapter before this update
         if isinstance(self._receiver, BroadcastReceiver):
             self.shutdown()
 

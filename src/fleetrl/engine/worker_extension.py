@@ -37,12 +37,14 @@ class FleetrlWorkerExtension:
     def fleetrl_weight_state(self) -> dict:
         """What this rank holds: the fleetrl checksum of the weights it last received in full,
         computed by its receiver from the bytes it got (None if none), when that update finished,
+        how many tensor bytes it got,
         whether one is open, and the seconds that update spent in each receiver phase. Named in
         contract.WEIGHT_STATE_METHOD."""
         receiver = self._fleetrl_receiver()
         if receiver is None:
-            return {"checksum": None, "received_at": None, "updating": False, "phases": {}}
-        return {"checksum": receiver.checksum, "received_at": receiver.received_at, "updating": receiver.updating,
+            return {"checksum": None, "received_at": None, "received_bytes": None, "updating": False, "phases": {}}
+        return {"checksum": receiver.checksum, "received_at": receiver.received_at,
+                "received_bytes": receiver.received_bytes, "updating": receiver.updating,
                 "phases": receiver.phases}
 
     def fleetrl_broadcast_group(self) -> str:

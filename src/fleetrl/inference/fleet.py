@@ -57,6 +57,9 @@ class PublishReport:
     # ready worker id -> seconds from the fence's start until it was verified (and passed the probe)
     worker_seconds: dict[str, float] = field(default_factory=dict)
     probe: dict[str, float] = field(default_factory=dict)  # worker id -> max |delta logprob| on the probe
+    # ready worker id -> the tensor bytes its ranks received (the most of any rank): what the
+    # publish moved onto it, a LoRA run's adapter alone or the whole model
+    received_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -330,13 +333,14 @@ class Fleet:
             return f"holds other weights than v{version} ({e})"
         return None
 
-    async def _verify(self, worker: WorkerInfo, version: int, checksum: str) -> None:
-        """The worker must report `version`, and every one of its ranks the sender's checksum."""
+    async def _verify(self, worker: WorkerInfo, version: int, checksum: str) -> int:
+        """The worker must report `version`, and every one of its ranks the sender's checksum.
+        Returns the most tensor bytes one of its ranks received."""
         admin = self.provider.admin(worker)
         reported = await admin.version()
         if reported != version:
             raise FleetrlError(f"reports version {reported}, expected v{version}")
-        await admin.verify_weights(checksum)
+        return max((rank.received_bytes or 0 for rank in await admin.verify_weights(checksum)), default=0)
 
     def _expect_verdicts(self, workers: list[WorkerInfo], version: int) -> None:
         """Before `workers` resume at `version`: their tokens at it are trusted only once they
@@ -411,10 +415,14 @@ class Fleet:
         started = time.monotonic()
         failed: dict[str, str] = {}
         done_s: dict[str, float] = {}  # worker id -> when, from the fence's start, it was verified (and probed)
+        received: dict[str, int] = {}
 
         async def checked(worker: WorkerInfo, check: Awaitable[None]) -> None:
             await check
             done_s[worker.id] = time.monotonic() - started
+
+        async def verify(worker: WorkerInfo, checksum: str) -> None:
+            received[worker.id] = await self._verify(worker, version, checksum)
 
         async with self._fence:
             self.on_event(FenceEvent(phase="start", version=version))
@@ -433,7 +441,7 @@ class Fleet:
                 for worker in paused:
                     self._mark(worker, WorkerState.UPDATING)
                 checksum, updated = await self._transfer(paused, transport, named_tensors, version, failed)
-                verified = await self._each(updated, lambda w: checked(w, self._verify(w, version, checksum)), failed,
+                verified = await self._each(updated, lambda w: checked(w, verify(w, checksum)), failed,
                                             WorkerState.STALE)
                 if not verified:
                     raise PublishError(f"publish v{version} completed on no worker: {self._format(failed)}")
@@ -460,7 +468,8 @@ class Fleet:
         if failed:
             self.log(f"fleetrl: publish v{version} excluded {self._format(failed)}")
         return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed,
-                             probe=deltas, worker_seconds={w.id: done_s[w.id] for w in resumed})
+                             probe=deltas, worker_seconds={w.id: done_s[w.id] for w in resumed},
+                             received_bytes={w.id: received[w.id] for w in resumed})
 
     async def _transfer(self, workers: list[WorkerInfo], transport: WeightTransport,
                         named_tensors: NamedTensors, version: int,

@@ -72,9 +72,10 @@ class WorkerControl(Protocol):
     async def weight_state(self) -> list[RankWeights]:
         """What each rank holds: its checksum, when it last received weights, whether an update is open."""
 
-    async def verify_weights(self, checksum: str | None) -> None:
+    async def verify_weights(self, checksum: str | None) -> list[RankWeights]:
         """Raise unless every rank holds weights whose fleetrl checksum is `checksum`; None: the
-        weights it was launched with (no rank has received any since)."""
+        weights it was launched with (no rank has received any since). Returns what each rank
+        reported."""
 
     async def in_flight(self) -> int | None:
         """Requests the engine is running or has queued (vLLM's own gauges); None: it does not say."""

@@ -97,6 +97,7 @@ class RankWeights:
     checksum: str | None  # of the weights it last received in full, from the bytes it got; None: none
     received_at: float | None  # when that update finished (Unix time)
     updating: bool  # an update is open
+    received_bytes: int | None = None  # the tensor bytes of that update: what it moved onto the rank
 
     @classmethod
     def from_result(cls, worker_id: str, result: object) -> "RankWeights":
@@ -104,8 +105,9 @@ class RankWeights:
             raise FleetrlError(f"worker {worker_id}: a rank answered the weight check with {str(result)[:200]!r}, "
                                "not its weight state (a worker of another fleetrl version?)")
         checksum, received_at = result["checksum"], result.get("received_at")
+        received_bytes = result.get("received_bytes")
         return cls(None if checksum is None else str(checksum), None if received_at is None else float(received_at),
-                   bool(result.get("updating")))
+                   bool(result.get("updating")), None if received_bytes is None else int(received_bytes))
 
 
 class WorkerRole(str, enum.Enum):

@@ -44,7 +44,7 @@ from fleetrl.trainer.distributed import World
 from fleetrl.trainer.gather import WeightGather, serve_gathers
 from fleetrl.trainer.loss import LossConfig
 from fleetrl.trainer.kept_weights import KeptWeights
-from fleetrl.trainer.lora import adapter_config, has_adapter
+from fleetrl.trainer.lora import adapter_config
 from fleetrl.trainer.model import (agreement_probe, first_nonfinite, is_sharded, load_policy, local_shards,
                                    named_tensors, prompt_logprobs)
 from fleetrl.trainer.schedule import Schedule
@@ -81,11 +81,11 @@ class Hooks:
     on_step: Callable[[Batch, StepMetrics, object, float, float], None] = lambda *a: None
 
 
-def snapshot(model: torch.nn.Module, rank: int, base: bool = False) -> Snapshot:
-    """The published weights (`model.named_tensors`; `base`: the base model's) on rank 0, as CPU
-    copies; every rank must call this, in step."""
+def snapshot(model: torch.nn.Module, rank: int) -> Snapshot:
+    """The published weights (`model.named_tensors`: with LoRA the adapter's alone) on rank 0, as
+    CPU copies; every rank must call this, in step."""
     tensors = {}
-    for name, tensor in named_tensors(model, base=base):
+    for name, tensor in named_tensors(model):
         if rank == 0:
             tensors[name] = tensor.to("cpu", copy=True)
     return tensors
@@ -141,12 +141,9 @@ def hand_start_weights(model: torch.nn.Module, world: World, version: int, probe
     process: transformers patches module creation process-wide while it loads, so a load on the
     control loop beside the trainer's would build one of the two models on the meta device.
 
-    With LoRA an attached worker needs the base weights and the adapter: the snapshot holds
-    both, the base's under plain HF names, the adapter's under peft's (`lora.adapter_key` tells
-    them apart)."""
+    With LoRA these are the adapter's alone: an attached worker serves the base model from its
+    own folder, and the agreement probe, scored through the adapter, proves the two agree."""
     weights = snapshot(model, world.rank)
-    if has_adapter(model):
-        weights = {**snapshot(model, world.rank, base=True), **weights}
     reference = prompt_logprobs(model, probe_ids, world.device)
     if hooks.start_weights:
         hooks.start_weights(version, weights, probe_ids, reference)

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from fleetrl.trainer.lora import adapter_params, add_adapter, base_params, has_adapter
+from fleetrl.trainer.lora import adapter_params, add_adapter, has_adapter
 
 
 # One model load at a time in a process: while transformers loads a model it patches module
@@ -105,16 +105,14 @@ def published_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return adapter_params(model) if has_adapter(model) else list(model.named_parameters())
 
 
-def named_tensors(model: nn.Module, dtype: torch.dtype | None = None,
-                  base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The published parameters (`published_params`) as full tensors, cast to `dtype` if given
-    (what the workers serve); `base`: the base model's instead (`lora.base_params`: with LoRA the
-    frozen weights under plain HF names, else the same as the published ones).
+    (what the workers serve).
 
     On a sharded model each step gathers one full tensor from every rank: all ranks must
     iterate to the end, in step; only rank 0 has a use for the result.
     """
-    for name, param in base_params(model) if base else published_params(model):
+    for name, param in published_params(model):
         # Detached, so no grad mode is needed: a `torch.no_grad()` held across the yield would
         # leak into the caller, and two of these iterated side by side would leave grad mode off.
         tensor = param.detach()

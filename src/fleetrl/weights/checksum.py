@@ -41,6 +41,7 @@ class WeightsHasher:
 
     def __init__(self) -> None:
         self._sha = hashlib.sha256()
+        self.bytes = 0  # of tensor data hashed: what a publish moved
 
     def update(self, name: str, tensor: torch.Tensor) -> None:
         data = raw_bytes(tensor)
@@ -48,6 +49,7 @@ class WeightsHasher:
         header = f"{name}\0{dtype_name(tensor.dtype)}\0{shape}\0{data.nbytes}\n"
         self._sha.update(header.encode())
         self._sha.update(data)
+        self.bytes += data.nbytes
 
     def update_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:

@@ -158,8 +158,10 @@ class DynamoWorkerControl:
                                   f"with `python -m {DYNAMO_WORKER_MODULE}` (docs/dynamo.md)")
         return [RankWeights.from_result(self.worker_id, r) for r in result["results"]]
 
-    async def verify_weights(self, checksum: str | None) -> None:
-        check_rank_checksums(self.worker_id, await self.weight_state(), checksum)
+    async def verify_weights(self, checksum: str | None) -> list[RankWeights]:
+        ranks = await self.weight_state()
+        check_rank_checksums(self.worker_id, ranks, checksum)
+        return ranks
 
     async def in_flight(self) -> int | None:
         """From the vLLM gauges that Dynamo's worker serves on its system port."""

@@ -93,8 +93,10 @@ class VllmWorkerControl:
         return [RankWeights.from_result(self.worker_id, r)
                 for r in await self.routes.collective_rpc(WEIGHT_STATE_METHOD)]
 
-    async def verify_weights(self, checksum: str | None) -> None:
-        check_rank_checksums(self.worker_id, await self.weight_state(), checksum)
+    async def verify_weights(self, checksum: str | None) -> list[RankWeights]:
+        ranks = await self.weight_state()
+        check_rank_checksums(self.worker_id, ranks, checksum)
+        return ranks
 
     async def in_flight(self) -> int | None:
         response = await self.routes.http.call("GET", "/metrics", idempotent=True)

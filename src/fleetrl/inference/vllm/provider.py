@@ -19,12 +19,13 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.http import RunClaim, sign, unproven
+from fleetrl.inference.http import SERVED_MODEL_NAME, RunClaim, sign, unproven
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers, start_server
 from fleetrl.inference.vllm.weight_sync import VllmWeightSync
+from fleetrl.lora import ADAPTER_NAME, AdapterSpec
 from fleetrl.processes import stop_groups
 
 
@@ -39,10 +40,12 @@ class VllmProvider:
     name = "vllm"
 
     def __init__(self, config: InferenceConfig, model_dir: Path | None, log_dir: Path, admin_token: str,
-                 data_token: str | None, run: str | None, log=print) -> None:
+                 data_token: str | None, run: str | None, log=print, adapter: AdapterSpec | None = None) -> None:
         """`run`: the run whose versions the workers are labelled with and which holds them
         (versions.run_id). `data_token` and `run` None: a provider that only reads the workers'
-        state (`fleetrl status`)."""
+        state (`fleetrl status`). `adapter`: a LoRA run's adapter, which launched servers are
+        started with and every request is served through (attached servers must have been
+        started so: docs/quickstart.md)."""
         self.config = config
         self.model_dir = model_dir
         self.log_dir = log_dir
@@ -54,7 +57,9 @@ class VllmProvider:
         self._clients: dict[str, tuple[VllmWorkerControl, VllmWeightSync]] = {}  # by worker id
         self.run = run
         self._claim = RunClaim(run, config.claim_lease_s) if run is not None else None
-        self._data = VllmDataClient(data_token, config.request_timeout_s, run, admin_token=admin_token)
+        self.adapter = adapter
+        self._data = VllmDataClient(data_token, config.request_timeout_s, run, admin_token=admin_token,
+                                    model=ADAPTER_NAME if adapter else SERVED_MODEL_NAME)
 
     async def start(self) -> None:
         if self.config.urls:
@@ -67,7 +72,7 @@ class VllmProvider:
             return
         self.launched = await launch_vllm_servers(
             self.model_dir, self.config, self.config.workers, self.log_dir, self.admin_token, self.data_token,
-            self.log,
+            self.log, self.adapter,
         )
 
     async def _why_unusable(self, client: httpx.AsyncClient, url: str) -> str | None:
@@ -148,7 +153,7 @@ class VllmProvider:
         await asyncio.to_thread(server.process.stop, 0)
         port = int(server.url.rsplit(":", 1)[1])
         server.process = start_server(self.model_dir, self.config, server.name, server.index, port, self.log_dir,
-                                      self.admin_token, self.data_token)
+                                      self.admin_token, self.data_token, self.adapter)
         return True
 
     async def close(self) -> None:

@@ -40,6 +40,7 @@ from fleetrl.weights.broadcast import group as broadcast_group
 from fleetrl.weights.buckets import packed_buckets, unpack_bucket
 from fleetrl.weights.checksum import WeightsHasher
 from fleetrl.weights.broadcast.wire import BroadcastInit, BucketInfo
+from fleetrl.weights.target import UpdateTarget
 
 JOIN_POLL_S = 0.05
 
@@ -48,12 +49,13 @@ class BroadcastTransport:
     name = "broadcast"
 
     def __init__(self, host: str, bucket_bytes: int, timeout_s: float,
-                 backend: broadcast_group.BackendSetting = "auto") -> None:
+                 backend: broadcast_group.BackendSetting = "auto", target: UpdateTarget = "model") -> None:
         broadcast_group.require_backend(backend)
         self.host = host  # the address workers reach the trainer at
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.backend = backend
+        self.target = target
         self._group: broadcast_group.BroadcastGroup | None = None
 
     async def transfer(self, workers: Sequence[WeightSyncClient], named_tensors: NamedTensors,
@@ -102,7 +104,8 @@ class BroadcastTransport:
         name = uuid.uuid4().hex[:12]
         store = broadcast_group.open_store(self.host, world_size, self.timeout_s)
         init_info = BroadcastInit(master_address=self.host, master_port=store.port, group_name=name,
-                                  backend=backend, world_size=world_size, timeout_s=self.timeout_s)
+                                  backend=backend, world_size=world_size, timeout_s=self.timeout_s,
+                                  target=self.target)
         # Each call returns only once the whole group has formed, the sender included.
         inits = [
             asyncio.ensure_future(worker.init(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fleetrl.weights.buckets import TensorMeta
+from fleetrl.weights.target import UpdateTarget, check_target
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class BroadcastInit:
     rank_offset: int = 0  # the group rank of this worker's first rank
     world_size: int = 0
     timeout_s: float = 300.0
+    target: UpdateTarget = "model"
 
     def __post_init__(self) -> None:
         # Defaults rather than required fields, so that a missing key is refused by this one
@@ -33,6 +35,7 @@ class BroadcastInit:
                              "group_name and world_size > 1")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"init_info.backend: {self.backend!r} is not gloo or nccl")
+        check_target(self.target)
 
     def to_dict(self) -> dict[str, Any]:
         return {"transport": self.transport, **dataclasses.asdict(self)}

@@ -16,6 +16,7 @@ from fleetrl.inference.provider import NamedTensors, WeightSyncClient
 from fleetrl.weights import fanout
 from fleetrl.weights.filesystem.manifest import MANIFEST, collect_garbage, write_version
 from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
+from fleetrl.weights.target import UpdateTarget
 
 # The version being published and the one before it (a worker may still be refitted from it).
 KEEP_VERSIONS = 2
@@ -24,16 +25,17 @@ KEEP_VERSIONS = 2
 class FilesystemTransport:
     name = "filesystem"
 
-    def __init__(self, storage_dir: Path, shard_bytes: int, timeout_s: float) -> None:
+    def __init__(self, storage_dir: Path, shard_bytes: int, timeout_s: float, target: UpdateTarget = "model") -> None:
         self.storage_dir = storage_dir
         self.shard_bytes = shard_bytes
         self.timeout_s = timeout_s
+        self.target = target
 
     async def transfer(self, workers: Sequence[WeightSyncClient], named_tensors: NamedTensors,
                        version: int) -> str:
         manifest = await asyncio.to_thread(
             write_version, self.storage_dir, version, named_tensors(), self.shard_bytes)
-        init_info = FilesystemInit().to_dict()
+        init_info = FilesystemInit(self.target).to_dict()
         update_info = ManifestInfo(str((manifest.folder / MANIFEST).resolve())).to_dict()
         try:
             # Cheap (no group to join), so done every time: a restarted worker needs it too.

@@ -1,6 +1,6 @@
 """The filesystem transport's wire records, in the envelope of weights/wire.py:
 
-    init_info    FilesystemInit  nothing but the transport's name: there is no group to join
+    init_info    FilesystemInit  what the updates replace: there is no group to join
     update_info  ManifestInfo    a whole published version
 """
 
@@ -10,13 +10,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from fleetrl.weights.target import UpdateTarget, check_target
+
 
 @dataclass(frozen=True)
 class FilesystemInit:
     transport: ClassVar[str] = "filesystem"
 
+    target: UpdateTarget = "model"
+
+    def __post_init__(self) -> None:
+        check_target(self.target)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"transport": self.transport}
+        return {"transport": self.transport, **dataclasses.asdict(self)}
 
 
 @dataclass(frozen=True)
