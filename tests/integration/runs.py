@@ -35,6 +35,13 @@ RUNS: dict[str, RunSpec] = {
         "the workers serve the checkpoint's version first; then the quickstart's status, verify, plot and "
         "TensorBoard on the finished run",
         "test_rl_e2e.py"),
+    "lora": RunSpec(
+        'make run ARGS="@ configs/lora.toml --run.dir runs/lora"',
+        "the quickstart's LoRA run as written (section 8: 1 launched vLLM worker with --enable-lora, 1 trainer "
+        "rank, k = 1), 2 steps: only the adapter published (the bytes each worker received), the probe scored "
+        "through it, checkpoints of the adapter alone, the merged final model, and the adapter exported with "
+        "--adapter and served by a plain vLLM server on the base model",
+        "test_rl_e2e.py"),
     "torchrun-dynamo": RunSpec(
         "torchrun --nnodes 2 --nproc-per-node 1 -m fleetrl rl @ rl.toml --inference.provider dynamo "
         "--inference.workers 1 --inference.dynamo.prefill_workers 1 --inference.dynamo.discovery etcd "

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fleetrl.inference.http import prompt_logprobs_of
 from fleetrl.processes import free_port
 from fleetrl.rundir import RunDir
 
@@ -26,6 +27,7 @@ from tests.documented import documented, run_documented
 
 from .conftest import (alive_in, check_episodes, child_groups, descendant_groups, fleetrl_pid, fleetrl_process,
                        output, read_metrics)
+from .deployments import serving
 from .runs import RUNS
 
 # The torchrun run's own config (make-run and resume take configs/default.toml as written).
@@ -127,6 +129,11 @@ def resumed(first_run) -> Finished:
 
 
 @pytest.fixture(scope="module")
+def lora(tmp_path_factory) -> Finished:
+    return make_run(tmp_path_factory.mktemp("lora") / "run", RUNS["lora"].command, steps=2)
+
+
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Finished:
     """`fleetrl rl` on every rank of two torchrun "nodes" on this machine (two agents meeting at
     a c10d rendezvous), as docs/cluster.md runs it. One rank a node: with two a node, the four
@@ -152,7 +159,7 @@ def cluster(tmp_path_factory) -> Finished:
     return Finished(run_dir, out, returncode, groups, steps, k=0, workers=2).read()
 
 
-@pytest.fixture(scope="module", params=["first_run", "resumed", "cluster"])
+@pytest.fixture(scope="module", params=["first_run", "resumed", "lora", "cluster"])
 def run(request) -> Finished:
     """Each run, for the checks of what it recorded as it ended."""
     finished = request.getfixturevalue(request.param)
@@ -160,7 +167,7 @@ def run(request) -> Finished:
     return finished
 
 
-@pytest.fixture(scope="module", params=["resumed", "cluster"])
+@pytest.fixture(scope="module", params=["resumed", "lora", "cluster"])
 def last_run(request) -> Finished:
     """Each run whose directory no later run continues, for the checks that read the directory
     (the resume continues the first run's: its directory holds both)."""
@@ -336,6 +343,63 @@ def test_the_quickstarts_tensorboard_serves_the_runs_scalars(resumed):
             time.sleep(1)
     (scalars,) = tags.json().values()  # one run: the event files of this run
     assert {"reward_mean", "loss", "worker/vllm-0/tokens_per_s", "worker/vllm-0/publish_s"} <= set(scalars)
+
+
+# -- LoRA (the quickstart's section 8) -----------------------------------------------------------
+
+# The quickstart's export of the LoRA run's adapter, and the plain vLLM server of it on the base model.
+EXPORT_ADAPTER = ".venv/bin/fleetrl export runs/lora runs/lora-adapter --adapter"
+SERVE_ADAPTER = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model "
+                 "\"$(.venv/bin/fleetrl model)\" --dtype float32 --max-model-len 512 --enforce-eager --enable-lora "
+                 "--max-lora-rank 16 --lora-modules lora=runs/lora-adapter --port 8000")
+
+
+def test_a_lora_publish_moves_the_adapter_alone(lora):
+    """Every publish moved onto the worker exactly the adapter's bytes (fp32), a few percent of
+    the model's."""
+    from fleetrl.config import load_config
+    from fleetrl.lora import zero_adapter
+    from fleetrl.model import resolve_model
+
+    config = load_config([lora.run_dir / "config.toml"], [])
+    model_dir = resolve_model(config.model)
+    expected = sum(t.numel() * 4 for t in zero_adapter(model_dir, config.trainer.lora.spec).values())
+    assert expected < (model_dir / "model.safetensors").stat().st_size / 20
+    for m in lora.metrics:
+        assert [w["publish_bytes"] for w in m["workers"].values()] == [expected], m["workers"]
+
+
+def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_alone(lora):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = lora.run_dir / "checkpoints" / f"step_{lora.steps:06d}"
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 16
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    weights = [k for k in keys if not k.startswith("optimizer")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights if "weight" in k), weights[:5]
+
+
+def test_the_lora_adapter_export_serves_on_plain_vllm_as_the_workers_did(lora, tmp_path):
+    """The quickstart's `fleetrl export --adapter`, served by a plain vLLM server on the base model
+    (vLLM's own LoRA, no fleetrl code): through the adapter it scores the agreement probe as the
+    trainer did at the final version; without it, as the base model does, which is another score
+    (the probe through the adapter measured something)."""
+    paths = {"runs/lora": str(lora.run_dir)}
+    export = run_documented(EXPORT_ADAPTER, replace={**paths, "runs/lora-adapter": str(tmp_path / "adapter")})
+    assert export.returncode == 0, export.stderr
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    probe = lora.final["probe"]
+    port = str(free_port("127.0.0.1"))
+    url = f"http://127.0.0.1:{port}"
+    command = documented(SERVE_ADAPTER, replace={"runs/lora-adapter": str(tmp_path / "adapter"), "8000": port})
+    with serving(command, url, tmp_path / "plain-vllm.log"):
+        base_name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        scored = {name: prompt_logprobs_of(probe["token_ids"], httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": name, "prompt": probe["token_ids"], "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+        }).json()["choices"][0]["prompt_logprobs"]) for name in ("lora", base_name)}
+    trainer = probe["trainer_logprobs"]
+    assert max(abs(a - b) for a, b in zip(scored["lora"], trainer, strict=True)) < 2e-3
+    assert max(abs(a - b) for a, b in zip(scored[base_name], trainer, strict=True)) > 2e-3
 
 
 # -- the cluster -------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ from fleetrl.torchrun import launched_rank
 # refuses a keep pause while adapter requests run; fleetrl does not drive that yet.
 LORA_ON_DYNAMO = ("trainer.lora with inference.provider = 'dynamo': fleetrl publishes LoRA adapters to native vLLM "
                   "workers only; set inference.provider = 'vllm'")
+# A LoRA run's server must start with --enable-lora and an adapter folder that its engine side
+# keeps current (fleetrl/lora.py); fleetrl writes that folder for the servers it launches.
+LORA_ON_ATTACHED = ("trainer.lora with inference.urls: a LoRA run launches its vLLM workers (each with the adapter "
+                    "folder it keeps current); unset inference.urls and set inference.workers")
 
 
 def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
@@ -32,6 +36,8 @@ def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
                           "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
     if config.trainer.lora.enabled and config.inference.provider == "dynamo":
         raise ConfigError(LORA_ON_DYNAMO)
+    if config.trainer.lora.enabled and config.inference.attaches():
+        raise ConfigError(LORA_ON_ATTACHED)
     run_dir = RunDir(config.run.dir)
     envs = run_environments(config, run_dir)
     if not config.eval.every_steps:
