@@ -10,7 +10,10 @@
 3. fence overhead: pause + version check + resume with no transfer, for 1 and for all workers;
 4. the agreement probe: a broadcast publish with the production probe (every worker scores it
    before it serves) against the same publish without, and the trainer's side of it (one
-   forward of the probe).
+   forward of the probe);
+5. LoRA (`--sections lora`, on workers of its own started with the adapter): a publish of a
+   rank-16 adapter against a publish of the whole model to the same workers, and against a
+   bare broadcast of the adapter's bytes. Run it with --workers 1 and --workers 2.
 
     .venv/bin/python benchmarks/bench_fleet.py --sections probe   # one section alone
 
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench_report import record
 
@@ -160,6 +164,60 @@ async def bench_probe(fleet: Fleet, model: torch.nn.Module, reps: int) -> None:
            f"{probed - plain:+.3f} s per publish, {len(fleet.workers)} workers")
 
 
+async def bench_lora(model_dir: Path, model: torch.nn.Module, args, tmp: Path) -> None:
+    """An adapter publish against a whole-model publish to the same LoRA workers (each update
+    kind through a transport of its own target), interleaved; and against the floor, a bare
+    broadcast of the adapter's bytes."""
+    from fleetrl.config import LoraConfig
+    from fleetrl.trainer.lora import adapter_config, add_adapter, adapter_params
+
+    lora = LoraConfig(rank=16, alpha=32)
+    adapted = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    add_adapter(adapted, adapter_config(lora, model_dir))
+    with torch.no_grad():  # a trained adapter's B is not zero: publish one that changes the model
+        for name, param in adapted.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0, 1e-3)
+    adapter = [(name, param.detach()) for name, param in adapter_params(adapted)]
+    adapter_bytes = sum(t.numel() * t.element_size() for _, t in adapter)
+    config = InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512))
+    provider = VllmProvider(config, model_dir, tmp / "lora-logs", secrets.token_urlsafe(16), secrets.token_urlsafe(16),
+                            run_id(tmp / "lora"), adapter=lora.spec)
+    fleet = Fleet(provider, discovery_interval_s=3600)
+    await fleet.start()
+    try:
+        cases = {"adapter": (lambda: iter(adapter), "adapter"),
+                 "model": (lambda: ((n, p.detach()) for n, p in model.named_parameters()), "model")}
+        transports = {name: make_transport("broadcast", host="127.0.0.1", bucket_bytes=BUCKET_BYTES, storage_dir=None,
+                                           target=target) for name, (_, target) in cases.items()}
+        seconds: dict[str, list[float]] = {name: [] for name in cases}
+        moved: dict[str, int] = {}
+        try:
+            for _ in range(args.reps):
+                for name, (weights, _) in cases.items():
+                    report = await fleet.publish(fleet.version + 1, transports[name], weights)
+                    assert not report.failed, report.failed
+                    seconds[name].append(report.seconds)
+                    moved[name] = max(report.received_bytes.values())
+        finally:
+            for transport in transports.values():
+                await transport.close()
+    finally:
+        await fleet.close()
+    floor = await asyncio.to_thread(floor_broadcast, adapter_bytes, args.workers, args.reps)
+    a, m, fl = (statistics.median(x) for x in (seconds["adapter"], seconds["model"], floor))
+    print(f"\nLoRA workers ({args.workers}), rank 16 on every linear layer: the adapter is "
+          f"{moved['adapter'] / 2**20:.1f} MiB received per worker, the model {moved['model'] / 2**20:.0f} MiB")
+    print(f"publish of the adapter:     {median_time(seconds['adapter'])}")
+    print(f"publish of the whole model: {median_time(seconds['model'])}")
+    print(f"bare gloo broadcast of the adapter's bytes to {args.workers} receivers: {median_time(floor)}")
+    print(f"  ratio adapter publish / whole-model publish: {a / m:.3f}")
+    print(f"  ratio adapter publish / bare broadcast of its bytes: {a / fl:.2f}")
+    record(f"LoRA adapter publish / whole-model publish, {args.workers} workers", a / m, f"{a:.2f} s vs {m:.2f} s")
+    record(f"LoRA adapter publish / bare gloo broadcast of its bytes, {args.workers} workers", a / fl,
+           f"{a:.2f} s vs {fl:.3f} s, {adapter_bytes / 2**20:.1f} MiB")
+
+
 # -- data plane ------------------------------------------------------------------------------
 
 async def tokens_per_s_fleet(fleet: Fleet, prompts: list[list[int]], concurrency: int, max_tokens: int) -> float:
@@ -253,38 +311,43 @@ async def bench_data_plane(fleet: Fleet, tokenizer, token: str, args) -> None:
 
 
 async def main(args) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model_dir = resolve_model(ModelConfig())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        if {"probe", "fence", "data"} & set(args.sections.split(",")):
+            await bench_full_model_fleet(model_dir, tokenizer, model, args, Path(tmp))
+        if "lora" in args.sections:
+            await bench_lora(model_dir, model, args, Path(tmp))
+
+
+async def bench_full_model_fleet(model_dir: Path, tokenizer, model: torch.nn.Module, args, tmp: Path) -> None:
+    """Sections probe, fence and data, on one fleet of workers serving the whole model."""
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     token = secrets.token_urlsafe(16)
-    with tempfile.TemporaryDirectory() as tmp:
-        # --core-plan workers: the CPUs `fleetrl rl`'s default plan gives its workers (beside one
-        # trainer rank); off: vLLM's own choice (every worker on the first CPUs).
-        run_config = Config(inference=InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512)))
-        if args.core_plan == "workers":
-            apply_core_plan(run_config, log=lambda line: None)
-        config = run_config.inference
-        bind = config.vllm.omp_threads_bind
-        provider = VllmProvider(config, model_dir, Path(tmp) / "logs", token, secrets.token_urlsafe(16), run_id(Path(tmp)))
-        fleet = Fleet(provider, discovery_interval_s=3600)
-        await fleet.start()
-        try:
-            print(f"\n# fleetrl native benchmarks: {args.workers} vLLM CPU workers, SmolLM2-135M fp32 "
-                  f"({total_bytes / 2**20:.0f} MiB of weights), {args.reps} reps, core plan {args.core_plan}"
-                  + (f" (workers on CPUs {', '.join(bind)})" if bind else "") + "\n")
+    # --core-plan workers: the CPUs `fleetrl rl`'s default plan gives its workers (beside one
+    # trainer rank); off: vLLM's own choice (every worker on the first CPUs).
+    run_config = Config(inference=InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512)))
+    if args.core_plan == "workers":
+        apply_core_plan(run_config, log=lambda line: None)
+    config = run_config.inference
+    bind = config.vllm.omp_threads_bind
+    provider = VllmProvider(config, model_dir, tmp / "logs", token, secrets.token_urlsafe(16), run_id(tmp))
+    fleet = Fleet(provider, discovery_interval_s=3600)
+    await fleet.start()
+    try:
+        print(f"\n# fleetrl native benchmarks: {args.workers} vLLM CPU workers, SmolLM2-135M fp32 "
+              f"({total_bytes / 2**20:.0f} MiB of weights), {args.reps} reps, core plan {args.core_plan}"
+              + (f" (workers on CPUs {', '.join(bind)})" if bind else "") + "\n")
 
-            if "probe" in args.sections:
-                await bench_probe(fleet, model, args.reps)
-            if "fence" in args.sections:
-                await bench_fence_and_publish(fleet, model, total_bytes, args, Path(tmp))
-            if "data" in args.sections:
-                await bench_data_plane(fleet, tokenizer, token, args)
-        finally:
-            await fleet.close()
-
+        if "probe" in args.sections:
+            await bench_probe(fleet, model, args.reps)
+        if "fence" in args.sections:
+            await bench_fence_and_publish(fleet, model, total_bytes, args, tmp)
+        if "data" in args.sections:
+            await bench_data_plane(fleet, tokenizer, token, args)
+    finally:
+        await fleet.close()
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -295,5 +358,6 @@ if __name__ == "__main__":
                         help="workers: each worker bound to CPUs of its own (inference.vllm.omp_threads_bind from "
                         "run.core_plan's plan); off: vLLM's own binding")
     parser.add_argument("--sections", default="probe,fence,data", help="comma-separated: probe (the agreement "
-                        "probe), fence (fence and publish), data (the data plane); the default runs all three")
+                        "probe), fence (fence and publish), data (the data plane), lora (adapter publishes, on "
+                        "workers of their own); the default runs the first three")
     asyncio.run(main(parser.parse_args()))

@@ -71,7 +71,7 @@ class LaunchedAdapter:
     def write_zero(self, model_dir: Path) -> None:
         """The folder a server starts from: an adapter that changes nothing, so a fresh server
         serves the base model's v0 through the adapter's name until its first refit."""
-        write_adapter(self.folder, self.spec, model_dir, zero_adapter(model_dir, self.spec).items())
+        write_adapter(self.folder, self.spec.peft_config(model_dir), zero_adapter(model_dir, self.spec).items())
 
 
 def server_env(config: InferenceConfig, admin_token: str, data_token: str,
