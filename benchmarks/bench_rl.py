@@ -4,6 +4,7 @@ and what each run costs before its first step and in memory.
     .venv/bin/python benchmarks/bench_rl.py [--steps 8] [--workers 1] [--world-size 1] [--core-plan off|auto]
                                             [--batch-prompts N]
     .venv/bin/python benchmarks/bench_rl.py --memory [--steps 2]
+    .venv/bin/python benchmarks/bench_rl.py --lora [--steps 10]
 
 Runs the same job twice, back to back, differing only in `orchestrator.max_off_policy_steps`,
 and compares the wall time per step measured from the runs' own timestamps (from the end of
@@ -17,6 +18,11 @@ workers), sampled every 0.5 s from /proc. Results go to docs/benchmarks.md.
 
 With --memory it runs k = 1 only, three times: as configured, with twice the prompts per batch,
 and with one worker more, and reports how each peak grows with batch size and with workers.
+
+With --lora it runs k = 1 twice, full fine-tuning and `@ configs/lora.toml` (a rank-16 adapter),
+and compares step time, publish time, peak memory and the reward after the same steps (the
+mean training reward of the last three steps: the same prompts, as both runs draw them from the
+same seed).
 """
 
 from __future__ import annotations
@@ -59,11 +65,12 @@ def _rss(proc: psutil.Process) -> int:
         return 0
 
 
-def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int | None = None) -> dict:
+def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int | None = None,
+        overlay: str | None = None) -> dict:
     batch_prompts = args.batch_prompts if batch_prompts is None else batch_prompts
     workers = args.workers if workers is None else workers
-    run_dir = root / f"k{k}-b{batch_prompts}-w{workers}"
-    cmd = [sys.executable, "-m", "fleetrl", "rl", "@", "configs/default.toml",
+    run_dir = root / f"k{k}-b{batch_prompts}-w{workers}{'-' + Path(overlay).stem if overlay else ''}"
+    cmd = [sys.executable, "-m", "fleetrl", "rl", "@", "configs/default.toml", *(["@", overlay] if overlay else []),
            "--run.dir", str(run_dir), "--run.max_steps", str(args.steps),
            "--orchestrator.max_off_policy_steps", str(k),
            "--inference.workers", str(workers), "--trainer.world_size", str(args.world_size),
@@ -92,6 +99,7 @@ def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int
     workers = sorted(v for role, v in peak.items() if role.startswith("worker-"))
     return {"step_s": seconds, "rollout_s": rollout, "train_s": train, "publish_s": publish,
             "distance_max": max(m["distance_max"] for m in metrics),
+            "reward_last3": sum(m["reward_mean"] for m in metrics[-3:]) / len(metrics[-3:]),
             "first_rollout_s": metrics[0]["rollout_started"] - launched,
             "first_step_s": metrics[0]["train_finished"] - launched,
             "trainer_peak_gib": peak.get("trainer", 0) / 2**30, "worker_peak_gib": [w / 2**30 for w in workers]}
@@ -108,9 +116,14 @@ def main() -> None:
                         help="orchestrator.batch_prompts of both runs (default: configs/default.toml's)")
     parser.add_argument("--memory", action="store_true",
                         help="k = 1 only: as configured, with twice the batch, and with one worker more")
+    parser.add_argument("--lora", action="store_true",
+                        help="k = 1 only: full fine-tuning against configs/lora.toml's adapter")
     args = parser.parse_args()
     if args.memory:
         memory_growth(args)
+        return
+    if args.lora:
+        lora_against_full(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         results = {k: run(k, args, Path(tmp)) for k in (0, 1)}
@@ -138,6 +151,27 @@ def describe(r: dict) -> str:
             f"  first rollout {r['first_rollout_s']:.1f} s and first step done {r['first_step_s']:.1f} s after launch; "
             f"peak RSS trainer {r['trainer_peak_gib']:.2f} GiB, workers "
             + ", ".join(f"{w:.2f}" for w in r["worker_peak_gib"]) + " GiB")
+
+
+def lora_against_full(args) -> None:
+    """The same job, full fine-tuning and a rank-16 LoRA adapter, back to back."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {"full": run(1, args, Path(tmp)), "lora": run(1, args, Path(tmp), overlay="configs/lora.toml")}
+    for name, r in results.items():
+        print(f"{name}: reward over the last 3 of {args.steps} steps {r['reward_last3']:.3f}; " + describe(r))
+    full, lora = results["full"], results["lora"]
+    for label, ratio, detail in [
+        ("step time, LoRA / full fine-tuning (k = 1)", lora["step_s"] / full["step_s"],
+         f"{lora['step_s']:.1f} vs {full['step_s']:.1f} s/step"),
+        ("publish time in a run, LoRA / full fine-tuning", lora["publish_s"] / full["publish_s"],
+         f"{lora['publish_s']:.2f} vs {full['publish_s']:.2f} s"),
+        ("peak RSS trainer, LoRA / full fine-tuning", lora["trainer_peak_gib"] / full["trainer_peak_gib"],
+         f"{lora['trainer_peak_gib']:.2f} vs {full['trainer_peak_gib']:.2f} GiB"),
+        (f"reward of the last 3 of {args.steps} steps, LoRA / full fine-tuning", lora["reward_last3"] / full["reward_last3"],
+         f"{lora['reward_last3']:.3f} vs {full['reward_last3']:.3f}"),
+    ]:
+        print(f"{label}: {ratio:.2f} ({detail})")
+        record(label, ratio, detail)
 
 
 def memory_growth(args) -> None:
