@@ -538,6 +538,12 @@ class LoraConfig(Section):
         if tied:
             raise ValueError(f"{tied[0]} cannot take an adapter: the embedding and the head are tied (one tensor), "
                              "and workers refit the head from the embedding; adapt the linear layers only")
+        unknown = [name for name in value if name not in LLAMA_LINEARS]
+        if unknown:  # peft would adapt the names it finds and drop the rest without a word
+            raise ValueError(f"{unknown[0]} is no linear layer of a decoder layer: name some of "
+                             f"{', '.join(LLAMA_LINEARS)}")
+        if len(set(value)) != len(value):
+            raise ValueError("names a layer twice")
         return value
 
     @property

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fleetrl.errors import FleetrlError
@@ -99,6 +100,25 @@ class AdapterSpec:
             rank_dim = 0 if match[4] == "A" else 1
             if tensor.dim() != 2 or tensor.shape[rank_dim] != self.rank:
                 raise AdapterError(f"{where}: {name} has shape {tuple(tensor.shape)}, not rank {self.rank}")
+
+
+def held_names(folder: Path) -> set[str]:
+    """The names (without peft's folder prefix) of the tensors the adapter folder holds."""
+    with safe_open(str(folder / ADAPTER_WEIGHTS_FILE), "pt") as weights:
+        return {key.removeprefix(PEFT_FOLDER_PREFIX) for key in weights.keys()}
+
+
+def check_complete(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """The tensors are the whole adapter the folder holds now, every one of its names once: an
+    update that ended early (an abandoned publish still closes the update) never replaces the
+    adapter with a part of one."""
+    names = [name for name, _ in tensors]
+    held = held_names(folder)
+    missing, unknown = sorted(held - set(names)), sorted(set(names) - held)
+    if missing or unknown or len(names) != len(held):
+        raise AdapterError(f"{where}: {len(names)} tensors received, not the adapter's {len(held)}"
+                           + (f" (missing {missing[0]}, ...)" if missing else "")
+                           + (f" (unknown {unknown[0]}, ...)" if unknown else ""))
 
 
 def write_adapter(folder: Path, peft_config: dict, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

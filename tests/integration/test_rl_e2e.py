@@ -384,14 +384,14 @@ def test_the_lora_adapter_export_serves_on_plain_vllm_as_the_workers_did(lora, t
     (vLLM's own LoRA, no fleetrl code): through the adapter it scores the agreement probe as the
     trainer did at the final version; without it, as the base model does, which is another score
     (the probe through the adapter measured something)."""
-    paths = {"runs/lora": str(lora.run_dir)}
-    export = run_documented(EXPORT_ADAPTER, replace={**paths, "runs/lora-adapter": str(tmp_path / "adapter")})
+    export = run_documented(EXPORT_ADAPTER, replace={"runs/lora": str(lora.run_dir)})  # into RUN_DIR-adapter
     assert export.returncode == 0, export.stderr
-    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    adapter = Path(f"{lora.run_dir}-adapter")
+    assert {p.name for p in adapter.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     probe = lora.final["probe"]
     port = str(free_port("127.0.0.1"))
     url = f"http://127.0.0.1:{port}"
-    command = documented(SERVE_ADAPTER, replace={"runs/lora-adapter": str(tmp_path / "adapter"), "8000": port})
+    command = documented(SERVE_ADAPTER, replace={"runs/lora-adapter": str(adapter), "8000": port})
     with serving(command, url, tmp_path / "plain-vllm.log"):
         base_name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         scored = {name: prompt_logprobs_of(probe["token_ids"], httpx.post(f"{url}/v1/completions", timeout=120, json={

@@ -11,7 +11,7 @@ import torch
 
 from fleetrl.cli import main
 from fleetrl.config import Config, ConfigError, LoraConfig, ModelConfig, load_config, to_toml
-from fleetrl.lora import vllm_max_lora_rank
+from fleetrl.lora import AdapterError, check_complete, vllm_max_lora_rank, write_adapter, zero_adapter
 from fleetrl.errors import FleetrlError
 from fleetrl.rundir import RUN_DEFINING
 from fleetrl.trainer import checkpoint, distributed, loop
@@ -65,6 +65,8 @@ def trained_lora(model_dir, steps: int = 2):
     ("target_modules", '["q_proj", "lm_head"]', r"^config key 'trainer\.lora\.target_modules': lm_head cannot take"),
     ("target_modules", '["embed_tokens"]', r"^config key 'trainer\.lora\.target_modules': embed_tokens cannot"),
     ("target_modules", "[]", r"^config key 'trainer\.lora\.target_modules': names no layer"),
+    ("target_modules", '["q_proj", "foo_proj"]', r"^config key 'trainer\.lora\.target_modules': foo_proj is no linear"),
+    ("target_modules", '["q_proj", "q_proj"]', r"^config key 'trainer\.lora\.target_modules': names a layer twice"),
     ("dropout", "1.0", r"^config key 'trainer\.lora\.dropout'"),
     ("alpha", "0", r"^config key 'trainer\.lora\.alpha'"),
 ])
@@ -82,6 +84,28 @@ def test_lora_is_off_by_default_and_a_resume_may_not_change_it():
     assert "trainer.lora" in RUN_DEFINING
     config = load_config([], [("trainer.lora.rank", "12"), ("trainer.lora.target_modules", '["q_proj"]')])
     assert "[trainer.lora]" in to_toml(config)  # and it reads back as it was (to_toml checks)
+
+
+def test_an_adapter_update_replaces_the_whole_adapter_or_nothing(model_dir, tmp_path):
+    """What a worker's receiver writes into its adapter folder (fleetrl/lora.py): every tensor of
+    the adapter the folder holds, each of its rank; a part of one (an update that ended early)
+    or a tensor of another shape is refused before the folder changes."""
+    spec = LoraConfig(rank=8, alpha=16).spec
+    zeros = zero_adapter(model_dir, spec)
+    write_adapter(tmp_path, spec.peft_config(model_dir), zeros.items())
+    update = [(name, torch.ones_like(t)) for name, t in zeros.items()]
+    spec.check(update, "update")
+    check_complete(tmp_path, update, "update")
+    with pytest.raises(AdapterError, match=rf"update: {len(update) - 1} tensors received, not the adapter's "
+                                           rf"{len(update)} \(missing "):
+        check_complete(tmp_path, update[1:], "update")
+    with pytest.raises(AdapterError, match="update: 0 tensors received"):
+        check_complete(tmp_path, [], "update")
+    name, tensor = update[0]
+    with pytest.raises(AdapterError, match=f"update: {name} has shape .*, not rank 8"):
+        spec.check([(name, torch.ones(4, tensor.shape[1]))], "update")
+    with pytest.raises(AdapterError, match="update: model.embed_tokens.weight is no tensor of an adapter"):
+        spec.check([("model.embed_tokens.weight", tensor)], "update")
 
 
 def test_the_max_lora_rank_of_a_worker_is_the_smallest_vllm_takes_at_least_the_rank():

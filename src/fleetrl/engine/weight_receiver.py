@@ -59,7 +59,7 @@ from vllm.model_executor.model_loader.reload import (
 
 from fleetrl.contract import WEIGHT_UPDATE_PHASES
 from fleetrl.engine.load_pipeline import LoadPipeline
-from fleetrl.lora import ADAPTER_DIR_ENV, ADAPTER_NAME, AdapterSpec, write_weights
+from fleetrl.lora import ADAPTER_DIR_ENV, ADAPTER_NAME, AdapterSpec, check_complete, write_weights
 from fleetrl.weights.broadcast.receiver import BroadcastReceiver
 from fleetrl.weights.broadcast.wire import BroadcastInit
 from fleetrl.weights.checksum import WeightsHasher
@@ -218,9 +218,11 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
         return Path(folder)
 
     def _write_adapter(self) -> None:
-        """The adapter, checked against the config of the folder it replaces, written whole."""
-        spec = AdapterSpec.of_folder(self._adapter_folder)
-        spec.check(self._adapter, f"adapter update into {self._adapter_folder}")
+        """The adapter, checked against the config and the tensors of the folder it replaces,
+        written whole."""
+        where = f"adapter update into {self._adapter_folder}"
+        AdapterSpec.of_folder(self._adapter_folder).check(self._adapter, where)
+        check_complete(self._adapter_folder, self._adapter, where)
         write_weights(self._adapter_folder, self._adapter)
         self._adapter = None
 
@@ -235,7 +237,7 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
             self._pipeline.cancel()  # nothing loads into the model while the reload closes
         if self._adapter is None:
             self._close_reload()
-        self._adapter = None  # the folder still holds the adapter before this update
+        self._adapter = None  # the folder still holds the adapter before this update: it is written whole or not
         if isinstance(self._receiver, BroadcastReceiver):
             self.shutdown()
 
