@@ -6,6 +6,7 @@ reads it, so one failed check does not hide the others."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -351,7 +352,8 @@ def test_the_quickstarts_tensorboard_serves_the_runs_scalars(resumed):
 EXPORT_ADAPTER = ".venv/bin/fleetrl export runs/lora runs/lora-adapter --adapter"
 SERVE_ADAPTER = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model "
                  "\"$(.venv/bin/fleetrl model)\" --dtype float32 --max-model-len 512 --enforce-eager --enable-lora "
-                 "--max-lora-rank 16 --lora-modules lora=runs/lora-adapter --port 8000")
+                 "--max-lora-rank 16 --lora-target-modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj "
+                 "--lora-modules lora=runs/lora-adapter --port 8000")
 
 
 def test_a_lora_publish_moves_the_adapter_alone(lora, first_run):
@@ -382,8 +384,10 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_alone(lora):
 def test_the_lora_adapter_export_serves_on_plain_vllm_as_the_workers_did(lora, tmp_path):
     """The quickstart's `fleetrl export --adapter`, served by a plain vLLM server on the base model
     (vLLM's own LoRA, no fleetrl code): through the adapter it scores the agreement probe as the
-    trainer did at the final version; without it, as the base model does, which is another score
-    (the probe through the adapter measured something)."""
+    trainer did at the final version, also in a batch with sampled requests (which failed on a
+    CPU until the adapter's layers were named: fleetrl's workers score the probe while kept
+    requests go on); without it, as the base model does, which is another score (the probe
+    through the adapter measured something)."""
     export = run_documented(EXPORT_ADAPTER, replace={"runs/lora": str(lora.run_dir)})  # into RUN_DIR-adapter
     assert export.returncode == 0, export.stderr
     adapter = Path(f"{lora.run_dir}-adapter")
@@ -397,9 +401,29 @@ def test_the_lora_adapter_export_serves_on_plain_vllm_as_the_workers_did(lora, t
         scored = {name: prompt_logprobs_of(probe["token_ids"], httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": name, "prompt": probe["token_ids"], "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
         }).json()["choices"][0]["prompt_logprobs"]) for name in ("lora", base_name)}
+        mixed = asyncio.run(probe_among_sampled_requests(url, probe["token_ids"]))
     trainer = probe["trainer_logprobs"]
     assert max(abs(a - b) for a, b in zip(scored["lora"], trainer, strict=True)) < 2e-3
     assert max(abs(a - b) for a, b in zip(scored[base_name], trainer, strict=True)) > 2e-3
+    for among_others in mixed:
+        assert max(abs(a - b) for a, b in zip(among_others, trainer, strict=True)) < 2e-3
+
+
+async def probe_among_sampled_requests(url: str, token_ids: list[int]) -> list[list[float]]:
+    """The probe scored through the adapter three times while six sampled requests run: each
+    scoring shares the engine's batch with them."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        def completion(body: dict):
+            return client.post(f"{url}/v1/completions", json={"model": "lora", **body})
+
+        sampled = [asyncio.ensure_future(completion({"prompt": list(range(100, 130 + i)), "max_tokens": 64,
+                                                     "ignore_eos": True})) for i in range(6)]
+        await asyncio.sleep(0.5)  # they are being generated
+        scorings = await asyncio.gather(*(completion({"prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+                                                      "prompt_logprobs": 0}) for _ in range(3)))
+        for answer in [*scorings, *await asyncio.gather(*sampled)]:
+            assert answer.status_code == 200, answer.text[:500]
+    return [prompt_logprobs_of(token_ids, s.json()["choices"][0]["prompt_logprobs"]) for s in scorings]
 
 
 # -- the cluster -------------------------------------------------------------------------------

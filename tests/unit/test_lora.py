@@ -4,6 +4,7 @@ sharded and not, every loss option, checkpoints, and the exports (merged and ada
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -11,8 +12,8 @@ import torch
 
 from fleetrl.cli import main
 from fleetrl.config import Config, ConfigError, LoraConfig, ModelConfig, load_config, to_toml
-from fleetrl.lora import AdapterError, check_complete, vllm_max_lora_rank, write_adapter, zero_adapter
 from fleetrl.errors import FleetrlError
+from fleetrl.lora import AdapterError, check_complete, vllm_max_lora_rank, write_adapter, zero_adapter
 from fleetrl.rundir import RUN_DEFINING
 from fleetrl.trainer import checkpoint, distributed, loop
 from fleetrl.trainer.export import export_hf, export_weights
@@ -351,3 +352,23 @@ def test_two_ranks_publish_peft_s_adapter_alike_step_as_one_rank_and_resume_exac
         torch.testing.assert_close(rank0["after"][name], want, rtol=1e-5, atol=1e-6, msg=name)
     assert any(not torch.equal(one["after"][name], one["before"][name]) for name in one["after"])
     assert all(torch.equal(rank0["resumed"][name], rank0["after"][name]) for name in one["after"])
+
+
+def test_a_lora_worker_is_started_to_serve_the_adapters_layers_alone(tmp_path):
+    """The launch command of a LoRA run's vLLM server: the adapter served as policy-lora from its
+    folder, vLLM's smallest rank that holds it, and LoRA on the adapter's layers alone (vLLM would
+    wrap the LM head too, whose CPU LoRA logits fail on a batch that mixes the agreement probe's
+    prompt logprobs with sampling: test_rl_e2e.py shows the flag is what serves such a batch)."""
+    from fleetrl.config import InferenceConfig
+    from fleetrl.inference.vllm.launcher import LaunchedAdapter, server_argv, server_env
+
+    adapter = LaunchedAdapter(LoraConfig(rank=12, alpha=24, target_modules=["q_proj", "v_proj"]).spec, tmp_path)
+    argv = server_argv(tmp_path / "model", InferenceConfig(), 8000, adapter)
+
+    def after(flag: str, count: int = 1) -> list[str]:
+        return argv[argv.index(flag) + 1:argv.index(flag) + 1 + count]
+
+    assert "--enable-lora" in argv and after("--max-lora-rank") == ["16"] and after("--max-loras") == ["1"]
+    assert after("--lora-target-modules", 3) == ["q_proj", "v_proj", "--lora-modules"]
+    assert json.loads(after("--lora-modules")[0]) == {"name": "policy-lora", "path": str(tmp_path)}
+    assert server_env(InferenceConfig(), "admin", "data", adapter)["FLEETRL_ADAPTER_DIR"] == str(tmp_path)

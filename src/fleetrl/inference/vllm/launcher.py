@@ -66,6 +66,10 @@ class LaunchedAdapter:
         return ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(self.spec.rank)),
                 # One adapter, the policy's: a second slot would only cost memory.
                 "--max-loras", "1", "--max-cpu-loras", "1",
+                # The adapter's layers alone: vLLM otherwise wraps the LM head too, and its CPU LoRA
+                # logits path fails on a batch mixing prompt logprobs (the agreement probe, which
+                # runs while kept requests go on) with sampled requests.
+                "--lora-target-modules", *self.spec.target_modules,
                 "--lora-modules", json.dumps({"name": ADAPTER_NAME, "path": str(self.folder)})]
 
     def write_zero(self, model_dir: Path) -> None:
