@@ -18,10 +18,10 @@ of their median tokens/s is the figure (prompt + completion tokens per second of
 The 2-rank figure runs fleetrl's step in 2 processes (FSDP2 over gloo, half the threads each)
 against 1 process with all of them, on the same batch.
 
-The LoRA figures run fleetrl's step with a rank-16 adapter on every linear layer (configs/
+The LoRA figure runs fleetrl's step with a rank-16 adapter on every linear layer (configs/
 lora.toml) against full fine-tuning, each in a process of its own on the same batch and threads,
-alternately `--reps` times: step time, and the process's peak resident memory (model, adapter,
-optimizer state, activations).
+alternately `--reps` times (peak memory with LoRA: benchmarks/bench_rl.py --lora, which samples
+every process of a run).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import resource
 import statistics
 import tempfile
 import time
@@ -134,16 +133,16 @@ def _rank(rank: int, world: int, port: int, model_dir: Path, batch: Batch, cfg: 
         optimizer = build_optimizer(model, cfg)
         train_step(model, optimizer, batch, cfg)  # warm-up
         seconds = [timed(lambda: train_step(model, optimizer, batch, cfg)) for _ in range(reps)]
-        if rank == 0:  # seconds per step, and the peak resident memory in KiB (Linux)
-            out.write_text(f"{statistics.median(seconds)} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
+        if rank == 0:
+            out.write_text(str(statistics.median(seconds)))
     finally:
         distributed.destroy()
 
 
 def fleetrl_on(world: int, threads: int, model_dir: Path, batch: Batch, cfg: StepConfig, reps: int,
-               adapter: dict | None = None) -> tuple[float, int]:
-    """Median tokens/s of fleetrl's step on `world` ranks (processes) of `threads` threads each,
-    and rank 0's peak resident bytes; `adapter`: a LoRA adapter's config (trainer/lora.py)."""
+               adapter: dict | None = None) -> float:
+    """Median tokens/s of fleetrl's step on `world` ranks (processes) of `threads` threads each;
+    `adapter`: a LoRA adapter's config (trainer/lora.py)."""
     import socket
 
     with socket.socket() as s:
@@ -153,8 +152,7 @@ def fleetrl_on(world: int, threads: int, model_dir: Path, batch: Batch, cfg: Ste
         out = Path(tmp) / "seconds"
         mp.start_processes(_rank, args=(world, port, model_dir, batch, cfg, reps, threads, out, adapter),
                            nprocs=world, start_method="spawn")
-        seconds, peak_kib = out.read_text().split()
-        return tokens_of(batch) / float(seconds), int(peak_kib) * 1024
+        return tokens_of(batch) / float(out.read_text())
 
 
 def lora_against_full(model_dir: Path, batch: Batch, cfg: StepConfig, args) -> None:
@@ -163,19 +161,15 @@ def lora_against_full(model_dir: Path, batch: Batch, cfg: StepConfig, args) -> N
     from fleetrl.trainer.lora import adapter_config
 
     adapter = adapter_config(LoraConfig(rank=16, alpha=32), model_dir)
-    runs: dict[str, list[tuple[float, int]]] = {"lora": [], "full": []}
+    runs: dict[str, list[float]] = {"lora": [], "full": []}
     for _ in range(args.reps):
         for name in runs:
             runs[name].append(fleetrl_on(1, args.threads, model_dir, batch, cfg, 1, adapter if name == "lora" else None))
-    rate = {name: statistics.median(r for r, _ in results) for name, results in runs.items()}
-    peak = {name: max(p for _, p in results) for name, results in runs.items()}
-    print(f"fleetrl train_step with a rank-16 LoRA adapter: {rate['lora']:.0f} tokens/s, peak {peak['lora'] / 2**30:.2f} "
-          f"GiB; full fine-tuning: {rate['full']:.0f} tokens/s, peak {peak['full'] / 2**30:.2f} GiB")
-    print(f"  ratio LoRA / full: tokens/s {rate['lora'] / rate['full']:.2f}, peak memory {peak['lora'] / peak['full']:.2f}")
+    rate = {name: statistics.median(results) for name, results in runs.items()}
+    print(f"fleetrl train_step with a rank-16 LoRA adapter: {rate['lora']:.0f} tokens/s; full fine-tuning: "
+          f"{rate['full']:.0f} tokens/s; ratio {rate['lora'] / rate['full']:.2f}")
     record("trainer step, LoRA rank 16 / full fine-tuning (tokens/s)", rate["lora"] / rate["full"],
            f"{rate['lora']:.0f} vs {rate['full']:.0f} tokens/s")
-    record("trainer peak memory, LoRA rank 16 / full fine-tuning", peak["lora"] / peak["full"],
-           f"{peak['lora'] / 2**30:.2f} vs {peak['full'] / 2**30:.2f} GiB")
 
 
 def main() -> None:
@@ -207,8 +201,8 @@ def main() -> None:
     record("trainer step, fleetrl / bare transformers (tokens/s)", ratio,
            f"{rates['fleetrl']:.0f} vs {rates['bare']:.0f} tokens/s, {tokens_of(batch)} tokens, {args.threads} threads")
     if args.threads >= 2:
-        one, _ = fleetrl_on(1, args.threads, model_dir, batch, cfg, args.reps)
-        two, _ = fleetrl_on(2, args.threads // 2, model_dir, batch, cfg, args.reps)
+        one = fleetrl_on(1, args.threads, model_dir, batch, cfg, args.reps)
+        two = fleetrl_on(2, args.threads // 2, model_dir, batch, cfg, args.reps)
         print(f"fleetrl train_step on 2 ranks ({args.threads // 2} thread(s) each): {two:.0f} tokens/s; on 1 rank "
               f"({args.threads} threads): {one:.0f} tokens/s; ratio {two / one:.2f}")
         record("trainer step, 2 ranks / 1 rank (tokens/s, same cores)", two / one,
