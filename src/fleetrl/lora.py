@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from fleetrl.errors import FleetrlError
+from fleetrl.files import atomic_write
 
 # The name requests use to be served through the adapter. It may not be the base model's
 # served name (`policy`): vLLM refuses an adapter named like a served model.
@@ -42,6 +43,7 @@ ADAPTER_DIR_ENV = "FLEETRL_ADAPTER_DIR"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_FOLDER_PREFIX = "base_model.model."
+PEFT_ADAPTER = "default"  # peft's name for a model's one adapter, in its parameters' names
 # The ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py, MaxLoRARanks): a worker serves an
 # adapter of rank r with the smallest of them that is at least r.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -124,21 +126,14 @@ def check_complete(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]], wh
 def write_adapter(folder: Path, peft_config: dict, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """The adapter folder, each file replaced atomically (the weights last: a reader never
     sees weights without the config that shapes them)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    _replace(folder / ADAPTER_CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(peft_config, indent=1) + "\n"))
+    atomic_write(folder / ADAPTER_CONFIG_FILE, json.dumps(peft_config, indent=1) + "\n")
     write_weights(folder, tensors)
 
 
 def write_weights(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """The adapter's tensors into its folder, replacing the file they were in atomically."""
     weights = {PEFT_FOLDER_PREFIX + name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}
-    _replace(folder / ADAPTER_WEIGHTS_FILE, lambda tmp: save_file(weights, str(tmp), metadata={"format": "pt"}))
-
-
-def _replace(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    atomic_write(folder / ADAPTER_WEIGHTS_FILE, save(weights, metadata={"format": "pt"}))
 
 
 def zero_adapter(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
@@ -151,5 +146,15 @@ def zero_adapter(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
     with torch.device("meta"):  # shapes only: nothing is allocated or read
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
         model.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules)))
-    return {name.replace(".default", ""): torch.zeros(param.shape)
-            for name, param in model.named_parameters() if ".lora_" in name}
+    return {key: torch.zeros(param.shape) for name, param in model.named_parameters() if (key := adapter_key(name))}
+
+
+def adapter_key(name: str) -> str | None:
+    """The name in peft's saved form of an adapter tensor, given its parameter's name
+    (`...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`) or that form itself; None
+    for a name that is not the adapter's. The one test of which tensors are the adapter."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("lora_A", "lora_B"):
+            return ".".join(parts[:i + 1] + parts[i + 2 if parts[i + 1] == PEFT_ADAPTER else i + 1:])
+    return None

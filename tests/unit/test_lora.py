@@ -13,13 +13,13 @@ import torch
 from fleetrl.cli import main
 from fleetrl.config import Config, ConfigError, LoraConfig, ModelConfig, load_config, to_toml
 from fleetrl.errors import FleetrlError
-from fleetrl.lora import AdapterError, check_complete, vllm_max_lora_rank, write_adapter, zero_adapter
+from fleetrl.lora import AdapterError, adapter_key, check_complete, vllm_max_lora_rank, write_adapter, zero_adapter
 from fleetrl.rundir import RUN_DEFINING
 from fleetrl.trainer import checkpoint, distributed, loop
 from fleetrl.trainer.export import export_hf, export_weights
 from fleetrl.trainer.kept_weights import KeptWeights
 from fleetrl.trainer.loop import Hooks
-from fleetrl.trainer.lora import adapter_config, adapter_key, adapter_params, base_key, base_params
+from fleetrl.trainer.lora import adapter_config, adapter_params, base_key, base_params
 from fleetrl.trainer.loss import LossConfig
 from fleetrl.trainer.model import agreement_probe, load_policy, local_shards, named_tensors
 from fleetrl.trainer.step import build_optimizer, train_step

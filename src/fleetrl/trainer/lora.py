@@ -11,7 +11,7 @@ state for them alone.
 Names. peft renames what it wraps: a targeted linear's frozen weight becomes
 `...q_proj.base_layer.weight`, and its adapter `...q_proj.lora_A.default.weight` ("default":
 peft's name for the one adapter). Outside the trainer both go by the names of peft's saved
-form, which vLLM and peft read: `adapter_key` drops `.default` (`...q_proj.lora_A.weight`), and
+form, which vLLM and peft read: `fleetrl.lora.adapter_key` drops `.default` (`...q_proj.lora_A.weight`), and
 `base_key` drops `.base_layer` (the plain Hugging Face name, `...q_proj.weight`).
 
 The adapter starts at B = 0 (peft's default init), so a fresh adapter's model computes exactly
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from fleetrl.config import LoraConfig
+from fleetrl.lora import PEFT_ADAPTER, adapter_key
 
-ADAPTER = "default"  # peft's name for the model's one adapter
 # A's initial values are drawn from a generator of this seed: every rank builds the whole
 # adapter before FSDP2 keeps its own shard of it, so all ranks must draw the same A (and a run
 # then starts from the same adapter whatever its world size).
@@ -48,18 +48,7 @@ def add_adapter(model: nn.Module, adapter: dict) -> None:
     config = peft.LoraConfig(**{key: value for key, value in adapter.items() if key != "peft_type"})
     with torch.random.fork_rng(devices=[]):  # peft draws A on the CPU, where the model is built
         torch.manual_seed(INIT_SEED)
-        model.add_adapter(config, adapter_name=ADAPTER)
-
-
-def adapter_key(name: str) -> str | None:
-    """The name in peft's saved form of an adapter tensor, given its parameter's name
-    (`...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`) or that form itself; None
-    for a name that is not the adapter's. The one test of which tensors are the adapter."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part in ("lora_A", "lora_B"):
-            return ".".join(parts[:i + 1] + parts[i + 2 if parts[i + 1] == ADAPTER else i + 1:])
-    return None
+        model.add_adapter(config, adapter_name=PEFT_ADAPTER)
 
 
 def base_key(name: str) -> str:
