@@ -21,7 +21,6 @@ that names it. A worker's folder therefore always holds its current adapter, wri
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
