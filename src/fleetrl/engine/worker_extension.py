@@ -3,7 +3,8 @@ fleetrl.engine.worker_extension.FleetrlWorkerExtension`).
 
 vLLM imports this module in every worker process before it builds the worker's
 weight-transfer engine, so importing it is what registers the `fleetrl` backend
-(`--weight-transfer-config '{"backend": "fleetrl"}'`). The methods below are reachable
+(`--weight-transfer-config '{"backend": "fleetrl"}'`), and puts fleetrl's per-adapter
+products in place of vLLM's CPU LoRA ops (engine/cpu_lora.py). The methods below are reachable
 through `/collective_rpc`, which returns one result per rank, or through a Dynamo worker's
 `engine_rpc` routes, which return none: fleetrl's Dynamo worker entry returns the checksum
 method's results itself (engine/dynamo_worker.py), and `fleetrl_verify_broadcast_group`
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from fleetrl.engine.cpu_lora import use_per_adapter_products
 from fleetrl.engine.weight_receiver import BACKEND, FleetrlWeightReceiver
 
 
@@ -27,6 +29,7 @@ def _register_backend() -> None:
 
 
 _register_backend()
+use_per_adapter_products()
 
 
 class FleetrlWorkerExtension:
