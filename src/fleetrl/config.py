@@ -78,7 +78,7 @@ class ModelConfig(Section):
 PauseMode = Literal["keep", "abort", "wait"]
 
 
-def pause_modes(token_versions: bool, disaggregated: bool) -> tuple[PauseMode, ...]:
+def pause_modes(token_versions: bool, disaggregated: bool, adapter_on_dynamo: bool = False) -> tuple[PauseMode, ...]:
     """The pause modes that keep the version of every token exact; the first is the default.
 
     The one statement of this rule: the config resolves and checks `inference.pause_mode` with
@@ -87,9 +87,12 @@ def pause_modes(token_versions: bool, disaggregated: bool) -> tuple[PauseMode, .
     request held across an update would mix versions with no record of where, and in `abort`
     mode Dynamo reports the cut request as finish_reason "stop", so it could not be told from
     a finished one and continued. With prefill workers apart from decode workers, a request
-    held or cut while its KV is between them would resume on KV of the old weights.
+    held or cut while its KV is between them would resume on KV of the old weights. A Dynamo
+    worker serving a LoRA adapter refuses a keep pause while requests through it run.
     """
-    return ("keep", "abort", "wait") if token_versions and not disaggregated else ("wait",)
+    if not token_versions or disaggregated:
+        return ("wait",)
+    return ("abort", "wait") if adapter_on_dynamo else ("keep", "abort", "wait")
 
 
 class VllmConfig(Section):
@@ -303,7 +306,8 @@ class InferenceConfig(Section):
         description="How a publish pauses workers: keep (in-flight requests continue on the new "
         "weights), abort (they are cut and continued), wait (drained first); unset = keep, or wait "
         "with inference.dynamo.worker = dynamo (no per-token versions) or "
-        "inference.dynamo.prefill_workers > 0.",
+        "inference.dynamo.prefill_workers > 0, or abort for fleetrl's Dynamo worker kind serving a LoRA "
+        "adapter (trainer.lora), which refuses keep.",
     )
     discovery_interval_s: float = Field(
         5.0, gt=0, le=MAX_WAIT_S, description="How often the fleet re-discovers workers and checks their health."
@@ -345,7 +349,7 @@ class InferenceConfig(Section):
     def _pause_mode_fits_workers(self) -> "InferenceConfig":
         if self.pause_mode is None or self.pause_mode in self._pause_modes():
             return self
-        if not self._token_versions():
+        if not self.token_versions():
             raise ValueError(f"inference.pause_mode {self.pause_mode!r} needs per-token versions, which "
                              "Dynamo's own worker does not report: set inference.dynamo.worker = 'fleetrl' "
                              "or inference.pause_mode = 'wait'")
@@ -362,11 +366,11 @@ class InferenceConfig(Section):
         part in handing the fleet the base weights (trainer/loop.py)."""
         return bool(self.dynamo.frontend_url) if self.provider == "dynamo" else bool(self.urls)
 
-    def _token_versions(self) -> bool:
+    def token_versions(self) -> bool:
         return self.provider == "vllm" or self.dynamo.worker == "fleetrl"
 
     def _pause_modes(self) -> tuple[PauseMode, ...]:
-        return pause_modes(self._token_versions(), disaggregated=self.dynamo.prefill_workers > 0)
+        return pause_modes(self.token_versions(), disaggregated=self.dynamo.prefill_workers > 0)
 
 
 class EnvEntry(Section):
@@ -740,6 +744,20 @@ class Config(Section):
         if self.orchestrator.max_tokens >= self.inference.vllm.max_model_len:
             raise ValueError(f"orchestrator.max_tokens = {self.orchestrator.max_tokens} leaves no room for a "
                              f"prompt in inference.vllm.max_model_len = {self.inference.vllm.max_model_len}")
+        return self
+
+    @model_validator(mode="after")
+    def _pause_mode_fits_a_dynamo_adapter(self) -> "Config":
+        inference = self.inference
+        if not (self.trainer.lora.enabled and inference.provider == "dynamo"):
+            return self
+        modes = pause_modes(inference.token_versions(), inference.dynamo.prefill_workers > 0, adapter_on_dynamo=True)
+        if inference.pause_mode is None:
+            inference.pause_mode = modes[0]
+        elif inference.pause_mode not in modes:
+            raise ValueError(f"inference.pause_mode {inference.pause_mode!r} with trainer.lora on Dynamo: Dynamo's "
+                             "worker refuses a keep pause while requests through the adapter run; set "
+                             "inference.pause_mode = 'abort' or 'wait'")
         return self
 
     @model_validator(mode="after")

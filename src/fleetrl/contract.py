@@ -67,13 +67,14 @@ CLAIM_LEASE_HEADER = "x-fleetrl-lease-s"
 CLAIM_PATH = "/fleetrl/claim"
 
 # The routes of fleetrl's Dynamo worker kind that take only calls signed with the run's admin
-# token (engine/dynamo_worker.py): every route that pauses the worker, changes its weights or
-# its version, or puts it to sleep. (Its liveness probe stays open, and proves a signed call.)
+# token (engine/dynamo_worker.py): every route that pauses the worker, changes its weights,
+# its LoRA adapters or its version, or puts it to sleep. (Its liveness probe stays open, and
+# proves a signed call.)
 DYNAMO_GUARDED_ROUTES = (
     "pause_generation", "resume_generation", "flush_cache", "abort_request", "update_weights_from_disk",
     "update_weights_from_distributed", "update_weights_from_tensor", "init_weights_update_group",
     "destroy_weights_update_group", "get_weight_version", "set_weight_version", "sleep", "wake_up",
-    "scale_elastic_ep", "start_profile", "stop_profile",
+    "scale_elastic_ep", "start_profile", "stop_profile", "load_lora", "unload_lora",
 )
 # How such a route answers a call that is not signed with the run's admin token.
 DYNAMO_REFUSAL = "fleetrl: this route needs the run's admin token (a signed call)"

@@ -81,6 +81,16 @@ class AdapterSpec:
                 "r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.target_modules),
                 "lora_dropout": self.dropout, "use_rslora": self.use_rslora, "bias": "none"}
 
+    def engine_args(self) -> list[str]:
+        """The vLLM engine arguments of a worker that serves this adapter (native or Dynamo's)."""
+        return ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(self.rank)),
+                # One adapter, the policy's: a second slot would only cost memory.
+                "--max-loras", "1", "--max-cpu-loras", "1",
+                # The adapter's layers alone: vLLM otherwise wraps the LM head too, and its CPU LoRA
+                # logits path fails on a batch mixing prompt logprobs (the agreement probe, which
+                # runs while kept requests go on) with sampled requests.
+                "--lora-target-modules", *self.target_modules]
+
     @classmethod
     def of_folder(cls, folder: Path) -> AdapterSpec:
         return cls.of_peft_config(json.loads((folder / ADAPTER_CONFIG_FILE).read_text()))
@@ -146,6 +156,12 @@ def zero_adapter(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
         model.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules)))
     return {key: torch.zeros(param.shape) for name, param in model.named_parameters() if (key := adapter_key(name))}
+
+
+def write_zero_adapter(folder: Path, spec: AdapterSpec, model_dir: Path) -> None:
+    """A launched worker's folder at every start: an adapter that changes nothing, so a fresh or
+    restarted worker serves the base model's v0 through the adapter's name until its refit."""
+    write_adapter(folder, spec.peft_config(model_dir), zero_adapter(model_dir, spec).items())
 
 
 def adapter_key(name: str) -> str | None:

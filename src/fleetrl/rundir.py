@@ -144,6 +144,10 @@ class DeploymentPaths:
     def log(self, process: str) -> Path:
         return self.logs / f"{process}.log"
 
+    def adapter(self, process: str) -> Path:
+        """A launched Dynamo worker's LoRA adapter folder (a LoRA run's), beside its log."""
+        return self.logs / f"{process}-adapter"
+
     @property
     def etcd(self) -> Path:
         return self.root / "etcd"

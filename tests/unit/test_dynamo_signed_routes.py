@@ -101,6 +101,25 @@ async def test_a_signature_opens_one_call_of_one_body_once(tamper):
     assert len(calls) == 1
 
 
+async def test_a_route_that_streams_its_answers_is_guarded_and_proven_too():
+    """load_lora and unload_lora are async generators in Dynamo's handler: the wrapper streams."""
+    calls = []
+
+    async def load_lora(self, body):
+        calls.append(body)
+        yield {"status": "success", "lora_name": body["lora_name"]}
+
+    handle = signed_calls_only(TOKEN, "load_lora", load_lora)
+    request = {"lora_name": "policy-lora", "source": {"uri": "file:///elsewhere"}}
+    refused = [answer async for answer in handle(None, dict(request))]
+    assert refused == [{"status": "error", "message": "fleetrl: this route needs the run's admin token (a signed call)"}]
+    body, nonce = admin_signature.signed_body(TOKEN, "/engine/load_lora", request)
+    [answer] = [answer async for answer in handle(None, dict(body))]
+    assert answer["status"] == "success" and answer[admin_signature.BODY_PROOF_FIELD] == \
+        admin_signature.proof(TOKEN, nonce, "")
+    assert calls == [request]
+
+
 async def _ok(calls, body):
     calls.append(body)
     return {"status": "ok"}
@@ -127,5 +146,5 @@ def test_the_worker_kind_refuses_to_start_without_the_token(monkeypatch):
 
 def test_every_route_that_changes_the_worker_is_guarded():
     assert {"pause_generation", "resume_generation", "update_weights_from_distributed", "set_weight_version",
-            "init_weights_update_group", "sleep", "wake_up"} <= set(DYNAMO_GUARDED_ROUTES)
+            "init_weights_update_group", "sleep", "wake_up", "load_lora", "unload_lora"} <= set(DYNAMO_GUARDED_ROUTES)
     assert "liveness_probe" not in DYNAMO_GUARDED_ROUTES

@@ -5,6 +5,7 @@ sharded and not, every loss option, checkpoints, and the exports (merged and ada
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -75,6 +76,46 @@ def test_a_bad_lora_setting_is_refused_in_one_line_naming_the_field(flag, value,
     with pytest.raises(ConfigError, match=message) as error:
         load_config([], [(f"trainer.lora.{flag}", value)])
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind, default", [("dynamo", "wait"), ("fleetrl", "abort")])
+def test_lora_on_dynamo_pauses_without_keep_which_dynamo_refuses_under_an_adapter(kind, default):
+    given = [("trainer.lora.rank", "8"), ("inference.provider", "dynamo"), ("inference.dynamo.worker", kind)]
+    assert load_config([], given).inference.resolved_pause_mode() == default
+    assert load_config([], given[1:]).inference.resolved_pause_mode() == ("wait" if kind == "dynamo" else "keep")
+    if kind == "fleetrl":  # Dynamo's own kind takes only wait anyway
+        with pytest.raises(ConfigError, match=r"inference\.pause_mode 'keep' with trainer\.lora on Dynamo: .* set "
+                                              r"inference\.pause_mode = 'abort' or 'wait'") as error:
+            load_config([], [*given, ("inference.pause_mode", "keep")])
+        assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--inference.urls", '["http://127.0.0.1:8001"]'], r"trainer\.lora with inference\.urls: .* unset inference\.urls"),
+    (["--inference.provider", "dynamo", "--inference.dynamo.frontend_url", "http://127.0.0.1:8000",
+      "--inference.dynamo.rl_url", "http://127.0.0.1:8001"], r"trainer\.lora with inference\.dynamo\.frontend_url: "),
+    (["--inference.provider", "dynamo", "--inference.dynamo.prefill_workers", "1"],
+     r"trainer\.lora with inference\.dynamo\.prefill_workers: .* set inference\.dynamo\.prefill_workers = 0"),
+])
+def test_lora_where_fleetrl_cannot_keep_the_adapter_is_refused_before_anything_starts(flags, message, tmp_path,
+                                                                                      capsys):
+    assert main(["rl", "--trainer.lora.rank", "8", "--run.dir", str(tmp_path / "run"), *flags, "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_dynamo_worker_serving_the_adapter_gets_the_native_servers_lora_engine_args(tmp_path):
+    from fleetrl.inference.dynamo.launcher import worker_argv
+    from fleetrl.inference.vllm.launcher import LaunchedAdapter
+
+    spec = LoraConfig(rank=12, target_modules=["q_proj", "v_proj"]).spec
+    config = Config().inference
+    argv = worker_argv(tmp_path, config, tmp_path, prefill=False, adapter=spec)
+    assert argv[argv.index("--enable-lora"):][:9] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1",
+                                                      "--max-cpu-loras", "1", "--lora-target-modules", "q_proj"]
+    assert "--enable-lora" not in worker_argv(tmp_path, config, tmp_path, prefill=False)
+    assert LaunchedAdapter(spec, tmp_path).argv()[:len(spec.engine_args())] == spec.engine_args()
 
 
 def test_lora_is_off_by_default_and_a_resume_may_not_change_it():

@@ -13,14 +13,17 @@ from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 
-# Dynamo's vLLM worker loads adapters by URI (/engine/load_lora), a new URI per version, and
-# refuses a keep pause while adapter requests run; fleetrl does not drive that yet.
-LORA_ON_DYNAMO = ("trainer.lora with inference.provider = 'dynamo': fleetrl publishes LoRA adapters to native vLLM "
-                  "workers only; set inference.provider = 'vllm'")
 # A LoRA run's server must start with --enable-lora and an adapter folder that its engine side
 # keeps current (fleetrl/lora.py); fleetrl writes that folder for the servers it launches.
-LORA_ON_ATTACHED = ("trainer.lora with inference.urls: a LoRA run launches its vLLM workers (each with the adapter "
-                    "folder it keeps current); unset inference.urls and set inference.workers")
+LORA_ON_ATTACHED = ("trainer.lora with {attached}: a LoRA run launches its workers (each with the adapter folder it "
+                    "keeps current); unset {attached} and set inference.workers")
+
+# Measured with vLLM 0.32's CPU build: a Dynamo prefill worker serving LoRA requests through the
+# shared-storage KV connector dies in its output handler (a negative connector prefix-cache
+# count, ValueError in vllm/v1/metrics/loggers.py), and its decode worker with it.
+LORA_ON_PREFILL = ("trainer.lora with inference.dynamo.prefill_workers: a prefill worker that serves a LoRA adapter "
+                   "through vLLM's shared-storage KV connector dies on this vLLM build; set "
+                   "inference.dynamo.prefill_workers = 0")
 
 
 def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
@@ -34,10 +37,11 @@ def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
     if o.temperature != 1.0 or o.top_p != 1.0:
         raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
                           "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
-    if config.trainer.lora.enabled and config.inference.provider == "dynamo":
-        raise ConfigError(LORA_ON_DYNAMO)
     if config.trainer.lora.enabled and config.inference.attaches():
-        raise ConfigError(LORA_ON_ATTACHED)
+        attached = "inference.dynamo.frontend_url" if config.inference.provider == "dynamo" else "inference.urls"
+        raise ConfigError(LORA_ON_ATTACHED.format(attached=attached))
+    if config.trainer.lora.enabled and config.inference.dynamo.prefill_workers:
+        raise ConfigError(LORA_ON_PREFILL)
     run_dir = RunDir(config.run.dir)
     envs = run_environments(config, run_dir)
     if not config.eval.every_steps:

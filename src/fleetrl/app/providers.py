@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetrl.app.checks import LORA_ON_DYNAMO
 from fleetrl.config import Config, ConfigError, InferenceConfig, secret_fields
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.inference.dynamo.provider import DynamoProvider
@@ -84,8 +83,6 @@ def _vllm_missing(inference: InferenceConfig) -> str | None:
 
 def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool,
             adapter: AdapterSpec | None) -> DynamoProvider:
-    if adapter is not None:
-        raise ConfigError(LORA_ON_DYNAMO)
     # Dynamo's frontend takes no token, and neither do the system ports (the RL admin routes) of
     # Dynamo's own worker kind: a token set for them would protect nothing, and saying nothing
     # would let the user think so. fleetrl's worker kind takes only calls signed with the admin
@@ -101,7 +98,7 @@ def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tok
                           "port\")")
     if fleetrl_kind:
         inference = inference.model_copy(update={"admin_token": tokens.admin})
-    return DynamoProvider(inference, model_dir, run_dir.root, runs=runs)
+    return DynamoProvider(inference, model_dir, run_dir.root, runs=runs, adapter=adapter)
 
 
 def _dynamo_missing(inference: InferenceConfig) -> str | None:

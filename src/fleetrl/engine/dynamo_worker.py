@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -186,22 +187,37 @@ def signed_calls_only(token: str, route: str, handler):
     """`handler` of Dynamo route `route`, let in only for a call signed with `token` (the
     signature in its body, admin_signature.py); its answer carries this worker's proof. A call
     without a valid signature gets an error answer and reaches nothing. Open routes
-    (liveness_probe) still answer an unsigned call, and prove a signed one."""
+    (liveness_probe) still answer an unsigned call, and prove a signed one. A route that
+    streams its answers (load_lora, unload_lora) gets a wrapper that streams them."""
     fresh = admin_signature.FreshCalls()  # a handler does not see the authority: it is not covered
     guarded, target = route in DYNAMO_GUARDED_ROUTES, f"/engine/{route}"  # what the caller signed
 
-    async def signed_only(self, body=None):
+    def admit(body) -> tuple[admin_signature.Signature | None, dict]:
         signature, rest = admin_signature.body_signature(body if isinstance(body, dict) else {})
         admitted = signature is not None and admin_signature.body_signed_by(token, signature, target, rest) \
             and fresh.admit(signature)
-        if not admitted:
-            if guarded:
-                return {"status": "error", "message": DYNAMO_REFUSAL}
-            return await handler(self, rest)
-        result = await handler(self, rest)
-        if isinstance(result, dict):
-            result = {**result, admin_signature.BODY_PROOF_FIELD: admin_signature.proof(token, signature.nonce, "")}
-        return result
+        return (signature if admitted else None), rest
+
+    def proved(result, signature):
+        if signature is None or not isinstance(result, dict):
+            return result
+        return {**result, admin_signature.BODY_PROOF_FIELD: admin_signature.proof(token, signature.nonce, "")}
+
+    if inspect.isasyncgenfunction(handler):
+        async def signed_only_stream(self, body=None):
+            signature, rest = admit(body)
+            if signature is None and guarded:
+                yield {"status": "error", "message": DYNAMO_REFUSAL}
+                return
+            async for result in handler(self, rest):
+                yield proved(result, signature)
+        return signed_only_stream
+
+    async def signed_only(self, body=None):
+        signature, rest = admit(body)
+        if signature is None and guarded:
+            return {"status": "error", "message": DYNAMO_REFUSAL}
+        return proved(await handler(self, rest), signature)
     return signed_only
 
 

@@ -22,6 +22,7 @@ and says so in `get_weight_version` (`token_versions: true`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fleetrl.config import pause_modes
@@ -64,7 +65,7 @@ class DynamoAdminRoutes:
         response = await self.http.call("POST", f"/engine/{route}", idempotent=retry, timeout_s=timeout_s,
                                          what=what, json=body or {})
         result = response.json()
-        if result.get("status") != "ok":
+        if result.get("status") not in ("ok", "success"):  # load_lora answers "success"
             raise WorkerCallError(self.worker_id, what, str(result.get("message") or result)[:300])
         return result
 
@@ -142,6 +143,13 @@ class DynamoWorkerControl:
         if label is None or (self.routes.run is not None and label.run != self.routes.run):
             return None  # never given one, an incomplete transfer's, or another run's
         return label.version
+
+    async def load_adapter(self, name: str, folder: Path) -> None:
+        """Have the worker serve LoRA adapter `name` from `folder` (`/engine/load_lora`): it
+        publishes a model card for the name, through which the frontend routes requests naming
+        it here. Once per worker: vLLM reads the folder again after every weight update, and a
+        publish rewrites it (engine/weight_receiver.py). A no-op on a worker that has it."""
+        await self.routes.call("load_lora", {"lora_name": name, "source": {"uri": folder.resolve().as_uri()}})
 
     async def set_version(self, version: int) -> None:
         if not self.routes.fence.paused:

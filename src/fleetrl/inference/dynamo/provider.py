@@ -6,6 +6,11 @@ discovery (discovery.py), sends rollouts through the frontend pinned to the work
 coordinator chose (data.py), and drives each worker's RL routes directly: its control client
 (admin.py) and its weight-sync client (weight_sync.py), which share one fence record.
 
+A LoRA run's workers serve the policy's adapter (`adapter`): each is launched with an adapter
+folder that its engine side keeps current, and is admitted once it serves requests through the
+adapter's name (`_serves_adapter`), so that a worker that joins or restarts takes no rollout
+before it does; the fleet refits it with the current adapter before it serves them.
+
 Versions: fleetrl's worker kind reports the version of every token, as a native vLLM server
 does. Dynamo's own vLLM worker reports none, so each of its completions gets the one version
 its fence record proves produced it, and a completion that cannot be attributed is sampled
@@ -26,24 +31,30 @@ from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerContro
 from fleetrl.inference.dynamo.attribution import FenceRecord, prefill_agrees, sequence_version, with_span
 from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, served_model
 from fleetrl.inference.dynamo.discovery import list_rl_workers
-from fleetrl.inference.dynamo.launcher import DynamoDeployment, launch_dynamo, run_namespace
+from fleetrl.inference.dynamo.launcher import SMOKE_PROMPT, DynamoDeployment, launch_dynamo, run_namespace
 from fleetrl.inference.dynamo.weight_sync import DynamoWeightSync
 from fleetrl.inference.http import SERVED_MODEL_NAME
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo, WorkerRole
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerInfo, WorkerRole
+from fleetrl.lora import ADAPTER_NAME, AdapterSpec
+from fleetrl.rundir import DeploymentPaths
 from fleetrl.versions import run_id
 
 # A completion is attributable unless a whole pause-resume happened while it was in flight
 # (on its worker, or on its prefill worker); this many of those in a row means the fleet
 # publishes faster than it samples.
 ATTEMPTS = 3
+# One token through the adapter: a worker that serves it is admitted (DynamoProvider._serves_adapter).
+ADAPTER_SMOKE = GenerateRequest(SMOKE_PROMPT, SamplingParams(max_tokens=1, logprobs=False))
 
 
 class DynamoProvider:
     name = "dynamo"
 
-    def __init__(self, config: InferenceConfig, model_dir: Path, run_dir: Path, log=print, runs: bool = True) -> None:
+    def __init__(self, config: InferenceConfig, model_dir: Path, run_dir: Path, log=print, runs: bool = True,
+                 adapter: AdapterSpec | None = None) -> None:
         """`runs` False: a provider that only looks at the workers (`fleetrl status`): it reads any
-        run's versions and labels nothing."""
+        run's versions and labels nothing. `adapter`: the LoRA adapter its launched workers serve
+        every request through (a LoRA run's)."""
         if config.dynamo.namespace is None:  # the run's own (launcher.run_namespace)
             config = config.model_copy(update={"dynamo": config.dynamo.model_copy(
                 update={"namespace": run_namespace(run_dir)})})
@@ -69,6 +80,9 @@ class DynamoProvider:
         # Routes no worker needs any more, closed at the next discovery round (`_retire`).
         self._replaced: list[DynamoAdminRoutes] = []
         self._missing: set[str] = set()  # workers with an admin client whom the last round did not list
+        self.adapter = adapter
+        self._adapter_served: set[str] = set()  # workers found serving the adapter (`_serves_adapter`)
+        self._adapter_waits: dict[str, str] = {}  # worker id -> why it does not serve the adapter yet (logged once)
 
     async def start(self) -> None:
         if self._frontend_url:
@@ -77,9 +91,9 @@ class DynamoProvider:
                      f"(RL discovery {self._rl_url})")
         else:
             self.deployment = await launch_dynamo(self.model_dir, self.config, self.config.workers, self.run_dir,
-                                                  self.log)
+                                                  self.log, self.adapter)
             self._frontend_url, self._rl_url = self.deployment.frontend_url, self.deployment.rl_url
-            model_name = SERVED_MODEL_NAME
+            model_name = ADAPTER_NAME if self.adapter else SERVED_MODEL_NAME
         self._data = DynamoDataClient(self._frontend_url, model_name, self.config.request_timeout_s, self.run)
 
     def attach_settings(self) -> dict:
@@ -104,8 +118,31 @@ class DynamoProvider:
                     self.log(f"fleetrl: Dynamo worker {worker.id} at {worker.admin_url} refused: this run did not "
                              f"launch it (another deployment in namespace {self.config.dynamo.namespace}?)")
             workers = ours
+            if self.adapter is not None:
+                workers = [w for w in workers if await self._serves_adapter(w)]
         await self._retire({w.id for w in workers})
         return workers
+
+    async def _serves_adapter(self, worker: WorkerInfo) -> bool:
+        """Whether a launched worker serves the run's adapter: it was told its folder, and a
+        request through the adapter's name, pinned to it, was served. One that does not yet is
+        left out of this discovery round, with one line. (No prefill workers: app/checks.py.)"""
+        if worker.id in self._adapter_served:
+            return True
+        process = self.deployment.live_worker_at(worker.admin_url) if self.deployment else None
+        if process is None:
+            return False
+        try:
+            await self.admin(worker).load_adapter(ADAPTER_NAME, DeploymentPaths(self.run_dir).adapter(process.name))
+            await self._started_data().complete(worker.id, None, ADAPTER_SMOKE, [], 0, token_versions=False)
+        except FleetrlError as e:
+            if self._adapter_waits.get(worker.id) is None:
+                self.log(f"fleetrl: Dynamo worker {worker.id} does not serve the LoRA adapter yet ({e}); "
+                         "admitted once it does")
+            self._adapter_waits[worker.id] = str(e)
+            return False
+        self._adapter_served.add(worker.id)
+        return True
 
     async def _retire(self, listed: set[str]) -> None:
         """Close the admin clients no worker needs any more, so that their connections do not

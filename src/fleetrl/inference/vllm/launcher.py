@@ -17,7 +17,7 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV, ENGINE_ARGS, NATIVE_SERVER_MODULE
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
-from fleetrl.lora import ADAPTER_DIR_ENV, ADAPTER_NAME, AdapterSpec, vllm_max_lora_rank, write_adapter, zero_adapter
+from fleetrl.lora import ADAPTER_DIR_ENV, ADAPTER_NAME, AdapterSpec, write_zero_adapter
 from fleetrl.processes import ManagedProcess, free_port, start_process
 
 
@@ -63,19 +63,8 @@ class LaunchedAdapter:
     folder: Path
 
     def argv(self) -> list[str]:
-        return ["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(self.spec.rank)),
-                # One adapter, the policy's: a second slot would only cost memory.
-                "--max-loras", "1", "--max-cpu-loras", "1",
-                # The adapter's layers alone: vLLM otherwise wraps the LM head too, and its CPU LoRA
-                # logits path fails on a batch mixing prompt logprobs (the agreement probe, which
-                # runs while kept requests go on) with sampled requests.
-                "--lora-target-modules", *self.spec.target_modules,
+        return [*self.spec.engine_args(),
                 "--lora-modules", json.dumps({"name": ADAPTER_NAME, "path": str(self.folder)})]
-
-    def write_zero(self, model_dir: Path) -> None:
-        """The folder a server starts from: an adapter that changes nothing, so a fresh server
-        serves the base model's v0 through the adapter's name until its first refit."""
-        write_adapter(self.folder, self.spec.peft_config(model_dir), zero_adapter(model_dir, self.spec).items())
 
 
 def server_env(config: InferenceConfig, admin_token: str, data_token: str,
@@ -97,7 +86,7 @@ def start_server(model_dir: Path, config: InferenceConfig, name: str, index: int
     is appended to. With an adapter, the server's adapter folder is beside its log."""
     launched = LaunchedAdapter(adapter, log_dir / f"{name}-adapter") if adapter else None
     if launched:
-        launched.write_zero(model_dir)
+        write_zero_adapter(launched.folder, launched.spec, model_dir)
     return start_process(
         name, server_argv(model_dir, config, port, launched), log_dir / f"{name}.log",
         env={**server_env(config, admin_token, data_token, launched), **config.vllm.cpu_env(index)},
