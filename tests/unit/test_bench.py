@@ -33,6 +33,7 @@ def test_bench_runs_each_suite_prints_the_ratio_table_and_writes_the_json(tmp_pa
         """)
     write_script(scripts, "bench_rl.py", 'record("step time, k = 1 / k = 0", 0.9)\n')
     write_script(scripts, "bench_trainer.py", 'record("trainer step, fleetrl / bare transformers (tokens/s)", 1.02)\n')
+    write_script(scripts, "bench_cpu_lora.py", 'record("cpu lora expand at 2048 tokens, vLLM / fleetrl", 54.4)\n')
     monkeypatch.setattr(bench, "BENCHMARKS_DIR", scripts)
     write_script(scripts, "bench_trl.py", 'raise SystemExit("never run: TRL is missing")\n')
     monkeypatch.setattr(bench, "installed", lambda module: False)  # TRL: the `bench` extra is not installed
@@ -41,14 +42,14 @@ def test_bench_runs_each_suite_prints_the_ratio_table_and_writes_the_json(tmp_pa
     assert main(["bench", "--suite", "all", "--quick", "--out", str(out)]) == 1  # dynamo failed
     printed = capfd.readouterr().out
     assert "measuring ['--reps', '1', '--max-tokens', '16']" in printed  # --quick reaches the script
-    assert "[2/5] dynamo: FAILED" in printed
-    assert "[5/5] trl: skipped: it needs trl (pip install -e '.[bench]')" in printed
+    assert "[2/6] dynamo: FAILED" in printed
+    assert "[6/6] trl: skipped: it needs trl (pip install -e '.[bench]')" in printed
     table = printed[printed.index("suite  "):]
     assert re.search(r"\nfleet +broadcast publish / bare gloo broadcast +1\.25 +2 workers\n", table)
     assert re.search(r"\ndynamo +\(failed\)", table) and re.search(r"\nrl +step time, k = 1 / k = 0 +0\.90", table)
     assert re.search(r"\ntrl +\(skipped\) +- +needs trl", table)
     report = json.loads(out.read_text())
-    assert report["quick"] is True and list(report["suites"]) == ["fleet", "dynamo", "rl", "trainer", "trl"]
+    assert report["quick"] is True and list(report["suites"]) == ["fleet", "dynamo", "rl", "trainer", "cpu-lora", "trl"]
     assert report["suites"]["trl"] == {"skipped": "needs trl (pip install -e '.[bench]')", "figures": []}
     assert report["suites"]["fleet"]["figures"][1] == {"figure": "fence, 2 workers / 1 worker", "ratio": 1.5,
                                                         "detail": ""}

@@ -48,6 +48,8 @@ SUITES = {
                 "fleetrl rl: step time at k = 1 against k = 0"),
     "trainer": Suite("bench_trainer.py", ("--reps", "1"),
                      "trainer step against a bare transformers + torch step, and 2 ranks against 1"),
+    "cpu-lora": Suite("bench_cpu_lora.py", ("--reps", "2"),
+                      "vLLM's CPU LoRA ops against fleetrl's per-adapter products, per call"),
     "trl": Suite("bench_trl.py", ("--steps", "3"),
                  "fleetrl against TRL's GRPOTrainer: time per step, time to a reward level, held-out "
                  "reward (the `bench` extra)", needs="trl"),
