@@ -216,6 +216,26 @@ def check_episodes(run_dir: Path, steps: int, max_turns: int) -> None:
         assert {start for start, _ in sample.turns} <= {span.start for span in sample.spans}
 
 
+def adapter_bytes(run_dir: Path) -> int:
+    """What one publish of a LoRA run's adapter moves onto each worker: its fp32 tensors' bytes."""
+    from fleetrl.config import load_config
+    from fleetrl.lora import zero_adapter
+
+    config = load_config([run_dir / "config.toml"], [])
+    return sum(t.numel() * 4 for t in zero_adapter(resolve_model(config.model), config.trainer.lora.spec).values())
+
+
+def check_adapter_folders_trained(folders: list[Path]) -> None:
+    """Each launched worker's adapter folder holds a trained adapter (a B moved off 0), not the
+    zero one that every worker is started (and restarted) with: the refits reached them all."""
+    from safetensors.torch import load_file
+
+    assert folders
+    for folder in folders:
+        tensors = load_file(folder / "adapter_model.safetensors")
+        assert any(t.any() for name, t in tensors.items() if name.endswith("lora_B.weight")), folder
+
+
 def read_metrics(run_dir) -> list[dict]:
     """A run's metrics lines so far ([] before its first step)."""
     path = run_dir / "metrics.jsonl"

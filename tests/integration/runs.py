@@ -73,6 +73,14 @@ RUNS: dict[str, RunSpec] = {
         "a worker frozen with SIGSTOP leaves the fence, is restarted and readmitted; multi-turn episodes with a "
         "span per turn; SIGTERM of fleetrl with one rank leaves no process",
         "test_chaos.py"),
+    "dynamo-lora": RunSpec(
+        ".venv/bin/fleetrl rl @ configs/default.toml @ configs/lora.toml --inference.provider dynamo "
+        "--inference.dynamo.worker fleetrl --run.max_steps 3 --run.dir runs/dynamo-lora",
+        "the LoRA overlay on fleetrl's Dynamo worker kind (abort pauses, its default under an adapter): the worker "
+        "SIGKILLed after step 1, replaced by a worker admitted once it serves the adapter (/engine/load_lora), "
+        "refitted with the trained adapter; the adapter's bytes alone in every publish, the sampler's logprobs "
+        "the trainer's, fleetrl verify",
+        "test_chaos.py"),
     "dynamo": RunSpec(
         DYNAMO_RUN,
         "the quickstart's section 7 as written (Dynamo's own worker, wait pauses): 1 step trained, then SIGKILL in "

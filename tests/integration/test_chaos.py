@@ -3,14 +3,17 @@ sound, to keep CI time flat (tests/integration/runs.py lists both runs):
 
 1. a worker hung (SIGSTOP of its whole process group: server and engine core) is detected
    within a bounded time, leaves the publish fence, and the run goes on with the other;
-2. the hung worker is restarted (inference.max_restarts), refitted, and readmitted;
+2. the hung worker is restarted (inference.max_restarts) with the zero LoRA adapter every
+   launched worker starts from, refitted with the trained adapter, and readmitted;
 3. SIGTERM of `fleetrl rl` (one trainer rank: every process starts on the control loop's
    thread) leaves no process behind within 10 s;
 4. the run's task is multi-turn (arithmetic_retry): every episode's turns carry their spans;
 
 and the quickstart's Dynamo command as written, SIGKILLed in its second step, once it has
 trained one: the frontend, the worker and its engine-core grandchildren end by themselves
-within 10 s.
+within 10 s; and a LoRA run on fleetrl's Dynamo worker kind whose worker is SIGKILLed after its
+first step: the replacement is admitted once it serves the adapter, refitted with the trained
+one, and the run ends as it would have.
 (Resuming after a kill at every point of a step, SIGINT, and two trainer ranks:
 test_kill_points.py.)
 
@@ -24,11 +27,13 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.documented import documented
 
-from .conftest import ROOT, TINY_ROLLOUTS, _term_with_parent, alive_in, check_episodes, child_groups, read_metrics
+from .conftest import (ROOT, TINY_ROLLOUTS, _term_with_parent, adapter_bytes, alive_in, check_adapter_folders_trained,
+                       check_episodes, child_groups, read_metrics)
 from .runs import RUNS
 
 pytestmark = pytest.mark.chaos
@@ -48,6 +53,9 @@ max_model_len = 512
 [trainer]
 lr = 1e-5
 checkpoint_interval = 2
+
+[trainer.lora]
+rank = 8
 
 [run]
 max_steps = 10
@@ -131,6 +139,10 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
     assert [m["step"] for m in done] == list(range(1, len(done) + 1))
     assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
     check_episodes(run_dir, len(done), max_turns=2)
+    # The readmitted worker was refitted with the adapter alone (verified on every rank, or it
+    # would not be at the step's version), as every publish sends it. (Whether its adapter moved
+    # off zero is not checked here: this task's tiny rollouts may score every group alike.)
+    assert [w["publish_bytes"] for w in done[-1]["workers"].values()] == [adapter_bytes(run_dir)] * 2
 
 
 def test_the_quickstarts_dynamo_run_then_sigkill_leaves_no_process(tmp_path):
@@ -166,3 +178,44 @@ def test_the_quickstarts_dynamo_run_then_sigkill_leaves_no_process(tmp_path):
     assert [m["step"] for m in done[:1]] == [1] and "1 trainer rank(s), env reverse_text" in log_path.read_text()
     assert all(m["distance_max"] <= 1 and m["misversioned"] == 0 for m in done)
     assert list(done[0]["worker_versions"].values()) == [1]  # Dynamo's one worker, at v1 after step 1
+
+
+def test_a_dynamo_lora_worker_killed_is_replaced_and_serves_the_trained_adapter(tmp_path):
+    """LoRA on fleetrl's Dynamo worker kind (abort pauses, its default there): the worker's whole
+    process group SIGKILLed once step 1 is trained; the replacement starts from a zero adapter,
+    is admitted once /engine/load_lora named its folder and a request through the adapter was
+    served, is refitted with the trained adapter, and serves the rest of the run."""
+    run_dir, log_path = tmp_path / "dynamo-lora", tmp_path / "dynamo-lora.log"
+    proc = start_rl(tmp_path, "dynamo-lora.log", RUNS["dynamo-lora"].command.replace("runs/dynamo-lora", str(run_dir)))
+    groups: set[int] = set()
+    try:
+        wait_until(proc, "step 1", lambda: len(read_metrics(run_dir)) >= 1, 600, log_path)
+        groups = child_groups(proc.pid)
+        (worker,) = [g for g in groups if "dynamo_worker" in " ".join(psutil.Process(g).cmdline())]
+        os.killpg(worker, signal.SIGKILL)
+        wait_until(proc, "the killed worker to be replaced", lambda: " restarted (" in log_path.read_text(), 120,
+                   log_path)
+        assert proc.wait(timeout=600) == 0, log_path.read_text()[-3000:]
+    finally:
+        stop(proc)
+        groups |= child_groups(proc.pid) if proc.poll() is None else set()
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    done = read_metrics(run_dir)
+    assert [m["step"] for m in done] == [1, 2, 3]
+    assert all(m["distance_max"] <= 1 and m["misversioned"] == 0 for m in done)
+    # Sampled through the adapter the trainer had at each version, the replacement's samples included.
+    assert all(m["mismatch_kl"] <= 1e-6 for m in done), [m["mismatch_kl"] for m in done]
+    first, last = done[0]["workers"], done[-1]["workers"]
+    assert len(first) == len(last) == 1 and first.keys() != last.keys()  # a new instance after the kill
+    assert [w["publish_bytes"] for w in last.values()] == [adapter_bytes(run_dir)]
+    assert [w["version"] for w in last.values()] == [3]
+    folders = sorted(run_dir.rglob("dynamo-worker-*-adapter"))
+    assert len(folders) == 2
+    check_adapter_folders_trained(folders[1:])  # the replacement's
+    verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -26,8 +26,8 @@ from fleetrl.rundir import RunDir
 
 from tests.documented import documented, run_documented
 
-from .conftest import (alive_in, check_episodes, child_groups, descendant_groups, fleetrl_pid, fleetrl_process,
-                       output, read_metrics)
+from .conftest import (adapter_bytes, alive_in, check_adapter_folders_trained, check_episodes, child_groups,
+                       descendant_groups, fleetrl_pid, fleetrl_process, output, read_metrics)
 from .deployments import serving
 from .runs import RUNS
 
@@ -359,16 +359,12 @@ SERVE_ADAPTER = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.
 def test_a_lora_publish_moves_the_adapter_alone(lora, first_run):
     """Every publish moved onto the worker exactly the adapter's bytes (fp32), a few percent of
     what the same job's publishes move in full fine-tuning (make run's)."""
-    from fleetrl.config import load_config
-    from fleetrl.lora import zero_adapter
-    from fleetrl.model import resolve_model
-
-    config = load_config([lora.run_dir / "config.toml"], [])
-    expected = sum(t.numel() * 4 for t in zero_adapter(resolve_model(config.model), config.trainer.lora.spec).values())
+    expected = adapter_bytes(lora.run_dir)
     (full,) = {w["publish_bytes"] for m in first_run.metrics for w in m["workers"].values()}
     assert expected < full / 20
     for m in lora.metrics:
         assert [w["publish_bytes"] for w in m["workers"].values()] == [expected], m["workers"]
+    check_adapter_folders_trained(list(lora.run_dir.rglob("vllm-*-adapter")))
 
 
 def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_alone(lora):
