@@ -502,7 +502,9 @@ class OrchestratorConfig(Section):
 
 class LoraConfig(Section):
     """LoRA: train low-rank adapters on the base model's linear layers instead of all its weights
-    (peft); only the adapter is trained, checkpointed and published. Off while rank = 0."""
+    (peft); only the adapter is trained, checkpointed and published. Off while rank = 0. Served by
+    the workers fleetrl launches (native vLLM, or Dynamo without prefill workers); refused with
+    inference.urls, inference.dynamo.frontend_url and inference.dynamo.prefill_workers > 0."""
 
     rank: int = Field(
         0, ge=0,

@@ -214,3 +214,108 @@ async def test_admin_clients_no_worker_needs_are_closed(tmp_path, monkeypatch):
     assert closed(gone) and not closed(second)
     await provider.close()
     assert closed(second)
+
+
+async def test_a_request_through_the_adapter_refused_by_a_pause_is_sent_again_once_the_worker_resumes(tmp_path,
+                                                                                                      monkeypatch):
+    """Dynamo's worker refuses a request through a LoRA adapter that arrives while it is paused
+    (vLLM would hold it): one sent just before a publish paused the worker is sent again, whole,
+    after the resume, and does not count as a failure. Without a pause since dispatch, or without
+    an adapter, a failure is the caller's."""
+    import asyncio
+
+    from fleetrl.errors import FleetrlError
+    from fleetrl.inference.dynamo import provider as dynamo_provider
+    from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerInfo
+    from fleetrl.lora import AdapterSpec
+    from fleetrl.versions import VersionSpan
+
+    spec = AdapterSpec(rank=8, alpha=16.0, target_modules=("q_proj",))
+    worker = WorkerInfo(id="7", data_url="http://f", admin_url="http://127.0.0.1:9001")
+    request = GenerateRequest([1, 2, 3], SamplingParams(max_tokens=2))
+    sent, logged = [], []
+
+    class NoData:  # the data client: gather_samples stands in for what it sends
+        async def close(self):
+            pass
+
+    def provider_with(adapter):
+        provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path,
+                                                  log=logged.append, adapter=adapter)
+        provider._data = NoData()
+        admin = provider.admin(worker)
+
+        async def token_versions():
+            return True
+        admin.reports_token_versions = token_versions
+        return provider, admin.routes
+
+    async def refused_while_a_publish_pauses(data, worker_id, prefill_id, request, suffix, token_versions):
+        sent.append(routes.fence.paused)
+        if len(sent) == 1:  # the publish pauses the worker as the request arrives, and resumes it later
+            routes.fence = routes.fence.pausing()
+            asyncio.get_running_loop().call_later(0.2, lambda: setattr(routes, "fence", routes.fence.resumed()))
+            raise FleetrlError("worker 7: generate failed: HTTP 500 from http://f/v1/completions")
+        return [GenerateResponse(request.request_id, [5, 6], [-0.1, -0.2], "length", worker_id,
+                                 [VersionSpan(version=1, start=0)])]
+
+    monkeypatch.setattr(dynamo_provider, "gather_samples", refused_while_a_publish_pauses)
+    provider, routes = provider_with(spec)
+    assert [r.token_ids for r in await provider.generate(worker, request)] == [[5, 6]]
+    assert sent == [False, False]  # sent again only once resumed
+    assert len(logged) == 1 and "reached it paused for a publish" in logged[0]
+    await provider.close()
+
+    sent.clear()
+    provider, routes = provider_with(None)  # no adapter: Dynamo holds such a request; a failure is real
+    with pytest.raises(FleetrlError, match="HTTP 500"):
+        await provider.generate(worker, request)
+    await provider.close()
+
+
+async def test_a_lora_runs_worker_is_left_out_of_discovery_until_it_serves_the_adapter(tmp_path, monkeypatch):
+    """A launched worker of a LoRA run joins the fleet only once /engine/load_lora named its own
+    adapter folder and a request through the adapter, pinned to it, was served; until then each
+    discovery round leaves it out, and says so once."""
+    from types import SimpleNamespace
+
+    from fleetrl.errors import FleetrlError
+    from fleetrl.inference.dynamo import provider as dynamo_provider
+    from fleetrl.inference.types import WorkerInfo
+    from fleetrl.lora import ADAPTER_NAME, AdapterSpec
+
+    logged, loads, smokes = [], [], []
+    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path,
+                                              log=logged.append,
+                                              adapter=AdapterSpec(rank=8, alpha=16.0, target_modules=("q_proj",)))
+
+    class Deployment:
+        def live_worker_at(self, admin_url):
+            return SimpleNamespace(name="dynamo-worker-3")
+
+        def stop(self):
+            pass
+
+    class Data:
+        async def complete(self, worker_id, prefill_id, request, suffix, sample, token_versions):
+            smokes.append(worker_id)
+            if len(smokes) == 1:
+                raise FleetrlError("HTTP 404: model policy-lora not found")
+
+        async def close(self):
+            pass
+
+    async def listed(*args):
+        return [WorkerInfo(id="7", data_url="http://f", admin_url="http://127.0.0.1:9001")]
+
+    async def load_adapter(self, name, folder):
+        loads.append((name, folder))
+
+    provider.deployment, provider._rl_url, provider._data = Deployment(), "http://rl", Data()
+    monkeypatch.setattr(dynamo_provider, "list_rl_workers", listed)
+    monkeypatch.setattr(dynamo_provider.DynamoWorkerControl, "load_adapter", load_adapter)
+    assert await provider.discover() == [] and await provider.discover() != []
+    assert [w.id for w in await provider.discover()] == ["7"] and len(smokes) == 2  # asked until it served once
+    assert loads == [(ADAPTER_NAME, tmp_path / "logs" / "dynamo-worker-3-adapter")] * 2
+    assert len(logged) == 1 and "does not serve the LoRA adapter yet (HTTP 404" in logged[0]
+    await provider.close()

@@ -93,7 +93,8 @@ def test_lora_on_dynamo_pauses_without_keep_which_dynamo_refuses_under_an_adapte
 @pytest.mark.parametrize("flags, message", [
     (["--inference.urls", '["http://127.0.0.1:8001"]'], r"trainer\.lora with inference\.urls: .* unset inference\.urls"),
     (["--inference.provider", "dynamo", "--inference.dynamo.frontend_url", "http://127.0.0.1:8000",
-      "--inference.dynamo.rl_url", "http://127.0.0.1:8001"], r"trainer\.lora with inference\.dynamo\.frontend_url: "),
+      "--inference.dynamo.rl_url", "http://127.0.0.1:8001"], r"trainer\.lora with inference\.dynamo\.frontend_url and inference\.dynamo\.rl_url: .* unset "
+                                                          r"inference\.dynamo\.frontend_url and inference\.dynamo\.rl_url"),
     (["--inference.provider", "dynamo", "--inference.dynamo.prefill_workers", "1"],
      r"trainer\.lora with inference\.dynamo\.prefill_workers: .* set inference\.dynamo\.prefill_workers = 0"),
 ])

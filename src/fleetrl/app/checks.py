@@ -38,7 +38,8 @@ def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
         raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
                           "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
     if config.trainer.lora.enabled and config.inference.attaches():
-        attached = "inference.dynamo.frontend_url" if config.inference.provider == "dynamo" else "inference.urls"
+        attached = ("inference.dynamo.frontend_url and inference.dynamo.rl_url" if config.inference.provider == "dynamo"
+                    else "inference.urls")
         raise ConfigError(LORA_ON_ATTACHED.format(attached=attached))
     if config.trainer.lora.enabled and config.inference.dynamo.prefill_workers:
         raise ConfigError(LORA_ON_PREFILL)

@@ -43,6 +43,8 @@ from fleetrl.versions import run_id
 # (on its worker, or on its prefill worker); this many of those in a row means the fleet
 # publishes faster than it samples.
 ATTEMPTS = 3
+# How often a request refused by a pause looks whether its worker has resumed.
+PAUSE_POLL_S = 0.05
 # One token through the adapter: a worker that serves it is admitted (DynamoProvider._serves_adapter).
 ADAPTER_SMOKE = GenerateRequest(SMOKE_PROMPT, SamplingParams(max_tokens=1, logprobs=False))
 
@@ -82,7 +84,7 @@ class DynamoProvider:
         self._missing: set[str] = set()  # workers with an admin client whom the last round did not list
         self.adapter = adapter
         self._adapter_served: set[str] = set()  # workers found serving the adapter (`_serves_adapter`)
-        self._adapter_waits: dict[str, str] = {}  # worker id -> why it does not serve the adapter yet (logged once)
+        self._adapter_waiting: set[str] = set()  # workers said not to serve the adapter yet (said once)
 
     async def start(self) -> None:
         if self._frontend_url:
@@ -133,13 +135,16 @@ class DynamoProvider:
         if process is None:
             return False
         try:
-            await self.admin(worker).load_adapter(ADAPTER_NAME, DeploymentPaths(self.run_dir).adapter(process.name))
-            await self._started_data().complete(worker.id, None, ADAPTER_SMOKE, [], 0, token_versions=False)
-        except FleetrlError as e:
-            if self._adapter_waits.get(worker.id) is None:
-                self.log(f"fleetrl: Dynamo worker {worker.id} does not serve the LoRA adapter yet ({e}); "
+            # Bounded: this runs inside a discovery round, which must go on for the other workers.
+            async with asyncio.timeout(self.config.admin_timeout_s):
+                await self.admin(worker).load_adapter(ADAPTER_NAME, DeploymentPaths(self.run_dir).adapter(process.name))
+                await self._started_data().complete(worker.id, None, ADAPTER_SMOKE, [], 0, token_versions=False)
+        except (FleetrlError, TimeoutError) as e:
+            if worker.id not in self._adapter_waiting:
+                self._adapter_waiting.add(worker.id)
+                why = str(e) or f"no answer within {self.config.admin_timeout_s:g} s"
+                self.log(f"fleetrl: Dynamo worker {worker.id} does not serve the LoRA adapter yet ({why}); "
                          "admitted once it does")
-            self._adapter_waits[worker.id] = str(e)
             return False
         self._adapter_served.add(worker.id)
         return True
@@ -168,8 +173,15 @@ class DynamoProvider:
             if not token_versions and (at_dispatch.paused or at_dispatch.version is None):
                 raise FleetrlError(f"worker {worker.id}: request {request.request_id} sent to a worker that is "
                                    f"paused or was never given a version ({worker.admin_url})")
-            responses = await gather_samples(self._started_data(), worker.id, prefill.id if prefill else None,
-                                             request, list(prompt_suffix), token_versions)
+            try:
+                responses = await gather_samples(self._started_data(), worker.id, prefill.id if prefill else None,
+                                                 request, list(prompt_suffix), token_versions)
+            except FleetrlError:
+                if not await self._resumed_after_refusing(admin.routes, at_dispatch):
+                    raise
+                self.log(f"fleetrl: worker {worker.id}: request {request.request_id} reached it paused for a publish "
+                         "(Dynamo refuses a request through an adapter there); sent again now it has resumed")
+                continue
             if not token_versions:
                 version = sequence_version(at_dispatch, admin.routes.fence)
                 if version is None:
@@ -185,6 +197,21 @@ class DynamoProvider:
         raise FleetrlError(f"worker {worker.id}: request {request.request_id} could not be attributed to one "
                            f"version in {ATTEMPTS} tries (publishes in a row, or a prefill worker fleetrl has "
                            "not refitted)")
+
+    async def _resumed_after_refusing(self, routes: DynamoAdminRoutes, at_dispatch: FenceRecord) -> bool:
+        """Whether a request that failed may have been refused by a pause, and the worker has
+        resumed since: then it is sent again, whole. With an adapter, Dynamo's worker refuses a
+        request that arrives while it is paused (where vLLM would hold it until the resume): one
+        sent just before a publish paused its worker. Such a request was never admitted, so it
+        produced no token. Waits for the resume at most request_timeout_s."""
+        if self.adapter is None or routes.fence.pauses == at_dispatch.pauses:
+            return False
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        while routes.fence.paused:
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(PAUSE_POLL_S)
+        return True
 
     async def prompt_logprobs(self, worker: WorkerInfo, token_ids: list[int],
                               prefill: WorkerInfo | None = None) -> list[float]:
