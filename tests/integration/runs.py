@@ -75,8 +75,9 @@ RUNS: dict[str, RunSpec] = {
         "test_chaos.py"),
     "dynamo-lora": RunSpec(
         ".venv/bin/fleetrl rl @ configs/default.toml @ configs/lora.toml --inference.provider dynamo "
-        "--inference.dynamo.worker fleetrl --run.max_steps 3 --run.dir runs/dynamo-lora",
-        "the LoRA overlay on fleetrl's Dynamo worker kind (abort pauses, its default under an adapter): the worker "
+        "--inference.dynamo.worker fleetrl --trainer.world_size 2 --run.max_steps 3 --run.dir runs/dynamo-lora",
+        "docs/dynamo.md's LoRA command with 2 trainer ranks (the adapter sharded by FSDP2, gathered for each "
+        "publish), on fleetrl's Dynamo worker kind (abort pauses, its default under an adapter): the worker "
         "SIGKILLed after step 1, replaced by a worker admitted once it serves the adapter (/engine/load_lora), "
         "refitted with the trained adapter; the adapter's bytes alone in every publish, the sampler's logprobs "
         "the trainer's, fleetrl verify",

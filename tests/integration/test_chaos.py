@@ -12,8 +12,8 @@ sound, to keep CI time flat (tests/integration/runs.py lists both runs):
 and the quickstart's Dynamo command as written, SIGKILLed in its second step, once it has
 trained one: the frontend, the worker and its engine-core grandchildren end by themselves
 within 10 s; and a LoRA run on fleetrl's Dynamo worker kind whose worker is SIGKILLed after its
-first step: the replacement is admitted once it serves the adapter, refitted with the trained
-one, and the run ends as it would have.
+first step (2 trainer ranks): the replacement is admitted once it serves the adapter, refitted
+with the trained one, and the run ends as it would have.
 (Resuming after a kill at every point of a step, SIGINT, and two trainer ranks:
 test_kill_points.py.)
 
@@ -181,8 +181,8 @@ def test_the_quickstarts_dynamo_run_then_sigkill_leaves_no_process(tmp_path):
 
 
 def test_a_dynamo_lora_worker_killed_is_replaced_and_serves_the_trained_adapter(tmp_path):
-    """LoRA on fleetrl's Dynamo worker kind (abort pauses, its default there): the worker's whole
-    process group SIGKILLed once step 1 is trained; the replacement starts from a zero adapter,
+    """LoRA on fleetrl's Dynamo worker kind (abort pauses, its default there), trained on 2 ranks
+    (the adapter sharded by FSDP2): the worker's whole process group SIGKILLed once step 1 is trained; the replacement starts from a zero adapter,
     is admitted once /engine/load_lora named its folder and a request through the adapter was
     served, is refitted with the trained adapter, and serves the rest of the run."""
     run_dir, log_path = tmp_path / "dynamo-lora", tmp_path / "dynamo-lora.log"
@@ -205,7 +205,7 @@ def test_a_dynamo_lora_worker_killed_is_replaced_and_serves_the_trained_adapter(
             except ProcessLookupError:
                 pass
     done = read_metrics(run_dir)
-    assert [m["step"] for m in done] == [1, 2, 3]
+    assert [m["step"] for m in done] == [1, 2, 3] and "2 trainer rank(s)" in log_path.read_text()
     assert all(m["distance_max"] <= 1 and m["misversioned"] == 0 for m in done)
     # Sampled through the adapter the trainer had at each version, the replacement's samples included.
     assert all(m["mismatch_kl"] <= 1e-6 for m in done), [m["mismatch_kl"] for m in done]
