@@ -1,5 +1,5 @@
 """Faults against a real `fleetrl rl` (issue 10), several packed into one run where that is
-sound, to keep CI time flat (tests/integration/runs.py lists both runs):
+sound, to keep CI time flat (tests/integration/runs.py lists the three runs):
 
 1. a worker hung (SIGSTOP of its whole process group: server and engine core) is detected
    within a bounded time, leaves the publish fence, and the run goes on with the other;
