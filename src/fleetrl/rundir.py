@@ -319,6 +319,7 @@ class RunDir:
         for name in RUN_DEFINING:
             new, old = (reduce(dict.__getitem__, name.split("."), values) for values in (now, then))
             if new != old:
+                name, new, old = _first_change(name, new, old)
                 raise FleetrlError(f"run.dir {self.root}: resume with {name} {new!r} but the run was started "
                                    f"with {old!r}; a resumed run must keep what the run means (start a new run.dir)")
 
@@ -523,3 +524,12 @@ def check_turns(where: str, sample: Sample) -> None:
     versions = [span.version for span in sample.spans]
     if versions != sorted(versions):
         raise VerifyError(f"{where}: its spans go back in version ({versions}): a later turn by an older policy")
+
+
+def _first_change(name: str, new, old) -> tuple[str, object, object]:
+    """Where two values of config key `name` differ: in a section (the same fields on both
+    sides, as trainer.lora has), its first changed field, so the refusal names it."""
+    if isinstance(new, dict) and isinstance(old, dict) and new.keys() == old.keys():
+        key = next(k for k in new if new[k] != old[k])
+        return _first_change(f"{name}.{key}", new[key], old[key])
+    return name, new, old

@@ -297,6 +297,8 @@ def contents(root):
     ("trainer.clip_high", "0.5", "trainer.clip_high 0.5 but the run was started with 0.28"),
     ("orchestrator.max_off_policy_steps", "0", "orchestrator.max_off_policy_steps 0 but the run was started with 1"),
     ("model.path", "/models/other", "model.path '/models/other' but the run was started with None"),
+    # a section: its field that changed
+    ("trainer.lora.rank", "8", "trainer.lora.rank 8 but the run was started with 0"),
 ])
 def test_a_resume_that_changes_what_the_run_means_is_refused_and_changes_nothing(tmp_path, field, value, message):
     run = RunDir(make_run(tmp_path))
