@@ -33,7 +33,7 @@ from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, serv
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.launcher import SMOKE_PROMPT, DynamoDeployment, launch_dynamo, run_namespace
 from fleetrl.inference.dynamo.weight_sync import DynamoWeightSync
-from fleetrl.inference.http import SERVED_MODEL_NAME
+from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerInfo, WorkerRole
 from fleetrl.lora import ADAPTER_NAME, AdapterSpec
 from fleetrl.rundir import DeploymentPaths
@@ -97,6 +97,21 @@ class DynamoProvider:
             self._frontend_url, self._rl_url = self.deployment.frontend_url, self.deployment.rl_url
             model_name = ADAPTER_NAME if self.adapter else SERVED_MODEL_NAME
         self._data = DynamoDataClient(self._frontend_url, model_name, self.config.request_timeout_s, self.run)
+        if self.adapter is not None and self.deployment is not None:
+            await self._wait_serving_the_adapter(self.deployment)
+
+    async def _wait_serving_the_adapter(self, deployment: DynamoDeployment) -> None:
+        """Until every launched worker serves the adapter (`_serves_adapter`): the frontend takes
+        the adapter's model card a moment after /engine/load_lora, and the fleet's first discovery
+        must find the workers it starts with."""
+        count = len(deployment.workers)
+
+        async def not_serving() -> tuple[int, str] | None:
+            served = len(await self.discover())
+            return None if served >= count else (served, f"{served}/{count} worker(s) serve the LoRA adapter")
+
+        await wait_until_ready("the LoRA adapter on the Dynamo workers", count, deployment.processes(), not_serving,
+                               self.config.startup_timeout_s, self.log)
 
     def attach_settings(self) -> dict:
         """The inference settings with which another fleetrl attaches to this deployment while it
