@@ -319,3 +319,48 @@ async def test_a_lora_runs_worker_is_left_out_of_discovery_until_it_serves_the_a
     assert loads == [(ADAPTER_NAME, tmp_path / "logs" / "dynamo-worker-3-adapter")] * 2
     assert len(logged) == 1 and "does not serve the LoRA adapter yet (HTTP 404" in logged[0]
     await provider.close()
+
+
+async def test_a_killed_worker_is_replaced_even_while_its_process_is_still_exiting(tmp_path, monkeypatch):
+    """The fleet marks a worker dead as soon as a request through it fails: its process may not
+    have exited yet, nor listen any more. The process discovery saw serving the instance is the
+    one replaced (a lookup by port then would find none, and the run would wait for nothing)."""
+    from types import SimpleNamespace
+
+    from fleetrl.inference.dynamo import provider as dynamo_provider
+    from fleetrl.inference.types import WorkerInfo
+
+    logged, replaced = [], []
+    serving = SimpleNamespace(name="dynamo-worker-0", listening=True)
+
+    class Deployment:
+        workers = [serving]
+
+        def live_worker_at(self, admin_url):
+            return serving if serving.listening else None
+
+        def worker_at(self, admin_url, prefill):
+            return None  # exiting: not listening, not exited
+
+        def replace_worker(self, process):
+            replaced.append(process.name)
+            return SimpleNamespace(name="dynamo-worker-1")
+
+        def stop(self):
+            pass
+
+    async def listed(*args):
+        return [WorkerInfo(id="7", data_url="http://f", admin_url="http://127.0.0.1:9001")]
+
+    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path,
+                                              log=logged.append)
+    provider.deployment, provider._rl_url = Deployment(), "http://rl"
+    monkeypatch.setattr(dynamo_provider, "list_rl_workers", listed)
+    [worker] = await provider.discover()
+    serving.listening = False  # SIGKILLed, still exiting
+    assert await provider.restart(worker) and replaced == ["dynamo-worker-0"]
+    assert logged == ["fleetrl: Dynamo worker 7 (dynamo-worker-0) replaced by dynamo-worker-1"]
+    stranger = WorkerInfo(id="8", data_url="http://f", admin_url="http://127.0.0.1:9002")
+    assert not await provider.restart(stranger)  # never seen serving, no process found: said, not guessed
+    assert "Dynamo worker 8 not restarted: no worker process this run launched serves it" in logged[-1]
+    await provider.close()

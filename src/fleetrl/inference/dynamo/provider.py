@@ -36,6 +36,7 @@ from fleetrl.inference.dynamo.weight_sync import DynamoWeightSync
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerInfo, WorkerRole
 from fleetrl.lora import ADAPTER_NAME, AdapterSpec
+from fleetrl.processes import ManagedProcess
 from fleetrl.rundir import DeploymentPaths
 from fleetrl.versions import run_id
 
@@ -83,6 +84,8 @@ class DynamoProvider:
         self._replaced: list[DynamoAdminRoutes] = []
         self._missing: set[str] = set()  # workers with an admin client whom the last round did not list
         self.adapter = adapter
+        # Instance id -> the launched process discovery saw serving it (the one a restart replaces).
+        self._launched_as: dict[str, ManagedProcess] = {}
         self._adapter_served: set[str] = set()  # workers found serving the adapter (`_serves_adapter`)
         self._adapter_waiting: set[str] = set()  # workers said not to serve the adapter yet (said once)
 
@@ -128,7 +131,9 @@ class DynamoProvider:
             raise FleetrlError("the Dynamo provider was used before start()")
         workers = await list_rl_workers(self._discovery, self._rl_url, self._frontend_url)
         if self.deployment is not None:
-            ours = [w for w in workers if self.deployment.live_worker_at(w.admin_url) is not None]
+            launched = {w.id: p for w in workers if (p := self.deployment.live_worker_at(w.admin_url)) is not None}
+            self._launched_as.update(launched)
+            ours = [w for w in workers if w.id in launched]
             for worker in workers:
                 if worker not in ours and worker.admin_url not in self._refused:
                     self._refused.add(worker.admin_url)
@@ -146,7 +151,7 @@ class DynamoProvider:
         left out of this discovery round, with one line. (No prefill workers: app/checks.py.)"""
         if worker.id in self._adapter_served:
             return True
-        process = self.deployment.live_worker_at(worker.admin_url) if self.deployment else None
+        process = self._launched_as.get(worker.id)
         if process is None:
             return False
         try:
@@ -239,8 +244,13 @@ class DynamoProvider:
         leaves discovery (or stays dead in it). False for an attached deployment."""
         if self.deployment is None:
             return False
-        process = self.deployment.worker_at(worker.admin_url, prefill=worker.role == WorkerRole.PREFILL)
-        if process is None:
+        # The process seen serving the instance, if discovery saw it live: a process just killed
+        # may still be exiting, neither listening nor exited yet.
+        process = self._launched_as.get(worker.id) or self.deployment.worker_at(
+            worker.admin_url, prefill=worker.role == WorkerRole.PREFILL)
+        if process is None or process not in self.deployment.workers:
+            self.log(f"fleetrl: Dynamo worker {worker.id} not restarted: no worker process this run launched "
+                     f"serves it ({worker.admin_url})")
             return False
         # Off the event loop: a hung worker's process group may take a moment to go.
         replacement = await asyncio.to_thread(self.deployment.replace_worker, process)
