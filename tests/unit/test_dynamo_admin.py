@@ -337,10 +337,7 @@ async def test_a_killed_worker_is_replaced_even_while_its_process_is_still_exiti
         workers = [serving]
 
         def live_worker_at(self, admin_url):
-            return serving if serving.listening else None
-
-        def worker_at(self, admin_url, prefill):
-            return None  # exiting: not listening, not exited
+            return serving if serving.listening else None  # exiting: not listening, not exited
 
         def replace_worker(self, process):
             replaced.append(process.name)

@@ -14,9 +14,9 @@ from fleetrl.processes import ManagedProcess, free_port, listening_ports, runnin
 
 
 def test_the_process_behind_a_hung_instance_is_found_by_its_listening_port(tmp_path):
-    """Dynamo's discovery names an instance (its system URL), not a process: a restart must find
-    the launched worker behind it, also when it hangs (SIGSTOP: its socket stays open), and
-    else one of the same kind that exited."""
+    """Dynamo's discovery names an instance (its system URL), not a process: discovery finds the
+    launched worker behind it (the one a restart replaces), also when it hangs (SIGSTOP: its
+    socket stays open); an exited one serves no instance."""
     port = free_port("127.0.0.1")
     server = start_process("dynamo-worker-0", [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
                            tmp_path / "server.log")
@@ -29,9 +29,8 @@ def test_the_process_behind_a_hung_instance_is_found_by_its_listening_port(tmp_p
         assert port in listening_ports(server.pid)
         exited.popen.wait(timeout=30)
         deployment = DynamoDeployment("", "", server, [exited, server], tmp_path, InferenceConfig(), tmp_path)
-        assert deployment.worker_at(f"http://127.0.0.1:{port}", prefill=False) is server
-        assert deployment.worker_at("http://127.0.0.1:1", prefill=False) is exited
-        assert deployment.worker_at("http://127.0.0.1:1", prefill=True) is None
+        assert deployment.live_worker_at(f"http://127.0.0.1:{port}") is server
+        assert deployment.live_worker_at("http://127.0.0.1:1") is None
     finally:
         os.killpg(server.pid, signal.SIGCONT)
         server.stop(grace_s=0)

@@ -74,22 +74,21 @@ def _replacements(vllm_ops: dict):
     return {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand, "bgmv_expand_slice": bgmv_expand_slice}
 
 
-def use_per_adapter_products() -> bool:
-    """Puts the replacements where vLLM's CPU LoRA looks its ops up; False (and vLLM's own ops
-    kept) on a vLLM they were not written against."""
+def use_per_adapter_products() -> None:
+    """Puts the replacements where vLLM's CPU LoRA looks its ops up; on a vLLM they were not
+    written against, vLLM's own ops are kept (and a warning logged)."""
     import vllm
 
     if vllm.__version__.split("+", 1)[0] != REPLACES_OPS_OF_VLLM:
         log.warning("fleetrl: vLLM %s keeps its own CPU LoRA ops (fleetrl's replace those of %s)",
                     vllm.__version__, REPLACES_OPS_OF_VLLM)
-        return False
+        return
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
     if getattr(lora_ops.bgmv_shrink, "__module__", "") == __name__:
-        return True  # this process already has them
+        return  # this process already has them
     vllm_ops = {name: getattr(lora_ops, name) for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")}
     for name, op in _replacements(vllm_ops).items():
         setattr(lora_ops, name, op)
         setattr(punica_cpu, name, op)
-    return True

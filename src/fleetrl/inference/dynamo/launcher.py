@@ -72,10 +72,11 @@ class DynamoDeployment:
         paths = DeploymentPaths(self.run_dir)
         adapter_env = {}
         if self.adapter:
-            write_zero_adapter(paths.adapter(name), self.adapter, self.model_dir)
-            adapter_env = {ADAPTER_DIR_ENV: str(paths.adapter(name)),
-                           # Dynamo's adapter loading by URI (/engine/load_lora), which names the
-                           # folder to the worker's frontend card (DynamoProvider.admit_adapter).
+            folder = paths.adapter(name)
+            write_zero_adapter(folder, self.adapter, self.model_dir)
+            adapter_env = {ADAPTER_DIR_ENV: str(folder),
+                           # Dynamo's adapter loading by URI (/engine/load_lora), through which the
+                           # provider names the folder to the worker (DynamoProvider._serves_adapter).
                            "DYN_LORA_ENABLED": "true"}
         worker = start_process(name, argv, paths.log(name),
                                env={**worker_env(self.config, paths.discovery, self.cluster.env()), **adapter_env,
@@ -84,16 +85,6 @@ class DynamoDeployment:
         self.workers.append(worker)
         self.places[name] = place
         return worker
-
-    def worker_at(self, admin_url: str, prefill: bool) -> ManagedProcess | None:
-        """The launched worker behind the discovered instance at `admin_url`: the live one whose
-        system server listens there (a hung one too: its socket stays open), else one of the
-        same kind that exited. Discovery names instances, not processes."""
-        process = self.live_worker_at(admin_url)
-        if process is not None:
-            return process
-        prefix = PREFILL_PREFIX if prefill else WORKER_PREFIX
-        return next((p for p in self.workers if not p.alive() and p.name.startswith(prefix)), None)
 
     def live_worker_at(self, admin_url: str) -> ManagedProcess | None:
         """The live launched worker whose system server listens at `admin_url`; None when no

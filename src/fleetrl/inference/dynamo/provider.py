@@ -34,7 +34,7 @@ from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.launcher import SMOKE_PROMPT, DynamoDeployment, launch_dynamo, run_namespace
 from fleetrl.inference.dynamo.weight_sync import DynamoWeightSync
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerInfo, WorkerRole
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerInfo
 from fleetrl.lora import ADAPTER_NAME, AdapterSpec
 from fleetrl.processes import ManagedProcess
 from fleetrl.rundir import DeploymentPaths
@@ -244,10 +244,10 @@ class DynamoProvider:
         leaves discovery (or stays dead in it). False for an attached deployment."""
         if self.deployment is None:
             return False
-        # The process seen serving the instance, if discovery saw it live: a process just killed
-        # may still be exiting, neither listening nor exited yet.
-        process = self._launched_as.get(worker.id) or self.deployment.worker_at(
-            worker.admin_url, prefill=worker.role == WorkerRole.PREFILL)
+        # The process discovery saw serving the instance (every worker the fleet knows came through
+        # `discover`), not one looked up now: a process just killed may still be exiting, neither
+        # listening nor exited yet.
+        process = self._launched_as.get(worker.id)
         if process is None or process not in self.deployment.workers:
             self.log(f"fleetrl: Dynamo worker {worker.id} not restarted: no worker process this run launched "
                      f"serves it ({worker.admin_url})")
