@@ -650,11 +650,13 @@ async def test_tokens_of_a_worker_that_then_fails_the_probe_are_never_trained():
     await fleet.close()
 
 
-async def test_a_failed_probe_verdict_stands_through_a_refit_at_the_same_version():
+async def test_a_failed_probe_verdict_flags_only_the_requests_sent_before_the_refit_that_agreed():
     """The worker fails the probe at v1 while a request is held across the publish (keep mode);
     a discovery round then refits it at v1, and it agrees. The held request's tokens at v1 came
     partly from the weights that failed: the later verdict must not replace the failed one
-    (it did, and the response was trained)."""
+    (it did, and the response was trained). A request sent after that refit holds none of them:
+    the failed verdict was once kept for the version, every later answer at v1 was flagged, and a
+    one-worker run ended on "batch N is empty: 32 were misversioned" (issue 36, item 3)."""
     fleet, provider, transport = await started("a", step_s=0.005)
     scores = iter([[-3.0], [-1.0]])  # the publish's install is wrong, the refit's right
 
@@ -668,6 +670,10 @@ async def test_a_failed_probe_verdict_stands_through_a_refit_at_the_same_version
     assert "a" in report.failed and fleet.workers["a"].state == WorkerState.STALE
     await fleet.refresh()  # the refit at v1, which agrees
     assert fleet.workers["a"].state == WorkerState.READY and not held.done()
+    for _ in range(3):
+        (later,) = await fleet.generate(request(max_tokens=4))
+        assert later.spans == [VersionSpan(1, 0)] and later.version_error is None
+    assert not held.done()
     (out,) = await held
     assert [s.version for s in out.spans] == [0, 1]
     assert out.version_error is not None and "failed the agreement probe at v1" in out.version_error

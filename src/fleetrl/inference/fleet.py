@@ -105,10 +105,14 @@ class Fleet:
         self.restarts_left = max_restarts  # over the whole run, all workers together
         self._restarts: set[asyncio.Task] = set()
         self._restarted: set[str] = set()  # workers started again, dead until discovery refits them
-        # (worker id, version) -> the verdict of its agreement probe at that version: None, it
-        # agreed; else why not. Pending from the worker's resume until it is scored; a failed
-        # one is kept, since a request held across that publish may still come back from it.
-        self._verdicts: dict[tuple[str, int], asyncio.Future[str | None]] = {}
+        # Each worker's refits that score the agreement probe (a publish's or a discovery
+        # round's), counted: a request's tokens can only come from those after its dispatch.
+        self._refits: dict[str, int] = {}
+        # (worker id, refit) -> the version that refit installed, and the verdict of its agreement
+        # probe: None, it agreed; else why not. Pending from the worker's resume until it is
+        # scored; a failed one is kept, since a request held across that refit may still come
+        # back from it (even after a later refit at the same version agreed).
+        self._verdicts: dict[tuple[str, int], tuple[int, asyncio.Future[str | None]]] = {}
         self.log = log
         # Told of every worker state change and publish fence (the run's events file, which
         # its timeline is drawn from): WorkerEvent and FenceEvent records.
@@ -347,34 +351,43 @@ class Fleet:
         have agreed (`_check_probed`)."""
         loop = asyncio.get_running_loop()
         for worker in workers:
-            previous = self._verdicts.get((worker.id, version))
-            if previous is not None and previous.done() and previous.result() is not None:
-                # A failed verdict stands, through a refit at the same version that agrees: a
-                # request held across both carries tokens of the bad weights under this label.
-                continue
-            self._verdicts[(worker.id, version)] = loop.create_future()
+            refit = self._refits[worker.id] = self._refits.get(worker.id, 0) + 1
+            self._verdicts[(worker.id, refit)] = version, loop.create_future()
 
     def _settle_verdicts(self, version: int, agreed: set[str], failed: dict[str, str]) -> None:
         """Every verdict pending at `version`: agreed, or failed (why; a worker that never got as
         far as its probe fails too). Agreed ones are dropped: no token of theirs waits on them."""
-        for (worker_id, at), verdict in list(self._verdicts.items()):
+        for key, (at, verdict) in list(self._verdicts.items()):
+            worker_id, _ = key
             if at != version or verdict.done():
                 continue
             if worker_id in agreed:
                 verdict.set_result(None)
-                del self._verdicts[(worker_id, at)]
+                del self._verdicts[key]
             else:
                 verdict.set_result(failed.get(worker_id, "its publish failed before its probe"))
 
-    async def _check_probed(self, serving: list[WorkerInfo], response: GenerateResponse) -> None:
+    def _refits_of(self, workers: list[WorkerInfo]) -> dict[str, int]:
+        """How many refits each of `workers` has had: taken at a request's dispatch."""
+        return {w.id: self._refits.get(w.id, 0) for w in workers}
+
+    async def _check_probed(self, serving: list[WorkerInfo], response: GenerateResponse,
+                            dispatched: dict[str, int]) -> None:
         """Tokens produced at a version whose agreement probe their worker (or its prefill
         worker) then failed were not made by the trainer's weights: the response is flagged,
-        never trained. One that comes back while the probe is scored waits for its verdict: in
-        keep mode a request held across a publish runs on as soon as its worker resumes."""
-        for version in sorted({span.version for span in response.spans}):
-            for worker in serving:
-                verdict = self._verdicts.get((worker.id, version))
-                why = await asyncio.shield(verdict) if verdict is not None else None
+        never trained. Only the refits after its dispatch (`dispatched`: `_refits_of` then) can
+        have made its tokens: a worker dispatched to had agreed, and a failed refit is no
+        concern of a request sent after a later one agreed. One that comes back while the probe
+        is scored waits for its verdict: in keep mode a request held across a publish runs on
+        as soon as its worker resumes."""
+        versions = {span.version for span in response.spans}
+        returned = self._refits_of(serving)
+        for worker in serving:
+            for refit in range(dispatched[worker.id] + 1, returned[worker.id] + 1):
+                version, verdict = self._verdicts.get((worker.id, refit), (None, None))
+                if version not in versions:
+                    continue  # agreed (dropped), or it installed a version none of these tokens is of
+                why = await asyncio.shield(verdict)
                 if why is not None and response.version_error is None:
                     response.version_error = (f"worker {worker.id} failed the agreement probe at v{version} ({why}): "
                                               f"its tokens at v{version} are not trained")
@@ -534,6 +547,7 @@ class Fleet:
             worker, prefill = await self._acquire(request.session_id, avoid=failed_on)
             serving = [w for w in (worker, prefill) if w is not None]
             fleet_version = self.version
+            refits = self._refits_of(serving)  # those after this dispatch may have made its tokens
             try:
                 responses = await self.provider.generate(worker, request, suffix, prefill)
                 break
@@ -563,7 +577,7 @@ class Fleet:
                     self._inflight[w.id] -= 1
         for response in responses:
             self._check_versions(worker, response, fleet_version)
-            await self._check_probed(serving, response)
+            await self._check_probed(serving, response, refits)
         return responses
 
     def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, dispatched_at: int) -> None:
