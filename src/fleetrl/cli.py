@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
+from fleetrl import tripwire
 from fleetrl.app.bench import SUITE_CHOICES, SUITES
 from fleetrl.app.commands import base_config_files, check_command, run_command
 from fleetrl.config import ConfigError, field_docs, load_config, to_toml
@@ -192,6 +194,18 @@ def keep_logging_as_it_is() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command, with the tripwire of process-wide state armed from here, the main thread,
+    before any thread starts, when FLEETRL_TRIPWIRE=1 (fleetrl/tripwire.py): a setter called off
+    the main thread ends the command with status 1 and a line naming it and the thread."""
+    with tripwire.armed(os.environ.get(tripwire.ENV) == "1") as wire:
+        code = run_command_line(argv)
+    if (offence := wire.verdict()) is not None:
+        print(f"fleetrl: error: {offence}", file=sys.stderr)
+        return 1
+    return code
+
+
+def run_command_line(argv: list[str] | None) -> int:
     keep_logging_as_it_is()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv

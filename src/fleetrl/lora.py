@@ -146,16 +146,40 @@ def write_weights(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> 
 
 
 def zero_adapter(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
-    """An adapter that changes nothing (every B is zero), shaped for the model in `model_dir`:
-    what a launched worker holds before the first adapter update, so it serves the base
-    model's v0 through the adapter's name."""
-    from peft import LoraConfig
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """An adapter that changes nothing (every tensor zero, fp32 like the trainer's), shaped for
+    the model in `model_dir`: what a launched worker holds before the first adapter update, so it
+    serves the base model's v0 through the adapter's name. Its shapes come from the model's
+    config.json, with no model built: the launchers call this on the control loop's thread, and
+    transformers' model init sets torch's default dtype for the whole process while it runs."""
+    layers, linears = decoder_linears(model_dir / "config.json")
+    return {f"model.layers.{layer}.{block}.{module}.lora_{half}.weight":
+            torch.zeros((spec.rank, fan_in) if half == "A" else (fan_out, spec.rank), dtype=torch.float32)
+            for layer in range(layers) for module, (block, fan_in, fan_out) in linears.items()
+            if module in spec.target_modules for half in ("A", "B")}
 
-    with torch.device("meta"):  # shapes only: nothing is allocated or read
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-        model.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules)))
-    return {key: torch.zeros(param.shape) for name, param in model.named_parameters() if (key := adapter_key(name))}
+
+def decoder_linears(config_path: Path) -> tuple[int, dict[str, tuple[str, int, int]]]:
+    """The number of decoder layers of the model whose config.json is `config_path`, and each
+    linear of LLAMA_LINEARS in a layer, in the layer's order: (its block, in features, out
+    features), as transformers' Llama (and Qwen2/3, Mistral) builds them."""
+    config = json.loads(config_path.read_text())
+
+    def size(name: str, default: int | None = None) -> int:
+        value = config.get(name, default)
+        if type(value) is not int or value < 1:
+            raise AdapterError(f"{config_path}: {name} is {value!r}, not a positive integer (a LoRA adapter "
+                               "takes the shapes of a Llama-style decoder's linear layers)")
+        return value
+
+    hidden, heads = size("hidden_size"), size("num_attention_heads")
+    q_out = heads * (size("head_dim") if config.get("head_dim") is not None else hidden // heads)
+    kv_out = size("num_key_value_heads", heads) * (q_out // heads)
+    intermediate = size("intermediate_size")
+    return size("num_hidden_layers"), {
+        "q_proj": ("self_attn", hidden, q_out), "k_proj": ("self_attn", hidden, kv_out),
+        "v_proj": ("self_attn", hidden, kv_out), "o_proj": ("self_attn", q_out, hidden),
+        "gate_proj": ("mlp", hidden, intermediate), "up_proj": ("mlp", hidden, intermediate),
+        "down_proj": ("mlp", intermediate, hidden)}
 
 
 def write_zero_adapter(folder: Path, spec: AdapterSpec, model_dir: Path) -> None:

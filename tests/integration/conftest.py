@@ -24,6 +24,7 @@ from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.model import resolve_model
 from fleetrl.processes import stop_all
 from fleetrl.rundir import RunDir
+from fleetrl.tripwire import ENV as TRIPWIRE_ENV
 
 from tests.tmp_folders import KEPT_FOLDERS
 
@@ -44,6 +45,18 @@ def pytest_collection_modifyitems(items):
             first.setdefault(deployment_of(item), i)
     position = {id(item): first.get(deployment_of(item), i) for i, item in enumerate(items)}
     items.sort(key=lambda item: position[id(item)])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tripwire_armed():
+    """Every fleetrl process a test starts (they inherit os.environ), and every command run here
+    through `fleetrl.cli.main`, runs with the tripwire of process-wide state armed
+    (fleetrl/tripwire.py): a guarded setter called off the main thread ends it with status 1 and a
+    line naming the setter and the thread. Module-scoped and autouse: set before the module's own
+    fixtures start their runs, and gone before the unit tests of the same session."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(TRIPWIRE_ENV, "1")
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 item 1): the trainer runs on the main thread meanwhile, and would find the environment variables,
 torch's defaults, the RNGs, logging or a model load changed under it. Whole `fleetrl rl` runs
 (the command line, a tiny model, the in-process fake fleet), with every known setter recorded
-(`global_state`)."""
+(`global_state`) and the tripwire armed (fleetrl/tripwire.py, which the integration suite arms on
+every real run)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from fleetrl import cli
+from fleetrl import cli, tripwire
 from fleetrl.app import rl
 from fleetrl.inference.fleet import Fleet
 
@@ -90,6 +91,7 @@ def test_fleetrl_rl_changes_no_process_global_state_off_the_main_thread(env, att
             "--orchestrator.max_off_policy_steps", "1", "--inference.vllm.max_model_len", "256", "--debug"]
     if attached:
         argv += ["--inference.urls", '["fake://w0", "fake://w1"]']
+    monkeypatch.setenv(tripwire.ENV, "1")  # as on every real run of the suite: an offence ends the run with 1
     with recording() as recorder:
         assert cli.main(argv) == 0
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

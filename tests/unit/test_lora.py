@@ -151,6 +151,61 @@ def test_an_adapter_update_replaces_the_whole_adapter_or_nothing(model_dir, tmp_
         spec.check([("model.embed_tokens.weight", tensor)], "update")
 
 
+@pytest.mark.parametrize("sizes, targets", [
+    ({}, LORA.target_modules),  # the tiny model's: grouped-query attention, head_dim from the hidden size
+    ({"head_dim": 12, "num_key_value_heads": 1, "num_hidden_layers": 3}, ["k_proj", "o_proj", "down_proj"]),
+])
+def test_the_zero_adapter_is_what_peft_makes_of_the_models_config(model_dir, tmp_path, sizes, targets):
+    """Shaped from config.json alone (no model built: fleetrl/lora.py), it is peft's adapter on the
+    model, name for name (the form peft saves), shape for shape, fp32 as the trainer's."""
+    from peft import LoraConfig as PeftLoraConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig.from_pretrained(model_dir)
+    for name, value in sizes.items():
+        setattr(config, name, value)
+    config.save_pretrained(tmp_path)
+    spec = LoraConfig(rank=6, alpha=12, target_modules=targets).spec
+    model = AutoModelForCausalLM.from_config(config)
+    model.add_adapter(PeftLoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=targets))
+    peft_s = {key: (tuple(param.shape), param.dtype) for name, param in model.named_parameters()
+              if (key := adapter_key(name))}
+    zeros = zero_adapter(tmp_path, spec)
+    assert {key: (tuple(t.shape), t.dtype) for key, t in zeros.items()} == peft_s
+    assert list(zeros) == list(peft_s) and not any(t.any() for t in zeros.values())
+
+
+def test_the_zero_adapter_is_written_on_the_control_loops_thread_without_tripping_the_wire(model_dir, tmp_path):
+    """The launchers write a worker's zero adapter on the control loop's thread, while the trainer
+    may load the model on the main one. Built through transformers' model init, as it was, it set
+    torch's default dtype for the whole process there (issue 36, item 1): the tripwire caught it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fleetrl import tripwire
+    from fleetrl.lora import held_names, write_zero_adapter
+
+    from .test_tripwire import on_thread
+
+    spec = LoraConfig(rank=8, alpha=16).spec
+    with tripwire.armed(True) as wire:
+        assert on_thread(lambda: write_zero_adapter(tmp_path, spec, model_dir)) is None
+        assert wire.verdict() is None
+        def model_init_it_used():
+            with torch.device("meta"):
+                AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+        assert isinstance(on_thread(model_init_it_used), tripwire.TripwireError)
+        assert wire.verdict().startswith("tripwire: torch.set_default_dtype called on thread fleetrl-control")
+    assert held_names(tmp_path) == set(zero_adapter(model_dir, spec))
+
+
+def test_a_model_config_without_a_decoders_shapes_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 32, "num_attention_heads": 4,
+                                                      "num_hidden_layers": 2}))
+    with pytest.raises(AdapterError, match=r"config\.json: intermediate_size is None, not a positive integer"):
+        zero_adapter(tmp_path, LORA.spec)
+
+
 def test_the_max_lora_rank_of_a_worker_is_the_smallest_vllm_takes_at_least_the_rank():
     ranks = (1, 2, 8, 9, 16, 300, 320, 321, 512)
     assert [vllm_max_lora_rank(r) for r in ranks] == [1, 8, 8, 16, 16, 320, 320, 512, 512]

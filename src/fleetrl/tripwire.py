@@ -1,0 +1,162 @@
+"""A tripwire for process-wide state set off the main thread (issue 36, item 1).
+
+`fleetrl rl` trains on the main thread while the fleet and the orchestrator run on the control
+loop's thread (and the threads it starts). torch's default dtype and device, its seed, and the
+init patches that transformers and accelerate apply while they build a model (module creation on
+the meta device, weight init and tying switched off) hold for the whole process: set by one
+thread, they change under the other, and a model built meanwhile comes out wrong. A search of the
+code found the known cases; this catches the next one, on real runs.
+
+With `FLEETRL_TRIPWIRE=1` in its environment, `fleetrl` (cli.main, on the main thread before any
+thread starts) wraps each setter in GUARDED for the length of the command. A call from any other
+thread is an offence: it is recorded and printed at once with its thread and stack, the call
+raises TripwireError in that thread (it never runs), and the command ends with exit status 1 and
+one line naming the function and the thread, whatever became of the exception. The integration
+suite sets the variable for every fleetrl process it starts. Without it nothing is wrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+import traceback
+import types
+from collections.abc import Iterator
+
+from fleetrl.errors import FleetrlError
+
+ENV = "FLEETRL_TRIPWIRE"
+# (module, function): what sets state for the whole process. The functions are replaced wherever a
+# loaded module holds them (`from accelerate import init_empty_weights` copies one).
+GUARDED = (
+    ("torch", "set_default_dtype"),
+    ("torch", "set_default_device"),
+    ("torch", "manual_seed"),
+    # transformers' no-init context and its siblings: each patches torch or PreTrainedModel process-wide.
+    ("transformers.initialization", "no_init_weights"),
+    ("transformers.initialization", "no_tie_weights"),
+    ("transformers.initialization", "meta_device_safe_creation_ops"),
+    ("accelerate.big_modeling", "init_empty_weights"),
+    ("accelerate.big_modeling", "init_on_device"),
+)
+
+
+class TripwireError(FleetrlError):
+    """A process-wide setter called from a thread other than the main one."""
+
+
+class Tripwire:
+    """The offences of one armed command, each a line naming the function and the thread."""
+
+    def __init__(self) -> None:
+        self.offences: list[str] = []
+        self._lock = threading.Lock()
+
+    def trip(self, name: str, thread: threading.Thread) -> None:
+        offence = (f"tripwire: {name} called on thread {thread.name}: it changes process-wide state, which "
+                   "fleetrl changes on the main thread only")
+        with self._lock:
+            self.offences.append(offence)
+        stack = "".join(traceback.format_stack()[:-2])  # to the call, without the wrapper's frames
+        print(f"fleetrl: {offence}\n{stack}", file=sys.stderr, flush=True)
+        raise TripwireError(offence)
+
+    def verdict(self) -> str | None:
+        """The command's one line when anything tripped: the first offence (and how many)."""
+        with self._lock:
+            if not self.offences:
+                return None
+            more = len(self.offences) - 1
+            return self.offences[0] + (f" ({more} more offence(s), each printed with its stack)" if more else "")
+
+
+_armed: Tripwire | None = None  # the tripwire the wrappers report to, while a command is armed
+
+
+def _guarded(name: str, setter):
+    @functools.wraps(setter)
+    def call(*args, **kwargs):
+        wire, thread = _armed, threading.current_thread()
+        if wire is not None and thread is not threading.main_thread():
+            wire.trip(name, thread)
+        return setter(*args, **kwargs)
+
+    return call
+
+
+class _Wrapping:
+    """The setters of GUARDED replaced by wrappers wherever a loaded module holds them, and put
+    back by `undo`. A guarded module not yet imported is wrapped once it has run, before any module
+    that imports it can copy a setter: importing transformers and accelerate up front would cost
+    every command a second (`fleetrl verify`, `status` and `model` load neither)."""
+
+    def __init__(self) -> None:
+        self.wrapped: list[tuple[str, object, object]] = []  # (name, setter, its wrapper)
+        self.pending = {module for module, _ in GUARDED if module not in sys.modules}
+
+    def wrap(self, module: types.ModuleType) -> None:
+        for module_name, name in GUARDED:
+            if module_name == module.__name__:
+                setter = getattr(module, name)
+                wrapper = _guarded(f"{module_name}.{name}", setter)
+                self.wrapped.append((name, setter, wrapper))
+                _replace(name, setter, wrapper)
+
+    def find_spec(self, fullname, path, target=None):
+        """A meta path finder for the pending modules: the spec the other finders give, whose
+        loader wraps the module's setters once it has run."""
+        if fullname not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *_: None)(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module, run=run):
+                    run(module)
+                    self.pending.discard(fullname)
+                    self.wrap(module)
+
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+    def undo(self) -> None:
+        """The setters back, in every module that holds a wrapper (those that copied one since
+        too). One that another library wrapped meanwhile (torch._dynamo wraps torch.manual_seed)
+        keeps calling a wrapper, which does nothing more once disarmed."""
+        for name, setter, wrapper in reversed(self.wrapped):
+            _replace(name, wrapper, setter)
+
+
+def _replace(name: str, old, new) -> None:
+    """`new` for `old` as `name` in every loaded module."""
+    for holder in list(sys.modules.values()):
+        if isinstance(holder, types.ModuleType) and holder.__dict__.get(name) is old:
+            setattr(holder, name, new)
+
+
+@contextlib.contextmanager
+def armed(enabled: bool) -> Iterator[Tripwire]:
+    """Every setter in GUARDED wrapped while inside (when `enabled`; from the main thread, before
+    the command starts its threads); yields the Tripwire that records the offences."""
+    global _armed
+    wire = Tripwire()
+    if not enabled:
+        yield wire
+        return
+    if threading.current_thread() is not threading.main_thread() or _armed is not None:
+        raise RuntimeError("the tripwire is armed once, from the main thread")
+    wrapping = _Wrapping()
+    for module_name in {module for module, _ in GUARDED} - wrapping.pending:
+        wrapping.wrap(sys.modules[module_name])
+    sys.meta_path.insert(0, wrapping)
+    _armed = wire
+    try:
+        yield wire
+    finally:
+        _armed = None
+        sys.meta_path.remove(wrapping)
+        wrapping.undo()
