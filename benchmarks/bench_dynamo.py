@@ -35,7 +35,7 @@ from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
-from fleetrl.versions import run_id
+from fleetrl.versions import new_run_id
 from fleetrl.weights.factory import make_transport
 
 
@@ -82,14 +82,14 @@ async def main(args) -> None:
 def compared_fleets(compare: str, model_dir: Path, tmp: Path) -> dict[str, Fleet]:
     def dynamo(name: str, **fields) -> Fleet:
         config = InferenceConfig(provider="dynamo", workers=1, vllm=VllmConfig(max_model_len=512), **fields)
-        return Fleet(DynamoProvider(config, model_dir, tmp / name), pause_mode=config.resolved_pause_mode(),
-                     discovery_interval_s=3600)
+        provider = DynamoProvider(config, model_dir, tmp / name, new_run_id())
+        return Fleet(provider, pause_mode=config.resolved_pause_mode(), discovery_interval_s=3600)
 
     if compare == "worker-kind":
         return {"fleetrl kind": dynamo("fleetrl-kind", dynamo=DynamoConfig(worker="fleetrl")),
                 "Dynamo kind": dynamo("dynamo-kind")}
     native = VllmProvider(InferenceConfig(workers=1, vllm=VllmConfig(max_model_len=512)), model_dir,
-                          tmp / "native", secrets.token_urlsafe(16), secrets.token_urlsafe(16), run_id(tmp))
+                          tmp / "native", secrets.token_urlsafe(16), secrets.token_urlsafe(16), new_run_id())
     return {"Dynamo": dynamo("dynamo"), "native": Fleet(native, discovery_interval_s=3600)}
 
 

@@ -46,7 +46,7 @@ from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.model import resolve_model
 from fleetrl.trainer.model import agreement_probe, prompt_logprobs
-from fleetrl.versions import run_id
+from fleetrl.versions import new_run_id
 from fleetrl.weights.broadcast import group as bgroup
 from fleetrl.weights.factory import make_transport
 
@@ -182,7 +182,7 @@ async def bench_lora(model_dir: Path, model: torch.nn.Module, args, tmp: Path) -
     adapter_bytes = sum(t.numel() * t.element_size() for _, t in adapter)
     config = InferenceConfig(workers=args.workers, vllm=VllmConfig(max_model_len=512))
     provider = VllmProvider(config, model_dir, tmp / "lora-logs", secrets.token_urlsafe(16), secrets.token_urlsafe(16),
-                            run_id(tmp / "lora"), adapter=lora.spec)
+                            new_run_id(), adapter=lora.spec)
     fleet = Fleet(provider, discovery_interval_s=3600)
     await fleet.start()
     try:
@@ -336,7 +336,7 @@ async def bench_full_model_fleet(model_dir: Path, tokenizer, model: torch.nn.Mod
         apply_core_plan(run_config, log=lambda line: None)
     config = run_config.inference
     bind = config.vllm.omp_threads_bind
-    provider = VllmProvider(config, model_dir, tmp / "logs", token, secrets.token_urlsafe(16), run_id(tmp))
+    provider = VllmProvider(config, model_dir, tmp / "logs", token, secrets.token_urlsafe(16), new_run_id())
     fleet = Fleet(provider, discovery_interval_s=3600)
     await fleet.start()
     try:

@@ -150,8 +150,8 @@ class DynamoConfig(Section):
     )
     namespace: str | None = Field(
         None, description="Dynamo namespace of the launched frontend and workers (DYN_NAMESPACE); unset = "
-        "fleetrl-<8 hex digits of the run's id (its host and run directory)>, one per run, so that runs sharing an etcd never "
-        "see each other's workers.",
+        "fleetrl-<the run's id (drawn at its first start, kept in its run directory)>, one per run, so that runs "
+        "sharing an etcd never see each other's workers.",
     )
     components: list[str] = Field(
         default_factory=lambda: ["backend", "prefill"],

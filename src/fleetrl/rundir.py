@@ -26,8 +26,10 @@
                              event_plane = nats)
       fleet.json             where a running run's fleet is (provider, endpoints), for `fleetrl status`
       tokens.json            the run's admin and data tokens, mode 0600 (never in the manifest)
+      run_id                 the run's identity in its workers' labels and claims: drawn at
+                             random at its first start, read back by every later one
       manifest.json          every artifact above (but logs, wandb, weights, dynamo-discovery,
-                             etcd, nats, fleet.json, tokens.json) with its sha256
+                             etcd, nats, fleet.json, tokens.json, run_id) with its sha256
       .lock                  locked (flock) by the run using the directory; holds its pid
 
 One run at a time: `RunDir.start` locks the directory for the whole run (a second fleetrl on it
@@ -61,7 +63,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import eval_plot, off_policy_plot, reward_plot, timeline_plot
 from fleetrl.records import EvalLine, FleetEvent, RolloutRecord, StepLine, event_to_dict, read, read_event
-from fleetrl.versions import off_policy_distance
+from fleetrl.versions import is_run_id, new_run_id, off_policy_distance
 
 MANIFEST = "manifest.json"
 # logs change after the fact, and so may W&B's files (its own process writes them); weights/
@@ -69,7 +71,10 @@ MANIFEST = "manifest.json"
 # launched Dynamo deployment's live registry, emptied as its processes stop.
 # fleet.json and tokens.json describe the live fleet (and hold its secrets).
 # etcd/ and nats/ are the stores of an etcd and a NATS launched for Dynamo, live until the fleet stops.
-UNLISTED = ("logs", "wandb", "weights", "dynamo-discovery", "kv-store", "etcd", "nats", "fleet.json", "tokens.json")
+# run_id is written by the first resume of a run from before run ids were kept: a finished run
+# whose resume then fails still matches its manifest.
+UNLISTED = ("logs", "wandb", "weights", "dynamo-discovery", "kv-store", "etcd", "nats", "fleet.json", "tokens.json",
+            "run_id")
 STEP_PREFIX = "step_"
 LOCK = ".lock"  # a dot-file: never an artifact of the manifest
 
@@ -187,6 +192,8 @@ class RunDir:
         self.verifiers_episodes_path = self.root / "verifiers_episodes.jsonl"
         self.fleet_path = self.root / "fleet.json"
         self.tokens_path = self.root / "tokens.json"
+        self.run_id_path = self.root / "run_id"
+        self._run_id: str | None = None  # read or drawn once (`run_id`)
         self.batches_dir = self.root / "batches"
         self.rollouts_dir = self.root / "rollouts"
         self.eval_dir = self.root / "eval"  # each evaluation's records, by version (step_N: version N)
@@ -232,6 +239,7 @@ class RunDir:
                                    f"choose an empty or new folder")
             if resume and self.config_path.exists():
                 self._check_resume_keeps_the_run(config)
+            self.run_id()  # one the directory holds is checked before anything is written
             # Steps after the checkpoint are redone: drop their batches, rollouts, metric lines
             # and verifiers episodes. Each rewrite is synced to disk before it replaces the file.
             for folder in (self.batches_dir, self.rollouts_dir, self.eval_dir):
@@ -248,11 +256,39 @@ class RunDir:
             if self.events_path.exists():  # the timeline keeps what happened, the redone steps too
                 self._events.close()  # its next line goes to the file written here, not the one replaced
                 atomic_write(self.events_path, json_lines([event_to_dict(e) for e in events]), durable=True)
+            self.record_run_id()
             atomic_write(self.config_path, config_text, durable=True)
             fsync_dir(self.root)
         except BaseException:
             self.close()
             raise
+
+    def run_id(self) -> str:
+        """The run's identity in its workers' labels and claims (versions.Label): drawn at random
+        for its first start and kept in the directory (`record_run_id`), so every resume reads it
+        back (and takes back the workers the run held), and no other run has it. A directory
+        that holds none yet (a new run, or one from before run ids were kept) gets one drawn
+        here, the same for every call on this RunDir: the fleet labels the workers with it
+        before `start` writes it."""
+        if self._run_id is None:
+            self._run_id = self._recorded_run_id() or new_run_id()
+        return self._run_id
+
+    def record_run_id(self) -> None:
+        """Keep `run_id` in the directory, written whole, unless it holds it already (`start`).
+        It replaces one that another start wrote since this RunDir drew its own: the file names
+        the run whose fleet labels the workers."""
+        if self._recorded_run_id() != self.run_id():
+            atomic_write(self.run_id_path, self.run_id() + "\n", durable=True)
+
+    def _recorded_run_id(self) -> str | None:
+        if not self.run_id_path.exists():
+            return None
+        run = self.run_id_path.read_text().strip()
+        if not is_run_id(run):
+            raise FleetrlError(f"{self.run_id_path}: {run[:80]!r} is not a run id (ASCII letters and digits, "
+                               "up to 64): remove the file to give the run a new one")
+        return run
 
     def _not_a_run(self) -> str | None:
         """Why a directory that is not empty holds no fleetrl run; None if it holds one, or

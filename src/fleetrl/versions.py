@@ -7,10 +7,8 @@ off-policy distance of a sample trained at step `n` is `(n - 1) - min(span versi
 
 from __future__ import annotations
 
-import hashlib
-import socket
+import secrets
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -56,11 +54,12 @@ class Label:
     run: str
 
 
-def run_id(run_dir: Path) -> str:
-    """A run's identity in its workers' labels and claims: the same for every start of one run
-    directory on one host (a resume takes back what it left), different for any other."""
-    where = f"{socket.gethostname()}\n{Path(run_dir).resolve()}"
-    return hashlib.sha256(where.encode()).hexdigest()[:12]
+def new_run_id() -> str:
+    """A new run's identity in its workers' labels and claims: 16 random hex digits, so no two
+    runs share one, whatever their hosts and run directories say (two containers with one
+    hostname and the default runs/default once did). The run directory keeps it for every later
+    start of the run (`RunDir.run_id`)."""
+    return secrets.token_hex(8)
 
 
 def version_label(version: int, run: str) -> str:
@@ -75,6 +74,8 @@ def incomplete_label(version: int, run: str) -> str:
 
 
 def is_run_id(run: str) -> bool:
+    """What a label's or a claim's run may be: ASCII letters and digits, up to 64 (`new_run_id`'s
+    hex digits, and the 12 of runs from before run ids were drawn)."""
     return 0 < len(run) <= 64 and run.isascii() and run.isalnum()
 
 

@@ -33,7 +33,7 @@ from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.processes import stop_all
 from fleetrl.rundir import RunDir
 from fleetrl.trainer.model import prompt_logprobs
-from fleetrl.versions import VersionSpan, run_id
+from fleetrl.versions import VersionSpan
 from fleetrl.weights.filesystem import sender as filesystem
 from fleetrl.weights.checksum import checksum_of
 from fleetrl.weights.factory import make_transport
@@ -57,8 +57,11 @@ def agreement(base_weights, probe, version: int | None) -> AgreementProbe:
 
 
 def provider_of(urls: list[str], model_dir: Path, run_dir: Path) -> VllmProvider:
-    """An attached coordinator's provider, as run `run_dir`'s (versions.run_id)."""
-    return VllmProvider(InferenceConfig(urls=urls), model_dir, run_dir, ADMIN, DATA, run_id(run_dir))
+    """An attached coordinator's provider, as run `run_dir`'s (its run id, which the first one
+    writes there as a run's first start does, and a resumed one reads back)."""
+    run = RunDir(run_dir)
+    run.record_run_id()
+    return VllmProvider(InferenceConfig(urls=urls), model_dir, run_dir, ADMIN, DATA, run.run_id())
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -16,7 +16,7 @@ from fleetrl.config import DynamoConfig, InferenceConfig, VllmConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
-from fleetrl.versions import VersionSpan
+from fleetrl.versions import VersionSpan, new_run_id
 from fleetrl.weights.factory import make_transport
 
 from .conftest import chat_ids, model_with, perturbed, running
@@ -33,7 +33,7 @@ async def pd_fleet(model_dir, tmp_path_factory):
     config = InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl", prefill_workers=1), workers=1,
                              vllm=VllmConfig(max_model_len=768), admin_timeout_s=120, startup_timeout_s=900,
                              admin_token="pd-admin-token")
-    provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-pd-run"))
+    provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-pd-run"), new_run_id())
     async with running(Fleet(provider, pause_mode=config.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
         yield fleet
 

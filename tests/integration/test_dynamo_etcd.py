@@ -30,7 +30,7 @@ from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.processes import listening_ports, running_groups
 from fleetrl.records import WorkerEvent
-from fleetrl.versions import VersionSpan
+from fleetrl.versions import VersionSpan, new_run_id
 from fleetrl.weights.factory import make_transport
 
 from .conftest import ROOT, chat_ids, model_with, perturbed
@@ -126,7 +126,7 @@ async def attached(deployment, model_dir, tmp_path_factory):
     record = deployment.record
     config = InferenceConfig(provider="dynamo", admin_timeout_s=120,
                              dynamo=DynamoConfig(frontend_url=record["frontend_url"], rl_url=record["rl_url"]))
-    provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("attached-run"))
+    provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("attached-run"), new_run_id())
     transport = make_transport("broadcast", host="127.0.0.1", bucket_bytes=32 << 20,
                                storage_dir=tmp_path_factory.mktemp("weights"))
     logs, events = [], []

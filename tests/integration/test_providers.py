@@ -46,7 +46,7 @@ from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import Episode, EpisodeLimits, run_episode
 from fleetrl.rundir import RunDir, check_turns
 from fleetrl.trainer.model import prompt_logprobs
-from fleetrl.versions import VersionSpan, off_policy_distance, run_id
+from fleetrl.versions import VersionSpan, new_run_id, off_policy_distance
 from fleetrl.weights.factory import make_transport
 
 from .conftest import chat_ids, greedy, greedy_response, model_with, perturbed, running
@@ -82,7 +82,7 @@ async def fleet(request, model_dir, tmp_path_factory):
     # core plan gives the workers (two workers: one CPU each).
     config = Config(inference=inference, run=RunConfig(dir=tmp_path_factory.mktemp(request.param)))
     apply_core_plan(config, log=lambda line: None)
-    provider = build_provider(config, model_dir, Tokens(admin=TOKEN, data=DATA_TOKEN))
+    provider = build_provider(config, RunDir(config.run.dir), model_dir, Tokens(admin=TOKEN, data=DATA_TOKEN))
     async with running(Fleet(provider, pause_mode=inference.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
         yield fleet
 
@@ -241,7 +241,7 @@ async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, mod
     assert sorted(fleet.provider.attach_settings()["urls"]) == sorted(urls)
     config = InferenceConfig(urls=urls)
     run_dir = RunDir(tmp_path / "run")
-    provider = VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN, run_id(run_dir.root))
+    provider = VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN, run_dir.run_id())
     transport = transport_for("broadcast", tmp_path_factory)
     refused = Fleet(provider, discovery_interval_s=3600, log=lambda *_: None)
     with pytest.raises(FleetrlError, match=rf"no inference worker became ready: .*held by another fleetrl run, "
@@ -250,7 +250,7 @@ async def test_attach_mode_and_status_see_the_same_workers(fleet, tokenizer, mod
             await refused.start(base_weights_of(provider, model_dir, transport))
     await refused.close()
     await asyncio.sleep(CLAIM_LEASE_S + 0.5)  # the module fleet's claim lapses
-    provider = VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN, run_id(run_dir.root))
+    provider = VllmProvider(config, model_dir, tmp_path, TOKEN, DATA_TOKEN, run_dir.run_id())
     logs = []
     attached = Fleet(provider, discovery_interval_s=3600, log=logs.append)
     await start_recorded(attached, run_dir, base_weights_of(provider, model_dir, transport))
@@ -404,7 +404,7 @@ async def test_attached_workers_a_previous_run_left_at_vn_are_refitted_with_the_
     weights (checksum of every rank, then the agreement probe)."""
     assert fleet.version > 0 and all(w.version == fleet.version for w in fleet.workers.values())
     urls = [w.admin_url for w in fleet.workers.values()]
-    provider = VllmProvider(InferenceConfig(urls=urls), model_dir, tmp_path, TOKEN, DATA_TOKEN, run_id(tmp_path))
+    provider = VllmProvider(InferenceConfig(urls=urls), model_dir, tmp_path, TOKEN, DATA_TOKEN, new_run_id())
     logs = []
     attached = Fleet(provider, discovery_interval_s=3600, log=logs.append)
     transport = transport_for("broadcast", tmp_path_factory)

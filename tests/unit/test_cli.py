@@ -277,7 +277,7 @@ def test_inference_on_a_live_runs_directory_is_refused_before_anything_starts(tm
         async def start(self, base):
             started.append(base)
 
-    monkeypatch.setattr(inference, "build_fleet", lambda config: (Unstarted(), tmp_path))
+    monkeypatch.setattr(inference, "build_fleet", lambda config, run_dir: (Unstarted(), tmp_path))
     live = RunDir(tmp_path / "run")
     live.lock()
     try:

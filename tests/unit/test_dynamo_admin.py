@@ -15,6 +15,7 @@ from fleetrl.engine.dynamo_worker import _answering_checksums
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo import launcher
 from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerControl
+from fleetrl.rundir import RunDir
 
 
 class Started(Exception):
@@ -62,20 +63,20 @@ def test_a_token_set_for_dynamo_is_refused_naming_the_field(tmp_path, field, kin
     config = Config(inference=InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker=kind), **{field: "secret"}),
                     run=RunConfig(dir=tmp_path))
     with pytest.raises(ConfigError, match=f"inference.{field} set with inference.provider = 'dynamo'"):
-        build_provider(config, None, Tokens(None, None))
+        build_provider(config, RunDir(tmp_path), None, Tokens(None, None))
 
 
 def test_fleetrls_worker_kind_takes_the_admin_token_and_gives_it_to_its_workers_by_environment(tmp_path):
     config = Config(inference=InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl")),
                     run=RunConfig(dir=tmp_path))
-    provider = build_provider(config, None, Tokens("the-admin-token", None))
+    provider = build_provider(config, RunDir(tmp_path), None, Tokens("the-admin-token", None))
     assert provider.admin_token == "the-admin-token"
     assert provider.attach_settings()["admin_token"] == "the-admin-token"  # for fleetrl status RUN_DIR (tokens.json)
     env = launcher.worker_env(provider.config, tmp_path)
     assert env[ADMIN_TOKEN_ENV] == "the-admin-token"
     assert not any("the-admin-token" in arg for arg in launcher.worker_argv(tmp_path, provider.config, tmp_path, False))
-    own = build_provider(Config(inference=InferenceConfig(provider="dynamo"), run=RunConfig(dir=tmp_path)), None,
-                         Tokens("the-admin-token", None))
+    own = build_provider(Config(inference=InferenceConfig(provider="dynamo"), run=RunConfig(dir=tmp_path)),
+                         RunDir(tmp_path), None, Tokens("the-admin-token", None))
     assert own.admin_token is None and ADMIN_TOKEN_ENV not in launcher.worker_env(own.config, tmp_path)
 
 
@@ -162,7 +163,8 @@ async def test_an_instance_a_launched_deployment_did_not_launch_is_refused_befor
     from fleetrl.inference.types import WorkerInfo
 
     logged = []
-    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, log=logged.append)
+    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, "r1",
+                                              log=logged.append)
 
     class Deployment:
         def live_worker_at(self, admin_url):
@@ -191,7 +193,7 @@ async def test_admin_clients_no_worker_needs_are_closed(tmp_path, monkeypatch):
     from fleetrl.inference.dynamo import provider as dynamo_provider
     from fleetrl.inference.types import WorkerInfo
 
-    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path,
+    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, "r1",
                                               log=lambda line: None)
     provider._rl_url = "http://rl"
     listed = []
@@ -240,7 +242,7 @@ async def test_a_request_through_the_adapter_refused_by_a_pause_is_sent_again_on
             pass
 
     def provider_with(adapter):
-        provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path,
+        provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, "r1",
                                                   log=logged.append, adapter=adapter)
         provider._data = NoData()
         admin = provider.admin(worker)
@@ -285,7 +287,7 @@ async def test_a_lora_runs_worker_is_left_out_of_discovery_until_it_serves_the_a
     from fleetrl.lora import ADAPTER_NAME, AdapterSpec
 
     logged, loads, smokes = [], [], []
-    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path,
+    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, "r1",
                                               log=logged.append,
                                               adapter=AdapterSpec(rank=8, alpha=16.0, target_modules=("q_proj",)))
 
@@ -349,7 +351,7 @@ async def test_a_killed_worker_is_replaced_even_while_its_process_is_still_exiti
     async def listed(*args):
         return [WorkerInfo(id="7", data_url="http://f", admin_url="http://127.0.0.1:9001")]
 
-    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path,
+    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, "r1",
                                               log=logged.append)
     provider.deployment, provider._rl_url = Deployment(), "http://rl"
     monkeypatch.setattr(dynamo_provider, "list_rl_workers", listed)

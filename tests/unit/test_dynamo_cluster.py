@@ -12,6 +12,7 @@ from fleetrl.inference.dynamo import cluster
 from fleetrl.inference.dynamo.cluster import (ClusterService, ClusterServices, etcd_argv, find_binary, launches_etcd,
                                               launches_nats, nats_argv)
 from fleetrl.inference.dynamo.launcher import deployment_env, frontend_env, worker_env
+from fleetrl.rundir import RunDir
 
 
 def dynamo(*flags: tuple[str, str]):
@@ -88,14 +89,16 @@ def test_etcd_and_nats_listen_on_loopback_only(tmp_path):
 
 def test_each_run_launches_dynamo_in_a_namespace_of_its_own(tmp_path):
     """Two runs on one etcd with one namespace each listed the other's workers, and put them in
-    their own fleet (issue 27, item 3). Unset, the namespace is the run's own, and the same on
-    resume; a namespace set is kept."""
+    their own fleet (issue 27, item 3). Unset, the namespace is the run's own (of its run id), and
+    the same on resume; a namespace set is kept."""
     from fleetrl.inference.dynamo.provider import DynamoProvider
 
     def namespace(run_dir, *flags):
         inference = load_config([], [("inference.provider", "dynamo"), *flags]).inference
-        return deployment_env(DynamoProvider(inference, tmp_path, run_dir).config, tmp_path)["DYN_NAMESPACE"]
+        provider = DynamoProvider(inference, tmp_path, run_dir, RunDir(run_dir).run_id())
+        return deployment_env(provider.config, tmp_path)["DYN_NAMESPACE"]
 
+    RunDir(tmp_path / "a").record_run_id()  # as its first start does
     a, b = namespace(tmp_path / "a"), namespace(tmp_path / "b")
     assert a.startswith("fleetrl-") and b.startswith("fleetrl-") and a != b
     assert namespace(tmp_path / "a") == a  # a resume finds its own

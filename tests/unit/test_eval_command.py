@@ -34,7 +34,8 @@ def fake_fleet(monkeypatch):
     fleets = []
     load_tokenizer = AutoTokenizer.from_pretrained
 
-    def build_fleet(config):
+    def build_fleet(config, run_dir):
+        assert run_dir.root == config.run.dir  # OUT's: its run id labels the workers
         fleets.append(Fleet(FakeProvider("w0"), discovery_interval_s=3600, log=lambda line: None))
         return fleets[-1], resolve_model(config.model)
 

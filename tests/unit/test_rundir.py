@@ -213,6 +213,33 @@ def test_a_folder_with_a_config_toml_of_its_own_is_refused_and_left_as_it_was(tm
     again.close()
 
 
+def test_a_resume_keeps_the_runs_id_and_a_run_from_before_ids_were_kept_gets_one_written_once(tmp_path):
+    """The run id (what its workers' labels and claims name) is drawn for a run's first start and
+    read back by every resume (issue 36, item 2). A run an older fleetrl left has none: the fleet
+    is built, labelling the workers, before the start, which then writes that same one, once.
+    The file is no artifact: a finished run whose resume fails still matches its manifest."""
+    run = RunDir(make_run(tmp_path))
+    drawn = run.run_id()
+    assert not run.run_id_path.exists() and RunDir(run.root).run_id() != drawn  # nothing kept yet
+    run.start(load_config([run.config_path], []), resume=3)
+    run.close()
+    assert run.run_id_path.read_text() == drawn + "\n"
+    assert verify_run(run.root)
+    written = run.run_id_path.stat().st_ino
+    resumed = RunDir(run.root)
+    assert resumed.run_id() == drawn
+    resumed.start(load_config([run.config_path], []), resume=2)
+    resumed.close()
+    assert resumed.run_id() == drawn and run.run_id_path.stat().st_ino == written  # not written again
+
+
+def test_a_run_id_file_that_holds_no_run_id_is_refused_naming_it(tmp_path):
+    run = RunDir(make_run(tmp_path))
+    run.run_id_path.write_text("v3@other\n")
+    with pytest.raises(FleetrlError, match=rf"^{re.escape(str(run.run_id_path))}: 'v3@other' is not a run id"):
+        run.start(load_config([run.config_path], []), resume=3)
+
+
 def test_a_finished_run_without_a_checkpoint_is_not_overwritten(tmp_path):
     run = RunDir(make_run(tmp_path))
     with pytest.raises(FleetrlError, match="holds a run without a checkpoint to resume from"):

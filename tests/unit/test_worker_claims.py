@@ -3,9 +3,12 @@ worker is held by one run at a time (engine/worker_claim.py, through the admin m
 
 import asyncio
 import json
+import os
+import socket
 
 import pytest
 
+from fleetrl.config import load_config
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.engine.admin_auth import AdminTokenMiddleware
 from fleetrl.engine.worker_claim import WorkerClaim
@@ -15,7 +18,8 @@ from fleetrl.inference.http import RunClaim
 from fleetrl.inference.provider import WorkerHeldByAnotherRun
 from fleetrl.inference.types import UnversionedTokens, WorkerState, engine_spans
 from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
-from fleetrl.versions import VersionSpan, run_id
+from fleetrl.rundir import RunDir
+from fleetrl.versions import VersionSpan, is_run_id
 
 from .asgi_server import serving
 from .fake_fleet import FakeProvider
@@ -125,9 +129,45 @@ def test_every_token_must_carry_a_version_of_this_run():
         engine_spans("w", "r", [{"version": "v3", "start": 0}], "runA")
 
 
-def test_a_run_is_the_same_on_resume_and_another_directory_is_another_run(tmp_path):
-    assert run_id(tmp_path / "run") == run_id(tmp_path / "run" / ".." / "run")
-    assert run_id(tmp_path / "run") != run_id(tmp_path / "other")
+def new_run(root) -> str:
+    """The run id of a new run started in `root`: what its fleet labels and claims workers with."""
+    run = RunDir(root)
+    run.start(load_config([], []), resume=0)
+    run.close()
+    return run.run_id()
+
+
+def test_two_new_runs_never_share_an_id_whatever_their_host_and_path_say(tmp_path, monkeypatch):
+    """The id was sha256(hostname + resolved run dir): two containers with one hostname and the
+    default runs/default had one, and both held the claim and took each other's labels (issue 36,
+    item 2). Now it is drawn at random at the first start and kept in the run directory."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "container")
+    a = new_run(tmp_path / "a" / "runs" / "default")
+    b = new_run(tmp_path / "b" / "runs" / "default")
+    # runs/default at one path again, once the first run is gone from it (the other container's).
+    os.rename(tmp_path / "a" / "runs" / "default", tmp_path / "a" / "runs" / "moved")
+    c = new_run(tmp_path / "a" / "runs" / "default")
+    assert len({a, b, c}) == 3 and all(is_run_id(run) for run in (a, b, c))
+    assert RunDir(tmp_path / "a" / "runs" / "moved").run_id() == a  # each keeps its own
+
+
+async def test_a_second_run_on_a_worker_claimed_under_another_id_is_refused(worker, tmp_path, monkeypatch):
+    """The two containers' runs of the test above, attached to one worker: the second is refused,
+    naming the first; a resume of the first takes the worker back at once."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "container")
+    first = new_run(tmp_path / "runs" / "default")
+    os.rename(tmp_path / "runs" / "default", tmp_path / "first")
+    second = new_run(tmp_path / "runs" / "default")
+    a, b = admin_of(worker, first), admin_of(worker, second)
+    resumed = admin_of(worker, RunDir(tmp_path / "first").run_id())
+    try:
+        assert await a.health()
+        with pytest.raises(WorkerHeldByAnotherRun, match=f"held by another fleetrl run, {first} "):
+            await b.health()
+        assert await resumed.health()
+    finally:
+        for client in (a, b, resumed):
+            await client.close()
 
 
 async def test_a_fleet_whose_only_worker_another_run_holds_does_not_start_and_says_why(monkeypatch):

@@ -181,13 +181,14 @@ def score(config: Config, checked: EvalPlan) -> dict[str, dict]:
         with tempfile.TemporaryDirectory(dir=out_dir.root, prefix=".model-") as scratch:
             folder = model.folder or export_checkpoint(config, model, Path(scratch) / "model")
             # The launched workers serve that folder and log into OUT, labelled with OUT's run id
-            # (versions.run_id), so a run's own labels on attached workers are never taken for ours.
+            # (RunDir.run_id: OUT is new, so one drawn for this command alone), so a run's own
+            # labels on attached workers are never taken for ours.
             config = config.model_copy(update={"model": config.model.model_copy(update={"path": folder}),
                                                "run": config.run.model_copy(update={"dir": out_dir.root})})
             print(f"fleetrl eval: {model.name} at v{model.version}: {config.eval.prompts} prompt(s) of "
                   f"{', '.join(e.name for e in checked.envs)}, {config.eval.samples_per_prompt} completion(s) each "
                   f"-> {out_dir.root}")
-            fleet, model_dir = build_fleet(config)
+            fleet, model_dir = build_fleet(config, out_dir)
             return asyncio.run(evaluate(config, fleet, model_dir, model.version, checked.envs, out_dir))
     finally:
         out_dir.close()

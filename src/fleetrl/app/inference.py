@@ -17,10 +17,10 @@ DEFAULT_PROMPTS = ["Name three primary colors.", "What is 7 + 5?", "Write the wo
 
 
 async def run_inference(config: Config, prompts: list[str]) -> int:
-    fleet, model_dir = build_fleet(config)  # bad input is refused here, before the directory is touched
     # The run directory holds the workers' logs and the weights' storage: a live run's directory
     # (the default one of `make run`, say) is that run's alone, and this command is refused there.
     run_dir = RunDir(config.run.dir)
+    fleet, model_dir = build_fleet(config, run_dir)  # bad input is refused here, before the directory is touched
     run_dir.lock()
     try:
         return await _sample(config, prompts, fleet, model_dir, run_dir)

@@ -26,7 +26,6 @@ from fleetrl.lora import AdapterSpec
 from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir
 from fleetrl.weights.checksum import checksum_of
-from fleetrl.versions import run_id
 from fleetrl.weights.factory import make_transport
 from fleetrl.weights.target import UpdateTarget
 
@@ -59,8 +58,8 @@ def resolve_tokens(inference: InferenceConfig, *, draw_missing: bool,
 @dataclass(frozen=True)
 class ProviderEntry:
     # (config, run directory, model folder — None when only attaching —, tokens, whether the
-    # provider is a run's: it labels and holds the workers; else it only looks, the LoRA adapter
-    # its workers serve, None: the base model) -> provider
+    # provider is a run's: it labels and holds the workers under the run directory's run id;
+    # else it only looks, the LoRA adapter its workers serve, None: the base model) -> provider
     build: Callable[[Config, RunDir, Path | None, Tokens, bool, AdapterSpec | None], InferenceProvider]
     # What the config lacks to attach to a running fleet, as "fleetrl status needs ..." ends; None: nothing.
     missing_to_attach: Callable[[InferenceConfig], str | None]
@@ -69,7 +68,7 @@ class ProviderEntry:
 def _vllm(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool,
           adapter: AdapterSpec | None) -> VllmProvider:
     return VllmProvider(config.inference, model_dir, run_dir.logs_dir, tokens.admin, tokens.data,
-                        run_id(run_dir.root) if runs else None, adapter=adapter)
+                        run_dir.run_id() if runs else None, adapter=adapter)
 
 
 def _vllm_missing(inference: InferenceConfig) -> str | None:
@@ -98,7 +97,8 @@ def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tok
                           "port\")")
     if fleetrl_kind:
         inference = inference.model_copy(update={"admin_token": tokens.admin})
-    return DynamoProvider(inference, model_dir, run_dir.root, runs=runs, adapter=adapter)
+    return DynamoProvider(inference, model_dir, run_dir.root, run_dir.run_id() if runs else None,
+                          adapter=adapter)
 
 
 def _dynamo_missing(inference: InferenceConfig) -> str | None:
@@ -117,20 +117,23 @@ PROVIDERS: dict[str, ProviderEntry] = {
 }
 
 
-def build_provider(config: Config, model_dir: Path | None, tokens: Tokens, runs: bool = True,
+def build_provider(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool = True,
                    adapter: AdapterSpec | None = None) -> InferenceProvider:
-    """The configured provider; `runs` False: one that only looks at the workers (`fleetrl status`).
-    `adapter`: the LoRA adapter its workers serve requests through (a LoRA run's)."""
-    return PROVIDERS[config.inference.provider].build(config, RunDir(config.run.dir), model_dir, tokens, runs, adapter)
+    """The configured provider, of the run in `run_dir` (config.run.dir: its logs, its run id);
+    `runs` False: one that only looks at the workers (`fleetrl status`). `adapter`: the LoRA
+    adapter its workers serve requests through (a LoRA run's)."""
+    return PROVIDERS[config.inference.provider].build(config, run_dir, model_dir, tokens, runs, adapter)
 
 
-def build_fleet(config: Config, adapter: AdapterSpec | None = None) -> tuple[Fleet, Path]:
+def build_fleet(config: Config, run_dir: RunDir, adapter: AdapterSpec | None = None) -> tuple[Fleet, Path]:
     """The fleet coordinator on the configured provider, and the model folder it serves;
+    `run_dir`: the run directory whose run id labels and holds the workers, the very RunDir
+    that then starts the run (a new run's id is drawn in it, and written by its start);
     `adapter`: the LoRA adapter the workers serve through (`fleetrl rl` of a LoRA run)."""
     model_dir = resolve_model(config.model)
     tokens = resolve_tokens(config.inference, draw_missing=True)
     inference = config.inference
-    fleet = Fleet(build_provider(config, model_dir, tokens, adapter=adapter), pause_mode=inference.resolved_pause_mode(),
+    fleet = Fleet(build_provider(config, run_dir, model_dir, tokens, adapter=adapter), pause_mode=inference.resolved_pause_mode(),
                   discovery_interval_s=inference.discovery_interval_s, health_timeout_s=inference.health_timeout_s,
                   no_worker_timeout_s=inference.no_worker_timeout_s, probe_tolerance=inference.probe_tolerance,
                   max_restarts=inference.max_restarts)

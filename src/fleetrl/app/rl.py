@@ -181,7 +181,8 @@ class RLRun:
             envs, evaluated = check_config(self.config)
             if self.config.run.core_plan != "off":
                 apply_core_plan(self.config, self.log)
-            fleet, self.model_dir = build_fleet(self.config, adapter=self.config.trainer.lora.spec)
+            # Labelled with this RunDir's run id: the one its start writes (a new run's is drawn here).
+            fleet, self.model_dir = build_fleet(self.config, self.run_dir, adapter=self.config.trainer.lora.spec)
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)

@@ -81,7 +81,8 @@ async def run_status(config: Config, run_dir: Path | None = None) -> int:
     if missing:
         raise ConfigError(f"fleetrl status needs {missing}")
     # Only tokens given to it: a fresh one would open nothing.
-    provider = build_provider(config, model_dir=None, tokens=resolve_tokens(config.inference, draw_missing=False),
+    provider = build_provider(config, RunDir(config.run.dir), model_dir=None,
+                              tokens=resolve_tokens(config.inference, draw_missing=False),
                               runs=False)
     try:
         workers = await provider.discover()

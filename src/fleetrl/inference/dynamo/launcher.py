@@ -37,7 +37,6 @@ from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo,
 from fleetrl.lora import ADAPTER_DIR_ENV, AdapterSpec, write_zero_adapter
 from fleetrl.processes import ManagedProcess, free_port, listening_ports, start_process, stop_groups
 from fleetrl.rundir import DeploymentPaths
-from fleetrl.versions import run_id
 
 # Launched workers' names: the kind, then a number.
 WORKER_PREFIX, PREFILL_PREFIX = "dynamo-worker-", "dynamo-prefill-"
@@ -155,10 +154,11 @@ def deployment_env(config: InferenceConfig, discovery_dir: Path,
     return {**env, **cluster_env, **config.dynamo.env}
 
 
-def run_namespace(run_dir: Path) -> str:
-    """The default Dynamo namespace of a run: its own, and the same again on resume. One shared by
-    two runs on one etcd put each run's workers in the other's fleet (issue 27, item 3)."""
-    return f"fleetrl-{run_id(run_dir)[:8]}"
+def run_namespace(run: str) -> str:
+    """The default Dynamo namespace of run `run` (its run id): its own, and the same again on
+    resume. One shared by two runs on one etcd put each run's workers in the other's fleet
+    (issue 27, item 3)."""
+    return f"fleetrl-{run}"
 
 
 def frontend_argv(config: InferenceConfig, http_port: int) -> list[str]:

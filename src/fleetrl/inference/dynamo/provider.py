@@ -38,7 +38,6 @@ from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingP
 from fleetrl.lora import ADAPTER_NAME, AdapterSpec
 from fleetrl.processes import ManagedProcess
 from fleetrl.rundir import DeploymentPaths
-from fleetrl.versions import run_id
 
 # A completion is attributable unless a whole pause-resume happened while it was in flight
 # (on its worker, or on its prefill worker); this many of those in a row means the fleet
@@ -53,18 +52,19 @@ ADAPTER_SMOKE = GenerateRequest(SMOKE_PROMPT, SamplingParams(max_tokens=1, logpr
 class DynamoProvider:
     name = "dynamo"
 
-    def __init__(self, config: InferenceConfig, model_dir: Path, run_dir: Path, log=print, runs: bool = True,
+    def __init__(self, config: InferenceConfig, model_dir: Path, run_dir: Path, run: str | None, log=print,
                  adapter: AdapterSpec | None = None) -> None:
-        """`runs` False: a provider that only looks at the workers (`fleetrl status`): it reads any
-        run's versions and labels nothing. `adapter`: the LoRA adapter its launched workers serve
-        every request through (a LoRA run's)."""
-        if config.dynamo.namespace is None:  # the run's own (launcher.run_namespace)
+        """`run`: the run whose versions label the workers, and which holds them (its run
+        directory's `RunDir.run_id`); None: a provider that only looks at the workers (`fleetrl
+        status`): it reads any run's versions and labels nothing. `adapter`: the LoRA adapter its
+        launched workers serve every request through (a LoRA run's)."""
+        if config.dynamo.namespace is None and run is not None:  # the run's own (launcher.run_namespace)
             config = config.model_copy(update={"dynamo": config.dynamo.model_copy(
-                update={"namespace": run_namespace(run_dir)})})
+                update={"namespace": run_namespace(run)})})
         self.config = config
         self.model_dir = model_dir
         self.run_dir = run_dir
-        self.run = run_id(run_dir) if runs else None  # the run whose versions label the workers
+        self.run = run  # the run whose versions label the workers
         # fleetrl's worker kind takes only calls signed with the admin token; Dynamo's own, none.
         self.admin_token = config.admin_token if config.dynamo.worker == "fleetrl" else None
         if config.dynamo.worker == "fleetrl" and not self.admin_token:

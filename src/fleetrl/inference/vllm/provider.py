@@ -42,7 +42,7 @@ class VllmProvider:
     def __init__(self, config: InferenceConfig, model_dir: Path | None, log_dir: Path, admin_token: str,
                  data_token: str | None, run: str | None, log=print, adapter: AdapterSpec | None = None) -> None:
         """`run`: the run whose versions the workers are labelled with and which holds them
-        (versions.run_id). `data_token` and `run` None: a provider that only reads the workers'
+        (`RunDir.run_id`). `data_token` and `run` None: a provider that only reads the workers'
         state (`fleetrl status`). `adapter`: a LoRA run's adapter, which launched servers are
         started with and every request is served through (attached servers must have been
         started so: docs/quickstart.md)."""
