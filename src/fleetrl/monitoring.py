@@ -47,8 +47,8 @@ def kl_text(kl: float | None) -> str:
 
 
 def dropped_text(line: StepLine) -> str:
-    """Every sample not trained, by reason (off_policy, misversioned, reward_failed, empty,
-    tool_failed, env_failed, filtered), or none."""
+    """Every sample not trained, by reason (off_policy, misversioned, bad_answer, reward_failed,
+    empty, tool_failed, env_failed, filtered), or none."""
     return ", ".join(f"{reason} {count}" for reason, count in line.dropped_by.items()) or "none"
 
 

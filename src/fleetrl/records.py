@@ -167,6 +167,7 @@ class RolloutRecord:
     drop_reason: str | None
     reward_error: str | None
     version_error: str | None
+    answer_error: str | None = None  # why its worker's answer failed a check (drop_reason bad_answer)
     # Multi-turn episodes only: where each model turn lies, how the episode ended and why, and the
     # conversation after the task's messages.
     turns: list[list[int]] | None = None

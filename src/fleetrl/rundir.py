@@ -52,6 +52,7 @@ import json
 import os
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from collections.abc import Callable
 from functools import reduce
@@ -389,6 +390,9 @@ class RunDir:
         """A record file's records, each read by `read_record` (records.py) with its place named."""
         return [read_record(data, f"{path}: record {i}") for i, data in enumerate(read_json_lines(path, self.log), 1)]
 
+    def read_rollouts(self, step: int) -> list[RolloutRecord]:
+        return self._read_records(self.rollouts_path(step), functools.partial(read, RolloutRecord))
+
     def read_eval_records(self, version: int) -> list[RolloutRecord]:
         return self._read_records(self.eval_records_path(version), functools.partial(read, RolloutRecord))
 
@@ -494,7 +498,8 @@ def verify_run(root: Path) -> str:
     if unlisted:
         raise VerifyError(f"{unlisted[0]}: an artifact the manifest does not list")
 
-    k = load_config([run_dir.config_path], []).orchestrator.max_off_policy_steps
+    orchestrator = load_config([run_dir.config_path], []).orchestrator
+    k = orchestrator.max_off_policy_steps
     metrics = run_dir.read_metrics()
     if not metrics:
         raise VerifyError("metrics.jsonl has no step")
@@ -504,6 +509,7 @@ def verify_run(root: Path) -> str:
     samples = 0
     for line in metrics:
         batch = run_dir.read_batch(line.step)
+        check_groups(run_dir, batch.step, orchestrator.group_size)
         for i, sample in enumerate(batch.samples):
             if sample.turns is not None:
                 check_turns(f"step {batch.step}: sample {i}", sample)
@@ -526,6 +532,19 @@ def eval_summary(figures: dict[str, dict]) -> str:
     """An evaluation's figures in a line: each environment's reward and pass@1."""
     return ", ".join(f"{name} reward {f['reward_mean']:.3f} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
                      else f"{name} nothing scored" for name, f in figures.items())
+
+
+def check_groups(run_dir: RunDir, step: int, group_size: int) -> None:
+    """Every group step `step` sampled holds `group_size` samples, trained or dropped (its
+    rollouts): a worker's answer with an extra choice once trained as a group of 5 at group
+    size 4, its advantages taken over five."""
+    sampled = Counter(record.group for record in run_dir.read_rollouts(step))
+    if not sampled:
+        raise VerifyError(f"step {step}: no rollouts ({run_dir.rollouts_path(step)})")
+    for group, size in sorted(sampled.items()):
+        if size != group_size:
+            raise VerifyError(f"step {step}: group {group} holds {size} samples, not orchestrator.group_size = "
+                              f"{group_size}")
 
 
 def check_eval(run_dir: RunDir, version: int) -> None:

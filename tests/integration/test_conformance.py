@@ -9,18 +9,27 @@ The cases ride on the operator's two servers (deployments.py), which test_weight
 and test_kill_points.py use too, with one in-process coordinator attached to them. Class (e),
 prompts lost on resume, rides on the kill-point sequence's run (test_kill_points.py calls
 `check_no_prompt_lost_or_repeated` on it): it needs a run killed and resumed, which that
-sequence already is.
+sequence already is. Class (f), answers corrupted on their way to fleetrl, puts a rewriting
+reverse proxy in front of the same two servers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import json
+import math
+import re
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 import torch
+from aiohttp import web
+
+from fleetrl import admin_signature
 
 from fleetrl.app.checks import run_environments
 from fleetrl.app.providers import base_weights as base_weights_of
@@ -30,6 +39,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import AgreementProbe, Fleet, WeightSource
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
+from fleetrl.orchestrator.rollouts import Orchestrator, Scored
 from fleetrl.processes import stop_all
 from fleetrl.rundir import RunDir
 from fleetrl.trainer.model import prompt_logprobs
@@ -213,3 +223,141 @@ def check_no_prompt_lost_or_repeated(run_dir: Path, steps: int) -> None:
         for task in tasks:
             assert task not in seen, f"task {task} trained at steps {seen[task]} and {step}"
             seen[task] = step
+
+
+class RewritingProxy:
+    """A reverse proxy in front of one real server's data route, which rewrites the next answer
+    of /inference/v1/generate that passes through it (`rewrite`, shared by every proxy of a
+    test: whichever worker the fleet picks, its answer is the one changed) and passes the rest
+    on as they are. It answers the data request's nonce for its own address, as the server does
+    for an address an operator declares it is reached at (ADMIN_AUTHORITIES_ENV): that proof
+    covers the nonce and the address, not the body, so what the proxy changes reaches fleetrl."""
+
+    def __init__(self, upstream: str, rewrites: list) -> None:
+        self.upstream = upstream
+        self.rewrites = rewrites
+        self._http = httpx.AsyncClient(timeout=120)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._relay)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self.url
+
+    async def _relay(self, request: web.Request) -> web.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        answer = await self._http.request(request.method, f"{self.upstream}{request.rel_url}", headers=headers,
+                                          content=await request.read())
+        body = answer.content
+        if request.path == "/inference/v1/generate" and answer.status_code == 200 and self.rewrites:
+            changed = json.loads(body)
+            self.rewrites.pop(0)(changed)
+            body = json.dumps(changed).encode()
+        out = {k: v for k, v in answer.headers.items() if k.lower() not in (
+            "content-length", "content-encoding", "transfer-encoding", "connection", admin_signature.PROOF_HEADER)}
+        if nonce := request.headers.get(admin_signature.NONCE_HEADER):
+            out[admin_signature.PROOF_HEADER] = admin_signature.nonce_proof(ADMIN, nonce, self.url.removeprefix("http://"))
+        return web.Response(status=answer.status_code, body=body, headers=out)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+def nan_logprob(answer):
+    answer["choices"][0]["logprobs"]["content"][1]["logprob"] = math.nan
+
+
+def token_id_out_of_range(answer):
+    answer["choices"][0]["token_ids"][1] = 10**9
+
+
+def extra_choice(answer):
+    answer["choices"].append(copy.deepcopy(answer["choices"][0]))
+
+
+def missing_logprob(answer):
+    answer["choices"][0]["logprobs"]["content"].pop()
+
+
+def spans_not_at_0(answer):
+    answer["choices"][0]["weight_versions"][0]["start"] = 1
+
+
+# Each way a proxy between a run and its server corrupted (or could corrupt) one answer, and
+# what the fleet says of the sample.
+CORRUPTIONS = {
+    "a NaN logprob": (nan_logprob, r"logprob 1 of 4 is nan, not a finite number"),
+    "a token id of 10**9": (token_id_out_of_range, r"token 1 of 4 is 1000000000, not an id in the model's vocabulary"),
+    "an extra choice": (extra_choice, r"2 choices for the 1 requested"),
+    "a missing logprob": (missing_logprob, r"3 logprobs for 4 tokens"),
+    "spans not starting at 0": (spans_not_at_0, r"malformed version spans"),
+}
+
+
+@contextlib.asynccontextmanager
+async def behind_proxies(fleet, rewrites: list):
+    """Every worker's data requests through a RewritingProxy of its own; admin calls go straight."""
+    proxies = [RewritingProxy(w.admin_url, rewrites) for w in fleet.workers.values()]
+    try:
+        for worker, proxy in zip(fleet.workers.values(), proxies):
+            worker.data_url = await proxy.start()
+        yield
+    finally:
+        for worker, proxy in zip(fleet.workers.values(), proxies):
+            worker.data_url = worker.admin_url
+            await proxy.close()
+
+
+def short(tokenizer) -> GenerateRequest:
+    return GenerateRequest(story(tokenizer), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("case", CORRUPTIONS)
+async def test_f_a_corrupted_answer_drops_its_sample_and_counts_against_its_worker(attached, tokenizer, case):
+    """(f) A worker's answer corrupted on its way (issue 36, item 4): a NaN logprob ended a run
+    ("loss is nan"), a token id of 10**9 ended one with an IndexError, an extra choice trained as
+    a group of 5. A real server's answer, rewritten by a proxy in front of it: the sample is a
+    bad one (`bad_answer`, never trained), counted against the worker that answered, which stays
+    in the fleet, and the next request is served as ever."""
+    fleet, _, _ = attached
+    rewrite, why = CORRUPTIONS[case]
+    before = dict(fleet.bad_answers)
+    async with behind_proxies(fleet, [rewrite]):
+        (out,) = await fleet.generate(short(tokenizer))
+        assert re.match(rf"^worker {re.escape(out.worker_id)}: generate {out.request_id}: {why}", out.answer_error or ""), out
+        assert out.token_ids == [] and out.spans == []
+        assert Orchestrator.unusable(Scored(None, [], out, "", None)) == "bad_answer"
+        assert fleet.bad_answers[out.worker_id] == before.get(out.worker_id, 0) + 1
+        assert all(w.state == WorkerState.READY for w in fleet.workers.values())
+        (after,) = await fleet.generate(short(tokenizer))
+    assert after.answer_error is None and len(after.token_ids) == 4 and after.spans == [VersionSpan(fleet.version, 0)]
+
+
+async def test_f_an_answer_relabelled_with_another_runs_version_is_sampled_again(attached, tokenizer):
+    """(f) The same proxy labels an answer with another run's version: no sample of it is kept;
+    its worker, which seems to hold another run's weights, is stale until a refit (counted
+    against it the strongest way), the request is served by the other worker, and nothing
+    crashes."""
+    fleet, _, _ = attached
+    seen = []
+
+    def foreign_label(answer):
+        for span in answer["choices"][0]["weight_versions"]:
+            seen.append(span["version"])
+            span["version"] = f"v{fleet.version}@otherrun"
+
+    async with behind_proxies(fleet, [foreign_label]):
+        (out,) = await fleet.generate(short(tokenizer))
+    (stale,) = [w for w in fleet.workers.values() if w.state == WorkerState.STALE]
+    assert seen and "run otherrun's, not this run's" in stale.error
+    assert out.worker_id != stale.id and out.answer_error is None and out.spans == [VersionSpan(fleet.version, 0)]
+    await fleet.refresh()
+    assert all(w.state == WorkerState.READY and w.version == fleet.version for w in fleet.workers.values())

@@ -135,7 +135,7 @@ def test_status_reads_each_discovered_worker_through_the_provider(monkeypatch, c
 
 
 def test_attach_to_unreachable_url_fails_clearly(tmp_path, capsys):
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"vocab_size": 8}')  # read as the provider is built (answers.vocab_size)
     assert main(["inference", "--model.path", str(tmp_path), "--inference.urls", '["http://127.0.0.1:9"]']) == 1
     err = capsys.readouterr().err.strip()
     assert err == "fleetrl: error: inference.urls: cannot reach http://127.0.0.1:9 (no answer on /health)"

@@ -14,7 +14,7 @@ from fleetrl.batch import Batch, Sample
 from fleetrl.config import load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write
-from fleetrl.records import FenceEvent, RecordError, SampleEvent
+from fleetrl.records import FenceEvent, RecordError, RolloutRecord, SampleEvent
 from fleetrl.rundir import RunDir, VerifyError, step_name, step_of, verify_run
 from fleetrl.versions import VersionSpan
 
@@ -26,7 +26,16 @@ def sample(spans):
                   spans=[VersionSpan(v, s) for v, s in spans], reward=1.0, advantage=0.5, group=0)
 
 
+def rollout(step, group, trained):
+    return RolloutRecord(step=step, group=group, task=f"t{group}", env="fake", completion="x", reward=1.0,
+                         advantage=0.5, worker="vllm-0", completion_tokens=3, prefill_worker=None, spans=[[0, 0]],
+                         distance=0, trained=trained, drop_reason=None if trained else "empty", reward_error=None,
+                         version_error=None)
+
+
 def make_run(tmp_path, k=1, steps=3):
+    """A finished run of `steps` steps, each of one group of 4 samples (the default group size),
+    one of them trained."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.toml").write_text(to_toml(load_config([], [("orchestrator.max_off_policy_steps", str(k))])))
@@ -34,6 +43,7 @@ def make_run(tmp_path, k=1, steps=3):
     for step in range(1, steps + 1):
         oldest = max(0, step - 1 - k)
         RunDir(run).write_batch(Batch(step, [sample([(oldest, 0), (step - 1, 2)])]))
+        RunDir(run).write_rollouts(step, [rollout(step, 0, trained=i == 0) for i in range(4)])
         lines.append(step_dict(step, distance_max=(step - 1) - oldest,
                                worker_versions={"vllm-0": step, "vllm-1": step}))
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
@@ -96,6 +106,25 @@ def test_worker_behind_the_final_version(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     RunDir(run).write_manifest()
     with pytest.raises(VerifyError, match="worker vllm-1 ended at version 2, not the final version 3"):
+        verify_run(run)
+
+
+def test_a_group_of_another_size_than_the_configured_one_is_refused(tmp_path):
+    """A worker's answer with an extra choice once trained as a group of 5 at group size 4, and
+    the run verified. Every group sampled, trained or dropped, is counted (its rollouts)."""
+    run = make_run(tmp_path)
+    RunDir(run).write_rollouts(2, [rollout(2, group, trained=i == 0) for group, size in ((0, 4), (1, 5))
+                                   for i in range(size)])
+    RunDir(run).write_manifest()
+    with pytest.raises(VerifyError, match=r"^step 2: group 1 holds 5 samples, not orchestrator.group_size = 4$"):
+        verify_run(run)
+    RunDir(run).write_rollouts(2, [rollout(2, 0, trained=True)] * 3)
+    RunDir(run).write_manifest()
+    with pytest.raises(VerifyError, match=r"^step 2: group 0 holds 3 samples, not orchestrator.group_size = 4$"):
+        verify_run(run)
+    RunDir(run).rollouts_path(2).unlink()
+    RunDir(run).write_manifest()
+    with pytest.raises(VerifyError, match=r"^step 2: no rollouts \(.*step_000002.jsonl\)$"):
         verify_run(run)
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.http import SINGLE_TRY
@@ -118,6 +118,8 @@ class Fleet:
         # its timeline is drawn from): WorkerEvent and FenceEvent records.
         self.on_event = on_event
         self.transient_errors = 0  # requests sent again after a healthy worker failed them
+        # Worker id -> its samples that failed answers.py's checks (dropped by the orchestrator).
+        self.bad_answers: Counter[str] = Counter()
         self.version = 0
         self.workers: dict[str, WorkerInfo] = {}
         self._source: WeightSource | None = None
@@ -575,10 +577,23 @@ class Fleet:
             finally:
                 for w in serving:
                     self._inflight[w.id] -= 1
+        if bad := [r for r in responses if r.answer_error is not None]:
+            await self._answered_badly(worker, bad)
         for response in responses:
             self._check_versions(worker, response, fleet_version)
             await self._check_probed(serving, response, refits)
         return responses
+
+    async def _answered_badly(self, worker: WorkerInfo, bad: list[GenerateResponse]) -> None:
+        """Samples of the worker's answer failed their checks (inference/answers.py): they carry
+        no tokens and the orchestrator drops them (`bad_answer`); the request is not sent again
+        and the run goes on. They count against the worker like a failed request: counted and
+        logged, and a worker that then fails its health check is dead."""
+        self.bad_answers[worker.id] += len(bad)
+        self.log(f"fleetrl: {bad[0].answer_error}; {len(bad)} sample(s) dropped (bad_answer)")
+        if worker.state != WorkerState.DEAD and not await self._healthy(worker):
+            self._mark(worker, WorkerState.DEAD, f"failed its health check after a bad answer: {bad[0].answer_error}")
+            await self._notify()
 
     def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, dispatched_at: int) -> None:
         """Second line of defence: the engine's spans must lie within what the fleet published
@@ -749,7 +764,10 @@ class Fleet:
 
 
 def join_completions(head: GenerateResponse, tail: GenerateResponse) -> GenerateResponse:
-    """The completion `head` continued by `tail`: tokens, logprobs and shifted spans appended."""
+    """The completion `head` continued by `tail`: tokens, logprobs and shifted spans appended;
+    a bad sample where the continuation's answer was one (nothing of the completion is kept)."""
+    if tail.answer_error is not None:
+        return replace(tail, request_id=head.request_id)
     offset = len(head.token_ids)
     spans = list(head.spans) if head.token_ids else []
     for span in tail.spans:

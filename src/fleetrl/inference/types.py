@@ -50,6 +50,9 @@ class GenerateResponse:
     # Set by the fleet when the spans lie outside the versions it published (a worker that
     # changed weights behind its back): the orchestrator rejects and counts such a sample.
     version_error: str | None = None
+    # Set when the worker's answer failed a check of this sample (inference/answers.py): it then
+    # carries no tokens, and the orchestrator drops it (`bad_answer`).
+    answer_error: str | None = None
     # Disaggregated serving: the worker that computed the prompt's KV, when not `worker_id`.
     prefill_worker_id: str | None = None
 

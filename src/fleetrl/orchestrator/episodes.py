@@ -16,7 +16,8 @@ become context, kept in the sequence with their spans but masked out of the loss
 An episode ends when the environment says so (`done`), after `orchestrator.max_turns` model
 turns (`max_turns`), when its next turn would not fit in the engine's context (`context`), or
 on a fault that drops it: a tool or the environment's answer failed (`tool_failed`,
-`env_failed`), or a worker sampled at a version the fleet never published (`misversioned`).
+`env_failed`), a worker sampled at a version the fleet never published (`misversioned`), or a
+turn its worker answered badly (`bad_answer`: inference/answers.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from fleetrl.orchestrator.threads import call_user_code
 from fleetrl.versions import VersionSpan, off_policy_distance, span_ends
 
 # How an episode ended; the faults among them drop it (they are its sample's drop_reason).
-FAULTS = ("tool_failed", "env_failed", "misversioned", "off_policy")
+FAULTS = ("tool_failed", "env_failed", "misversioned", "bad_answer", "off_policy")
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Episode:
             request_id=self.task.id, token_ids=self.token_ids, logprobs=self.logprobs, finish_reason=self.end,
             worker_id="+".join(self.workers), spans=self.spans,
             version_error=self.error if self.end == "misversioned" else None,
+            answer_error=self.error if self.end == "bad_answer" else None,
             prefill_worker_id="+".join(self.prefill_workers) or None,
         )
 
@@ -127,6 +129,9 @@ async def _take_turns(episode: Episode, fleet: Fleet, env: MultiTurnEnvironment,
             break
         (completion,) = await fleet.generate(GenerateRequest(prompt_token_ids=context, sampling=sampling, n=1,
                                                              session_id=session_id))
+        if completion.answer_error:  # no tokens to add: the episode ends on the turn before
+            episode.end, episode.error = "bad_answer", completion.answer_error
+            break
         episode.add_model_turn(completion)
         if completion.version_error:
             episode.end, episode.error = "misversioned", completion.version_error

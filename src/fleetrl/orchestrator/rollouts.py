@@ -16,9 +16,11 @@ A multi-turn environment's samples are whole episodes (`episodes.py`): the same 
 per-sample distance and drops hold for them, and an episode whose tool or environment failed
 is dropped too (`tool_failed`, `env_failed`), never the run.
 
-The same holds for an empty completion (`empty`: nothing to train on) and for a sample whose
-reward failed (`reward_failed`): the reward raised, was not a number in [0, 1], or took longer
-than `reward_timeout_s`. Rewards are user code, so each runs in a thread of its own, off the
+The same holds for an empty completion (`empty`: nothing to train on), for a sample its worker
+answered badly (`bad_answer`: a token id outside the vocabulary, a logprob that is not finite or
+missing, malformed version spans, more or fewer choices than requested; inference/answers.py),
+and for a sample whose reward failed (`reward_failed`): the reward raised, was not a number in
+[0, 1], or took longer than `reward_timeout_s`. Rewards are user code, so each runs in a thread of its own, off the
 event loop that also drives the fleet. Every sample, trained or not, is recorded in the batch's
 rollouts file with the reason it was not trained (`drop_reason`).
 
@@ -245,6 +247,10 @@ class Orchestrator:
                      f"(the first: {reward_errors[0]})")
         if drops["empty"]:
             self.log(f"fleetrl: batch {step}: dropped {drops['empty']} empty completion(s)")
+        if drops["bad_answer"]:
+            first = next(r.answer_error for r in records if r.drop_reason == "bad_answer")
+            self.log(f"fleetrl: batch {step}: dropped {drops['bad_answer']} sample(s) a worker answered badly "
+                     f"(the first: {first})")
         for fault, what in (("tool_failed", "a tool"), ("env_failed", "the environment's answer")):
             if drops[fault]:
                 first = next(r.episode_error for r in records if r.drop_reason == fault)
@@ -334,6 +340,8 @@ class Orchestrator:
         """Why a sample can neither be trained on nor stand in its group's baseline, if so."""
         if scored.episode and scored.episode.end in FAULTS:
             return scored.episode.end
+        if scored.completion.answer_error:
+            return "bad_answer"
         if scored.completion.version_error:
             return "misversioned"
         if not scored.completion.token_ids:
@@ -352,7 +360,7 @@ class Orchestrator:
             prefill_worker=c.prefill_worker_id, spans=[[s.version, s.start] for s in c.spans],
             distance=off_policy_distance(step, spans) if spans else None,
             trained=drop_reason is None, drop_reason=drop_reason, reward_error=scored.reward_error,
-            version_error=c.version_error,
+            version_error=c.version_error, answer_error=c.answer_error,
             **({"turns": episode.turns, "end": episode.end, "episode_error": episode.error,
                 "messages": episode.messages[len(scored.drawn.task.messages):]} if episode else {}))
 

@@ -20,19 +20,22 @@ from typing import Any
 import httpx
 
 from fleetrl.errors import FleetrlError
+from fleetrl.inference import answers
+from fleetrl.inference.answers import Choice
 from fleetrl.inference.http import answered_within, prompt_logprobs_of
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_spans
+from fleetrl.inference.types import GenerateRequest, GenerateResponse
 
 EXTRA_FIELDS = ["completion_token_ids", "worker_id"]
 
 
 class DynamoDataClient:
     def __init__(self, frontend_url: str, model_name: str, timeout_s: float, run: str | None,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, vocab_size: int | None = None) -> None:
         self.frontend_url = frontend_url
         # Every token's label must name a version of this run; None: a client that asks for no
         # per-token versions (the launch's readiness check).
         self.run = run
+        self.vocab_size = vocab_size  # every token id must be below it (answers.vocab_size); None: not known
         self.model_name = model_name
         self.timeout_s = timeout_s
         self._http = httpx.AsyncClient(
@@ -70,37 +73,31 @@ class DynamoDataClient:
             body["logprobs"] = 0
         if s.seed is not None:
             body["seed"] = s.seed + sample
-        choice, nvext = await self._post(worker_id, body, f"generate {request.request_id}", prefill_id)
-        token_ids = [int(t) for t in nvext.get("completion_token_ids") or []]
-        logprobs = [float(lp) for lp in ((choice.get("logprobs") or {}).get("token_logprobs") or [])]
-        if s.logprobs and len(logprobs) != len(token_ids):
-            raise FleetrlError(f"worker {worker_id}: generate {request.request_id} returned {len(logprobs)} "
-                               f"logprobs for {len(token_ids)} tokens")
-        response = GenerateResponse(
-            request_id=request.request_id,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=choice.get("finish_reason") or "abort",
-            worker_id=worker_id,
-            spans=[],
-        )
-        # Whoever prefilled is accounted for, pinned or not (a deployment whose prefill
-        # workers fleetrl does not see): the provider checks that worker's version.
-        prefilled_by = (nvext.get("worker_id") or {}).get("prefill_worker_id")
-        if prefilled_by is not None and str(prefilled_by) != worker_id:
-            response.prefill_worker_id = str(prefilled_by)
+        choices, nvext = await self._post(worker_id, body, f"generate {request.request_id}", prefill_id)
+        engine = nvext.get("engine_data") or {}
         if token_versions:
-            engine = nvext.get("engine_data") or {}
             if "weight_versions" not in engine:
                 raise FleetrlError(f"worker {worker_id}: generate {request.request_id} returned no per-token "
                                    "versions (engine_data.weight_versions): is it fleetrl's worker kind?")
             if self.run is None:
                 raise FleetrlError(f"worker {worker_id}: a client of no run cannot check per-token versions")
-            response.spans = engine_spans(worker_id, request.request_id, engine["weight_versions"], self.run)
-            if str(engine.get("engine_finish_reason")).startswith("abort"):
-                response.finish_reason = "abort"  # cut by a pause; Dynamo reports it as "stop"
-            if token_ids:
-                response.check()
+
+        def read(choice: dict) -> Choice:
+            finish_reason = choice.get("finish_reason") or "abort"
+            if token_versions and str(engine.get("engine_finish_reason")).startswith("abort"):
+                finish_reason = "abort"  # cut by a pause; Dynamo reports it as "stop"
+            return Choice(token_ids=nvext.get("completion_token_ids") or [],
+                          logprobs=(choice.get("logprobs") or {}).get("token_logprobs") or [],
+                          finish_reason=finish_reason,
+                          weight_versions=engine["weight_versions"] if token_versions else None)
+
+        # One sample per request (Dynamo refuses completion_token_ids for more than one choice).
+        (response,) = answers.samples(worker_id, request, choices, 1, self.run, self.vocab_size, read)
+        # Whoever prefilled is accounted for, pinned or not (a deployment whose prefill
+        # workers fleetrl does not see): the provider checks that worker's version.
+        prefilled_by = (nvext.get("worker_id") or {}).get("prefill_worker_id")
+        if prefilled_by is not None and str(prefilled_by) != worker_id and response.answer_error is None:
+            response.prefill_worker_id = str(prefilled_by)
         return response
 
     async def prompt_logprobs(self, worker_id: str, token_ids: list[int], prefill_id: str | None = None) -> list[float]:
@@ -119,7 +116,8 @@ class DynamoDataClient:
             raise FleetrlError(f"worker {worker_id}: scoring returned no prompt logprobs for {len(token_ids)} tokens")
         return prompt_logprobs_of(token_ids, scored)
 
-    async def _post(self, worker_id: str, body: dict, what: str, prefill_id: str | None = None) -> tuple[dict, dict]:
+    async def _post(self, worker_id: str, body: dict, what: str, prefill_id: str | None = None) -> tuple[object, dict]:
+        """The answer's choices (unchecked) and its nvext."""
         url = f"{self.frontend_url}/v1/completions"
         headers = {"x-worker-instance-id": worker_id}
         if prefill_id is not None:
@@ -143,7 +141,7 @@ class DynamoDataClient:
         if prefill_id is not None and str(prefilled_by) != prefill_id:
             raise FleetrlError(f"worker {worker_id}: {what} was prefilled by worker {prefilled_by}, not by "
                                f"{prefill_id} as x-prefill-instance-id asked ({url})")
-        return result["choices"][0], nvext
+        return result["choices"], nvext
 
 
 async def gather_samples(data: DynamoDataClient, worker_id: str, prefill_id: str | None, request: GenerateRequest,

@@ -27,6 +27,7 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.answers import vocab_size
 from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerControl
 from fleetrl.inference.dynamo.attribution import FenceRecord, prefill_agrees, sequence_version, with_span
 from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, served_model
@@ -99,7 +100,8 @@ class DynamoProvider:
                                                   self.log, self.adapter)
             self._frontend_url, self._rl_url = self.deployment.frontend_url, self.deployment.rl_url
             model_name = ADAPTER_NAME if self.adapter else SERVED_MODEL_NAME
-        self._data = DynamoDataClient(self._frontend_url, model_name, self.config.request_timeout_s, self.run)
+        self._data = DynamoDataClient(self._frontend_url, model_name, self.config.request_timeout_s, self.run,
+                                      vocab_size=vocab_size(self.model_dir) if self.model_dir is not None else None)
         if self.adapter is not None and self.deployment is not None:
             await self._wait_serving_the_adapter(self.deployment)
 
@@ -208,7 +210,7 @@ class DynamoProvider:
                     self.log(f"fleetrl: worker {worker.id}: request {request.request_id} straddled a publish; "
                              "sampling it again")
                     continue
-                responses = [with_span(r, version) for r in responses]
+                responses = [r if r.answer_error else with_span(r, version) for r in responses]
             fences_at_receipt = self._fences()
             if all(prefill_agrees(r, fences_at_dispatch, fences_at_receipt) for r in responses):
                 return responses

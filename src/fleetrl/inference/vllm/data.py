@@ -14,20 +14,24 @@ import httpx
 
 from fleetrl import admin_signature
 from fleetrl.errors import FleetrlError
+from fleetrl.inference import answers
+from fleetrl.inference.answers import Choice
 from fleetrl.inference.http import SERVED_MODEL_NAME, answered_within, prompt_logprobs_of, unproven
 from fleetrl.inference.provider import ImpostorWorker
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, engine_spans
+from fleetrl.inference.types import GenerateRequest, GenerateResponse
 
 
 class VllmDataClient:
     def __init__(self, data_token: str | None, timeout_s: float, run: str | None, max_connections: int = 256,
-                 admin_token: str | None = None, model: str = SERVED_MODEL_NAME) -> None:
+                 admin_token: str | None = None, model: str = SERVED_MODEL_NAME, vocab_size: int | None = None) -> None:
         # No token: a coordinator that only reads the workers' state (`fleetrl status`). With
         # the admin token, every answer must carry the worker's proof of a nonce of this client's
         # (admin_signature.py): a process on a dead worker's port cannot answer for it.
         self.timeout_s = timeout_s
         self.model = model  # what requests are served by: the base model's name, or a LoRA run's adapter's
         self.run = run  # every token's label must name a version of this run; None: only looks
+        # Every token id must be below it (the model's, answers.vocab_size); None: not known.
+        self.vocab_size = vocab_size
         self._admin_token = admin_token
         self._http = httpx.AsyncClient(
             timeout=timeout_s,
@@ -69,7 +73,12 @@ class VllmDataClient:
         if response.status_code != 200:
             raise FleetrlError(f"worker {worker_id}: generate {request.request_id} failed: "
                                f"HTTP {response.status_code}: {response.text[:300]}")
-        return [self._parse_choice(worker_id, request, choice) for choice in response.json()["choices"]]
+        if self.run is None:
+            raise FleetrlError(f"worker {worker_id}: a client of no run cannot check the versions of what it samples")
+        # vLLM names every completion's end ("abort" for one a publish cut), and labels every
+        # token's version: a choice without either is a bad sample, never read as "abort".
+        return answers.samples(worker_id, request, response.json()["choices"], request.n, self.run, self.vocab_size,
+                               _choice)
 
     async def prompt_logprobs(self, worker_id: str, url: str, token_ids: list[int]) -> list[float]:
         """log p(token_i | tokens_<i) for i >= 1, scored by the worker's current weights."""
@@ -96,28 +105,9 @@ class VllmDataClient:
             raise ImpostorWorker(worker_id, what, why)
         return response
 
-    def _parse_choice(self, worker_id: str, request: GenerateRequest, choice: dict) -> GenerateResponse:
-        if self.run is None:
-            raise FleetrlError(f"worker {worker_id}: a client of no run cannot check the versions of what it samples")
-        token_ids = list(choice["token_ids"])
-        content = (choice.get("logprobs") or {}).get("content") or []
-        # A worker error, sent again elsewhere (Fleet._generate_once), never a sample: vLLM
-        # names every completion's end ("abort" for one a publish cut), and a logprob short
-        # would shift every later token's ratio in the loss.
-        if not choice.get("finish_reason"):
-            raise FleetrlError(f"worker {worker_id}: generate {request.request_id}: a completion without a finish_reason")
-        if request.sampling.logprobs and len(content) != len(token_ids):
-            raise FleetrlError(f"worker {worker_id}: generate {request.request_id}: {len(content)} logprobs for "
-                               f"{len(token_ids)} tokens")
-        result = GenerateResponse(
-            request_id=request.request_id,
-            token_ids=token_ids,
-            logprobs=[float(c["logprob"]) for c in content],
-            finish_reason=choice["finish_reason"],
-            worker_id=worker_id,
-            spans=engine_spans(worker_id, request.request_id, choice.get("weight_versions") or [], self.run),
-        )
-        if token_ids:
-            result.check()
-        return result
 
+def _choice(raw: dict) -> Choice:
+    """A choice of `/inference/v1/generate`; its checks are answers.py's."""
+    content = (raw.get("logprobs") or {}).get("content") or []
+    return Choice(token_ids=raw.get("token_ids"), logprobs=[entry["logprob"] for entry in content],
+                  finish_reason=raw.get("finish_reason"), weight_versions=raw.get("weight_versions") or [])

@@ -19,6 +19,7 @@ import httpx
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.answers import vocab_size
 from fleetrl.inference.http import SERVED_MODEL_NAME, RunClaim, sign, unproven
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
@@ -59,7 +60,8 @@ class VllmProvider:
         self._claim = RunClaim(run, config.claim_lease_s) if run is not None else None
         self.adapter = adapter
         self._data = VllmDataClient(data_token, config.request_timeout_s, run, admin_token=admin_token,
-                                    model=ADAPTER_NAME if adapter else SERVED_MODEL_NAME)
+                                    model=ADAPTER_NAME if adapter else SERVED_MODEL_NAME,
+                                    vocab_size=vocab_size(model_dir) if model_dir is not None else None)
 
     async def start(self) -> None:
         if self.config.urls:
