@@ -288,8 +288,10 @@ class InferenceConfig(Section):
     )
     max_restarts: int = Field(
         3, ge=0,
-        description="Restarts of launched native workers that died or hung, over the whole run (a "
-        "Dynamo worker is not restarted); a restarted worker is refitted and verified before it serves.",
+        description="Restarts of launched workers that died or hung, over the whole run (a launched Dynamo "
+        "worker is replaced by a new instance; a worker a discovery round misses but that still answers its "
+        "health check is replaced only if the next round misses it too); a restarted worker is refitted and "
+        "verified before it serves. A restart whose worker does not come up is given back.",
     )
     no_worker_timeout_s: float = Field(
         600.0, gt=0, le=MAX_WAIT_S,
@@ -450,6 +452,12 @@ class OrchestratorConfig(Section):
         description="Longest a reward function may take for one sample, and a multi-turn environment its answer "
         "to one turn; a reward that raises, hangs or returns a non-number drops its sample, which is counted "
         "(reward_failed; env_failed for an answer).",
+    )
+    task_timeout_s: float = Field(
+        300.0, gt=0, le=MAX_WAIT_S,
+        description="Longest an environment's task stream may take to give one step's tasks, and the chat "
+        "template to render one prompt; past it the run ends, naming the environment (both run off the loop "
+        "that drives the fleet, which a hung one would otherwise stop).",
     )
     max_turns: int = Field(
         4, ge=1,

@@ -107,8 +107,9 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
         stopped_at = time.monotonic()
         detected_at = wait_until(proc, "the hung worker to be found dead",
                                  lambda: " is dead: " in log_path.read_text(), 120, log_path)
+        # Logged once the replacement answers /health (a vLLM start on a loaded machine).
         restarted_at = wait_until(proc, "the hung worker to be restarted",
-                                  lambda: " restarted (" in log_path.read_text(), 60, log_path)
+                                  lambda: " restarted (" in log_path.read_text(), 600, log_path)
         # A step is published without it meanwhile, then it is refitted and serves again.
         steps_before = len(read_metrics(run_dir))
         readmitted_at = wait_until(proc, "the restarted worker to be readmitted",
@@ -193,7 +194,8 @@ def test_a_dynamo_lora_worker_killed_is_replaced_and_serves_the_trained_adapter(
         groups = child_groups(proc.pid)
         (worker,) = [g for g in groups if "dynamo_worker" in " ".join(psutil.Process(g).cmdline())]
         os.killpg(worker, signal.SIGKILL)
-        wait_until(proc, "the killed worker to be replaced", lambda: " restarted (" in log_path.read_text(), 120,
+        # Logged once the frontend lists the replacement (a Dynamo worker's start on a loaded machine).
+        wait_until(proc, "the killed worker to be replaced", lambda: " restarted (" in log_path.read_text(), 600,
                    log_path)
         assert proc.wait(timeout=600) == 0, log_path.read_text()[-3000:]
     finally:

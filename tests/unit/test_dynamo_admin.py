@@ -326,7 +326,8 @@ async def test_a_lora_runs_worker_is_left_out_of_discovery_until_it_serves_the_a
 async def test_a_killed_worker_is_replaced_even_while_its_process_is_still_exiting(tmp_path, monkeypatch):
     """The fleet marks a worker dead as soon as a request through it fails: its process may not
     have exited yet, nor listen any more. The process discovery saw serving the instance is the
-    one replaced (a lookup by port then would find none, and the run would wait for nothing)."""
+    one replaced (a lookup by port then would find none, and the run would wait for nothing);
+    the restart returns once the replacement is listed, with the id of the new instance."""
     from types import SimpleNamespace
 
     from fleetrl.inference.dynamo import provider as dynamo_provider
@@ -334,16 +335,63 @@ async def test_a_killed_worker_is_replaced_even_while_its_process_is_still_exiti
 
     logged, replaced = [], []
     serving = SimpleNamespace(name="dynamo-worker-0", listening=True)
+    replacement = SimpleNamespace(name="dynamo-worker-1", alive=lambda: True)
+    instances = {"7": "http://127.0.0.1:9001"}
 
     class Deployment:
         workers = [serving]
 
         def live_worker_at(self, admin_url):
+            if admin_url.endswith(":9002"):
+                return replacement
             return serving if serving.listening else None  # exiting: not listening, not exited
 
         def replace_worker(self, process):
             replaced.append(process.name)
-            return SimpleNamespace(name="dynamo-worker-1")
+            instances["9"] = "http://127.0.0.1:9002"  # registers as a new instance
+            return replacement
+
+        def stop(self):
+            pass
+
+    async def listed(*args):
+        return [WorkerInfo(id=i, data_url="http://f", admin_url=url) for i, url in instances.items()]
+
+    provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, "r1",
+                                              log=logged.append)
+    provider.deployment, provider._rl_url = Deployment(), "http://rl"
+    monkeypatch.setattr(dynamo_provider, "list_rl_workers", listed)
+    [worker] = await provider.discover()
+    serving.listening = False  # SIGKILLed, still exiting
+    assert await provider.restart(worker) == "9" and replaced == ["dynamo-worker-0"]
+    assert logged[0] == "fleetrl: Dynamo worker 7 (dynamo-worker-0) replaced by dynamo-worker-1"
+    stranger = WorkerInfo(id="8", data_url="http://f", admin_url="http://127.0.0.1:9003")
+    assert await provider.restart(stranger) is None  # never seen serving, no process found: said, not guessed
+    assert "Dynamo worker 8 not restarted: no worker process this run launched serves it" in logged[-1]
+    await provider.close()
+
+
+async def test_a_replacement_that_exits_before_it_registers_fails_its_restart(tmp_path, monkeypatch):
+    """The restart of a Dynamo worker lasts until its replacement is listed: one that exits
+    first fails it, so that a fleet left with no live worker is not told one is coming (it
+    waited inference.no_worker_timeout_s for an instance that would never register)."""
+    from types import SimpleNamespace
+
+    from fleetrl.inference.dynamo import provider as dynamo_provider
+    from fleetrl.inference.types import WorkerInfo
+
+    serving = SimpleNamespace(name="dynamo-worker-0")
+    exited = SimpleNamespace(name="dynamo-worker-1", alive=lambda: False, popen=SimpleNamespace(returncode=1),
+                             log_path=tmp_path / "dynamo-worker-1.log", log_tail=lambda: "ImportError: no dynamo")
+
+    class Deployment:
+        workers = [serving]
+
+        def live_worker_at(self, admin_url):
+            return serving
+
+        def replace_worker(self, process):
+            return exited
 
         def stop(self):
             pass
@@ -352,14 +400,10 @@ async def test_a_killed_worker_is_replaced_even_while_its_process_is_still_exiti
         return [WorkerInfo(id="7", data_url="http://f", admin_url="http://127.0.0.1:9001")]
 
     provider = dynamo_provider.DynamoProvider(InferenceConfig(provider="dynamo"), tmp_path, tmp_path, "r1",
-                                              log=logged.append)
+                                              log=lambda line: None)
     provider.deployment, provider._rl_url = Deployment(), "http://rl"
     monkeypatch.setattr(dynamo_provider, "list_rl_workers", listed)
     [worker] = await provider.discover()
-    serving.listening = False  # SIGKILLed, still exiting
-    assert await provider.restart(worker) and replaced == ["dynamo-worker-0"]
-    assert logged == ["fleetrl: Dynamo worker 7 (dynamo-worker-0) replaced by dynamo-worker-1"]
-    stranger = WorkerInfo(id="8", data_url="http://f", admin_url="http://127.0.0.1:9002")
-    assert not await provider.restart(stranger)  # never seen serving, no process found: said, not guessed
-    assert "Dynamo worker 8 not restarted: no worker process this run launched serves it" in logged[-1]
+    with pytest.raises(FleetrlError, match="^dynamo-worker-1 exited during startup \\(code 1\\)"):
+        await provider.restart(worker)
     await provider.close()

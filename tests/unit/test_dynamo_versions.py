@@ -50,9 +50,9 @@ async def test_backend_workers_beside_prefill_workers_are_decode_workers():
                for i, c in enumerate(["backend", "prefill"])]
     listing = httpx.MockTransport(lambda request: httpx.Response(200, json={"workers": entries}))
     async with httpx.AsyncClient(transport=listing) as http:
-        assert [w.role for w in await list_rl_workers(http, "http://rl", "http://f")] == [WorkerRole.DECODE, WorkerRole.PREFILL]
+        assert [w.role for w in await list_rl_workers(http, "http://rl", "http://f", 10.0)] == [WorkerRole.DECODE, WorkerRole.PREFILL]
         listing.handler = lambda request: httpx.Response(200, json={"workers": entries[:1]})
-        assert [w.role for w in await list_rl_workers(http, "http://rl", "http://f")] == [WorkerRole.AGGREGATED]
+        assert [w.role for w in await list_rl_workers(http, "http://rl", "http://f", 10.0)] == [WorkerRole.AGGREGATED]
 
 
 async def test_an_instance_the_frontend_cannot_reach_is_left_out():
@@ -63,7 +63,7 @@ async def test_an_instance_the_frontend_cannot_reach_is_left_out():
                {"component": "backend", "instance_id": 8, "system_url": "http://127.0.0.1:9008"}]
     listing = httpx.MockTransport(lambda request: httpx.Response(200, json={"workers": entries}))
     async with httpx.AsyncClient(transport=listing) as http:
-        assert [w.id for w in await list_rl_workers(http, "http://rl", "http://f")] == ["8"]
+        assert [w.id for w in await list_rl_workers(http, "http://rl", "http://f", 10.0)] == ["8"]
 
 
 async def test_startup_waits_until_the_frontend_serves_every_decode_and_prefill_worker():

@@ -488,7 +488,7 @@ def test_a_dead_launched_worker_is_restarted_within_the_budget_and_refitted():
         async def restart(worker):
             restarted.append(worker.id)
             provider.engines[worker.id] = FakeEngine(worker.id)  # base weights, no version
-            return True
+            return worker.id
 
         provider.restart = restart
         provider.engines["b"].alive = False
@@ -516,7 +516,7 @@ def test_no_worker_is_restarted_once_the_fleet_closes():
 
         async def restart(worker):
             restarted.append(worker.id)
-            return True
+            return worker.id
 
         provider.restart = restart
         await fleet.close()
@@ -538,7 +538,7 @@ def test_workers_that_die_together_share_the_restart_budget():
         async def restart(worker):
             await asyncio.sleep(0.01)  # a process start takes a while: both deaths are seen first
             restarted.append(worker.id)
-            return True
+            return worker.id
 
         provider.restart = restart
         for engine in provider.engines.values():
@@ -558,7 +558,7 @@ def restarts_with_base_weights(provider):
     async def restart(worker):
         restarted.append(worker.id)
         provider.engines[worker.id] = FakeEngine(worker.id)
-        return True
+        return worker.id
 
     provider.restart = restart
     return restarted
@@ -600,6 +600,73 @@ def test_with_no_restart_left_a_fleet_without_a_live_worker_fails_at_once():
         await fleet.refresh()
         with pytest.raises(FleetrlError, match="^no live inference worker: a "):
             await asyncio.wait_for(fleet.generate(request()), 5)
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_a_listing_misses_once_while_it_answers_is_not_replaced():
+    """A listing can miss a live worker for a moment (a Dynamo discovery entry refreshed late).
+    Such a worker was killed and replaced at once; now its health is checked first: one that
+    answers is out of routing for the round and refitted when the next listing has it again,
+    and replaced only if that listing misses it too (issue 36, item 9)."""
+    async def scenario():
+        provider = FakeProvider("a", "b")
+        fleet = Fleet(provider, discovery_interval_s=3600, max_restarts=1, log=lambda *_: None)
+        await fleet.start()
+        await fleet.publish(1, FakeTransport(provider), weights)
+        restarted = restarts_with_base_weights(provider)
+        hidden = set()
+        listed = provider.discover
+
+        async def discover():
+            return [w for w in await listed() if w.id not in hidden]
+
+        provider.discover = discover
+        hidden.add("b")
+        await fleet.refresh()  # missed once, answers its health check
+        await asyncio.sleep(0.01)
+        assert restarted == [] and fleet.workers["b"].state == WorkerState.DEAD and fleet.restart_pending()
+        hidden.clear()
+        await fleet.refresh()  # listed again: refitted, never replaced
+        assert restarted == [] and fleet.workers["b"].state == WorkerState.READY
+        assert provider.engines["b"].version == 1
+        hidden.add("b")
+        await fleet.refresh()
+        await fleet.refresh()  # missed twice in a row: replaced
+        await asyncio.sleep(0.01)
+        assert restarted == ["b"] and fleet.workers["b"].error == "gone from two discovery rounds in a row"
+        await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_fleet_whose_replacement_died_too_fails_at_once():
+    """A Dynamo worker's replacement is a new instance. The replaced id stayed awaited for good,
+    so a fleet whose every worker then died waited inference.no_worker_timeout_s (600 s) for it
+    instead of failing (issue 36, item 9): a replacement is awaited only until discovery finds it."""
+    async def scenario():
+        provider = FakeProvider("a")
+        fleet = Fleet(provider, discovery_interval_s=3600, max_restarts=1, no_worker_timeout_s=600,
+                      log=lambda *_: None)
+        await fleet.start()
+
+        async def restart(worker):
+            provider.add("a2")  # a new process is a new instance
+            return "a2"
+
+        provider.restart = restart
+        provider.engines["a"].alive = False
+        await fleet.refresh()
+        while fleet._restarts:
+            await asyncio.sleep(0.01)
+        assert fleet.restart_pending() and "a2" not in fleet.workers  # up, not yet discovered: waited for
+        await fleet.refresh()
+        assert fleet.workers["a2"].state == WorkerState.READY and not fleet.restart_pending()
+        provider.engines["a2"].alive = False  # no restart left
+        await fleet.refresh()
+        with pytest.raises(FleetrlError, match="^no live inference worker: a \\(dead: gone from discovery\\); a2 "):
+            await asyncio.wait_for(fleet.generate(request()), 10)
         await fleet.close()
 
     asyncio.run(scenario())

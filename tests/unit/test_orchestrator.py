@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fleetrl.config import OrchestratorConfig
-from fleetrl.envs import Task
+from fleetrl.envs import EnvError, Task
 from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
 from fleetrl.orchestrator import threads
@@ -293,6 +293,39 @@ async def test_rewards_that_keep_hanging_end_the_run_instead_of_piling_up_thread
                                                    r"on: env fake: reward of task t0-\d\); fix what hangs"):
         await orch.make_batch(2)
     assert sum(t.name == "fleetrl-user-code" for t in threading.enumerate()) == started  # batch 2 started none
+    await fleet.close()
+
+
+@pytest.mark.parametrize("hangs", ["task stream", "chat template"])
+async def test_a_task_stream_or_chat_template_that_hangs_ends_the_run_naming_its_environment(monkeypatch, hangs):
+    """Both ran on the loop that drives the fleet, with no time bound: one that hung stopped the
+    run whole, the fleet's discovery included. Now each runs off the loop within
+    orchestrator.task_timeout_s, and past it the run ends with one line (issue 36, item 9)."""
+    monkeypatch.setattr(threads, "_hung", {})  # the given-up thread is this test's alone
+    release = threading.Event()  # bounds the hang: on a loop it blocks, nothing else could end it
+
+    class HangingEnv(Env):
+        def tasks(self, seed):
+            for task in super().tasks(seed):
+                if task.id == "t0-2" and hangs == "task stream":
+                    release.wait(10)
+                yield task
+
+    class HangingTokenizer(Tokenizer):
+        def apply_chat_template(self, messages, **kw):
+            if messages[-1]["content"] == "task 2" and hangs == "chat template":
+                release.wait(10)
+            return super().apply_chat_template(messages, **kw)
+
+    fleet, orch, _ = await make(env=HangingEnv(), task_timeout_s=2)
+    orch.tokenizer = HangingTokenizer()
+    what = {"task stream": r"drawing tasks 0\.\.2 \(batch 1\)", "chat template": "rendering the prompt of task t0-2"}
+    try:
+        with pytest.raises(EnvError, match=rf"^env fake: {what[hangs]} took longer than "
+                                           r"orchestrator.task_timeout_s = 2 s$"):
+            await orch.make_batch(1)
+    finally:
+        release.set()
     await fleet.close()
 
 

@@ -104,7 +104,12 @@ class Fleet:
         self.probe_tolerance = probe_tolerance
         self.restarts_left = max_restarts  # over the whole run, all workers together
         self._restarts: set[asyncio.Task] = set()
-        self._restarted: set[str] = set()  # workers started again, dead until discovery refits them
+        # The ids replacements of dead workers came up under (a Dynamo replacement is a new
+        # instance), until the fleet finds them alive: a fleet with no live worker waits for them.
+        self._replacements: set[str] = set()
+        # Workers dead since a listing missed them while they answered their health check: the
+        # next round finds them listed again (and refits them) or replaces them.
+        self._unlisted: set[str] = set()
         # Each worker's refits that score the agreement probe (a publish's or a discovery
         # round's), counted: a request's tokens can only come from those after its dispatch.
         self._refits: dict[str, int] = {}
@@ -211,13 +216,13 @@ class Fleet:
         a slow discovery round never holds a publish back."""
         discovered = {w.id: w for w in await self.provider.discover()}
         async with self._fence:
-            for worker in self.workers.values():
-                if worker.id not in discovered and worker.state != WorkerState.DEAD:
-                    self._mark(worker, WorkerState.DEAD, "gone from discovery")
+            await self._mark_unlisted(discovered)
             for worker_id, found in discovered.items():
+                self._unlisted.discard(worker_id)
                 known = self.workers.get(worker_id)
                 if known is None or (known.state == WorkerState.DEAD and known.admin_url != found.admin_url):
                     self.workers[worker_id] = known = found  # new, or restarted elsewhere
+                    self._replacements.discard(worker_id)  # found: it no longer holds a dead fleet's wait
                 # A worker that does not answer (hung, or still starting) is not refitted now:
                 # its admin calls would hold the fence for their whole timeouts.
                 if known.state in (WorkerState.JOINING, WorkerState.STALE, WorkerState.DEAD) \
@@ -226,6 +231,26 @@ class Fleet:
             await self._each(self.ready_workers(), self._check_health, {}, WorkerState.DEAD)
             await self._each(self.ready_workers(), self._check_version, {}, WorkerState.STALE)
         await self._notify()
+
+    async def _mark_unlisted(self, listed: dict[str, WorkerInfo]) -> None:
+        """Mark the workers this listing misses dead. One that still answers its health check is
+        not replaced yet: a listing can miss a live worker for a moment (a Dynamo discovery entry
+        refreshed late), and a replacement kills it. It is replaced if the next listing misses
+        it too; if that one lists it, it is refitted like any returning worker."""
+        for worker in [w for w in self.workers.values() if w.id in self._unlisted and w.id not in listed]:
+            self._unlisted.discard(worker.id)
+            worker.error = "gone from two discovery rounds in a row"
+            self.log(f"fleetrl: worker {worker.id} is {worker.error}")
+            self._restart_soon(worker)
+        missing = [w for w in self.workers.values() if w.id not in listed and w.state != WorkerState.DEAD]
+        for worker, answers in zip(missing, await asyncio.gather(*(self._healthy(w) for w in missing))):
+            if answers:
+                self._unlisted.add(worker.id)
+                self._mark(worker, WorkerState.DEAD, "gone from discovery, though it answers its health check: "
+                                                     "replaced if the next round does not list it either",
+                           restart=False)
+            else:
+                self._mark(worker, WorkerState.DEAD, "gone from discovery")
 
     async def _health(self, worker: WorkerInfo) -> bool:
         """Whether the worker answers its health check within `health_timeout_s`: a hung
@@ -695,18 +720,18 @@ class Fleet:
                 ok.append(worker)
         return ok
 
-    def _mark(self, worker: WorkerInfo, state: WorkerState, error: str | None = None) -> None:
+    def _mark(self, worker: WorkerInfo, state: WorkerState, error: str | None = None, restart: bool = True) -> None:
+        """Set the worker's state (and why); one that dies is started again (`_restart_soon`),
+        unless `restart` is False."""
         if state in (WorkerState.DEAD, WorkerState.STALE) and worker.state != state:
             self.log(f"fleetrl: worker {worker.id} is {state.value}: {error}")
-            if state == WorkerState.DEAD and self.restarts_left > 0:
-                task = asyncio.get_running_loop().create_task(self._restart(worker))
-                self._restarts.add(task)
-                task.add_done_callback(self._restarts.discard)
+            if state == WorkerState.DEAD and restart:
+                self._restart_soon(worker)
         if state != worker.state:
             self.on_event(WorkerEvent(worker=worker.id, role=worker.role.value, state=state.value,
                                        version=worker.version, error=error))
-        if state == WorkerState.READY:
-            self._restarted.discard(worker.id)
+        if state != WorkerState.DEAD:
+            self._replacements.discard(worker.id)
         worker.state = state
         worker.error = error
 
@@ -725,14 +750,25 @@ class Fleet:
                     pass
 
     def restart_pending(self) -> bool:
-        """Whether a dead worker is being started again, or was and awaits its refit: while one
-        is, a fleet with no live worker waits for it (bounded by `no_worker_timeout_s`)."""
-        return bool(self._restarts) or any(w.state == WorkerState.DEAD for w in self.workers.values()
-                                           if w.id in self._restarted)
+        """Whether a dead worker may soon serve again: one is being started again, a replacement
+        that came up has not been found alive by discovery yet, or a worker a listing missed
+        still answered (the next round lists it again or replaces it). While one may, a fleet
+        with no live worker waits (bounded by `no_worker_timeout_s`); once none may, it fails."""
+        return bool(self._restarts or self._unlisted) or any(
+            (w := self.workers.get(worker_id)) is None or w.state == WorkerState.DEAD
+            for worker_id in self._replacements)
+
+    def _restart_soon(self, worker: WorkerInfo) -> None:
+        """Start `_restart` of a dead worker, while the run's restart budget lasts."""
+        if self.restarts_left > 0:
+            task = asyncio.get_running_loop().create_task(self._restart(worker))
+            self._restarts.add(task)
+            task.add_done_callback(self._restarts.discard)
 
     async def _restart(self, worker: WorkerInfo) -> None:
-        """A dead (or hung) launched worker is started again; the discovery loop refits it once
-        it answers its health check, and only then does it serve."""
+        """A dead (or hung) launched worker is started again, and awaited until its replacement
+        is up; the discovery loop refits the replacement once it answers its health check, and
+        only then does it serve. A replacement that does not come up gives its restart back."""
         if self.restarts_left <= 0:
             return
         if stopping():  # it died because fleetrl is stopping it (a SIGTERM, say)
@@ -740,16 +776,19 @@ class Fleet:
             return
         self.restarts_left -= 1  # taken before the await: workers that die together cannot overspend it
         try:
-            restarted = await self.provider.restart(worker)
-        except FleetrlError as e:  # fleetrl is stopping, say
-            self.log(f"fleetrl: worker {worker.id} not restarted: {e}")
-            restarted = False
-        if not restarted:
+            replacement = await self.provider.restart(worker)
+        except FleetrlError as e:  # its replacement exited or never came up
+            self.log(f"fleetrl: worker {worker.id} not restarted: {'fleetrl is stopping' if stopping() else e}")
+            replacement = None
+        if replacement is None:
             self.restarts_left += 1
             return
-        self._restarted.add(worker.id)
+        found = self.workers.get(replacement)
+        if found is None or found.state == WorkerState.DEAD:  # not refitted yet: awaited by a fleet with none alive
+            self._replacements.add(replacement)
+        serves = "it serves again" if replacement == worker.id else f"its replacement, {replacement}, serves"
         self.log(f"fleetrl: worker {worker.id} restarted ({self.restarts_left} restart(s) left, "
-                 f"inference.max_restarts); it serves again once refitted")
+                 f"inference.max_restarts); {serves} once refitted")
 
     async def _notify(self) -> None:
         async with self._changed:

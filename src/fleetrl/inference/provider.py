@@ -158,9 +158,12 @@ class InferenceProvider(Protocol):
     def weight_sync(self, worker: WorkerInfo) -> WeightSyncClient:
         """The worker's weight-sync client: beside its control client, over the same connection."""
 
-    async def restart(self, worker: WorkerInfo) -> bool:
-        """Start a worker this provider launched again, after it died or hung; False when it
-        cannot (an attached worker). The coordinator refits it once it answers again."""
+    async def restart(self, worker: WorkerInfo) -> str | None:
+        """Start a worker this provider launched again, after it died or hung, and return once
+        the replacement is up: the id discovery lists it under (the same id, or a new one where
+        a new process is a new worker). None when it cannot (an attached worker); a
+        FleetrlError when the replacement exits or is not up within startup_timeout_s. The
+        coordinator refits it before it serves."""
 
     def attach_settings(self) -> dict:
         """The `[inference]` settings with which `fleetrl status` attaches to this running fleet,

@@ -30,7 +30,7 @@ from fleetrl.envs import env_tools, is_multi_turn
 from fleetrl.envs.base import eval_stream
 from fleetrl.envs.mix import Drawn, RunEnv
 from fleetrl.inference.types import GenerateRequest
-from fleetrl.orchestrator.chat import ChatTokens, render_prompt
+from fleetrl.orchestrator.chat import ChatTokens
 from fleetrl.orchestrator.episodes import run_episode
 from fleetrl.orchestrator.rollouts import Orchestrator, Scored
 from fleetrl.records import EvalLine, RolloutRecord
@@ -96,7 +96,7 @@ class Evaluator:
         orchestrator, name, n = self.orchestrator, drawn.env.name, self.config.samples_per_prompt
         session = f"eval-v{version}-prompt{index}"
         if self.multi_turn[name]:
-            prompt_ids = render_prompt(orchestrator.tokenizer, drawn.task.messages, self.tool_schemas[name])
+            prompt_ids = await orchestrator.prompt_ids(drawn, self.tool_schemas[name])
             episodes = await asyncio.gather(*(
                 run_episode(orchestrator.fleet, drawn.env.env, self.chat, orchestrator.decode, drawn.task, prompt_ids,
                             self.sampling, session, step, f"{session}-sample{i}", orchestrator.limits)
@@ -104,7 +104,7 @@ class Evaluator:
             scored = await asyncio.gather(*(orchestrator.score_completion(step, drawn, prompt_ids, e.response(), e)
                                             for e in episodes))
         else:
-            prompt_ids = render_prompt(orchestrator.tokenizer, drawn.task.messages)
+            prompt_ids = await orchestrator.prompt_ids(drawn)
             completions = await orchestrator.fleet.generate(GenerateRequest(
                 prompt_token_ids=prompt_ids, sampling=self.sampling, n=n, session_id=session))
             scored = await asyncio.gather(*(orchestrator.score_completion(step, drawn, prompt_ids, c)

@@ -128,7 +128,7 @@ class Orchestrator:
         started = time.time()
         self.progress = (step, 0)
         dispatch_version = self.fleet.version
-        window = self._tasks_of(step)
+        window = await self._tasks_of(step)
         groups = await self._sample_groups(step, window)
         await failpoints.held("rollout", step)
         finished = time.time()
@@ -257,29 +257,41 @@ class Orchestrator:
                 self.log(f"fleetrl: batch {step}: dropped {drops[fault]} episode(s) ended by a failure of {what} "
                          f"(the first: {first})")
 
-    def _tasks_of(self, step: int) -> list[Drawn]:
+    async def _tasks_of(self, step: int) -> list[Drawn]:
         """Step `step`'s window of the stream: `prompts_per_step` tasks from (step - 1) times
         that, skipping those of the steps before that this orchestrator did not make (a resumed
-        run's). Steps come in order. Dynamic sampling may leave the end of a window unused."""
+        run's). Steps come in order. Dynamic sampling may leave the end of a window unused.
+        The stream is user code: drawn off the event loop, within orchestrator.task_timeout_s."""
         size = self.config.prompts_per_step()
         first = (step - 1) * size
         skip = first - self._drawn
-        tasks = list(itertools.islice(self._tasks, skip, skip + size))
+        envs = ", ".join(e.name for e in self.envs)
+        tasks = await call_user_code(f"env {envs}: drawing tasks {first}..{first + size - 1} (batch {step})",
+                                     self.config.task_timeout_s, "orchestrator.task_timeout_s",
+                                     lambda: list(itertools.islice(self._tasks, skip, skip + size)))
         self._drawn = first + len(tasks)
         if len(tasks) < self.config.batch_prompts:
-            raise EnvError(f"env {', '.join(e.name for e in self.envs)}: its task stream ended after {self._drawn} tasks "
+            raise EnvError(f"env {envs}: its task stream ended after {self._drawn} tasks "
                            f"(batch {step} needs tasks {first}..{first + self.config.batch_prompts - 1})")
         return tasks
+
+    async def prompt_ids(self, drawn: Drawn, tools: list[dict] | None = None) -> list[int]:
+        """`drawn`'s prompt in the policy's chat template (with `tools`' schemas), rendered off
+        the event loop within orchestrator.task_timeout_s: a template is code the loop that
+        drives the fleet must not hang on."""
+        return await call_user_code(f"env {drawn.env.name}: rendering the prompt of task {drawn.id}",
+                                    self.config.task_timeout_s, "orchestrator.task_timeout_s",
+                                    render_prompt, self.tokenizer, drawn.task.messages, tools)
 
     async def _sample_group(self, step: int, index: int, drawn: Drawn) -> list[Scored]:
         # One session per group: its samples share the prompt, so one worker's prefix cache
         # serves them all, and the turns of an episode stay on the worker that holds its context.
         session = f"step{step}-group{index}"
         if self.multi_turn[drawn.env.name]:
-            prompt_ids = render_prompt(self.tokenizer, drawn.task.messages, self.tool_schemas[drawn.env.name])
+            prompt_ids = await self.prompt_ids(drawn, self.tool_schemas[drawn.env.name])
             return list(await asyncio.gather(*(self._sample_episode(step, index, i, drawn, prompt_ids, session)
                                                for i in range(self.config.group_size))))
-        prompt_ids = render_prompt(self.tokenizer, drawn.task.messages)
+        prompt_ids = await self.prompt_ids(drawn)
         request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=self.sampling, n=self.config.group_size,
                                   session_id=session)
         started = time.time()

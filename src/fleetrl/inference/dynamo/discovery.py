@@ -11,6 +11,7 @@ from __future__ import annotations
 import httpx
 
 from fleetrl.errors import FleetrlError
+from fleetrl.inference.http import answered_within
 from fleetrl.inference.types import WorkerInfo, WorkerRole
 
 # dynamo.vllm registers prefill workers under the component "prefill"; aggregated and decode
@@ -19,13 +20,17 @@ from fleetrl.inference.types import WorkerInfo, WorkerRole
 _ROLES = {"prefill": WorkerRole.PREFILL}
 
 
-async def list_rl_workers(http: httpx.AsyncClient, rl_url: str, frontend_url: str) -> list[WorkerInfo]:
-    """The workers listed at `rl_url`; their requests go through the frontend at `frontend_url`."""
+async def list_rl_workers(http: httpx.AsyncClient, rl_url: str, frontend_url: str,
+                          timeout_s: float) -> list[WorkerInfo]:
+    """The workers listed at `rl_url`; their requests go through the frontend at `frontend_url`.
+    The whole answer within `timeout_s`: `http` bounds each read only, and a frontend that
+    trickles its answer would hold the discovery round (and the fleet's start) without end."""
     url = f"{rl_url}/v1/rl/workers"
     try:
-        response = await http.get(url)
+        response = await answered_within(timeout_s, http.get(url))
     except httpx.TransportError as e:
-        raise FleetrlError(f"Dynamo RL discovery at {url} failed: {type(e).__name__}") from None
+        detail = f": {e}" if isinstance(e, httpx.TimeoutException) and str(e) else ""
+        raise FleetrlError(f"Dynamo RL discovery at {url} failed: {type(e).__name__}{detail}") from None
     if response.status_code != 200:
         raise FleetrlError(f"Dynamo RL discovery at {url} failed: HTTP {response.status_code}: "
                            f"{response.text[:300]}")

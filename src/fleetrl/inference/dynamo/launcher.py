@@ -274,7 +274,8 @@ async def wait_ready(deployment: DynamoDeployment, count: int, timeout_s: float,
         async def not_serving() -> tuple[int, str] | None:
             workers: list[WorkerInfo] = []
             try:
-                workers = await list_rl_workers(client, deployment.rl_url, deployment.frontend_url)
+                workers = await list_rl_workers(client, deployment.rl_url, deployment.frontend_url,
+                                                deployment.config.admin_timeout_s)
                 unserved = await why_not_serving(data, workers) if len(workers) >= count else "waiting for workers"
             except FleetrlError as e:
                 unserved = str(e)

@@ -131,7 +131,8 @@ class DynamoProvider:
         fleet sees it, so it is never paused, sent weights or routed to."""
         if self._rl_url is None:
             raise FleetrlError("the Dynamo provider was used before start()")
-        workers = await list_rl_workers(self._discovery, self._rl_url, self._frontend_url)
+        workers = await list_rl_workers(self._discovery, self._rl_url, self._frontend_url,
+                                        self.config.admin_timeout_s)
         if self.deployment is not None:
             launched = {w.id: p for w in workers if (p := self.deployment.live_worker_at(w.admin_url)) is not None}
             self._launched_as.update(launched)
@@ -240,12 +241,15 @@ class DynamoProvider:
         # A frontend with prefill workers refuses a pinned request without its prefill pin.
         return await self._started_data().prompt_logprobs(worker.id, token_ids, prefill.id if prefill else None)
 
-    async def restart(self, worker: WorkerInfo) -> bool:
-        """Replace the launched worker behind a dead or hung instance with a new process. It
-        registers as a new instance, which the coordinator refits before it serves; the old one
-        leaves discovery (or stays dead in it). False for an attached deployment."""
+    async def restart(self, worker: WorkerInfo) -> str | None:
+        """Replace the launched worker behind a dead or hung instance with a new process, and
+        return the id of the new instance it registers as, once the frontend lists it; the
+        coordinator refits it before it serves, and the old one leaves discovery (or stays dead
+        in it). None for an attached deployment, or when no process of this run serves the
+        instance; a FleetrlError when the replacement exits first, or is not listed within
+        startup_timeout_s."""
         if self.deployment is None:
-            return False
+            return None
         # The process discovery saw serving the instance (every worker the fleet knows came through
         # `discover`), not one looked up now: a process just killed may still be exiting, neither
         # listening nor exited yet.
@@ -253,11 +257,29 @@ class DynamoProvider:
         if process is None or process not in self.deployment.workers:
             self.log(f"fleetrl: Dynamo worker {worker.id} not restarted: no worker process this run launched "
                      f"serves it ({worker.admin_url})")
-            return False
+            return None
         # Off the event loop: a hung worker's process group may take a moment to go.
         replacement = await asyncio.to_thread(self.deployment.replace_worker, process)
         self.log(f"fleetrl: Dynamo worker {worker.id} ({process.name}) replaced by {replacement.name}")
-        return True
+        return await self._registered(self.deployment, replacement)
+
+    async def _registered(self, deployment: DynamoDeployment, process: ManagedProcess) -> str:
+        """The instance id a launched worker process registers as, once the frontend lists it
+        (the instance whose system server it listens on)."""
+        registered: list[str] = []
+
+        async def unlisted() -> tuple[int, str] | None:
+            try:
+                listed = await list_rl_workers(self._discovery, self._rl_url, self._frontend_url,
+                                               self.config.admin_timeout_s)
+            except FleetrlError as e:
+                return 0, str(e)
+            registered[:] = [w.id for w in listed if deployment.live_worker_at(w.admin_url) is process]
+            return None if registered else (0, "not listed by the frontend yet")
+
+        await wait_until_ready(f"Dynamo worker {process.name}", 1, [process], unlisted, self.config.startup_timeout_s,
+                               self.log)
+        return registered[0]
 
     def admin(self, worker: WorkerInfo) -> DynamoWorkerControl:
         return self._clients_of(worker)[0]

@@ -20,11 +20,11 @@ from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.answers import vocab_size
-from fleetrl.inference.http import SERVED_MODEL_NAME, RunClaim, sign, unproven
+from fleetrl.inference.http import SERVED_MODEL_NAME, RunClaim, answered_within, sign, unproven
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
 from fleetrl.inference.vllm.data import VllmDataClient
-from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers, start_server
+from fleetrl.inference.vllm.launcher import LaunchedServer, launch_vllm_servers, start_server, wait_healthy
 from fleetrl.inference.vllm.weight_sync import VllmWeightSync
 from fleetrl.lora import ADAPTER_NAME, AdapterSpec
 from fleetrl.processes import stop_groups
@@ -81,10 +81,21 @@ class VllmProvider:
         """Why the server at `url`, started elsewhere, cannot join the fleet; None if it can.
         fleetrl signs its admin calls with the run's token and trusts what the server reports
         about its weights, so a server that would obey a caller without the admin token is
-        refused, not merely warned about, and so is one that cannot prove it holds the token."""
+        refused, not merely warned about, and so is one that cannot prove it holds the token.
+        Each answer must come whole within admin_timeout_s (the client bounds each read only: a
+        server that trickles its answer would hold the run's start)."""
+        timeout_s = self.config.admin_timeout_s
+
+        async def answer(request: httpx.Request) -> httpx.Response:
+            try:
+                return await answered_within(timeout_s, client.send(request))
+            except httpx.TimeoutException:
+                raise FleetrlError(f"no whole answer from {request.url} within {timeout_s:g} s "
+                                   "(inference.admin_timeout_s)") from None
+
         async def status(path: str, token: str | None = None) -> int:
             headers = {"Authorization": f"Bearer {token}"} if token else {}
-            return (await client.get(f"{url}{path}", headers=headers)).status_code
+            return (await answer(client.build_request("GET", f"{url}{path}", headers=headers))).status_code
 
         try:
             if await status("/health") != 200:
@@ -95,7 +106,7 @@ class VllmProvider:
                         f"${DATA_TOKEN_ENV})")
             request = client.build_request("GET", f"{url}{ADMIN_CHECK_PATH}")
             nonce = sign(request, self.admin_token)
-            signed = await client.send(request)
+            signed = await answer(request)
             if signed.status_code in REFUSED:
                 return (f"worker {url} refused the admin token: set inference.admin_token (or "
                         f"${ADMIN_TOKEN_ENV}) to the one it was started with")
@@ -106,6 +117,8 @@ class VllmProvider:
                         f"${DATA_TOKEN_ENV}) to the one it was started with")
         except httpx.TransportError:
             return f"cannot reach {url} (no answer on /health)"
+        except FleetrlError as e:  # no whole answer in time
+            return str(e)
         return None
 
     def attach_settings(self) -> dict:
@@ -145,18 +158,20 @@ class VllmProvider:
             self._clients[worker.id] = VllmWorkerControl(routes), VllmWeightSync(routes)
         return self._clients[worker.id]
 
-    async def restart(self, worker: WorkerInfo) -> bool:
+    async def restart(self, worker: WorkerInfo) -> str | None:
         """Start a launched server again at its address, after stopping what is left of it (a
-        hung one is killed). It serves nothing until the fleet has refitted it."""
+        hung one is killed); its id once it answers /health (a FleetrlError if it exits first
+        or takes longer than startup_timeout_s). It serves nothing until the fleet has refitted it."""
         server = next((s for s in self.launched if s.name == worker.id), None)
         if server is None:
-            return False  # attached: started elsewhere, restarted elsewhere
+            return None  # attached: started elsewhere, restarted elsewhere
         # Off the event loop: a hung server's process group may take a moment to go.
         await asyncio.to_thread(server.process.stop, 0)
         port = int(server.url.rsplit(":", 1)[1])
         server.process = start_server(self.model_dir, self.config, server.name, server.index, port, self.log_dir,
                                       self.admin_token, self.data_token, self.adapter)
-        return True
+        await wait_healthy([server], self.config.startup_timeout_s, self.log)
+        return worker.id
 
     async def close(self) -> None:
         for control, _ in self._clients.values():
