@@ -6,21 +6,28 @@ process may take that port, answer /health (which needs no token) and so receive
 with the next admin call. fleetrl's admin calls therefore carry, instead of the token, an HMAC
 keyed by the token of everything about the call that a relay or a replay could change
 (`SignedCall`: the method, the path and query, the authority the caller addressed, the body,
-the run's claim on the worker) with a timestamp and a fresh nonce. The worker's middleware
-(engine/admin_auth.py) checks it, refuses a timestamp off by more than MAX_SKEW_S, a nonce it
-has seen (`FreshCalls`) and an authority that is not its own, and answers with an HMAC of the
-nonce and that authority, keyed by the same token (`proof`). A caller that gets no valid proof
-back is not talking to a server started with the run's token, and trusts nothing it said: a
-process on a dead worker's port that relays the call to another live worker gets it refused
-there (another authority), and a captured call replayed elsewhere, or with another body, opens
-nothing. fleetrl's data requests (which carry the data token as a bearer) name a nonce of their
-own (NONCE_HEADER), and their answers carry the same proof. Bearer tokens still open the
-routes, for an operator's curl.
+the run's claim on the worker, the server instance it is for) with a timestamp and a fresh
+nonce. The instance is a random name each server makes as it starts and announces to anyone
+(contract.INSTANCE_PATH; a Dynamo worker in its liveness probe's answer): a call signed for one
+start of a server opens nothing at the next one, nor at another server. The worker's middleware
+(engine/admin_auth.py) checks the call, refuses a timestamp off by more than MAX_SKEW_S, a nonce
+it has seen in this instance (`FreshCalls`) and an authority that is not its own, answers a
+call signed for another instance of itself with contract.STALE_INSTANCE (the caller asks for the
+instance again and signs afresh, once), and proves its answer with an HMAC of the call's nonce,
+that authority, its instance and the answer's body, keyed by the same token (`answer_proof`).
+A caller that gets no valid proof back is not talking to a server started with the run's token
+(or what it got was changed on the way: a rewritten checksum or version label), and trusts
+nothing it said: a process on a dead worker's port that relays the call to another live worker
+gets it refused there (another authority), and a captured call replayed elsewhere, later, or
+with another body, opens nothing. fleetrl's data requests (which carry the data token as a
+bearer) name a nonce of their own (NONCE_HEADER), and their answers carry a proof of that nonce
+and the address (`nonce_proof`). Bearer tokens still open the routes, for an operator's curl.
 
 fleetrl's Dynamo worker kind (engine/dynamo_worker.py) gets the same protection in the JSON body,
 the only part of a call its route handlers see: the signature rides in BODY_SIGNATURE_FIELD and
-covers the rest of the body, and the answer carries the proof in BODY_PROOF_FIELD. Its handlers
-do not see the authority, which such a signature therefore does not cover.
+covers the rest of the body, and the answer carries the proof of the rest of the answer in
+BODY_PROOF_FIELD. Its handlers do not see the authority: there the worker's own instance, which
+no other worker shares, is what binds a call to one worker.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ MAX_SKEW_S = 300
 class Signature:
     timestamp: int
     nonce: str
+    instance: str  # the server instance the call was signed for (as it announced it)
     mac: str
 
 
@@ -59,12 +67,14 @@ class SignedCall:
     target: str  # path and query, as sent
     authority: str  # host:port the caller addressed (its Host header, with_port); "" where a worker cannot see it
     body: bytes
+    instance: str  # the server instance the call is for (as the server announced it)
     run: str = ""  # the run's claim on the worker, as its headers name it (engine/worker_claim.py)
     lease: str = ""
 
     def message(self, timestamp: int, nonce: str) -> str:
         return "\n".join(["fleetrl request", self.method.upper(), self.target, self.authority,
-                          hashlib.sha256(self.body).hexdigest(), self.run, self.lease, str(timestamp), nonce])
+                          hashlib.sha256(self.body).hexdigest(), self.instance, self.run, self.lease, str(timestamp),
+                          nonce])
 
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -92,10 +102,12 @@ def authorization(token: str, call: SignedCall) -> tuple[str, str]:
     """The Authorization header's value for `call`, and the nonce the answer's proof must be
     made of."""
     timestamp, nonce = int(time.time()), fresh_nonce()
-    return f"{SCHEME} t={timestamp},n={nonce},s={_mac(token, call.message(timestamp, nonce))}", nonce
+    mac = _mac(token, call.message(timestamp, nonce))
+    return f"{SCHEME} t={timestamp},n={nonce},i={call.instance},s={mac}", nonce
 
 
 def fresh_nonce() -> str:
+    """A random name: a call's nonce, or a server's instance (made once, as it starts)."""
     return secrets.token_hex(16)
 
 
@@ -109,10 +121,10 @@ def parse(value: str) -> Signature | None:
     if scheme != SCHEME:
         return None
     fields = dict(part.partition("=")[::2] for part in rest.split(","))
-    t, n, s = fields.get("t", ""), fields.get("n", ""), fields.get("s", "")
-    if not (t.isascii() and t.isdigit() and is_nonce(n) and _is_mac(s)):
+    t, n, i, s = fields.get("t", ""), fields.get("n", ""), fields.get("i", ""), fields.get("s", "")
+    if not (t.isascii() and t.isdigit() and is_nonce(n) and is_nonce(i) and _is_mac(s)):
         return None
-    return Signature(int(t), n, s)
+    return Signature(int(t), n, i, s)
 
 
 def signed_by(token: str, signature: Signature, call: SignedCall) -> bool:
@@ -121,14 +133,22 @@ def signed_by(token: str, signature: Signature, call: SignedCall) -> bool:
     return hmac.compare_digest(expected.encode(), signature.mac.encode())
 
 
-def proof(token: str, nonce: str, authority: str) -> str:
-    """The worker's answer to a call with `nonce` that reached it at `authority`: only a holder
-    of `token` can make it, and it holds for that address alone."""
+def answer_proof(token: str, nonce: str, authority: str, instance: str, body: bytes) -> str:
+    """The worker's proof of its answer `body` to a signed call with `nonce` that reached its
+    `instance` at `authority`: only a holder of `token` can make it, it holds for that address,
+    that start of the server and those very bytes alone."""
+    return _mac(token, "\n".join(["fleetrl answer", authority, instance, nonce, hashlib.sha256(body).hexdigest()]))
+
+
+def nonce_proof(token: str, nonce: str, authority: str) -> str:
+    """The worker's answer to a data request naming `nonce` that reached it at `authority`:
+    only a holder of `token` can make it, and it holds for that address alone."""
     return _mac(token, f"fleetrl worker\n{authority}\n{nonce}")
 
 
-def proven(token: str, nonce: str, authority: str, answer: str | None) -> bool:
-    return _is_mac(answer) and hmac.compare_digest(proof(token, nonce, authority).encode(), answer.encode())
+def proves(expected: str, answer: str | None) -> bool:
+    """Whether a proof that came back (`answer`) is the `expected` one (in constant time)."""
+    return _is_mac(answer) and hmac.compare_digest(expected.encode(), answer.encode())
 
 
 class FreshCalls:
@@ -153,18 +173,26 @@ class FreshCalls:
 
 BODY_SIGNATURE_FIELD = "fleetrl_signature"
 BODY_PROOF_FIELD = "fleetrl_proof"
+BODY_INSTANCE_FIELD = "fleetrl_instance"  # where the liveness probe's answer announces the worker's instance
 
 
-def _body_call(target: str, body: dict) -> SignedCall:
-    return SignedCall("POST", target, "", json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+def canonical(body: dict) -> bytes:
+    """The bytes a JSON body stands for on both sides (its serialization on the wire is the
+    server's own: Dynamo's system server writes the handler's answer)."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def signed_body(token: str, target: str, body: dict) -> tuple[dict, str]:
-    """`body` for a POST to `target` (`/engine/<route>`), signed with `token` (target, time,
-    nonce and the body itself); and the nonce that the answer's proof must be made of."""
+def _body_call(target: str, body: dict, instance: str) -> SignedCall:
+    return SignedCall("POST", target, "", canonical(body), instance)
+
+
+def signed_body(token: str, target: str, body: dict, instance: str) -> tuple[dict, str]:
+    """`body` for a POST to `target` (`/engine/<route>`) of the worker `instance`, signed with
+    `token` (target, instance, time, nonce and the body itself); and the nonce that the answer's
+    proof must be made of."""
     timestamp, nonce = int(time.time()), fresh_nonce()
-    mac = _mac(token, _body_call(target, body).message(timestamp, nonce))
-    return {**body, BODY_SIGNATURE_FIELD: {"t": timestamp, "n": nonce, "s": mac}}, nonce
+    mac = _mac(token, _body_call(target, body, instance).message(timestamp, nonce))
+    return {**body, BODY_SIGNATURE_FIELD: {"t": timestamp, "n": nonce, "i": instance, "s": mac}}, nonce
 
 
 def body_signature(body: dict) -> tuple[Signature | None, dict]:
@@ -173,12 +201,19 @@ def body_signature(body: dict) -> tuple[Signature | None, dict]:
     fields = body.get(BODY_SIGNATURE_FIELD)
     if not isinstance(fields, dict):
         return None, rest
-    t, n, s = fields.get("t"), fields.get("n"), fields.get("s")
-    if not (isinstance(t, int) and isinstance(n, str) and is_nonce(n) and _is_mac(s)):
+    t, n, i, s = fields.get("t"), fields.get("n"), fields.get("i"), fields.get("s")
+    if not (isinstance(t, int) and isinstance(n, str) and is_nonce(n) and isinstance(i, str) and is_nonce(i)
+            and _is_mac(s)):
         return None, rest
-    return Signature(t, n, s), rest
+    return Signature(t, n, i, s), rest
 
 
 def body_signed_by(token: str, signature: Signature, target: str, body: dict) -> bool:
-    """Whether `signature` is `token`'s for a POST to `target` with this body (without the signature)."""
-    return signed_by(token, signature, _body_call(target, body))
+    """Whether `signature` is `token`'s for a POST to `target` with this body (without the
+    signature), for the instance it names."""
+    return signed_by(token, signature, _body_call(target, body, signature.instance))
+
+
+def body_proof(token: str, nonce: str, instance: str, answer: dict) -> str:
+    """A Dynamo worker's proof of its `answer` (without the proof) to a signed call with `nonce`."""
+    return answer_proof(token, nonce, "", instance, canonical(answer))

@@ -109,7 +109,8 @@ class VllmConfig(Section):
     extra_args: list[str] = Field(
         default_factory=list,
         description="Extra command-line arguments passed verbatim to every launched vLLM server "
-        "(or Dynamo vLLM worker).",
+        "(or Dynamo vLLM worker). Not --api-server-count (-asc) other than 1: fleetrl's signed admin calls need "
+        "one API server process.",
     )
     omp_threads_bind: list[str] = Field(
         default_factory=list,
@@ -122,6 +123,23 @@ class VllmConfig(Section):
     @classmethod
     def _cpu_lists(cls, value: list[str]) -> list[str]:
         return _check_cpu_lists(value)
+
+    @field_validator("extra_args")
+    @classmethod
+    def _one_api_server_process(cls, value: list[str]) -> list[str]:
+        """Each API server process of a server would be an instance of its own, with its own memory
+        of signed calls (engine/admin_auth.py): fleetrl's calls would be refused at random."""
+        for i, arg in enumerate(value):
+            name, inline, count = arg.partition("=")
+            name = name.replace("_", "-")
+            # vLLM's parser takes -asc, and any unambiguous abbreviation of the long name.
+            if name == "-asc" or (len(name) > len("--api-s") and "--api-server-count".startswith(name)):
+                count = count if inline else (value[i + 1] if i + 1 < len(value) else "")
+                if count.strip() != "1":
+                    setting = arg if inline else f"{arg} {count}"
+                    raise ValueError(f"{setting!r} runs several API server processes per server, each taking "
+                                     "signed admin calls for itself alone: fleetrl needs one (remove it)")
+        return value
 
     def cpu_env(self, index: int) -> dict[str, str]:
         """The environment that binds the `index`-th launched engine to its CPUs, if any are set."""

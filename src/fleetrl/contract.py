@@ -30,6 +30,14 @@ DATA_TOKEN_ENV = "FLEETRL_DATA_TOKEN"
 # where a network maps ports (docs/cluster.md): a signed call names the address its caller
 # addressed, and the middleware lets in and proves only calls to one of its own.
 ADMIN_AUTHORITIES_ENV = "FLEETRL_ADMIN_AUTHORITIES"
+# Where a native server's middleware announces its instance (a random name made as it starts,
+# admin_signature.py), to anyone: GET answers {"instance": ...}. A signed call covers the instance
+# it is for, so that it opens nothing at a later start of the server.
+INSTANCE_PATH = "/fleetrl/instance"
+# How a server (native: HTTP 401 {"error": ...}; Dynamo: {"status": "error", "message": ...})
+# answers a call signed with the run's token for another instance of it (the one before a
+# restart): the caller asks for the instance again and signs afresh.
+STALE_INSTANCE = "fleetrl: this call was signed for another start of this server (stale instance)"
 
 # The worker extension's method that returns what a rank holds (one result per rank):
 # {"checksum": the fleetrl checksum of the weights it last received in full, computed by the
@@ -76,5 +84,8 @@ DYNAMO_GUARDED_ROUTES = (
     "destroy_weights_update_group", "get_weight_version", "set_weight_version", "sleep", "wake_up",
     "scale_elastic_ep", "start_profile", "stop_profile", "load_lora", "unload_lora",
 )
+# The open route whose answer announces the worker's instance to anyone (admin_signature.py,
+# BODY_INSTANCE_FIELD): what a signed call to fleetrl's Dynamo worker kind is for.
+DYNAMO_INSTANCE_ROUTE = "liveness_probe"
 # How such a route answers a call that is not signed with the run's admin token.
 DYNAMO_REFUSAL = "fleetrl: this route needs the run's admin token (a signed call)"

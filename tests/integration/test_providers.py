@@ -27,19 +27,20 @@ import pytest
 import pytest_asyncio
 import torch
 
+from fleetrl import admin_signature
 from fleetrl.app.providers import Tokens, build_provider, start_recorded
 from fleetrl.app.providers import base_weights as base_weights_of
 from fleetrl.app.rl import apply_core_plan
 from fleetrl.batch import Sample
 from fleetrl.config import Config, DynamoConfig, InferenceConfig, RunConfig, VllmConfig
-from fleetrl.contract import ADMIN_TOKEN_ENV
+from fleetrl.contract import ADMIN_TOKEN_ENV, INSTANCE_PATH
 from fleetrl.envs import Task
 from fleetrl.envs.calculator import Calculator
 from fleetrl.envs.tools import Tool
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.launcher import wait_ready
 from fleetrl.inference.fleet import AgreementProbe, Fleet
-from fleetrl.inference.http import metric_total
+from fleetrl.inference.http import metric_total, sign, unproven
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
@@ -215,6 +216,17 @@ async def test_admin_routes_refuse_requests_without_the_token(fleet):
         for method, path in [("POST", "/pause"), ("POST", "/collective_rpc"), ("GET", "/weight_info")]:
             assert (await client.request(method, path, headers=data)).status_code == 401, path
         assert (await client.get("/v1/models", headers=data)).status_code == 200
+        # A signed call opens one route of one start of one server, once, and its answer is
+        # proven (issue 36, item 5): replayed there, or at the other server, it opens nothing.
+        instance = (await client.get(INSTANCE_PATH)).json()["instance"]
+        request = client.build_request("GET", "/is_paused")
+        nonce = sign(request, TOKEN, instance)
+        answer = await client.send(request)
+        assert answer.status_code == 200 and unproven(answer, TOKEN, nonce, instance) is None
+        assert (await client.send(request)).status_code == 401
+        elsewhere = httpx.Request("GET", f"{fleet.workers['vllm-1'].admin_url}/is_paused",
+                                  headers={"Authorization": request.headers["Authorization"]})
+        assert (await client.send(elsewhere)).status_code == 401
     assert not await fleet.provider.admin(worker).is_paused()
 
 
@@ -325,7 +337,17 @@ async def test_fleetrls_worker_kind_reports_per_token_versions_and_takes_only_si
         for route, body in (("pause_generation", {"mode": "keep"}), ("set_weight_version", {"weight_version": "v9"})):
             answer = (await anyone.post(f"/engine/{route}", json=body)).json()
             assert answer["status"] == "error" and "needs the run's admin token" in answer["message"], (route, answer)
-        assert (await anyone.post("/engine/liveness_probe", json={})).json().get("alive") is True
+        probe = (await anyone.post("/engine/liveness_probe", json={})).json()
+        assert probe.get("alive") is True
+        # Dynamo's taint route took anyone's call; this kind does not serve it (issue 36, item 5).
+        taints = await anyone.post("/engine/update/model_taints", json={"taints": ["x"]})
+        assert taints.status_code == 404, (taints.status_code, taints.text)
+        # A call signed for this start of the worker opens its route once: captured, it opens nothing.
+        body, _ = admin_signature.signed_body(TOKEN, "/engine/get_weight_version", {},
+                                              probe[admin_signature.BODY_INSTANCE_FIELD])
+        assert (await anyone.post("/engine/get_weight_version", json=body)).json()["status"] == "ok"
+        replayed = (await anyone.post("/engine/get_weight_version", json=body)).json()
+        assert replayed["status"] == "error" and "needs the run's admin token" in replayed["message"], replayed
     assert not await fleet.provider.admin(worker).is_paused()
     assert await fleet.provider.admin(worker).version() == fleet.version
 

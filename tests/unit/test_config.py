@@ -286,3 +286,16 @@ def test_dynamic_sampling_bound_must_hold_a_batch():
                                           r"orchestrator\.batch_prompts \(8\)"):
         load_config([], [("orchestrator.dynamic_sampling", "true"), ("orchestrator.dynamic_sampling_prompts", "4")])
     assert load_config([], [("orchestrator.dynamic_sampling", "true")]).orchestrator.prompts_per_step() == 24
+
+
+@pytest.mark.parametrize("args", [["--api-server-count", "2"], ["--api-server-count=4"], ["-asc", "3"],
+                                  ["--api_server_count", "2"], ["--api-server", "2"]])
+def test_more_than_one_api_server_process_is_refused(args):
+    """Each API server process would take signed admin calls for itself alone, with its own
+    instance and memory of nonces (issue 36, item 5)."""
+    with pytest.raises(ConfigError, match=r"^config key 'inference.vllm.extra_args': '.*' runs several API server "
+                                          r"processes per server.*fleetrl needs one \(remove it\) "
+                                          r"\(from --inference.vllm.extra_args\)$"):
+        load_config([], [("inference.vllm.extra_args", str(args).replace("'", '"'))])
+    one = ["--api-server-count", "1"]
+    assert load_config([], [("inference.vllm.extra_args", str(one).replace("'", '"'))]).inference.vllm.extra_args == one

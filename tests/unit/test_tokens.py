@@ -11,10 +11,10 @@ import pytest
 from fleetrl import admin_signature
 from fleetrl.app.providers import Tokens, attached_to_run, resolve_tokens, start_recorded
 from fleetrl.config import Config, ConfigError, DynamoConfig, InferenceConfig
-from fleetrl.contract import ADMIN_AUTHORITIES_ENV, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
+from fleetrl.contract import ADMIN_AUTHORITIES_ENV, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV, INSTANCE_PATH, STALE_INSTANCE
 from fleetrl.engine.admin_auth import AdminTokenMiddleware
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.http import RunClaim
+from fleetrl.inference.http import AdminHttp, RunClaim
 from fleetrl.inference.provider import ImpostorWorker
 from fleetrl.inference.vllm import launcher
 from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
@@ -80,24 +80,38 @@ def authority_of(url: str) -> str:
     return url.removeprefix("http://")
 
 
-def signed(token: str, method: str, url: str, target: str, body: bytes = b"", authority: str | None = None
-           ) -> tuple[dict, str]:
+def instance_of(url: str) -> str:
+    """The instance the server at `url` announces to anyone."""
+    return httpx.get(url + INSTANCE_PATH).json()["instance"]
+
+
+def signed(token: str, method: str, url: str, target: str, body: bytes = b"", authority: str | None = None,
+           instance: str | None = None) -> tuple[dict, str]:
     """The headers of a call signed as fleetrl signs one, to the server at `url` (or naming
-    `authority` as the address called), and the nonce its proof is made of."""
-    call = admin_signature.SignedCall(method, target, authority or authority_of(url), body)
+    `authority` as the address called) for the instance it announces (or `instance`), and the
+    nonce its proof is made of."""
+    call = admin_signature.SignedCall(method, target, authority or authority_of(url), body,
+                                      instance or instance_of(url))
     value, nonce = admin_signature.authorization(token, call)
     return {"Authorization": value, **({"Host": authority} if authority else {})}, nonce
 
 
-def proven(answer: httpx.Response, nonce: str, url: str) -> bool:
-    return admin_signature.proven(ADMIN, nonce, authority_of(url), answer.headers.get(admin_signature.PROOF_HEADER))
+def proven(answer: httpx.Response, nonce: str, url: str, token: str = ADMIN) -> bool:
+    """Whether `answer` carries the proof of its very body by the server at `url`, for the call with `nonce`."""
+    expected = admin_signature.answer_proof(token, nonce, authority_of(url), instance_of(url), answer.content)
+    return admin_signature.proves(expected, answer.headers.get(admin_signature.PROOF_HEADER))
+
+
+def nonce_proven(answer: httpx.Response, nonce: str, url: str) -> bool:
+    expected = admin_signature.nonce_proof(ADMIN, nonce, authority_of(url))
+    return admin_signature.proves(expected, answer.headers.get(admin_signature.PROOF_HEADER))
 
 
 def test_a_signed_call_opens_the_admin_routes_once_and_its_answer_proves_the_worker_holds_the_token(guarded):
     headers, nonce = signed(ADMIN, "POST", guarded, "/pause?mode=keep")
     answer = httpx.post(guarded + "/pause?mode=keep", headers=headers)
     assert answer.status_code == 200 and proven(answer, nonce, guarded)
-    assert not admin_signature.proven("other", nonce, authority_of(guarded), answer.headers[admin_signature.PROOF_HEADER])
+    assert not proven(answer, nonce, guarded, token="other")
     # Replayed (by whoever saw it), the same signature opens nothing.
     assert httpx.post(guarded + "/pause?mode=keep", headers=headers).status_code == 401
 
@@ -121,6 +135,86 @@ def test_a_signed_call_that_is_not_the_admin_tokens_for_this_very_call_is_refuse
     assert answer.status_code == 401 and admin_signature.PROOF_HEADER not in answer.headers
 
 
+async def test_a_call_captured_before_a_restart_opens_nothing_after_it_and_the_run_signs_anew(monkeypatch):
+    """The legitimate server, restarted at the same port within MAX_SKEW_S, has forgotten the
+    nonces it let in; its new instance refuses what was signed for the old one (issue 36, item 5)."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
+    server = [AdminTokenMiddleware(answering({"is_paused": False, "weight_version": "v1@r1"}))]
+
+    async def port(scope, receive, send):  # whichever start of the server listens there
+        await server[0](scope, receive, send)
+
+    with serving(port) as url:
+        admin = VllmWorkerControl(VllmAdminRoutes("vllm-0", url, ADMIN, timeout_s=5, retries=0, claim=None))
+        try:
+            captured, _ = signed(ADMIN, "POST", url, "/pause?mode=keep")
+            assert httpx.post(url + "/pause?mode=keep", headers=captured).status_code == 200
+            assert await admin.version() == 1
+            server[0] = AdminTokenMiddleware(answering({"is_paused": False, "weight_version": "v1@r1"}))  # restarted
+            replayed = httpx.post(url + "/pause?mode=keep", headers=captured)
+            assert replayed.status_code == 401 and replayed.json() == {"error": STALE_INSTANCE}
+            assert await admin.version() == 1  # refused as stale once, then signed for the new instance
+        finally:
+            await admin.close()
+
+
+async def test_a_server_of_several_api_processes_lets_a_captured_call_in_at_one_at_most(monkeypatch):
+    """vLLM's --api-server-count N runs N processes behind one port, each with its own memory of
+    nonces: a call let in by one was let in again by each other. Each is an instance of its own
+    now, so the others refuse it; fleetrl's own client, refused as stale again after it asked
+    for the instance anew, says why (the launcher refuses the flag: unit/test_config.py)."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
+    processes = [AdminTokenMiddleware(answering({"is_paused": False})) for _ in range(2)]
+    turn = iter(range(10**6))
+
+    async def port(scope, receive, send):  # the kernel hands each connection to one process
+        await processes[next(turn) % 2](scope, receive, send)
+
+    with serving(port) as url:
+        call = admin_signature.SignedCall("POST", "/pause", authority_of(url), b"", processes[0].instance)
+        captured = {"Authorization": admin_signature.authorization(ADMIN, call)[0]}
+        assert [httpx.post(url + "/pause", headers=captured).status_code for _ in range(2)] == [200, 401]
+        admin = AdminHttp("vllm-0", url, timeout_s=5, retries=0, admin_token=ADMIN)
+        try:
+            with pytest.raises(FleetrlError, match="stale instance.*again after it named its instance anew.*"
+                                                   "--api-server-count"):
+                await admin.call("GET", "/is_paused", idempotent=True)
+        finally:
+            await admin.close()
+
+
+def rewriting(app, rewrite):
+    """`app` behind a proxy that rewrites each answer's body with `rewrite` (headers kept)."""
+    async def proxy(scope, receive, send):
+        async def rewritten(message):
+            if message["type"] == "http.response.body":
+                message = {**message, "body": rewrite(message.get("body", b""))}
+            elif message["type"] == "http.response.start":  # the length the rewritten body has
+                message = {**message, "headers": [(k, v) for k, v in message["headers"] if k != b"content-length"]}
+            await send(message)
+        await app(scope, receive, rewritten)
+    return proxy
+
+
+@pytest.mark.parametrize("rewritten", ["version label", "checksum"])
+async def test_an_answer_rewritten_on_its_way_proves_nothing(rewritten, monkeypatch):
+    """A proxy between the run and the real server rewrites the label it reports, or its ranks'
+    checksum into the one the sender expects: the proof covers the answer, so neither is believed."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
+    server = AdminTokenMiddleware(answering({"weight_version": "v1@r1", "results": [{"checksum": "c" * 64}]}))
+    labels_or_checksums = {"version label": (b"v1@r1", b"v7@r1"), "checksum": (b"c" * 64, b"e" * 64)}[rewritten]
+    with serving(rewriting(server, lambda body: body.replace(*labels_or_checksums))) as url:
+        admin = VllmWorkerControl(VllmAdminRoutes("vllm-0", url, ADMIN, timeout_s=5, retries=0, claim=None))
+        try:
+            with pytest.raises(ImpostorWorker, match="without proof .* or the answer was changed on its way"):
+                await (admin.version() if rewritten == "version label" else admin.verify_weights("e" * 64))
+        finally:
+            await admin.close()
+
+
 def test_a_call_relayed_from_another_address_is_refused_there(guarded):
     """A process on a dead worker's port (here 127.0.0.1:1) passes fleetrl's signed call, and a
     data request naming a nonce, on to a live worker: the worker lets in, and proves, only what
@@ -138,8 +232,6 @@ async def test_a_port_mapped_address_is_let_in_once_the_server_is_told_of_it(mon
     """Behind a Service that maps port 80 to the server's own, callers address http://svc (an
     HTTP client sends `Host: svc`, leaving the default port out): fleetrl's own client, through
     a transport that sends what it addresses to the server, is let in once svc:80 is listed."""
-    from fleetrl.inference.http import AdminHttp
-
     monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
     monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
     for listed in (False, True):
@@ -166,11 +258,14 @@ async def test_a_port_mapped_address_is_let_in_once_the_server_is_told_of_it(mon
 
 
 def recording(requests: list, unauthorized_without_header: bool = False, proof: bytes | None = None):
-    """A process that took a worker's port: it answers /health, and every other request with
-    200 (or 401 with no Authorization header, as a middleware would), noting each request's
-    headers; with `proof`, a made-up proof header."""
+    """A process that took a worker's port: it answers /health, names an instance (the one it
+    took the place of, say), and answers every other request with 200 (or 401 with no
+    Authorization header, as a middleware would), noting each request's headers; with `proof`,
+    a made-up proof header."""
     async def app(scope, receive, send):
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        if scope["path"] == INSTANCE_PATH:
+            return await answering({"instance": "1" * 32})(scope, receive, send)
         requests.append((scope["path"], headers))
         status = 401 if unauthorized_without_header and "authorization" not in headers and \
             scope["path"] != "/health" else 200
@@ -223,7 +318,7 @@ def test_a_data_request_that_names_a_nonce_gets_the_proof_of_it(guarded):
     nonce = admin_signature.fresh_nonce()
     for token in (DATA, ADMIN):
         answer = httpx.post(guarded + "/inference/v1/generate", headers={**bearer(token), "x-fleetrl-nonce": nonce})
-        assert answer.status_code == 200 and proven(answer, nonce, guarded)
+        assert answer.status_code == 200 and nonce_proven(answer, nonce, guarded)
     # Without the data token, a nonce opens nothing and proves nothing.
     answer = httpx.post(guarded + "/inference/v1/generate", headers={"x-fleetrl-nonce": nonce})
     assert answer.status_code == 401 and admin_signature.PROOF_HEADER not in answer.headers
@@ -248,8 +343,8 @@ def test_an_error_the_server_raises_is_answered_with_its_text_and_the_proof(monk
     with serving(AdminTokenMiddleware(failing)) as url:
         headers, nonce = signed(ADMIN, "POST", url, "/collective_rpc")
         answer = httpx.post(url + "/collective_rpc", headers=headers)
-    assert answer.status_code == 500 and "a weight update is already active" in answer.json()["error"]
-    assert proven(answer, nonce, url)
+        assert answer.status_code == 500 and "a weight update is already active" in answer.json()["error"]
+        assert proven(answer, nonce, url)
 
 
 async def test_an_attached_server_that_cannot_prove_it_holds_the_admin_token_is_refused_without_getting_it():

@@ -6,9 +6,15 @@ the run's two bearer tokens on every route but the health probes.
 - The **admin token** opens every route: pause and resume, weight transfer, versions,
   `/collective_rpc`, and sampling too (its holder may already replace the weights, so
   sampling adds nothing it could not do). fleetrl itself never sends it: its admin calls are
-  signed with it (fleetrl/admin_signature.py), and every answer to a signed call carries this
-  server's proof that it holds the token too, so a process that took a dead worker's port
-  learns nothing and is found out at the first call.
+  signed with it (fleetrl/admin_signature.py), for this server's instance (a random name made
+  as the middleware starts, announced at `contract.INSTANCE_PATH`), and every answer to a
+  signed call carries this server's proof that it holds the token too, of that answer's very
+  body, so a process that took a dead worker's port learns nothing and is found out at the
+  first call, and a call captured before a restart opens nothing after it.
+
+One middleware, one instance and one memory of nonces per process: a server with more than
+one API process (vLLM's `--api-server-count`) would refuse fleetrl's calls at random as signed
+for another instance, so fleetrl's launcher refuses that flag (config.VllmConfig).
 
 vLLM's own `--api-key` guards only the API prefixes (/v1, /inference, ...): the admin routes
 that pause the engine or replace its weights (/pause, /update_weights, /collective_rpc, ...)
@@ -22,10 +28,11 @@ import hashlib
 import hmac
 import json
 import os
+from collections.abc import Callable
 
 from fleetrl import admin_signature
 from fleetrl.contract import (ADMIN_AUTHORITIES_ENV, ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH,
-                              CLAIM_RUN_HEADER, DATA_TOKEN_ENV)
+                              CLAIM_RUN_HEADER, DATA_TOKEN_ENV, INSTANCE_PATH, STALE_INSTANCE)
 from fleetrl.engine.worker_claim import WorkerClaim
 from fleetrl.versions import is_run_id
 
@@ -60,12 +67,17 @@ def is_data_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in DATA_PATHS)
 
 
+# The proof header's value for an answer's whole body.
+Prove = Callable[[bytes], bytes]
+
+
 class AdminTokenMiddleware:
     def __init__(self, app) -> None:
         self.app = app
         self._admin_token = _token_from_env(ADMIN_TOKEN_ENV)
         self._admin = _digest(self._admin_token)
         self._data = _digest(_token_from_env(DATA_TOKEN_ENV))
+        self.instance = admin_signature.fresh_nonce()  # this start of the server (INSTANCE_PATH)
         self._fresh = admin_signature.FreshCalls()  # the nonces of signed calls let in
         # The addresses callers may reach this server at besides its own port (a port-mapping
         # Service, say): host:port, comma-separated (docs/cluster.md).
@@ -90,42 +102,43 @@ class AdminTokenMiddleware:
             return host
         return None
 
-    def _admits(self, scope, signature: admin_signature.Signature, body: bytes) -> str | None:
+    def _signed_here(self, scope, signature: admin_signature.Signature, body: bytes) -> str | None:
         """The authority of a signed call that is the admin token's for this very call (this
-        server's address, this body, this claim), fresh, and not one seen before; else None."""
+        server's address, this body, this claim, the instance it names); else None."""
         authority = self._own_authority(scope)
         if authority is None:
             return None
-        call = admin_signature.SignedCall(scope["method"], _target(scope), authority, body,
+        call = admin_signature.SignedCall(scope["method"], _target(scope), authority, body, signature.instance,
                                           self._header(scope, CLAIM_RUN_HEADER) or "",
                                           self._header(scope, CLAIM_LEASE_HEADER) or "")
-        if admin_signature.signed_by(self._admin_token, signature, call) and self._fresh.admit(signature):
-            return authority
-        return None
+        return authority if admin_signature.signed_by(self._admin_token, signature, call) else None
 
-    async def _proven(self, scope, receive, send, proof: bytes) -> None:
-        """The app's answer, with this server's `proof` in its headers. An error the app raises
+    async def _proven(self, scope, receive, send, prove: Prove) -> None:
+        """The app's answer, held until it is whole, then sent with this server's proof of it
+        (`prove(its body)`) in its headers. An error the app raises before its answer is whole
         is answered here, proven, with its text: vLLM's handler of last resort answers from
         outside this middleware, and the caller would take that answer for an impostor's."""
-        started = False
+        start, chunks, sent = None, [], False
 
-        async def send_with_proof(message):
-            nonlocal started
+        async def hold(message):
+            nonlocal start, sent
             if message["type"] == "http.response.start":
-                started = True
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (admin_signature.PROOF_HEADER.encode(), proof)]}
-            await send(message)
+                start = message
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    sent = True
+                    await _send(send, start["status"], start.get("headers", ()), b"".join(chunks), prove)
+            else:
+                await send(message)
 
         try:
-            await self.app(scope, receive, send_with_proof)
+            await self.app(scope, receive, hold)
         except Exception as e:
-            if started:
+            if sent:
                 raise
             body = json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
-            await send_with_proof({"type": "http.response.start", "status": 500,
-                                   "headers": [(b"content-type", b"application/json")]})
-            await send_with_proof({"type": "http.response.body", "body": body})
+            await _send(send, 500, [(b"content-type", b"application/json")], body, prove)
 
     def _run_claim(self, scope) -> tuple[str, float] | None:
         """The run a signed call names, and its lease; None for a call that only looks (no run)."""
@@ -137,40 +150,50 @@ class AdminTokenMiddleware:
         except ValueError:
             return None
 
-    async def _signed_call(self, scope, receive, send, proof: bytes) -> None:
+    async def _signed_call(self, scope, receive, send, prove: Prove) -> None:
         """A signed call let in: within the claim of the run it names (engine/worker_claim.py),
         answered with this server's proof."""
         claim = self._run_claim(scope)
         if claim is None:
-            return await self._proven(scope, receive, send, proof)
+            return await self._proven(scope, receive, send, prove)
         run, lease_s = claim
         if scope["path"] == CLAIM_PATH and scope["method"] == "DELETE":
             self.claim.release(run)
-            return await _answer(send, 200, {"released": run}, proof)
+            return await _answer(send, 200, {"released": run}, prove)
         holder = self.claim.begin(run, lease_s)
         if holder is not None:
             return await _answer(send, 409, {
                 "error": f"fleetrl: this worker is held by run {holder} (its claim lapses "
                          f"{self.claim.lease_left_s():.0f} s after that run's last call)",
-                "held_by": holder, "lease_left_s": self.claim.lease_left_s()}, proof)
+                "held_by": holder, "lease_left_s": self.claim.lease_left_s()}, prove)
         try:
-            return await self._proven(scope, receive, send, proof)
+            return await self._proven(scope, receive, send, prove)
         finally:
             self.claim.end(run, lease_s)
 
-    def _proof(self, nonce: str, authority: str) -> bytes:
-        return admin_signature.proof(self._admin_token, nonce, authority).encode()
+    def _answer_proof(self, nonce: str, authority: str) -> Prove:
+        return lambda body: admin_signature.answer_proof(self._admin_token, nonce, authority, self.instance,
+                                                         body).encode()
+
+    def _nonce_proof(self, nonce: str, authority: str) -> Prove:
+        return lambda _body: admin_signature.nonce_proof(self._admin_token, nonce, authority).encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] == INSTANCE_PATH:  # no secret: it opens nothing by itself
+            return await _answer(send, 200, {"instance": self.instance})
         authorization = self._header(scope, "authorization") or ""
         signature = admin_signature.parse(authorization) if scope["type"] == "http" else None
         if signature is not None:
             # The signature covers the body: read it whole, then hand the app the same bytes.
             body, receive = await _buffered(receive)
-            if authority := self._admits(scope, signature, body):
-                return await self._signed_call(scope, receive, send, self._proof(signature.nonce, authority))
+            if authority := self._signed_here(scope, signature, body):
+                if signature.instance != self.instance:  # the run's call to this server's previous start
+                    return await _answer(send, 401, {"error": STALE_INSTANCE})
+                if self._fresh.admit(signature):
+                    return await self._signed_call(scope, receive, send,
+                                                   self._answer_proof(signature.nonce, authority))
         if scope["path"] in OPEN_PATHS:  # open to anyone; signed, the answer proved the server above
             return await self.app(scope, receive, send)
         data_path = is_data_path(scope["path"])
@@ -183,7 +206,7 @@ class AdminTokenMiddleware:
             if admin or (data and data_path):
                 nonce, authority = self._header(scope, admin_signature.NONCE_HEADER), self._own_authority(scope)
                 if nonce is not None and admin_signature.is_nonce(nonce) and authority is not None:
-                    return await self._proven(scope, receive, send, self._proof(nonce, authority))
+                    return await self._proven(scope, receive, send, self._nonce_proof(nonce, authority))
                 return await self.app(scope, receive, send)  # no proof: a relayed nonce gets none
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
@@ -208,10 +231,14 @@ async def _buffered(receive):
     return body, replay
 
 
-async def _answer(send, status: int, body: dict, proof: bytes | None = None) -> None:
-    """An answer of the middleware itself (proven, with `proof`)."""
-    headers = [(b"content-type", b"application/json")]
-    if proof is not None:
-        headers.append((admin_signature.PROOF_HEADER.encode(), proof))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+async def _answer(send, status: int, body: dict, prove: Prove | None = None) -> None:
+    """An answer of the middleware itself (proven, with `prove`)."""
+    await _send(send, status, [(b"content-type", b"application/json")], json.dumps(body).encode(), prove)
+
+
+async def _send(send, status: int, headers, body: bytes, prove: Prove | None) -> None:
+    """A whole answer, with the proof of its `body` in its headers when `prove` is given."""
+    if prove is not None:
+        headers = [*headers, (admin_signature.PROOF_HEADER.encode(), prove(body))]
+    await send({"type": "http.response.start", "status": status, "headers": list(headers)})
+    await send({"type": "http.response.body", "body": body})

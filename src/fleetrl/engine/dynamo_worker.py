@@ -39,8 +39,8 @@ import os
 import sys
 
 from fleetrl import admin_signature
-from fleetrl.contract import (ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_GUARDED_ROUTES, DYNAMO_REFUSAL,
-                              TOKEN_VERSIONS_FLAG, WEIGHT_STATE_METHOD)
+from fleetrl.contract import (ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_GUARDED_ROUTES, DYNAMO_INSTANCE_ROUTE,
+                              DYNAMO_REFUSAL, STALE_INSTANCE, TOKEN_VERSIONS_FLAG, WEIGHT_STATE_METHOD)
 from fleetrl.engine.orphan import die_with_parent
 
 
@@ -183,41 +183,59 @@ def _report_token_versions() -> None:
         setattr(BaseWorkerHandler, route, labels_the_engine(getattr(BaseWorkerHandler, route)))
 
 
-def signed_calls_only(token: str, route: str, handler):
-    """`handler` of Dynamo route `route`, let in only for a call signed with `token` (the
-    signature in its body, admin_signature.py); its answer carries this worker's proof. A call
-    without a valid signature gets an error answer and reaches nothing. Open routes
-    (liveness_probe) still answer an unsigned call, and prove a signed one. A route that
-    streams its answers (load_lora, unload_lora) gets a wrapper that streams them."""
-    fresh = admin_signature.FreshCalls()  # a handler does not see the authority: it is not covered
+# This start of the worker (admin_signature.py): what fleetrl's signed calls to it are made for.
+INSTANCE = admin_signature.fresh_nonce()
+
+
+def signed_calls_only(token: str, route: str, handler, instance: str = INSTANCE):
+    """`handler` of Dynamo route `route`, let in only for a call signed with `token` for this
+    worker's `instance` (the signature in its body, admin_signature.py); its answer carries this
+    worker's proof of it. A call without a valid signature gets an error answer and reaches
+    nothing; one signed with `token` for another instance (this worker's before a restart, or
+    another worker's) is answered STALE_INSTANCE. Open routes (liveness_probe) still answer an
+    unsigned call, and prove a signed one; the liveness probe announces the instance. A route
+    that streams its answers (load_lora, unload_lora) gets a wrapper that streams them."""
+    # A handler does not see the authority: the instance, which no other worker shares, binds
+    # a call to this worker.
+    fresh = admin_signature.FreshCalls()
     guarded, target = route in DYNAMO_GUARDED_ROUTES, f"/engine/{route}"  # what the caller signed
 
-    def admit(body) -> tuple[admin_signature.Signature | None, dict]:
+    def admit(body) -> tuple[dict | None, admin_signature.Signature | None, dict]:
+        """(the answer that ends the call here, else None; the signature of a call let in, else
+        None; the body without the signature)."""
         signature, rest = admin_signature.body_signature(body if isinstance(body, dict) else {})
-        admitted = signature is not None and admin_signature.body_signed_by(token, signature, target, rest) \
-            and fresh.admit(signature)
-        return (signature if admitted else None), rest
+        signed = signature is not None and admin_signature.body_signed_by(token, signature, target, rest)
+        if signed and signature.instance != instance:
+            return {"status": "error", "message": STALE_INSTANCE}, None, rest
+        if signed and fresh.admit(signature):
+            return None, signature, rest
+        return ({"status": "error", "message": DYNAMO_REFUSAL} if guarded else None), None, rest
 
-    def proved(result, signature):
-        if signature is None or not isinstance(result, dict):
+    def answered(result, signature):
+        if not isinstance(result, dict):
             return result
-        return {**result, admin_signature.BODY_PROOF_FIELD: admin_signature.proof(token, signature.nonce, "")}
+        if route == DYNAMO_INSTANCE_ROUTE:
+            result = {**result, admin_signature.BODY_INSTANCE_FIELD: instance}
+        if signature is None:
+            return result
+        return {**result, admin_signature.BODY_PROOF_FIELD: admin_signature.body_proof(token, signature.nonce,
+                                                                                       instance, result)}
 
     if inspect.isasyncgenfunction(handler):
         async def signed_only_stream(self, body=None):
-            signature, rest = admit(body)
-            if signature is None and guarded:
-                yield {"status": "error", "message": DYNAMO_REFUSAL}
+            refusal, signature, rest = admit(body)
+            if refusal is not None:
+                yield refusal
                 return
             async for result in handler(self, rest):
-                yield proved(result, signature)
+                yield answered(result, signature)
         return signed_only_stream
 
     async def signed_only(self, body=None):
-        signature, rest = admit(body)
-        if signature is None and guarded:
-            return {"status": "error", "message": DYNAMO_REFUSAL}
-        return proved(await handler(self, rest), signature)
+        refusal, signature, rest = admit(body)
+        if refusal is not None:
+            return refusal
+        return answered(await handler(self, rest), signature)
     return signed_only
 
 
@@ -229,10 +247,14 @@ def _require_signed_calls() -> None:
     if not token:
         sys.exit(f"fleetrl: {ADMIN_TOKEN_ENV} is not set: fleetrl's Dynamo worker kind refuses to serve admin "
                  "routes that anyone could call (docs/dynamo.md)")
+    from dynamo.vllm import worker_factory
     from dynamo.vllm.handlers import BaseWorkerHandler
 
-    for route in (*DYNAMO_GUARDED_ROUTES, "liveness_probe"):
+    for route in (*DYNAMO_GUARDED_ROUTES, DYNAMO_INSTANCE_ROUTE):
         setattr(BaseWorkerHandler, route, signed_calls_only(token, route, getattr(BaseWorkerHandler, route)))
+    # Dynamo's POST /engine/update/model_taints (which steers what the frontend routes here) is
+    # no handler method to guard, and takes anyone's call: this worker kind does not serve it.
+    worker_factory.register_model_taint_route = lambda runtime, endpoint: None
 
 
 def main() -> None:

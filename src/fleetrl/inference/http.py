@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 
 from fleetrl import admin_signature
-from fleetrl.contract import ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH, CLAIM_RUN_HEADER, DYNAMO_REFUSAL
+from fleetrl.contract import (ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH, CLAIM_RUN_HEADER, DYNAMO_INSTANCE_ROUTE,
+                              DYNAMO_REFUSAL, INSTANCE_PATH, STALE_INSTANCE)
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import ImpostorWorker, WorkerCallError, WorkerHeldByAnotherRun
 from fleetrl.inference.types import RankWeights
@@ -46,12 +47,12 @@ async def answered_within(timeout_s: float, request: Awaitable[httpx.Response]) 
         raise httpx.ReadTimeout(f"no whole answer within {timeout_s:g} s") from None
 
 
-def sign(request: httpx.Request, admin_token: str) -> str:
+def sign(request: httpx.Request, admin_token: str, instance: str) -> str:
     """Signs `request` with the admin token instead of carrying it (fleetrl/admin_signature.py):
-    its method, path and query, the authority it addresses, its body and the claim it carries.
-    Returns the nonce that the answer's proof must be made of."""
+    its method, path and query, the authority it addresses, its body, the claim it carries and
+    the server `instance` it is for. Returns the nonce that the answer's proof must be made of."""
     call = admin_signature.SignedCall(request.method, request.url.raw_path.decode("ascii"), _authority(request),
-                                      request.read(), request.headers.get(CLAIM_RUN_HEADER, ""),
+                                      request.read(), instance, request.headers.get(CLAIM_RUN_HEADER, ""),
                                       request.headers.get(CLAIM_LEASE_HEADER, ""))
     value, nonce = admin_signature.authorization(admin_token, call)
     request.headers["Authorization"] = value
@@ -65,11 +66,15 @@ def _authority(request: httpx.Request) -> str:
                                      request.url.scheme)
 
 
-def unproven(response: httpx.Response, admin_token: str, nonce: str) -> str | None:
-    """Why the answer to a signed call (or a data request naming `nonce`) does not come from a
-    holder of the admin token at the address called; None if it does."""
-    if admin_signature.proven(admin_token, nonce, _authority(response.request),
-                              response.headers.get(admin_signature.PROOF_HEADER)):
+def unproven(response: httpx.Response, admin_token: str, nonce: str, instance: str | None = None) -> str | None:
+    """Why the answer to a signed call for server `instance` (its proof covers that instance and
+    the answer's very body), or to a data request naming `nonce` (`instance` None: its proof
+    covers the nonce and the address), does not come from a holder of the admin token at the
+    address called; None if it does."""
+    authority = _authority(response.request)
+    expected = admin_signature.nonce_proof(admin_token, nonce, authority) if instance is None else \
+        admin_signature.answer_proof(admin_token, nonce, authority, instance, response.content)
+    if admin_signature.proves(expected, response.headers.get(admin_signature.PROOF_HEADER)):
         return None
     return _without_proof(response)
 
@@ -78,7 +83,31 @@ def _without_proof(response: httpx.Response) -> str:
     """What an answer that proves nothing was, for the error that names its worker."""
     return (f"it answered (HTTP {response.status_code}: {response.text[:120]!r}) without proof that it holds "
             f"the run's admin token: it is not the server fleetrl started or attached to (another process may "
-            f"have taken its port)")
+            f"have taken its port), or the answer was changed on its way")
+
+
+def _json_object(response: httpx.Response) -> dict:
+    """The response's JSON object; {} if it is none."""
+    try:
+        answer = response.json()
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
+
+
+async def announced_instance(client: httpx.AsyncClient, url: str, timeout_s: float,
+                             body_signed: bool = False) -> tuple[str | None, httpx.Response]:
+    """The instance the server at `url` ("" for `client`'s base URL) announces to anyone, and
+    its answer: a native server's middleware at contract.INSTANCE_PATH, fleetrl's Dynamo worker
+    kind (`body_signed`) in its liveness probe's answer. None if it names none."""
+    if body_signed:
+        response = await answered_within(timeout_s, client.post(f"{url}/engine/{DYNAMO_INSTANCE_ROUTE}", json={},
+                                                                timeout=timeout_s))
+        announced = _json_object(response).get(admin_signature.BODY_INSTANCE_FIELD)
+    else:
+        response = await answered_within(timeout_s, client.get(f"{url}{INSTANCE_PATH}", timeout=timeout_s))
+        announced = _json_object(response).get("instance")
+    return (announced if isinstance(announced, str) and admin_signature.is_nonce(announced) else None), response
 
 
 @dataclass(frozen=True)
@@ -94,9 +123,10 @@ class AdminHttp:
     """The admin endpoint of one worker: every call goes straight to it, has a timeout, and is
     retried (`retries` times, backing off) where that is safe: an idempotent call on any
     transport error, any other call only when the connection was never made. With the run's
-    admin token, each call is signed with it, and its answer must prove the worker holds it;
-    with a `claim`, each signed call also holds the worker for that run, and a worker another
-    run holds refuses it (WorkerHeldByAnotherRun)."""
+    admin token, each call is signed with it for the worker's instance (asked once, and again
+    when the worker refuses a call as signed for its instance before a restart), and its answer
+    must prove the worker holds the token; with a `claim`, each signed call also holds the
+    worker for that run, and a worker another run holds refuses it (WorkerHeldByAnotherRun)."""
 
     def __init__(self, worker_id: str, base_url: str, timeout_s: float, retries: int,
                  admin_token: str | None = None, claim: RunClaim | None = None, body_signed: bool = False) -> None:
@@ -110,42 +140,69 @@ class AdminHttp:
         self._claim = claim
         self._body_signed = body_signed
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
+        self._instance: str | None = None  # the worker's instance, as it last announced it
+
+    async def _instance_of_worker(self, timeout_s: float, again: bool) -> str:
+        """The instance the worker announces: asked once, and `again` after a stale refusal."""
+        if self._instance is None or again:
+            announced, response = await announced_instance(self._http, "", timeout_s, self._body_signed)
+            if announced is None:
+                raise ImpostorWorker(self.worker_id, "instance", f"it names no instance: {_without_proof(response)}")
+            self._instance = announced
+        return self._instance
 
     async def _request(self, method: str, path: str, timeout_s: float, signed: bool = False,
                        **kwargs: Any) -> httpx.Response:
         if not (signed and self._admin_token):
             return await answered_within(timeout_s, self._http.send(
                 self._http.build_request(method, path, timeout=timeout_s, **kwargs)))
-        if self._body_signed:
-            return await self._body_signed_request(method, path, timeout_s, **kwargs)
+        signed_request = self._body_signed_request if self._body_signed else self._header_signed_request
+        for again in (False, True):
+            response = await signed_request(method, path, timeout_s, await self._instance_of_worker(timeout_s, again),
+                                            **kwargs)
+            if response is not None:
+                return response
+        raise WorkerCallError(self.worker_id, f"{method} {path}",
+                              f"{STALE_INSTANCE}, again after it named its instance anew: does it run several API "
+                              "server processes (--api-server-count)? fleetrl's signed calls need one")
+
+    async def _header_signed_request(self, method: str, path: str, timeout_s: float, instance: str,
+                                     **kwargs: Any) -> httpx.Response | None:
+        """A call signed in its headers for `instance`, its answer proven in the worker's; None
+        if the worker refused it as signed for another instance of itself."""
         request = self._http.build_request(method, path, timeout=timeout_s, **kwargs)
         if self._claim is not None:
             request.headers[CLAIM_RUN_HEADER] = self._claim.run
             request.headers[CLAIM_LEASE_HEADER] = f"{self._claim.lease_s:g}"
-        nonce = sign(request, self._admin_token)
+        nonce = sign(request, self._admin_token, instance)
         response = await answered_within(timeout_s, self._http.send(request))
-        if response.status_code != 401 and (why := unproven(response, self._admin_token, nonce)):
+        if response.status_code == 401:
+            return None if _json_object(response).get("error") == STALE_INSTANCE else response
+        if why := unproven(response, self._admin_token, nonce, instance):
             raise ImpostorWorker(self.worker_id, f"{method} {path}", why)
         if response.status_code == 409 and (held := _held_by(response)) is not None:
             raise WorkerHeldByAnotherRun(self.worker_id, f"{method} {path}", *held)
         return response
 
-    async def _body_signed_request(self, method: str, path: str, timeout_s: float, **kwargs: Any) -> httpx.Response:
+    async def _body_signed_request(self, method: str, path: str, timeout_s: float, instance: str,
+                                   json: dict | None = None, **kwargs: Any) -> httpx.Response | None:
         """A call of fleetrl's Dynamo worker kind, whose route handlers see only the JSON body:
-        signed there, afresh for every try, and proven in the JSON answer."""
-        body, nonce = admin_signature.signed_body(self._admin_token, path, kwargs.pop("json", None) or {})
+        signed there for `instance`, afresh for every try, and its answer proven in the answer
+        itself; None if the worker refused it as signed for another instance of itself."""
+        body, nonce = admin_signature.signed_body(self._admin_token, path, json or {}, instance)
         response = await answered_within(timeout_s, self._http.send(
             self._http.build_request(method, path, timeout=timeout_s, json=body, **kwargs)))
-        try:
-            answer = response.json()
-        except ValueError:
-            answer = None
-        if isinstance(answer, dict) and str(answer.get("message", "")).startswith(DYNAMO_REFUSAL):
+        answer = _json_object(response)
+        message = str(answer.get("message", ""))
+        if message == STALE_INSTANCE:
+            return None
+        if message.startswith(DYNAMO_REFUSAL):
             raise WorkerCallError(self.worker_id, f"{method} {path}",
                                   f"the admin token was refused: set inference.admin_token (or ${ADMIN_TOKEN_ENV}) to the "
                                   "one the worker was started with")
-        if not (isinstance(answer, dict) and admin_signature.proven(
-                self._admin_token, nonce, "", answer.get(admin_signature.BODY_PROOF_FIELD))):
+        proof = answer.pop(admin_signature.BODY_PROOF_FIELD, None)
+        if not (answer and admin_signature.proves(admin_signature.body_proof(self._admin_token, nonce, instance, answer),
+                                                  proof)):
             raise ImpostorWorker(self.worker_id, f"{method} {path}", _without_proof(response))
         return response
 

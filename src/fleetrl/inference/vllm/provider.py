@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 
 from fleetrl.config import InferenceConfig
-from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
+from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV, INSTANCE_PATH
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.answers import vocab_size
-from fleetrl.inference.http import SERVED_MODEL_NAME, RunClaim, answered_within, sign, unproven
+from fleetrl.inference.http import SERVED_MODEL_NAME, RunClaim, announced_instance, answered_within, sign, unproven
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
 from fleetrl.inference.vllm.data import VllmDataClient
@@ -104,13 +104,17 @@ class VllmProvider:
                 return (f"worker {url} accepts admin calls without a token: start it with fleetrl's admin "
                         f"middleware (--middleware {ADMIN_MIDDLEWARE}, tokens in ${ADMIN_TOKEN_ENV} and "
                         f"${DATA_TOKEN_ENV})")
+            instance, _ = await announced_instance(client, url, timeout_s)
+            if instance is None:
+                return (f"worker {url} names no instance at {INSTANCE_PATH}: start it with this fleetrl's admin "
+                        f"middleware (--middleware {ADMIN_MIDDLEWARE})")
             request = client.build_request("GET", f"{url}{ADMIN_CHECK_PATH}")
-            nonce = sign(request, self.admin_token)
+            nonce = sign(request, self.admin_token, instance)
             signed = await answer(request)
             if signed.status_code in REFUSED:
                 return (f"worker {url} refused the admin token: set inference.admin_token (or "
                         f"${ADMIN_TOKEN_ENV}) to the one it was started with")
-            if why := unproven(signed, self.admin_token, nonce):
+            if why := unproven(signed, self.admin_token, nonce, instance):
                 return f"worker {url}: {why}"
             if await status(DATA_CHECK_PATH, self.data_token) in REFUSED:
                 return (f"worker {url} refused the data token: set inference.data_token (or "
