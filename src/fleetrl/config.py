@@ -13,15 +13,18 @@ Every section forbids unknown keys, and every error names the key and where it c
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import tomllib
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
+from urllib.parse import urlsplit
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fleetrl.contract import ENGINE_ARGS, TOKEN_VERSIONS_FLAG
 from fleetrl.cores import parse_cpus
 from fleetrl.errors import FleetrlError
 from fleetrl.lora import LLAMA_LINEARS, VLLM_MAX_LORA_RANKS, AdapterSpec, vllm_max_lora_rank
@@ -30,6 +33,17 @@ from fleetrl.lora import LLAMA_LINEARS, VLLM_MAX_LORA_RANKS, AdapterSpec, vllm_m
 # The longest any timeout or interval may be: a week. Longer is a hang by another name, and
 # the timers under them overflow near 1e15 s (at the first publish, not at start).
 MAX_WAIT_S = 7 * 24 * 3600.0
+
+# A failed admin call is tried again after ADMIN_BACKOFF_S, then twice as long before each next
+# try (inference/http.py), at most ADMIN_RETRIES_MAX times: a publish waits these out while it
+# holds the fence, so neither the count nor their sum may grow without bound.
+ADMIN_RETRIES_MAX = 5
+ADMIN_BACKOFF_S = 0.5
+
+
+def admin_backoff_s(attempt: int) -> float:
+    """The wait after failed try `attempt` (0: the first) of an admin call, before the next."""
+    return ADMIN_BACKOFF_S * 2**attempt
 
 
 class ConfigError(FleetrlError):
@@ -95,6 +109,37 @@ def pause_modes(token_versions: bool, disaggregated: bool, adapter_on_dynamo: bo
     return ("abort", "wait") if adapter_on_dynamo else ("keep", "abort", "wait")
 
 
+# The arguments of a launched engine that fleetrl sets itself, which inference.vllm.extra_args
+# may not set again (vLLM takes the last): a native server's (inference/vllm/launcher.server_argv),
+# a Dynamo worker's (inference/dynamo/launcher.worker_argv), a LoRA run's (lora.AdapterSpec.
+# engine_args, --lora-modules), and the Dynamo flags whose environment variables the Dynamo
+# launcher sets (DYN_NAMESPACE, DYN_DISCOVERY_BACKEND, DYN_REQUEST_PLANE, DYN_EVENT_PLANE). A
+# second --port, --middleware or --served-model-name would leave fleetrl calling a server that
+# is not where it looks, guarded by nothing, or serving under another name. `--config` reads
+# any of them from a file.
+LAUNCHER_OWNED_ARGS = (
+    "--model", "--served-model-name", "--host", "--port", "--dtype", "--max-model-len", "--enforce-eager",
+    "--enable-scale-out", "--middleware", "--uvicorn-log-level", *ENGINE_ARGS[::2],
+    "--enable-lora", "--max-lora-rank", "--max-loras", "--max-cpu-loras", "--lora-target-modules", "--lora-modules",
+    TOKEN_VERSIONS_FLAG, "--enable-rl", "--disaggregation-mode", "--kv-transfer-config",
+    "--namespace", "--discovery-backend", "--request-plane", "--event-plane", "--config",
+)
+
+
+def owned_arg(arg: str) -> str | None:
+    """The argument of LAUNCHER_OWNED_ARGS that `arg`, an element of an engine's command line,
+    sets, as vLLM's parser reads it: `--x y` or `--x=y`, `_` for `-`, a key of a JSON argument
+    (`--x.key`), the `--no-x` of a switch, or an abbreviation (argparse takes any unambiguous
+    prefix, and no other argument of vLLM's or Dynamo's is a prefix of one of these); None if
+    it sets none."""
+    if not arg.startswith("--") or arg == "--":
+        return None
+    name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    if name.startswith("--no-"):
+        name = f"--{name[5:]}"
+    return next((owned for owned in LAUNCHER_OWNED_ARGS if owned.startswith(name)), None)
+
+
 class VllmConfig(Section):
     """Engine settings of every vLLM engine fleetrl launches: native servers and Dynamo's workers."""
 
@@ -109,8 +154,9 @@ class VllmConfig(Section):
     extra_args: list[str] = Field(
         default_factory=list,
         description="Extra command-line arguments passed verbatim to every launched vLLM server "
-        "(or Dynamo vLLM worker). Not --api-server-count (-asc) other than 1: fleetrl's signed admin calls need "
-        "one API server process.",
+        "(or Dynamo vLLM worker). Not the ones fleetrl sets itself: "
+        + ", ".join(LAUNCHER_OWNED_ARGS) + " (in any spelling, `--x=y` included, or abbreviated). Not "
+        "--api-server-count (-asc) other than 1: fleetrl's signed admin calls need one API server process.",
     )
     omp_threads_bind: list[str] = Field(
         default_factory=list,
@@ -139,6 +185,15 @@ class VllmConfig(Section):
                     setting = arg if inline else f"{arg} {count}"
                     raise ValueError(f"{setting!r} runs several API server processes per server, each taking "
                                      "signed admin calls for itself alone: fleetrl needs one (remove it)")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_what_fleetrl_sets(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            if owned := owned_arg(arg):
+                raise ValueError(f"{arg!r} sets {owned}, which fleetrl's launcher sets itself (the fleet relies on "
+                                 "it); remove it")
         return value
 
     def cpu_env(self, index: int) -> dict[str, str]:
@@ -266,7 +321,8 @@ class InferenceConfig(Section):
     urls: list[str] = Field(
         default_factory=list,
         description="Attach to servers started elsewhere (base URLs) instead of launching; "
-        "overrides `workers`.",
+        "overrides `workers`. Each server once: two spellings of one (localhost and 127.0.0.1, a trailing "
+        "slash, a default port written out) are refused.",
     )
     host: str = Field(
         "127.0.0.1",
@@ -283,7 +339,11 @@ class InferenceConfig(Section):
         60.0, gt=0, le=MAX_WAIT_S, description="Timeout of one admin call (pause, resume, version, weights)."
     )
     admin_retries: int = Field(
-        2, ge=0, description="Retries of an admin call that failed to connect or timed out."
+        2, ge=0, le=ADMIN_RETRIES_MAX,
+        description=f"Retries of an admin call that failed to connect or timed out, at most {ADMIN_RETRIES_MAX}: "
+        f"they wait {ADMIN_BACKOFF_S:g} s, then twice as long each time, "
+        f"{sum(map(admin_backoff_s, range(ADMIN_RETRIES_MAX))):g} s in all at most, which a publish waits out "
+        "holding its fence (besides each try's inference.admin_timeout_s).",
     )
     admin_token: str | None = Field(
         None,
@@ -344,6 +404,18 @@ class InferenceConfig(Section):
     dynamo: DynamoConfig = Field(default_factory=DynamoConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
 
+    @field_validator("urls")
+    @classmethod
+    def _one_entry_per_server(cls, urls: list[str]) -> list[str]:
+        # Two entries of one server would be two workers: the first publish pauses it twice, and fails.
+        seen: dict[tuple[str, str, int | None, str], str] = {}
+        for url in urls:
+            if (server := server_address(url)) in seen:
+                raise ValueError(f"{seen[server]!r} and {url!r} name one server (the same scheme, host and port: "
+                                 "every loopback name is one host); list each server once")
+            seen[server] = url
+        return urls
+
     @model_validator(mode="after")
     def _dynamo_fields_need_dynamo(self) -> "InferenceConfig":
         if self.provider == "dynamo":
@@ -388,6 +460,10 @@ class InferenceConfig(Section):
 
     def token_versions(self) -> bool:
         return self.provider == "vllm" or self.dynamo.worker == "fleetrl"
+
+    def admin_call_bound_s(self) -> float:
+        """The longest one admin call takes: every try to its timeout, and the waits between them."""
+        return self.admin_timeout_s * (self.admin_retries + 1) + sum(map(admin_backoff_s, range(self.admin_retries)))
 
     def _pause_modes(self) -> tuple[PauseMode, ...]:
         return pause_modes(self.token_versions(), disaggregated=self.dynamo.prefill_workers > 0)
@@ -805,6 +881,41 @@ def _check_cpu_lists(value: list[str]) -> list[str]:
     for spec in value:
         parse_cpus(spec)  # its ValueError names the list
     return value
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def server_address(url: str) -> tuple[str, str, int | None, str]:
+    """The server a base URL reaches, known without the network: its scheme (http where none is
+    written), host, port (the scheme's default where none is written) and path without a trailing
+    slash. Host names are compared lower-case, addresses as addresses, and every loopback name and
+    address (localhost, 127.0.0.0/8, ::1) is one host: a server bound to localhost or to every
+    address answers on each."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"{url!r} is not a URL: {e}") from None
+    scheme, host = parts.scheme.lower(), (parts.hostname or "").rstrip(".")
+    if is_loopback(host):
+        host = "localhost"
+    else:
+        try:
+            host = ipaddress.ip_address(host).compressed
+        except ValueError:
+            pass  # a host name
+    return scheme, host, port or DEFAULT_PORTS.get(scheme), parts.path.rstrip("/")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine's loopback (a name other than localhost may resolve to any
+    interface, so it is not)."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host.lower().rstrip(".") == "localhost"
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 def field_docs() -> list[tuple[str, str, Any]]:

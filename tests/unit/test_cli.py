@@ -220,21 +220,32 @@ def test_a_dotted_flag_without_a_value_is_refused_in_one_line(capsys, argv, said
     (["--trainer.lr", "nan"], "trainer.lr"),
 ])
 @pytest.mark.parametrize("dry_run", [False, True])
-def test_a_refused_command_leaves_a_finished_run_as_it_was(tmp_path, capsys, flags, field, dry_run):
-    """Checked before the run directory is touched: the finished run still verifies. (Only its
-    lock file may be new: fleetrl rl holds the directory before it reads the checkpoint to
-    resume from, and a real run leaves that file anyway.)"""
+def test_a_refused_command_leaves_a_finished_run_as_it_was(tmp_path, capsys, monkeypatch, flags, field, dry_run):
+    """Checked before the run directory is touched: the finished run still verifies, and
+    nothing in it is new, not even a lock file; no checkpoint was read. (A run refused for its
+    orchestrator.env took the directory's lock and read its checkpoints first, and left `.lock`
+    behind: issue 36, item 8.)"""
+    from fleetrl.app import rl
+
     run = make_run(tmp_path)
+    read = []
+    monkeypatch.setattr(rl.checkpoint, "latest", lambda *args, **kwargs: read.append(args))
 
     def files() -> dict:
-        return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+        return {p: p.read_bytes() if p.is_file() else "folder" for p in run.rglob("*")}
 
     before = files()
     assert main(["rl", "--run.dir", str(run), *flags, *(["--dry-run"] if dry_run else [])]) == 1
     err = capsys.readouterr().err
     assert err.startswith("fleetrl: error: ") and field in err and err.count("\n") == 1
-    assert files() == before
+    assert files() == before and read == []
     verify_run(run)
+
+
+def test_a_refused_run_creates_no_run_directory(tmp_path, capsys):
+    assert main(["rl", "--run.dir", str(tmp_path / "new" / "run"), "--orchestrator.env", "bogus"]) == 1
+    assert "orchestrator.env: unknown environment 'bogus'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_max_tokens_and_the_longest_prompt_must_fit_the_engine():

@@ -288,6 +288,83 @@ def test_dynamic_sampling_bound_must_hold_a_batch():
     assert load_config([], [("orchestrator.dynamic_sampling", "true")]).orchestrator.prompts_per_step() == 24
 
 
+def test_admin_retries_are_bounded_and_so_is_their_backoff():
+    """A publish waits out an admin call's retries holding its fence: their number was unbounded,
+    and the backoff between them doubled each time (issue 36, item 8)."""
+    with pytest.raises(ConfigError, match=r"^config key 'inference.admin_retries': Input should be less than or "
+                                          r"equal to 5 \(from --inference.admin_retries\)$"):
+        load_config([], [("inference.admin_retries", "6")])
+    most = load_config([], [("inference.admin_retries", "5"), ("inference.admin_timeout_s", "2")]).inference
+    assert most.admin_call_bound_s() == 6 * 2 + (0.5 + 1 + 2 + 4 + 8)  # every try, and the waits between them
+    assert "15.5 s in all at most" in dict((k, d) for k, d, _ in field_docs())["inference.admin_retries"]
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ("http://127.0.0.1:8001", "http://localhost:8001"),
+    ("http://127.0.0.1:8001", "http://127.0.0.1:8001/"),
+    ("http://localhost:8001/", "http://[::1]:8001"),
+    ("127.0.0.1:8001", "http://LOCALHOST:8001"),
+    ("http://h.example:80", "http://H.example/"),
+    ("https://h.example", "https://h.example:443"),
+    ("http://[::ffff:127.0.0.1]:8001", "http://127.0.0.2:8001"),
+])
+def test_two_spellings_of_one_server_are_refused(first, second):
+    """They became two workers, and the first publish paused the one server twice (issue 36, item 8)."""
+    with pytest.raises(ConfigError, match=rf"^config key 'inference.urls': {re.escape(repr(first))} and "
+                                          rf"{re.escape(repr(second))} name one server .*; list each server once "
+                                          r"\(from --inference.urls\)$"):
+        load_config([], [("inference.urls", f'["{first}", "http://h:1", "{second}"]')])
+
+
+def test_different_servers_are_not_one():
+    urls = ["http://127.0.0.1:8001", "http://127.0.0.1:8002", "https://127.0.0.1:8001", "http://10.0.0.1:8001",
+            "http://h:8001", "http://h:8001/v1", "fake://w0", "fake://w1"]
+    assert load_config([], [("inference.urls", str(urls).replace("'", '"'))]).inference.urls == urls
+
+
+@pytest.mark.parametrize(("args", "culprit", "owned"), [
+    (["--port", "9000"], "--port", "--port"),
+    (["--port=9000"], "--port=9000", "--port"),
+    (["--seed", "1", "--middleware", "my.Middleware"], "--middleware", "--middleware"),
+    (["--served-model-name=other"], "--served-model-name=other", "--served-model-name"),
+    (["--served_model_name", "other"], "--served_model_name", "--served-model-name"),  # vLLM reads _ as -
+    (["--served-model", "other"], "--served-model", "--served-model-name"),  # and any unambiguous prefix
+    (["--no-enforce-eager"], "--no-enforce-eager", "--enforce-eager"),
+    (["--weight-transfer-config.backend", "nccl"], "--weight-transfer-config.backend", "--weight-transfer-config"),
+    (["--max-model-len", "4096"], "--max-model-len", "--max-model-len"),
+    (["--namespace", "other"], "--namespace", "--namespace"),  # Dynamo's, which its launcher sets by environment
+    (["--config", "vllm.yaml"], "--config", "--config"),
+])
+def test_extra_args_may_not_set_what_the_launcher_sets(args, culprit, owned):
+    """`--port`, `--middleware` or `--served-model-name` again in inference.vllm.extra_args
+    overrode fleetrl's own (issue 36, item 8)."""
+    with pytest.raises(ConfigError, match=rf"^config key 'inference.vllm.extra_args': '{re.escape(culprit)}' sets "
+                                          rf"{owned}, which fleetrl's launcher sets itself .*; remove it "
+                                          r"\(from --inference.vllm.extra_args\)$"):
+        load_config([], [("inference.vllm.extra_args", str(args).replace("'", '"'))])
+
+
+def test_extra_args_of_vllms_own_are_passed():
+    args = ["--seed", "1", "--enable-lora-bias", "--max-num-seqs=8", "--model-impl", "vllm", "-O3"]
+    config = load_config([], [("inference.vllm.extra_args", str(args).replace("'", '"'))])
+    assert config.inference.vllm.extra_args == args
+
+
+def test_the_owned_arguments_are_every_one_the_launchers_set(tmp_path):
+    """LAUNCHER_OWNED_ARGS is the launchers' own: a flag a launcher sets and the list lacks could
+    be set again by extra_args unrefused."""
+    from fleetrl.config import LAUNCHER_OWNED_ARGS, InferenceConfig
+    from fleetrl.inference.dynamo.launcher import worker_argv
+    from fleetrl.inference.vllm.launcher import LaunchedAdapter, server_argv
+    from fleetrl.lora import AdapterSpec
+
+    adapter = AdapterSpec(rank=8, alpha=16, target_modules=("q_proj",))
+    dynamo = InferenceConfig(provider="dynamo", dynamo={"worker": "fleetrl", "prefill_workers": 1}, pause_mode="wait")
+    argvs = [server_argv(tmp_path, InferenceConfig(), 8000, LaunchedAdapter(adapter, tmp_path)),
+             worker_argv(tmp_path, dynamo, tmp_path, prefill=True, adapter=adapter)]
+    assert {arg for argv in argvs for arg in argv if arg.startswith("--")} <= set(LAUNCHER_OWNED_ARGS)
+
+
 @pytest.mark.parametrize("args", [["--api-server-count", "2"], ["--api-server-count=4"], ["-asc", "3"],
                                   ["--api_server_count", "2"], ["--api-server", "2"]])
 def test_more_than_one_api_server_process_is_refused(args):

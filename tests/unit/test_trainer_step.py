@@ -495,13 +495,15 @@ def test_the_fleet_takes_the_handed_start_weights_once_and_a_stopped_run_release
 
 def test_the_collective_timeout_covers_the_longest_legal_publish():
     """Not a fixed 600 s: a rank waits for rank 0's fleet start, one publish (admin calls with
-    their retries, transfer steps) and a train step, whatever the config makes of them."""
+    their retries and the backoff between them, transfer steps) and a train step, whatever the
+    config makes of them."""
     from fleetrl.trainer.distributed import TRAIN_STEP_BOUND_S, collective_timeout_s
 
     default = load_config([], [])
     slow = load_config([], [("inference.weights.transfer_timeout_s", "3600"), ("inference.admin_retries", "5")])
     i = default.inference
-    assert collective_timeout_s(default) == (i.startup_timeout_s + 3 * i.admin_timeout_s * (i.admin_retries + 1)
+    backoff_s = 0.5 + 1.0  # after the first try and the second: admin_retries = 2
+    assert collective_timeout_s(default) == (i.startup_timeout_s + 3 * (i.admin_timeout_s * (i.admin_retries + 1) + backoff_s)
                                              + 4 * i.weights.transfer_timeout_s + TRAIN_STEP_BOUND_S)
     assert collective_timeout_s(slow) > collective_timeout_s(default) + 4 * (3600 - 600)
 

@@ -168,16 +168,12 @@ class RLRun:
         # Also with one rank, where every process starts on the control loop's thread: a SIGTERM
         # of fleetrl must stop the workers (Ctrl-C and exit are handled either way).
         install_signal_handlers()
-        self.find_resume()
         if self.config.run.live_view == "off":
             progress.set_interactive(False)
-        if progress.interactive():
-            orchestrator = self.config.orchestrator
-            self.view = LiveView(self.config.run.max_steps, self.resume, orchestrator.batch_prompts * orchestrator.group_size)
-            self.view.start()
         try:
-            # Everything is checked before the run directory is touched: a refused command
-            # leaves a finished run as it was (`fleetrl verify` still passes on it).
+            # Everything is checked before the run directory is touched (locked, created, its
+            # checkpoints read): a refused command leaves a finished run as it was (`fleetrl
+            # verify` still passes on it), and no directory where there was none.
             envs, evaluated = check_config(self.config)
             if self.config.run.core_plan != "off":
                 apply_core_plan(self.config, self.log)
@@ -187,6 +183,12 @@ class RLRun:
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             check_prompts_fit(self.config, envs, self.tokenizer)
+            self.find_resume()
+            if progress.interactive():
+                orchestrator = self.config.orchestrator
+                self.view = LiveView(self.config.run.max_steps, self.resume,
+                                     orchestrator.batch_prompts * orchestrator.group_size)
+                self.view.start()
             self.run_dir.start(self.config, self.resume)
             self.sink = StepSink(self.config, self.run_dir, self.view, log=self.log)
             self.start_fleet(fleet, envs, evaluated)

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from fleetrl import admin_signature
+from fleetrl.config import admin_backoff_s
 from fleetrl.contract import (ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH, CLAIM_RUN_HEADER, DYNAMO_INSTANCE_ROUTE,
                               DYNAMO_REFUSAL, INSTANCE_PATH, STALE_INSTANCE)
 from fleetrl.errors import FleetrlError
@@ -249,7 +250,7 @@ class AdminHttp:
                     raise WorkerCallError(self.worker_id, what, f"HTTP {response.status_code}: {response.text[:300]}")
                 return response
             if attempt < retries:
-                await asyncio.sleep(0.5 * 2**attempt)
+                await asyncio.sleep(admin_backoff_s(attempt))
         raise WorkerCallError(self.worker_id, what, error)
 
 

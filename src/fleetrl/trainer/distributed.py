@@ -41,13 +41,13 @@ def collective_timeout_s(config: Config) -> float:
 
     The longest legal wait is rank 0's work between two collectives: the fleet's start (on a
     resumed run, before the first publish), one publish (pause, verify and resume are admin
-    calls with retries; join, start, update and finish are transfer steps) with its evaluations
-    (eval.every_steps), and a train step.
+    calls with retries and their backoff; join, start, update and finish are transfer steps)
+    with its evaluations (eval.every_steps), and a train step.
     A shorter timeout would kill a healthy run that publishes slowly; a longer one only delays
     the error when a rank dies, which rank 0 reports by name anyway.
     """
     i, o = config.inference, config.orchestrator
-    admin_call_s = i.admin_timeout_s * (i.admin_retries + 1)
+    admin_call_s = i.admin_call_bound_s()
     publish_s = 3 * admin_call_s + 4 * i.weights.transfer_timeout_s
     # An evaluation in the publish hook: its requests run at once, each episode at most
     # max_turns requests and answers; twice that, for a request sent again to another worker.

@@ -17,7 +17,6 @@ worker serves its RL admin routes on its own `DYN_SYSTEM_PORT`.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import sys
 from collections.abc import Mapping
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from fleetrl.config import InferenceConfig
+from fleetrl.config import InferenceConfig, is_loopback
 from fleetrl.contract import ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_WORKER_MODULE, ENGINE_ARGS, TOKEN_VERSIONS_FLAG
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.cluster import ClusterServices, start_cluster_services
@@ -107,13 +106,6 @@ class DynamoDeployment:
         stop_groups(self.workers)  # together: within one grace period
         self.frontend.stop()
         self.cluster.stop()
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
 
 
 def check_system_host(config: InferenceConfig, env: dict[str, str]) -> None:
