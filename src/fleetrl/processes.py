@@ -3,7 +3,9 @@
 Every server or rank fleetrl starts goes through `start_process`: it runs in its own process
 group (so its own children — vLLM's engine core, say — are stopped with it), it is told by the
 kernel to die if fleetrl dies (PR_SET_PDEATHSIG, for a SIGKILLed parent), and it is recorded so
-that `stop_all` (run at exit, on SIGTERM and on Ctrl-C) ends whatever is still running.
+that `stop_all` (run at exit, on SIGTERM and on Ctrl-C) ends whatever is still running. A
+watchdog thread bounds a stop whose main thread is stuck in C (a gloo collective on a hung
+rank), where Python never runs the signal's handler: see `_watch_for_stop_signals`.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ _PR_SET_PDEATHSIG = 1
 # started must be gone within 10 s of a signal to fleetrl, and a vLLM server exits in 1-3 s.
 STOP_GRACE_S = 5.0
 KILL_WAIT_S = 2.0  # for the kernel to end a SIGKILLed group
+# fleetrl and every process it started end within STOP_BOUND_S of a SIGTERM or SIGINT. Where
+# they have not by WATCHDOG_EXIT_S, the watchdog exits (1 s left for the kernel to end fleetrl
+# itself), its stop_all begun at WATCHDOG_STOP_S to end by then.
+STOP_BOUND_S = 10.0
+WATCHDOG_EXIT_S = STOP_BOUND_S - 1.0
+WATCHDOG_STOP_S = WATCHDOG_EXIT_S - STOP_GRACE_S - KILL_WAIT_S
 _live: list["ManagedProcess"] = []
 _lock = threading.Lock()
 # Set when fleetrl exits or is told to (SIGTERM): from then on nothing starts, so a thread that
 # reacts to the stopping (a fleet restarting the workers it sees die) cannot leave a process behind.
 _stopping = threading.Event()
+_stop_signal: int | None = None  # the first SIGTERM or SIGINT, as the watchdog saw it arrive
 
 
 @dataclass
@@ -207,6 +216,11 @@ def stopping() -> bool:
     return _stopping.is_set()
 
 
+def stop_signal() -> int | None:
+    """The SIGTERM or SIGINT that told fleetrl to stop (the first one), or None."""
+    return _stop_signal
+
+
 def stop_all() -> None:
     with _lock:
         procs = list(_live)
@@ -223,8 +237,9 @@ def _stop_for_good() -> None:
 
 
 def install_signal_handlers() -> None:
-    """At exit and on SIGTERM, stop every child. Signal handlers can only be set from the main
-    thread: a caller that starts processes from another thread calls this first, from main."""
+    """At exit and on SIGTERM, stop every child; on SIGTERM or SIGINT, also bound the stop (the
+    watchdog). Signal handlers and the wakeup fd can only be set from the main thread: a caller
+    that starts processes from another thread calls this first, from main."""
     global _handlers_installed
     if _handlers_installed or threading.current_thread() is not threading.main_thread():
         return
@@ -239,3 +254,32 @@ def install_signal_handlers() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    wakeups, wakeup_fd = socket.socketpair()
+    wakeup_fd.setblocking(False)  # the C handler's write must never block a thread
+    signal.set_wakeup_fd(wakeup_fd.fileno(), warn_on_full_buffer=False)
+    threading.Thread(target=_watch_for_stop_signals, args=(wakeups, wakeup_fd), name="fleetrl-stop-watchdog",
+                     daemon=True).start()
+
+
+def _watch_for_stop_signals(wakeups: socket.socket, wakeup_fd: socket.socket) -> None:
+    """Bound fleetrl's stop. Python runs a signal's handler on the main thread between two
+    bytecodes: never while that thread waits in C (a gloo collective on a hung rank retries
+    through the signal), and then neither the graceful stop nor the children's stop happens.
+    The signal number is written to the wakeup fd by the C-level handler as the signal
+    arrives, whatever the main thread does; woken by the first SIGTERM or SIGINT, this thread
+    stops every child WATCHDOG_STOP_S later and exits WATCHDOG_EXIT_S after the signal
+    (128 + its number) unless fleetrl ended first. `wakeup_fd` is held here: the process's
+    wakeup fd must stay open as long as this thread waits on it."""
+    global _stop_signal
+    while _stop_signal is None:
+        _stop_signal = next((s for s in wakeups.recv(64) if s in (signal.SIGTERM, signal.SIGINT)), None)
+    signum = _stop_signal
+    exit_at = time.monotonic() + WATCHDOG_EXIT_S
+    time.sleep(WATCHDOG_STOP_S)
+    _stopping.set()
+    stop_all()
+    time.sleep(max(0.0, exit_at - time.monotonic()))
+    os.write(2, f"fleetrl: not ended {WATCHDOG_EXIT_S:.0f} s after {signal.Signals(signum).name} (its main thread "
+                f"waits in a call no signal interrupts, a collective on a hung rank say): its processes are "
+                f"stopped; exiting\n".encode())
+    os._exit(128 + signum)

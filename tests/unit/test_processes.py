@@ -1,4 +1,5 @@
-"""Child processes: finding the one behind a hung server (a real process, stopped)."""
+"""Child processes: finding the one behind a hung server (a real process, stopped); a stop
+that ends them and fleetrl while its main thread is stuck in C."""
 
 import json
 import os
@@ -6,6 +7,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
@@ -96,3 +100,81 @@ def test_a_group_id_another_process_took_is_never_signalled(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+# A fleetrl whose main thread waits in C the way a gloo collective waits on a hung rank: a call
+# that resumes its wait through every signal and never returns to Python (a pthread mutex locked
+# twice by one thread; a Lock.acquire or time.sleep would return to run the handler).
+STUCK_IN_C = """
+import ctypes, signal, sys
+from pathlib import Path
+from fleetrl.processes import start_process
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job may ignore it)
+rank = start_process("trainer-rank-1", [sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[1]))
+mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER
+libc = ctypes.CDLL("libc.so.6")
+libc.pthread_mutex_lock(mutex)
+print(rank.pid, flush=True)
+libc.pthread_mutex_lock(mutex)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_fleetrl_and_its_children_while_its_main_thread_is_stuck_in_c(tmp_path, sig):
+    """SIGTERM while rank 0 waited in a collective on a SIGSTOPped rank 1 left fleetrl and its
+    children running for minutes: Python runs a handler only between bytecodes of the main
+    thread. The watchdog, woken by the signal itself, stops the children and exits."""
+    fleetrl = subprocess.Popen([sys.executable, "-c", STUCK_IN_C, str(tmp_path / "rank-1.log")],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    rank = None
+    try:
+        rank = int(fleetrl.stdout.readline())
+        os.kill(rank, signal.SIGSTOP)  # hung: only a SIGKILL ends it
+        deadline = time.monotonic() + 60
+        while _state(fleetrl.pid) != "S" and time.monotonic() < deadline:  # its main thread waits on the mutex
+            time.sleep(0.05)
+        os.kill(fleetrl.pid, sig)
+        assert fleetrl.wait(timeout=60) == 128 + sig
+        assert rank not in running_groups()
+    finally:
+        fleetrl.kill()
+        fleetrl.wait()
+        if rank is not None and rank in running_groups():
+            os.killpg(rank, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    """The state of process `pid`'s main thread (R running, S sleeping, ...)."""
+    return Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_collective_failed_by_fleetrls_own_stop_ends_the_run_as_the_signal_does(tmp_path, monkeypatch):
+    """SIGTERM while rank 0 waited in a collective on a hung rank 1: the watchdog stopped rank 1,
+    the collective failed, and the run ended "trainer-rank-1 died (exit code -9)", exit 1, as if
+    the rank had crashed (torch had run the handler inside the collective and dropped its
+    SystemExit). The signal's own exit instead; a rank that died by itself is still named."""
+    from fleetrl import processes
+    from fleetrl.app import rl
+    from fleetrl.config import load_config
+    from fleetrl.errors import FleetrlError
+
+    def collective_fails(*args, **kwargs):
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    monkeypatch.setattr(rl, "train", collective_fails)
+    run = rl.RLRun(load_config([], [("run.dir", str(tmp_path / "run"))]), log=lambda *_: None)
+    rank = subprocess.Popen([sys.executable, "-c", "pass"])
+    rank.wait()
+    run.ranks, run.world, run.model_dir = [ManagedProcess("trainer-rank-1", rank, tmp_path / "rank-1.log")], None, None
+    try:
+        with pytest.raises(FleetrlError, match="^trainer-rank-1 died"):
+            run.train()
+        monkeypatch.setattr(processes, "_stop_signal", signal.SIGTERM)
+        with pytest.raises(SystemExit) as stopped:
+            run.train()
+        assert stopped.value.code == 128 + signal.SIGTERM
+        monkeypatch.setattr(processes, "_stop_signal", signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            run.train()
+    finally:
+        run.control.stop()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -47,7 +48,7 @@ from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import StepSink
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
-from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process, stop_all
+from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process, stop_all, stop_signal
 from fleetrl.records import StepLine, StepWorker, TrainEvent, to_dict
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
@@ -253,7 +254,12 @@ class RLRun:
         except FleetrlError:
             raise  # the loop's own verdict (a step that is not finite, a publish that reached no one)
         except Exception:
-            # A collective fails when a peer rank dies: name the rank rather than gloo's error.
+            # A collective fails when a peer rank dies: name the rank rather than gloo's error,
+            # unless fleetrl was told to stop and stopped it. Then the run ends as the signal's
+            # handler ends it, whose own exception torch may have dropped while the collective
+            # waited (a SIGTERM mid-step ended "trainer-rank-1 died (exit code -9)").
+            if (signum := stop_signal()) is not None:
+                raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
             deadline = time.monotonic() + 5
             while self.ranks and all(r.alive() for r in self.ranks) and time.monotonic() < deadline:
                 time.sleep(0.1)
