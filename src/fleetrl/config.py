@@ -394,9 +394,10 @@ class InferenceConfig(Section):
     )
     claim_lease_s: float = Field(
         30.0, gt=0, le=MAX_WAIT_S,
-        description="Native vLLM workers are held by one run at a time: each admin call of the run renews its "
-        "claim for this long, and another run that reaches the worker meanwhile (attached to the same URL) is "
-        "refused, naming this one. A run that stops lets its workers go at once; one killed holds them this "
+        description="Workers (native vLLM servers and Dynamo workers alike) are held by one run at a time: each "
+        "admin call of the run renews its claim for this long, and another run that reaches the worker meanwhile "
+        "(attached to the same URL or Dynamo frontend) is refused, naming this one. A run that stops lets its "
+        "workers go at once; one killed holds them this "
         "long, except from a resume of its own run directory. At least discovery_interval_s, whose health "
         "checks renew it.",
     )
@@ -431,7 +432,7 @@ class InferenceConfig(Section):
 
     @model_validator(mode="after")
     def _claim_outlasts_discovery(self) -> "InferenceConfig":
-        if self.provider == "vllm" and self.claim_lease_s < self.discovery_interval_s:  # claims: native only
+        if self.claim_lease_s < self.discovery_interval_s:
             raise ValueError(f"inference.claim_lease_s ({self.claim_lease_s:g}) must be at least "
                              f"inference.discovery_interval_s ({self.discovery_interval_s:g}): the run's claim on "
                              "its workers would lapse between the health checks that renew it")

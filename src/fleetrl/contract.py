@@ -73,6 +73,12 @@ DIES_WITH_PARENT_ENV = "FLEETRL_DIES_WITH_PARENT"
 CLAIM_RUN_HEADER = "x-fleetrl-run"
 CLAIM_LEASE_HEADER = "x-fleetrl-lease-s"
 CLAIM_PATH = "/fleetrl/claim"
+# The same claim on a Dynamo worker (engine/dynamo_worker.py), whose route handlers see only the
+# JSON body: every call of a run carries {"run": <run id>, "lease_s": <seconds>} in this field of
+# its body, and the run releases the worker with {"run": <run id>, "release": true} on
+# DYNAMO_CLAIM_RELEASE_ROUTE.
+DYNAMO_CLAIM_FIELD = "fleetrl_claim"
+DYNAMO_CLAIM_RELEASE_ROUTE = "liveness_probe"
 
 # The routes of fleetrl's Dynamo worker kind that take only calls signed with the run's admin
 # token (engine/dynamo_worker.py): every route that pauses the worker, changes its weights,

@@ -352,6 +352,37 @@ async def test_fleetrls_worker_kind_reports_per_token_versions_and_takes_only_si
     assert await fleet.provider.admin(worker).version() == fleet.version
 
 
+@only("dynamo", "dynamo-fleetrl")
+async def test_a_second_run_on_the_dynamo_frontend_is_refused_naming_the_run_that_holds_the_workers(
+        fleet, model_dir, tmp_path, tmp_path_factory):
+    """Two runs on one Dynamo deployment (issue 36, item 6): a second run attached to the module
+    fleet's frontend is refused while that fleet holds the workers, naming the run that holds
+    them, as on native servers (each worker keeps the claim in fleetrl's worker entry, in both
+    kinds). It paused, labelled and sent nothing: the module's fleet serves on as it was."""
+    settings = fleet.provider.attach_settings()
+    inference = InferenceConfig(provider="dynamo", dynamo=DynamoConfig(**settings["dynamo"]), admin_timeout_s=120,
+                                claim_lease_s=CLAIM_LEASE_S, admin_token=settings.get("admin_token"))
+    provider = build_provider(Config(inference=inference, run=RunConfig(dir=tmp_path / "second-run")),
+                              RunDir(tmp_path / "second-run"), model_dir,
+                              Tokens(admin=settings.get("admin_token"), data=None))
+    assert provider.run != fleet.provider.run
+    transport = transport_for("broadcast", tmp_path_factory)
+    second = Fleet(provider, pause_mode=inference.resolved_pause_mode(), discovery_interval_s=3600,
+                   log=lambda *_: None)
+    try:
+        with pytest.raises(FleetrlError, match=rf"no inference worker became ready: .*held by another fleetrl run, "
+                                               rf"{fleet.provider.run}"):
+            async with renewing(fleet):  # a live run: its health checks renew its claim
+                await second.start(base_weights_of(provider, model_dir, transport))
+    finally:
+        await second.close()
+        await transport.close()
+    for worker in fleet.workers.values():
+        admin = fleet.provider.admin(worker)
+        assert worker.state == WorkerState.READY and await admin.version() == fleet.version
+        assert not await admin.is_paused()
+
+
 async def test_publish_by_each_transport(fleet, base_weights, probe, tokenizer, tmp_path_factory):
     """Two versions in a row, one by each transport, each with the production agreement probe:
     every worker's max |delta logprob| is reported, and within tolerance. (Several in a row by

@@ -101,12 +101,12 @@ def test_timeouts_are_bounded_at_config_time(key):
     assert load_config([], [(key, "604800"), *lease])
 
 
-def test_a_claim_on_the_workers_outlasts_the_checks_that_renew_it():
+@pytest.mark.parametrize("provider", ["vllm", "dynamo"])
+def test_a_claim_on_the_workers_outlasts_the_checks_that_renew_it(provider):
+    """Dynamo workers are claimed as native ones are (issue 36, item 6)."""
     with pytest.raises(ConfigError, match=r"inference.claim_lease_s \(30\) must be at least "
                                           r"inference.discovery_interval_s \(60\)"):
-        load_config([], [("inference.discovery_interval_s", "60")])
-    # Claims are native workers' only: Dynamo's config is not held to it.
-    assert load_config([], [("inference.provider", "dynamo"), ("inference.discovery_interval_s", "60")])
+        load_config([], [("inference.provider", provider), ("inference.discovery_interval_s", "60")])
 
 
 def test_every_field_is_documented():

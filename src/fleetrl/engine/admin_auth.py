@@ -33,8 +33,7 @@ from collections.abc import Callable
 from fleetrl import admin_signature
 from fleetrl.contract import (ADMIN_AUTHORITIES_ENV, ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH,
                               CLAIM_RUN_HEADER, DATA_TOKEN_ENV, INSTANCE_PATH, STALE_INSTANCE)
-from fleetrl.engine.worker_claim import WorkerClaim
-from fleetrl.versions import is_run_id
+from fleetrl.engine.worker_claim import WorkerClaim, parse_claim
 
 OPEN_PATHS = ("/health", "/ping")
 # Sampling, and what a sampling client reads (the model list, tokenization); each path also
@@ -140,20 +139,10 @@ class AdminTokenMiddleware:
             body = json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
             await _send(send, 500, [(b"content-type", b"application/json")], body, prove)
 
-    def _run_claim(self, scope) -> tuple[str, float] | None:
-        """The run a signed call names, and its lease; None for a call that only looks (no run)."""
-        run, lease = self._header(scope, CLAIM_RUN_HEADER), self._header(scope, CLAIM_LEASE_HEADER)
-        if run is None or not is_run_id(run):
-            return None
-        try:
-            return run, min(max(float(lease or 0), 0.0), 7 * 86400.0)
-        except ValueError:
-            return None
-
     async def _signed_call(self, scope, receive, send, prove: Prove) -> None:
         """A signed call let in: within the claim of the run it names (engine/worker_claim.py),
         answered with this server's proof."""
-        claim = self._run_claim(scope)
+        claim = parse_claim(self._header(scope, CLAIM_RUN_HEADER), self._header(scope, CLAIM_LEASE_HEADER))
         if claim is None:
             return await self._proven(scope, receive, send, prove)
         run, lease_s = claim
@@ -162,10 +151,7 @@ class AdminTokenMiddleware:
             return await _answer(send, 200, {"released": run}, prove)
         holder = self.claim.begin(run, lease_s)
         if holder is not None:
-            return await _answer(send, 409, {
-                "error": f"fleetrl: this worker is held by run {holder} (its claim lapses "
-                         f"{self.claim.lease_left_s():.0f} s after that run's last call)",
-                "held_by": holder, "lease_left_s": self.claim.lease_left_s()}, prove)
+            return await _answer(send, 409, self.claim.refusal(holder), prove)
         try:
             return await self._proven(scope, receive, send, prove)
         finally:

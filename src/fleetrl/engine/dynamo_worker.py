@@ -17,7 +17,9 @@ Dynamo's extension point for a new connector, as cache-mediated like LMCache (th
 worker finds the prefill's KV by prompt tokens; nothing per request crosses over).
 
 Both worker kinds answer fleetrl's weight check with the checksum every rank computed
-(`_answering_checksums`): Dynamo's weight-update route returns no results of its own.
+(`_answering_checksums`): Dynamo's weight-update route returns no results of its own. Both
+are held by one fleetrl run at a time (`_hold_for_one_run`, engine/worker_claim.py), as a
+native server is: another run's call is refused naming the run that holds the worker.
 
 Launched by fleetrl (`contract.DIES_WITH_PARENT_ENV` set), it takes its process group (its
 engine core included) down if fleetrl dies (engine/orphan.py); started by an operator, it
@@ -39,9 +41,11 @@ import os
 import sys
 
 from fleetrl import admin_signature
-from fleetrl.contract import (ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_GUARDED_ROUTES, DYNAMO_INSTANCE_ROUTE,
-                              DYNAMO_REFUSAL, STALE_INSTANCE, TOKEN_VERSIONS_FLAG, WEIGHT_STATE_METHOD)
+from fleetrl.contract import (ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_CLAIM_FIELD, DYNAMO_GUARDED_ROUTES,
+                              DYNAMO_INSTANCE_ROUTE, DYNAMO_REFUSAL, STALE_INSTANCE, TOKEN_VERSIONS_FLAG,
+                              WEIGHT_STATE_METHOD)
 from fleetrl.engine.orphan import die_with_parent
+from fleetrl.engine.worker_claim import WorkerClaim, parse_claim
 
 
 # What the changes below were written against: another version may have moved or renamed what
@@ -183,6 +187,68 @@ def _report_token_versions() -> None:
         setattr(BaseWorkerHandler, route, labels_the_engine(getattr(BaseWorkerHandler, route)))
 
 
+def held_for_one_run(claim: WorkerClaim, handler):
+    """`handler` of a Dynamo RL route, within the claim of the run its body names
+    (`contract.DYNAMO_CLAIM_FIELD`; engine/worker_claim.py): a call of another run than the one
+    holding the worker is answered with a refusal naming the holder and reaches nothing; a call
+    that names no run only looks. The handler gets the body without the claim. One `claim`
+    for all of a worker's routes. A route that streams its answers gets a wrapper that streams."""
+    def enter(body) -> tuple[dict | None, tuple[str, float] | None, object]:
+        """(the answer that ends the call here, the claim the call is in, the body for the handler)."""
+        if not (isinstance(body, dict) and DYNAMO_CLAIM_FIELD in body):
+            return None, None, body
+        named = body[DYNAMO_CLAIM_FIELD] if isinstance(body[DYNAMO_CLAIM_FIELD], dict) else {}
+        rest = {k: v for k, v in body.items() if k != DYNAMO_CLAIM_FIELD}
+        called = parse_claim(named.get("run"), named.get("lease_s"))
+        if called is None:
+            return None, None, rest
+        run, _ = called
+        if named.get("release") is True:
+            claim.release(run)
+            return {"status": "ok", "released": run}, None, rest
+        holder = claim.begin(*called)
+        if holder is not None:
+            refusal = claim.refusal(holder)
+            return {"status": "error", "message": refusal["error"], **refusal}, None, rest
+        return None, called, rest
+
+    if inspect.isasyncgenfunction(handler):
+        async def held_stream(self, body=None):
+            answer, called, rest = enter(body)
+            if answer is not None:
+                yield answer
+                return
+            try:
+                async for result in handler(self, rest):
+                    yield result
+            finally:
+                if called is not None:
+                    claim.end(*called)
+        return held_stream
+
+    async def held(self, body=None):
+        answer, called, rest = enter(body)
+        if answer is not None:
+            return answer
+        try:
+            return await handler(self, rest)
+        finally:
+            if called is not None:
+                claim.end(*called)
+    return held
+
+
+def _hold_for_one_run() -> None:
+    """Both worker kinds: every RL route fleetrl calls is held by one run at a time, under one
+    claim per worker process. On fleetrl's kind only a signed call's claim counts
+    (`signed_calls_only` drops the claim of any other)."""
+    from dynamo.vllm.handlers import BaseWorkerHandler
+
+    claim = WorkerClaim()
+    for route in (*DYNAMO_GUARDED_ROUTES, "liveness_probe"):
+        setattr(BaseWorkerHandler, route, held_for_one_run(claim, getattr(BaseWorkerHandler, route)))
+
+
 # This start of the worker (admin_signature.py): what fleetrl's signed calls to it are made for.
 INSTANCE = admin_signature.fresh_nonce()
 
@@ -209,6 +275,7 @@ def signed_calls_only(token: str, route: str, handler, instance: str = INSTANCE)
             return {"status": "error", "message": STALE_INSTANCE}, None, rest
         if signed and fresh.admit(signature):
             return None, signature, rest
+        rest.pop(DYNAMO_CLAIM_FIELD, None)  # only a signed call holds the worker for a run (`held_for_one_run`)
         return ({"status": "error", "message": DYNAMO_REFUSAL} if guarded else None), None, rest
 
     def answered(result, signature):
@@ -264,9 +331,12 @@ def main() -> None:
     _apply_import_fixes()
     _register_shared_storage_connector()
     _report_weight_checksums()
-    if TOKEN_VERSIONS_FLAG in sys.argv:
+    token_versions = TOKEN_VERSIONS_FLAG in sys.argv
+    if token_versions:
         sys.argv.remove(TOKEN_VERSIONS_FLAG)
         _report_token_versions()
+    _hold_for_one_run()  # outside what changes the worker: another run's call reaches none of it
+    if token_versions:
         _require_signed_calls()  # last: the outermost layer of each route
     from dynamo.vllm.main import main as dynamo_vllm_main
 

@@ -8,12 +8,31 @@ call holds the worker, each of its calls renews the claim, and a call of any oth
 refused, naming the holder, until the holder releases the worker (when its fleet stops) or its
 lease runs out (a run killed without stopping). A call in progress holds the claim however long
 it takes. Calls that name no run (an operator's curl, `fleetrl status`) only look.
+
+A Dynamo worker (engine/dynamo_worker.py) keeps one such claim for all of its RL routes, which
+see only the JSON body: there the claim rides in the body (contract.DYNAMO_CLAIM_FIELD).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+from fleetrl.versions import is_run_id
+
+# The longest lease a call may ask for: a claim outlives its run by this much at most.
+MAX_LEASE_S = 7 * 86400.0
+
+
+def parse_claim(run: object, lease_s: object) -> tuple[str, float] | None:
+    """The claim a call names (the run, its lease in seconds, within [0, MAX_LEASE_S]); None
+    for a call that names no run, or no valid one: it only looks."""
+    if not (isinstance(run, str) and is_run_id(run)):
+        return None
+    try:
+        return run, min(max(float(lease_s or 0), 0.0), MAX_LEASE_S)
+    except (TypeError, ValueError):
+        return None
 
 
 class WorkerClaim:
@@ -31,6 +50,13 @@ class WorkerClaim:
 
     def lease_left_s(self) -> float:
         return max(0.0, self._until - self._clock())
+
+    def refusal(self, holder: str) -> dict:
+        """The answer to a call of another run than `holder`: the coordinator reads `held_by`
+        and `lease_left_s` (inference WorkerHeldByAnotherRun)."""
+        return {"error": f"fleetrl: this worker is held by run {holder} (its claim lapses "
+                         f"{self.lease_left_s():.0f} s after that run's last call)",
+                "held_by": holder, "lease_left_s": self.lease_left_s()}
 
     def begin(self, run: str, lease_s: float) -> str | None:
         """A call of `run` begins: None when the worker is (now) `run`'s, else the run that holds it."""

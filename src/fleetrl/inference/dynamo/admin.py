@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from fleetrl.config import pause_modes
-from fleetrl.contract import DYNAMO_WORKER_MODULE, WEIGHT_STATE_METHOD
+from fleetrl.contract import DYNAMO_CLAIM_FIELD, DYNAMO_CLAIM_RELEASE_ROUTE, DYNAMO_WORKER_MODULE, WEIGHT_STATE_METHOD
+from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.attribution import FenceRecord
-from fleetrl.inference.http import AdminHttp, check_rank_checksums, requests_in_engine
-from fleetrl.inference.provider import PauseMode, WorkerCallError
+from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, check_rank_checksums, requests_in_engine
+from fleetrl.inference.provider import PauseMode, WorkerCallError, WorkerHeldByAnotherRun
 from fleetrl.inference.types import RankWeights
 from fleetrl.versions import incomplete_label, parse_label, version_label
 
@@ -42,20 +43,45 @@ class DynamoAdminRoutes:
     clients, with the run they act for and the fence record they both move."""
 
     def __init__(self, worker_id: str, system_url: str, world_size: int, timeout_s: float, retries: int,
-                 run: str | None, admin_token: str | None = None) -> None:
+                 run: str | None, admin_token: str | None = None, claim_lease_s: float | None = None) -> None:
         """`run`: the run whose versions these clients label the worker with; None for clients
         that only look (`fleetrl status`), which read any run's version and label nothing.
         `admin_token`: fleetrl's worker kind takes only calls signed with it (in the body,
-        engine/dynamo_worker.py), and proves each answer; None for Dynamo's own kind."""
+        engine/dynamo_worker.py), and proves each answer; None for Dynamo's own kind.
+        `claim_lease_s`: with a `run`, each call holds the worker for it this long past the call
+        (engine/worker_claim.py; inference.claim_lease_s), and a worker another run holds
+        refuses it (WorkerHeldByAnotherRun)."""
         self.worker_id = worker_id
         self.run = run
         self.admin_url = system_url
         self.world_size = world_size
         self.fence = FenceRecord()
         self.http = AdminHttp(worker_id, system_url, timeout_s, retries, admin_token, body_signed=True)
+        self._claim = {"run": run, "lease_s": claim_lease_s} if run is not None and claim_lease_s is not None else None
 
     async def close(self) -> None:
         await self.http.close()
+
+    async def release(self) -> None:
+        """Let the worker go, if this run holds it (best effort, one try: a dead worker holds nothing)."""
+        if self._claim is None:
+            return
+        try:
+            await self.http.probe("POST", f"/engine/{DYNAMO_CLAIM_RELEASE_ROUTE}", ABANDON_TIMEOUT_S, signed=True,
+                                  json={DYNAMO_CLAIM_FIELD: {"run": self.run, "release": True}})
+        except FleetrlError:
+            pass
+
+    def claimed(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`body` with this run's claim on the worker, where these clients act for a run."""
+        return body if self._claim is None else {**body, DYNAMO_CLAIM_FIELD: self._claim}
+
+    def check_not_held(self, answer: object, what: str) -> None:
+        """Raises WorkerHeldByAnotherRun if `answer` is the worker's refusal of a call of this
+        run because another run holds it (engine/dynamo_worker.held_for_one_run)."""
+        if isinstance(answer, dict) and "held_by" in answer:
+            raise WorkerHeldByAnotherRun(self.worker_id, what, str(answer["held_by"]),
+                                         float(answer.get("lease_left_s") or 0.0))
 
     async def call(self, route: str, body: dict[str, Any] | None = None,
                    timeout_s: float | None = None, retry: bool = True) -> dict[str, Any]:
@@ -63,8 +89,9 @@ class DynamoAdminRoutes:
         if body and "engine_rpc" in body:
             what = f"{route} ({body['engine_rpc']}) at {self.admin_url}"
         response = await self.http.call("POST", f"/engine/{route}", idempotent=retry, timeout_s=timeout_s,
-                                         what=what, json=body or {})
+                                         what=what, json=self.claimed(body or {}))
         result = response.json()
+        self.check_not_held(result, what)
         if result.get("status") not in ("ok", "success"):  # load_lora answers "success"
             raise WorkerCallError(self.worker_id, what, str(result.get("message") or result)[:300])
         return result
@@ -96,8 +123,12 @@ class DynamoWorkerControl:
     async def health(self) -> bool:
         """The engine's event loop answers (a round trip into the engine core)."""
         response = await self.routes.http.probe("POST", "/engine/liveness_probe", timeout_s=10.0, signed=True,
-                                                json={})
-        return response is not None and response.status_code == 200 and response.json().get("alive") is True
+                                                json=self.routes.claimed({}))
+        if response is None or response.status_code != 200:
+            return False
+        answer = response.json()
+        self.routes.check_not_held(answer, f"liveness_probe at {self.routes.admin_url}")
+        return answer.get("alive") is True
 
     async def is_paused(self) -> bool:
         """Dynamo has no route that says so, but its weight-update route refuses a worker that

@@ -11,6 +11,9 @@ folder that its engine side keeps current, and is admitted once it serves reques
 adapter's name (`_serves_adapter`), so that a worker that joins or restarts takes no rollout
 before it does; the fleet refits it with the current adapter before it serves them.
 
+Each worker is held by one run at a time, as a native server is: every admin call carries the
+run's claim (admin.py, engine/worker_claim.py), and another run's is refused naming the holder.
+
 Versions: fleetrl's worker kind reports the version of every token, as a native vLLM server
 does. Dynamo's own vLLM worker reports none, so each of its completions gets the one version
 its fence record proves produced it, and a completion that cannot be attributed is sampled
@@ -293,7 +296,8 @@ class DynamoProvider:
             if known is not None:
                 self._replaced.append(known[0].routes)  # closed at the next round: a call may still be under way on it
             routes = DynamoAdminRoutes(worker.id, worker.admin_url, worker.world_size, self.config.admin_timeout_s,
-                                       self.config.admin_retries, self.run, self.admin_token)
+                                       self.config.admin_retries, self.run, self.admin_token,
+                                       self.config.claim_lease_s)
             self._clients[worker.id] = DynamoWorkerControl(routes), DynamoWeightSync(routes)
         return self._clients[worker.id]
 
@@ -302,6 +306,8 @@ class DynamoProvider:
         return {worker_id: control.routes.fence for worker_id, (control, _) in self._clients.items()}
 
     async def close(self) -> None:
+        if self.deployment is None:  # attached: another run may take the workers at once (launched ones stop below)
+            await asyncio.gather(*(control.routes.release() for control, _ in self._clients.values()))
         for routes in [*(control.routes for control, _ in self._clients.values()), *self._replaced]:
             await routes.close()
         self._clients.clear()
