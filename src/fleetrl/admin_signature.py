@@ -17,11 +17,19 @@ instance again and signs afresh, once), and proves its answer with an HMAC of th
 that authority, its instance and the answer's body, keyed by the same token (`answer_proof`).
 A caller that gets no valid proof back is not talking to a server started with the run's token
 (or what it got was changed on the way: a rewritten checksum or version label), and trusts
-nothing it said: a process on a dead worker's port that relays the call to another live worker
-gets it refused there (another authority), and a captured call replayed elsewhere, later, or
-with another body, opens nothing. fleetrl's data requests (which carry the data token as a
-bearer) name a nonce of their own (NONCE_HEADER), and their answers carry a proof of that nonce
-and the address (`nonce_proof`). Bearer tokens still open the routes, for an operator's curl.
+nothing it said; a captured call replayed elsewhere, later, or with another body, opens nothing.
+A relay is refused by the authority check alone: a server lets in only calls addressed to a
+name of its own (its socket's address, a loopback name on loopback, the names its launcher or
+operator lists in contract.ADMIN_AUTHORITIES_ENV), so a process on a dead worker's address
+that passes the call to another live worker gets it refused there. Where a worker cannot see
+the authority (Dynamo) or names one server twice (two spellings of its URL), the fleet pins
+each worker's announced instance: a worker that announces another live worker's instance is
+that worker, or a relay to it, and is kept out (inference/fleet.py). fleetrl's data requests
+(which carry the data token as a bearer) name a nonce of their own (NONCE_HEADER), and their
+answers carry the same proof (`answer_proof`, of that nonce, the address and the answer's very
+body; no instance: the data client never asks for one), so a relay that relabels a version or
+rewrites tokens or logprobs is found out. Bearer tokens still open the routes, for an
+operator's curl.
 
 fleetrl's Dynamo worker kind (engine/dynamo_worker.py) gets the same protection in the JSON body,
 the only part of a call its route handlers see: the signature rides in BODY_SIGNATURE_FIELD and
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 import time
@@ -89,6 +98,16 @@ def with_port(host: str, scheme: str) -> str:
     return f"{host}:{DEFAULT_PORTS.get(scheme, 80)}"
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 with or without brackets) is this machine's
+    loopback (a name other than localhost may resolve to any interface, so it is not)."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host.lower().rstrip(".") == "localhost"
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
 def _is_mac(value: object) -> bool:
     """64 lowercase hex digits: what `_mac` makes (anything else is compared with nothing)."""
     return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
@@ -134,16 +153,11 @@ def signed_by(token: str, signature: Signature, call: SignedCall) -> bool:
 
 
 def answer_proof(token: str, nonce: str, authority: str, instance: str, body: bytes) -> str:
-    """The worker's proof of its answer `body` to a signed call with `nonce` that reached its
-    `instance` at `authority`: only a holder of `token` can make it, it holds for that address,
-    that start of the server and those very bytes alone."""
+    """The worker's proof of its answer `body` to a call with `nonce` (a signed call's, or a data
+    request's NONCE_HEADER) that reached its `instance` ("" for a data request, which names none)
+    at `authority`: only a holder of `token` can make it, it holds for that address, that start
+    of the server and those very bytes alone."""
     return _mac(token, "\n".join(["fleetrl answer", authority, instance, nonce, hashlib.sha256(body).hexdigest()]))
-
-
-def nonce_proof(token: str, nonce: str, authority: str) -> str:
-    """The worker's answer to a data request naming `nonce` that reached it at `authority`:
-    only a holder of `token` can make it, and it holds for that address alone."""
-    return _mac(token, f"fleetrl worker\n{authority}\n{nonce}")
 
 
 def proves(expected: str, answer: str | None) -> bool:

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fleetrl.admin_signature import is_loopback
 from fleetrl.contract import ENGINE_ARGS, TOKEN_VERSIONS_FLAG
 from fleetrl.cores import parse_cpus
 from fleetrl.errors import FleetrlError
@@ -907,16 +908,6 @@ def server_address(url: str) -> tuple[str, str, int | None, str]:
         except ValueError:
             pass  # a host name
     return scheme, host, port or DEFAULT_PORTS.get(scheme), parts.path.rstrip("/")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is this machine's loopback (a name other than localhost may resolve to any
-    interface, so it is not)."""
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return host.lower().rstrip(".") == "localhost"
-    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
 def field_docs() -> list[tuple[str, str, Any]]:

@@ -229,9 +229,10 @@ class RewritingProxy:
     """A reverse proxy in front of one real server's data route, which rewrites the next answer
     of /inference/v1/generate that passes through it (`rewrite`, shared by every proxy of a
     test: whichever worker the fleet picks, its answer is the one changed) and passes the rest
-    on as they are. It answers the data request's nonce for its own address, as the server does
-    for an address an operator declares it is reached at (ADMIN_AUTHORITIES_ENV): that proof
-    covers the nonce and the address, not the body, so what the proxy changes reaches fleetrl."""
+    on as they are. It holds the run's admin token (as only a proxy the run trusts can), and
+    proves each data answer for its own address as the server does, of the body it rewrote: what
+    it changes reaches fleetrl's per-sample checks (a proxy without the token is found out
+    before them: unit/test_tokens.py)."""
 
     def __init__(self, upstream: str, rewrites: list) -> None:
         self.upstream = upstream
@@ -262,7 +263,8 @@ class RewritingProxy:
         out = {k: v for k, v in answer.headers.items() if k.lower() not in (
             "content-length", "content-encoding", "transfer-encoding", "connection", admin_signature.PROOF_HEADER)}
         if nonce := request.headers.get(admin_signature.NONCE_HEADER):
-            out[admin_signature.PROOF_HEADER] = admin_signature.nonce_proof(ADMIN, nonce, self.url.removeprefix("http://"))
+            out[admin_signature.PROOF_HEADER] = admin_signature.answer_proof(ADMIN, nonce, self.url.removeprefix("http://"),
+                                                                             "", body)
         return web.Response(status=answer.status_code, body=body, headers=out)
 
     async def close(self) -> None:

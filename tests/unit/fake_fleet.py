@@ -31,9 +31,11 @@ class FakeEngine:
     role: WorkerRole = WorkerRole.AGGREGATED
     prefilled: int = 0  # prompts it prefilled for another worker (role PREFILL)
     abandoned: int = 0  # updates it was told to close (one another coordinator may have left open)
+    instance: str = ""  # the server instance it announces; "": its own, made from its id
 
     def __post_init__(self) -> None:
         self.unpaused.set()
+        self.instance = self.instance or f"instance-of-{self.id}"
 
 
 class FakeClient:
@@ -54,6 +56,10 @@ class FakeClient:
 
 
 class FakeControl(FakeClient):
+    @property
+    def instance(self) -> str:
+        return self.engine.instance
+
     async def health(self) -> bool:
         return self.engine.alive
 

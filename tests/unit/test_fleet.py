@@ -859,3 +859,30 @@ async def test_an_impostor_at_a_workers_address_is_dead_at_the_next_discovery_ro
     assert any("worker a" in line and "without proof that it holds the run's admin token" in line for line in logged)
     assert all(out.worker_id == "b" for out in await fleet.generate(request(max_tokens=2, n=4)))
     await fleet.close()
+
+
+async def test_a_worker_that_announces_another_live_workers_instance_is_kept_out_in_one_line():
+    """Two spellings of one server (127.0.0.1 and 127.1, say), or a relay on a dead worker's
+    address to a live one (Dynamo's handlers see no address): the worker announces the server
+    instance another live worker announced first, and is kept out, said once (issue 36, item 5)."""
+    provider = FakeProvider("a", "b")
+    provider.engines["b"].instance = provider.engines["a"].instance
+    logged: list[str] = []
+    fleet = Fleet(provider, discovery_interval_s=3600, log=logged.append)
+    await fleet.start()
+    await fleet.refresh()
+    assert fleet.workers["a"].state == WorkerState.READY and fleet.workers["b"].state == WorkerState.STALE
+    assert [line for line in logged if "worker b" in line] == [
+        "fleetrl: worker b is stale: worker b: its health check failed: it announces the server instance of "
+        "worker a: the same server under another address, or a relay to it"]
+    (out,) = await fleet.generate(request(max_tokens=3, n=1))
+    assert out.worker_id == "a"
+    # A ready worker's address taken over by a relay to another worker is found at its next check.
+    provider.add("c")
+    await fleet.refresh()
+    assert fleet.workers["c"].state == WorkerState.READY
+    provider.engines["c"].instance = provider.engines["a"].instance
+    await fleet.refresh()
+    assert fleet.workers["c"].state == WorkerState.DEAD and "instance of worker a" in fleet.workers["c"].error
+    assert fleet.workers["a"].state == WorkerState.READY
+    await fleet.close()

@@ -96,14 +96,11 @@ def signed(token: str, method: str, url: str, target: str, body: bytes = b"", au
     return {"Authorization": value, **({"Host": authority} if authority else {})}, nonce
 
 
-def proven(answer: httpx.Response, nonce: str, url: str, token: str = ADMIN) -> bool:
-    """Whether `answer` carries the proof of its very body by the server at `url`, for the call with `nonce`."""
-    expected = admin_signature.answer_proof(token, nonce, authority_of(url), instance_of(url), answer.content)
-    return admin_signature.proves(expected, answer.headers.get(admin_signature.PROOF_HEADER))
-
-
-def nonce_proven(answer: httpx.Response, nonce: str, url: str) -> bool:
-    expected = admin_signature.nonce_proof(ADMIN, nonce, authority_of(url))
+def proven(answer: httpx.Response, nonce: str, url: str, token: str = ADMIN, data: bool = False) -> bool:
+    """Whether `answer` carries the proof of its very body by the server at `url`, for the call
+    with `nonce` (`data`: a data request's, which names no instance)."""
+    expected = admin_signature.answer_proof(token, nonce, authority_of(url), "" if data else instance_of(url),
+                                            answer.content)
     return admin_signature.proves(expected, answer.headers.get(admin_signature.PROOF_HEADER))
 
 
@@ -215,6 +212,82 @@ async def test_an_answer_rewritten_on_its_way_proves_nothing(rewritten, monkeypa
             await admin.close()
 
 
+async def test_a_data_answer_rewritten_on_its_way_proves_nothing(monkeypatch):
+    """A relay without the run's token between the data client and the real server relabels
+    the answer's version (v1 to v2 of this run) or rewrites a logprob: the data answer's proof
+    covers its very body, as an admin answer's does, so the sample is an impostor's, never
+    kept (issue 36, item 5)."""
+    from fleetrl.inference.types import GenerateRequest, SamplingParams
+    from fleetrl.inference.vllm.data import VllmDataClient
+
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
+    run = "a1a1a1a1a1a1a1a1"
+    server = AdminTokenMiddleware(answering({"choices": [{
+        "token_ids": [5, 6], "finish_reason": "stop", "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.7}]},
+        "weight_versions": [{"version": f"v1@{run}", "start": 0, "end": 2}]}]}))
+    for rewrite in (lambda body: body, lambda body: body.replace(b"v1@", b"v2@"),
+                    lambda body: body.replace(b"-0.5", b"-0.0")):
+        with serving(rewriting(server, rewrite)) as url:
+            data = VllmDataClient(DATA, 5, run, admin_token=ADMIN, vocab_size=100)
+            try:
+                request = GenerateRequest([1, 2], SamplingParams(max_tokens=2), request_id="r1")
+                if rewrite(b"v1@-0.5") == b"v1@-0.5":  # passed on as it is: the sample is kept
+                    (sample,) = await data.generate("vllm-0", url, request)
+                    assert sample.answer_error is None and sample.logprobs == [-0.5, -0.7]
+                else:
+                    with pytest.raises(ImpostorWorker, match="vllm-0: generate r1 failed: .*changed on its way"):
+                        await data.generate("vllm-0", url, request)
+            finally:
+                await data.close()
+
+
+def relayed_to(server, own: tuple[str, int]):
+    """`server` as a pod of a cluster sees what reaches it: its socket's address is `own`, the
+    Host header whatever the caller (or a relay passing the call on) wrote."""
+    async def at(scope, receive, send):
+        await server(scope | {"server": own}, receive, send)
+    return at
+
+
+@pytest.mark.parametrize("addressed, let_in", [("10.0.0.2:8000", True), ("10.0.0.1:8000", False)])
+async def test_a_call_relayed_from_a_dead_workers_address_on_the_same_port_is_refused(addressed, let_in, monkeypatch):
+    """Every pod of a cluster serves on 8000: an impostor on dead worker A's address
+    (10.0.0.1:8000) relays fleetrl's signed call to live worker B (10.0.0.2:8000). B lets in
+    only calls addressed to itself, not any host at its port, so fleetrl never takes B's proven
+    answers for A's (issue 36, item 5)."""
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, ADMIN)
+    monkeypatch.setenv(DATA_TOKEN_ENV, DATA)
+    worker_b = relayed_to(AdminTokenMiddleware(answering({"is_paused": False})), ("10.0.0.2", 8000))
+    admin = AdminHttp("A", f"http://{addressed}", 5.0, 0, admin_token=ADMIN, claim=RunClaim("a1a1a1a1a1a1a1a1", 60))
+    admin._http = httpx.AsyncClient(base_url=f"http://{addressed}", transport=httpx.ASGITransport(app=worker_b))
+    try:
+        if let_in:
+            assert (await admin.call("GET", "/is_paused", idempotent=True)).json() == {"is_paused": False}
+        else:
+            with pytest.raises(FleetrlError, match="the admin token was refused .*signed for 10.0.0.1:8000, which is "
+                                                   "not an address of this server .*10.0.0.2:8000.*"
+                                                   + ADMIN_AUTHORITIES_ENV):
+                await admin.call("GET", "/is_paused", idempotent=True)
+        nonce = admin_signature.fresh_nonce()
+        answer = await admin._http.post("/inference/v1/generate",
+                                        headers={**bearer(DATA), admin_signature.NONCE_HEADER: nonce})
+        assert (admin_signature.PROOF_HEADER in answer.headers) == let_in
+    finally:
+        await admin.close()
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])
+async def test_a_loopback_server_is_reached_by_any_loopback_name_of_its_port(guarded, host):
+    """Attached as http://localhost:P or http://127.0.0.1:P: one server, let in either way."""
+    url = guarded.replace("127.0.0.1", host)
+    admin = AdminHttp("vllm-0", url, timeout_s=5, retries=0, admin_token=ADMIN)
+    try:
+        assert (await admin.call("GET", "/is_paused", idempotent=True)).json() == {"is_paused": False}
+    finally:
+        await admin.close()
+
+
 def test_a_call_relayed_from_another_address_is_refused_there(guarded):
     """A process on a dead worker's port (here 127.0.0.1:1) passes fleetrl's signed call, and a
     data request naming a nonce, on to a live worker: the worker lets in, and proves, only what
@@ -318,7 +391,7 @@ def test_a_data_request_that_names_a_nonce_gets_the_proof_of_it(guarded):
     nonce = admin_signature.fresh_nonce()
     for token in (DATA, ADMIN):
         answer = httpx.post(guarded + "/inference/v1/generate", headers={**bearer(token), "x-fleetrl-nonce": nonce})
-        assert answer.status_code == 200 and nonce_proven(answer, nonce, guarded)
+        assert answer.status_code == 200 and proven(answer, nonce, guarded, data=True)
     # Without the data token, a nonce opens nothing and proves nothing.
     answer = httpx.post(guarded + "/inference/v1/generate", headers={"x-fleetrl-nonce": nonce})
     assert answer.status_code == 401 and admin_signature.PROOF_HEADER not in answer.headers
@@ -395,6 +468,9 @@ async def test_launched_servers_get_the_tokens_by_environment_never_on_the_comma
     with pytest.raises(RuntimeError, match="stop here"):
         await launcher.launch_vllm_servers(tmp_path, InferenceConfig(), 1, tmp_path, ADMIN, DATA, log=print)
     assert started["env"][ADMIN_TOKEN_ENV] == ADMIN and started["env"][DATA_TOKEN_ENV] == DATA
+    # The name fleetrl calls it by is its own (inference.host may be 0.0.0.0 or a host name).
+    port = started["argv"][started["argv"].index("--port") + 1]
+    assert started["env"][ADMIN_AUTHORITIES_ENV] == f"{InferenceConfig().host}:{port}"
     assert not any(ADMIN in arg or DATA in arg for arg in started["argv"])
 
 

@@ -78,9 +78,10 @@ class AdminTokenMiddleware:
         self._data = _digest(_token_from_env(DATA_TOKEN_ENV))
         self.instance = admin_signature.fresh_nonce()  # this start of the server (INSTANCE_PATH)
         self._fresh = admin_signature.FreshCalls()  # the nonces of signed calls let in
-        # The addresses callers may reach this server at besides its own port (a port-mapping
-        # Service, say): host:port, comma-separated (docs/cluster.md).
-        self._authorities = {a.strip() for a in os.environ.get(ADMIN_AUTHORITIES_ENV, "").split(",") if a.strip()}
+        # The names callers may reach this server by besides its socket's address (a host name,
+        # a port-mapping Service): host:port, comma-separated (docs/cluster.md).
+        self._authorities = {a.strip().lower() for a in os.environ.get(ADMIN_AUTHORITIES_ENV, "").split(",")
+                             if a.strip()}
         self.claim = WorkerClaim()  # which fleetrl run holds this worker (engine/worker_claim.py)
 
     @staticmethod
@@ -90,27 +91,36 @@ class AdminTokenMiddleware:
                 return value.decode("latin-1")
         return None
 
-    def _own_authority(self, scope) -> str | None:
-        """The authority (host:port) the caller addressed, if it is this server's own: its
-        listening port, or one of ADMIN_AUTHORITIES_ENV. A call or a nonce relayed from another
-        address (a process on a dead worker's port passing it on) names that address instead."""
-        host = admin_signature.with_port(self._header(scope, "host") or "", scope.get("scheme", "http"))
-        _, _, port = host.rpartition(":")
-        server = scope.get("server") or (None, None)
-        if host in self._authorities or (port.isascii() and port.isdigit() and int(port) == server[1]):
-            return host
-        return None
+    def _own_names(self, scope) -> set[str]:
+        """The authorities (host:port) that name this server: the address of the socket the
+        call came in on, any loopback name of its port when that is loopback, and those listed
+        in ADMIN_AUTHORITIES_ENV. Not any host with its port: every server of a cluster may
+        listen on the same one (8000), and a relay from a dead worker's address to a live one
+        must name another server."""
+        host, port = scope.get("server") or (None, None)
+        if host is None or port is None:
+            return set(self._authorities)
+        names = {f"[{host}]:{port}" if ":" in host else f"{host}:{port}"}
+        if admin_signature.is_loopback(host):
+            names |= {f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"}
+        return names | self._authorities
 
-    def _signed_here(self, scope, signature: admin_signature.Signature, body: bytes) -> str | None:
-        """The authority of a signed call that is the admin token's for this very call (this
-        server's address, this body, this claim, the instance it names); else None."""
-        authority = self._own_authority(scope)
-        if authority is None:
-            return None
-        call = admin_signature.SignedCall(scope["method"], _target(scope), authority, body, signature.instance,
-                                          self._header(scope, CLAIM_RUN_HEADER) or "",
+    def _addressed(self, scope) -> str:
+        """The authority (host:port) the caller addressed: its Host header, with the scheme's port."""
+        return admin_signature.with_port(self._header(scope, "host") or "", scope.get("scheme", "http"))
+
+    def _own_authority(self, scope) -> str | None:
+        """The authority the caller addressed, if it names this server (`_own_names`)."""
+        authority = self._addressed(scope)
+        return authority if authority.lower() in self._own_names(scope) else None
+
+    def _signed_call_of(self, scope, signature: admin_signature.Signature, body: bytes) -> bool:
+        """Whether `signature` is the admin token's for this very call (the address it names,
+        this body, this claim, the instance it names)."""
+        call = admin_signature.SignedCall(scope["method"], _target(scope), self._addressed(scope), body,
+                                          signature.instance, self._header(scope, CLAIM_RUN_HEADER) or "",
                                           self._header(scope, CLAIM_LEASE_HEADER) or "")
-        return authority if admin_signature.signed_by(self._admin_token, signature, call) else None
+        return admin_signature.signed_by(self._admin_token, signature, call)
 
     async def _proven(self, scope, receive, send, prove: Prove) -> None:
         """The app's answer, held until it is whole, then sent with this server's proof of it
@@ -157,12 +167,10 @@ class AdminTokenMiddleware:
         finally:
             self.claim.end(run, lease_s)
 
-    def _answer_proof(self, nonce: str, authority: str) -> Prove:
-        return lambda body: admin_signature.answer_proof(self._admin_token, nonce, authority, self.instance,
-                                                         body).encode()
-
-    def _nonce_proof(self, nonce: str, authority: str) -> Prove:
-        return lambda _body: admin_signature.nonce_proof(self._admin_token, nonce, authority).encode()
+    def _answer_proof(self, nonce: str, authority: str, instance: str) -> Prove:
+        """A signed call's proof (`instance`: this server's), or a data request's (""): one
+        mechanism, of the answer's very body."""
+        return lambda body: admin_signature.answer_proof(self._admin_token, nonce, authority, instance, body).encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
@@ -174,12 +182,18 @@ class AdminTokenMiddleware:
         if signature is not None:
             # The signature covers the body: read it whole, then hand the app the same bytes.
             body, receive = await _buffered(receive)
-            if authority := self._signed_here(scope, signature, body):
+            if self._signed_call_of(scope, signature, body):
+                authority = self._own_authority(scope)
+                if authority is None:  # the run's call for another server: relayed here, or a name not listed
+                    return await _answer(send, 401, {"error": (
+                        f"fleetrl: signed for {self._addressed(scope)}, which is not an address of this server "
+                        f"({', '.join(sorted(self._own_names(scope)))}): list the addresses callers use in "
+                        f"{ADMIN_AUTHORITIES_ENV}")})
                 if signature.instance != self.instance:  # the run's call to this server's previous start
                     return await _answer(send, 401, {"error": STALE_INSTANCE})
                 if self._fresh.admit(signature):
                     return await self._signed_call(scope, receive, send,
-                                                   self._answer_proof(signature.nonce, authority))
+                                                   self._answer_proof(signature.nonce, authority, self.instance))
         if scope["path"] in OPEN_PATHS:  # open to anyone; signed, the answer proved the server above
             return await self.app(scope, receive, send)
         data_path = is_data_path(scope["path"])
@@ -192,7 +206,7 @@ class AdminTokenMiddleware:
             if admin or (data and data_path):
                 nonce, authority = self._header(scope, admin_signature.NONCE_HEADER), self._own_authority(scope)
                 if nonce is not None and admin_signature.is_nonce(nonce) and authority is not None:
-                    return await self._proven(scope, receive, send, self._nonce_proof(nonce, authority))
+                    return await self._proven(scope, receive, send, self._answer_proof(nonce, authority, ""))
                 return await self.app(scope, receive, send)  # no proof: a relayed nonce gets none
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})

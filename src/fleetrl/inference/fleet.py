@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.http import SINGLE_TRY
-from fleetrl.inference.provider import (ImpostorWorker, InferenceProvider, NamedTensors, PauseMode, WeightTransport,
-                                        WorkerHeldByAnotherRun)
+from fleetrl.inference.provider import (ImpostorWorker, InferenceProvider, NamedTensors, PauseMode, SameServerAs,
+                                        WeightTransport, WorkerHeldByAnotherRun)
 from fleetrl.inference.types import (GenerateRequest, GenerateResponse, UnversionedTokens, WorkerInfo, WorkerRole,
                                      WorkerState)
 from fleetrl.processes import stopping
@@ -110,6 +110,9 @@ class Fleet:
         # Workers dead since a listing missed them while they answered their health check: the
         # next round finds them listed again (and refits them) or replaces them.
         self._unlisted: set[str] = set()
+        # Server instance -> the worker that announced it first: one server is one worker, however
+        # many addresses reach it (two spellings of its URL, a relay on a dead worker's address).
+        self._instance_owners: dict[str, str] = {}
         # Each worker's refits that score the agreement probe (a publish's or a discovery
         # round's), counted: a request's tokens can only come from those after its dispatch.
         self._refits: dict[str, int] = {}
@@ -255,17 +258,34 @@ class Fleet:
     async def _health(self, worker: WorkerInfo) -> bool:
         """Whether the worker answers its health check within `health_timeout_s`: a hung
         process (SIGSTOP, a wedged engine) keeps its socket open and never answers. Raises
-        ImpostorWorker when what answers cannot prove it is the worker, and
-        WorkerHeldByAnotherRun when another run holds it (the health check claims it)."""
+        ImpostorWorker when what answers cannot prove it is the worker,
+        WorkerHeldByAnotherRun when another run holds it (the health check claims it), and
+        SameServerAs when it is another live worker's server (`_pin_instance`)."""
         # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
         # arrives as the call completes, and the discovery loop would then never stop.
         try:
             async with asyncio.timeout(self.health_timeout_s):
-                return await self.provider.admin(worker).health()
+                healthy = await self.provider.admin(worker).health()
         except (ImpostorWorker, WorkerHeldByAnotherRun):
             raise
         except Exception:  # TimeoutError included
             return False
+        if healthy:  # a proven answer: the instance it was signed for is that server's
+            self._pin_instance(worker)
+        return healthy
+
+    def _pin_instance(self, worker: WorkerInfo) -> None:
+        """Pin the server instance the worker announced to it; SameServerAs if another live
+        worker announced it first. Here, not in the provider's discovery: an instance is learnt
+        by the worker's signed calls, and a worker's changes when its server restarts, or when
+        what answers at its address becomes a relay to another worker."""
+        instance = self.provider.admin(worker).instance
+        if instance is None:
+            return
+        owner = self.workers.get(self._instance_owners.get(instance, ""))
+        if owner is not None and owner.id != worker.id and owner.state != WorkerState.DEAD:
+            raise SameServerAs(worker.id, owner.id)
+        self._instance_owners[instance] = worker.id
 
     async def _healthy(self, worker: WorkerInfo) -> bool:
         """Whether a worker out of routing may be refitted now. One that another run holds is
@@ -275,7 +295,7 @@ class Fleet:
             return await self._health(worker)
         except ImpostorWorker:
             return False
-        except WorkerHeldByAnotherRun as e:
+        except (WorkerHeldByAnotherRun, SameServerAs) as e:
             self._mark(worker, WorkerState.STALE, str(e))
             return False
 

@@ -67,14 +67,13 @@ def _authority(request: httpx.Request) -> str:
                                      request.url.scheme)
 
 
-def unproven(response: httpx.Response, admin_token: str, nonce: str, instance: str | None = None) -> str | None:
-    """Why the answer to a signed call for server `instance` (its proof covers that instance and
-    the answer's very body), or to a data request naming `nonce` (`instance` None: its proof
-    covers the nonce and the address), does not come from a holder of the admin token at the
-    address called; None if it does."""
-    authority = _authority(response.request)
-    expected = admin_signature.nonce_proof(admin_token, nonce, authority) if instance is None else \
-        admin_signature.answer_proof(admin_token, nonce, authority, instance, response.content)
+def unproven(response: httpx.Response, admin_token: str, nonce: str, instance: str = "") -> str | None:
+    """Why the answer to a signed call for server `instance`, or to a data request naming
+    `nonce` (`instance` "": it names none), does not come from a holder of the admin token at
+    the address called, or was changed on its way (the proof covers the answer's very body);
+    None if it does."""
+    expected = admin_signature.answer_proof(admin_token, nonce, _authority(response.request), instance,
+                                            response.content)
     if admin_signature.proves(expected, response.headers.get(admin_signature.PROOF_HEADER)):
         return None
     return _without_proof(response)
@@ -142,6 +141,11 @@ class AdminHttp:
         self._body_signed = body_signed
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
         self._instance: str | None = None  # the worker's instance, as it last announced it
+
+    @property
+    def instance(self) -> str | None:
+        """The instance the worker last announced; None before a signed call asked for it."""
+        return self._instance
 
     async def _instance_of_worker(self, timeout_s: float, again: bool) -> str:
         """The instance the worker announces: asked once, and `again` after a stale refusal."""
@@ -245,7 +249,7 @@ class AdminHttp:
                 error = f"{type(e).__name__} talking to {self.base_url}"
             else:
                 if response.status_code == 401:
-                    raise WorkerCallError(self.worker_id, what, "the admin token was refused")
+                    raise WorkerCallError(self.worker_id, what, f"the admin token was refused ({response.text[:300]})")
                 if response.status_code >= 400:
                     raise WorkerCallError(self.worker_id, what, f"HTTP {response.status_code}: {response.text[:300]}")
                 return response

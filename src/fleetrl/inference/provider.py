@@ -40,6 +40,16 @@ class ImpostorWorker(WorkerCallError):
     trusted; the fleet takes it for dead."""
 
 
+class SameServerAs(WorkerCallError):
+    """The worker announces the server instance another live worker of the fleet announced
+    first (fleetrl/admin_signature.py): it is that server under another address (two spellings
+    of one URL) or something relaying to it. The fleet keeps it out."""
+
+    def __init__(self, worker_id: str, other: str) -> None:
+        super().__init__(worker_id, "its health check", f"it announces the server instance of worker {other}: "
+                                                        "the same server under another address, or a relay to it")
+
+
 class WorkerHeldByAnotherRun(WorkerCallError):
     """The worker is another fleetrl run's (its claim, engine/worker_claim.py, is live): this run
     must not publish into it, nor train on what it samples. The fleet takes it for dead."""
@@ -55,6 +65,11 @@ class WorkerControl(Protocol):
     """Control plane of one worker (all of its tensor-parallel ranks)."""
 
     worker_id: str
+
+    @property
+    def instance(self) -> str | None:
+        """The server instance the worker last announced (admin_signature.py); None before it
+        was asked, or where it announces none (Dynamo's own worker kind)."""
 
     async def health(self) -> bool: ...
 

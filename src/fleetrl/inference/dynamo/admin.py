@@ -120,6 +120,10 @@ class DynamoWorkerControl:
     async def close(self) -> None:
         await self.routes.close()
 
+    @property
+    def instance(self) -> str | None:
+        return self.routes.http.instance
+
     async def health(self) -> bool:
         """The engine's event loop answers (a round trip into the engine core)."""
         response = await self.routes.http.probe("POST", "/engine/liveness_probe", timeout_s=10.0, signed=True,

@@ -60,6 +60,10 @@ class VllmWorkerControl:
     async def close(self) -> None:
         await self.routes.close()
 
+    @property
+    def instance(self) -> str | None:
+        return self.routes.http.instance
+
     async def health(self) -> bool:
         """Signed: the server proves it is the one started with the run's token (a process that
         took a dead worker's port answers /health too)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from fleetrl.config import InferenceConfig
-from fleetrl.contract import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV, ENGINE_ARGS, NATIVE_SERVER_MODULE
+from fleetrl.contract import ADMIN_AUTHORITIES_ENV, ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV, DATA_TOKEN_ENV, ENGINE_ARGS, NATIVE_SERVER_MODULE
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.lora import ADAPTER_DIR_ENV, ADAPTER_NAME, AdapterSpec, write_zero_adapter
 from fleetrl.processes import ManagedProcess, free_port, start_process
@@ -89,7 +89,9 @@ def start_server(model_dir: Path, config: InferenceConfig, name: str, index: int
         write_zero_adapter(launched.folder, launched.spec, model_dir)
     return start_process(
         name, server_argv(model_dir, config, port, launched), log_dir / f"{name}.log",
-        env={**server_env(config, admin_token, data_token, launched), **config.vllm.cpu_env(index)},
+        # The name fleetrl calls it by (inference.host need not be the socket's address: 0.0.0.0, a host name).
+        env={**server_env(config, admin_token, data_token, launched), ADMIN_AUTHORITIES_ENV: f"{config.host}:{port}",
+             **config.vllm.cpu_env(index)},
         watches_parent=True,
     )
 
