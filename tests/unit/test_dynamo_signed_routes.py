@@ -198,6 +198,23 @@ async def test_a_call_signed_for_one_worker_opens_nothing_at_another():
     assert calls == [("pause_generation", {"mode": "keep"})]
 
 
+async def test_a_relay_on_a_dead_workers_port_announces_the_live_workers_instance():
+    """Dynamo's handlers see no address: a process on dead worker A's system port that passes
+    fleetrl's calls on to live worker B gets them proven (a relay is B's URL under A's name).
+    What A's client learns is B's instance, which the fleet has pinned to B and refuses for A
+    (unit/test_fleet.py::test_a_worker_that_announces_another_live_workers_instance_is_kept_out_in_one_line)."""
+    with serving(system_server([], instance=NEW)) as worker_b:
+        a, b = client(worker_b), DynamoWorkerControl(DynamoAdminRoutes("8", worker_b, world_size=1, timeout_s=5,
+                                                                       retries=1, run="r1", admin_token=TOKEN))
+        try:
+            assert a.instance is None  # not asked yet: nothing to pin
+            assert await a.health() and await b.health()
+            assert a.instance == b.instance == NEW
+        finally:
+            await a.close()
+            await b.close()
+
+
 @pytest.mark.parametrize("rewritten", ["version label", "checksum"])
 async def test_an_answer_rewritten_on_its_way_proves_nothing(rewritten):
     """A proxy between the run and a real worker rewrites the label the worker reports, or its
