@@ -26,9 +26,10 @@ ENGINE_ARGS = [
 ADMIN_MIDDLEWARE = "fleetrl.engine.admin_auth.AdminTokenMiddleware"
 ADMIN_TOKEN_ENV = "FLEETRL_ADMIN_TOKEN"
 DATA_TOKEN_ENV = "FLEETRL_DATA_TOKEN"
-# The addresses (host:port, comma-separated) a native server is reached at besides its own port,
-# where a network maps ports (docs/cluster.md): a signed call names the address its caller
-# addressed, and the middleware lets in and proves only calls to one of its own.
+# The names (host:port, comma-separated) a native server is reached by besides its socket's
+# address: a host name, a port-mapping Service (docs/cluster.md; fleetrl's launcher sets the name
+# it calls a launched server by). A signed call names the address its caller addressed, and the
+# middleware lets in and proves only calls to one of its own.
 ADMIN_AUTHORITIES_ENV = "FLEETRL_ADMIN_AUTHORITIES"
 # Where a native server's middleware announces its instance (a random name made as it starts,
 # admin_signature.py), to anyone: GET answers {"instance": ...}. A signed call covers the instance
