@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -197,12 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command, with the tripwire of process-wide state armed from here, the main thread,
     before any thread starts, when FLEETRL_TRIPWIRE=1 (fleetrl/tripwire.py): a setter called off
     the main thread ends the command with status 1 and a line naming it and the thread."""
-    with tripwire.armed(os.environ.get(tripwire.ENV) == "1") as wire:
-        code = run_command_line(argv)
-    if (offence := wire.verdict()) is not None:
-        print(f"fleetrl: error: {offence}", file=sys.stderr)
-        return 1
-    return code
+    return tripwire.run_armed(lambda: run_command_line(argv))
 
 
 def run_command_line(argv: list[str] | None) -> int:

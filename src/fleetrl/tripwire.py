@@ -1,4 +1,4 @@
-"""A tripwire for process-wide state set off the main thread (issue 36, item 1).
+"""A tripwire for process-wide state set off the main thread.
 
 `fleetrl rl` trains on the main thread while the fleet and the orchestrator run on the control
 loop's thread (and the threads it starts). torch's default dtype and device, its seed, and the
@@ -7,31 +7,36 @@ the meta device, weight init and tying switched off) hold for the whole process:
 thread, they change under the other, and a model built meanwhile comes out wrong. A search of the
 code found the known cases; this catches the next one, on real runs.
 
-With `FLEETRL_TRIPWIRE=1` in its environment, `fleetrl` (cli.main, on the main thread before any
-thread starts) wraps each setter in GUARDED for the length of the command. A call from any other
-thread is an offence: it is recorded and printed at once with its thread and stack, the call
-raises TripwireError in that thread (it never runs), and the command ends with exit status 1 and
-one line naming the function and the thread, whatever became of the exception. The integration
-suite sets the variable for every fleetrl process it starts. Without it nothing is wrapped.
+With `FLEETRL_TRIPWIRE=1` in its environment, `fleetrl` (cli.main) and each trainer rank it
+starts (`python -m fleetrl.trainer`) run their command through `run_armed`, on the main thread
+before any thread starts, which wraps each setter in GUARDED for the length of the command. A
+call from any other thread is an offence: it is recorded and printed at once with its thread and
+stack, the call raises TripwireError in that thread (it never runs), and the command ends with
+exit status 1 and one line naming the function and the thread, whatever became of the exception.
+The integration suite sets the variable for every fleetrl process it starts. Without it nothing
+is wrapped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
 import traceback
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from fleetrl.errors import FleetrlError
 
 ENV = "FLEETRL_TRIPWIRE"
-# (module, function): what sets state for the whole process. The functions are replaced wherever a
-# loaded module holds them (`from accelerate import init_empty_weights` copies one).
+# (module, function or Class.method): what sets state for the whole process. A function is replaced
+# wherever a loaded module holds it (`from accelerate import init_empty_weights` copies one); a
+# method on its class, where every subclass finds it.
 GUARDED = (
     ("torch", "set_default_dtype"),
+    ("torch", "set_default_tensor_type"),  # sets the default dtype too
     ("torch", "set_default_device"),
     ("torch", "manual_seed"),
     # transformers' no-init context and its siblings: each patches torch or PreTrainedModel process-wide.
@@ -40,6 +45,11 @@ GUARDED = (
     ("transformers.initialization", "meta_device_safe_creation_ops"),
     ("accelerate.big_modeling", "init_empty_weights"),
     ("accelerate.big_modeling", "init_on_device"),
+    # Every transformers model build runs PreTrainedModel.__init__, and its weight init swaps
+    # torch.nn.init's functions process-wide (guard_torch_init_functions, which holds torch's own
+    # by value: only its callers can be guarded). initialize_weights is also called on a built model.
+    ("transformers.modeling_utils", "PreTrainedModel.__init__"),
+    ("transformers.modeling_utils", "PreTrainedModel.initialize_weights"),
 )
 
 
@@ -93,16 +103,18 @@ class _Wrapping:
     every command a second (`fleetrl verify`, `status` and `model` load neither)."""
 
     def __init__(self) -> None:
-        self.wrapped: list[tuple[str, object, object]] = []  # (name, setter, its wrapper)
+        self.wrapped: list[tuple[type | None, str, object, object]] = []  # (class or None, name, setter, wrapper)
         self.pending = {module for module, _ in GUARDED if module not in sys.modules}
 
     def wrap(self, module: types.ModuleType) -> None:
         for module_name, name in GUARDED:
             if module_name == module.__name__:
-                setter = getattr(module, name)
+                owner, _, attribute = name.rpartition(".")
+                cls = getattr(module, owner) if owner else None
+                setter = cls.__dict__[attribute] if cls is not None else getattr(module, attribute)
                 wrapper = _guarded(f"{module_name}.{name}", setter)
-                self.wrapped.append((name, setter, wrapper))
-                _replace(name, setter, wrapper)
+                self.wrapped.append((cls, attribute, setter, wrapper))
+                _replace(cls, attribute, setter, wrapper)
 
     def find_spec(self, fullname, path, target=None):
         """A meta path finder for the pending modules: the spec the other finders give, whose
@@ -127,12 +139,15 @@ class _Wrapping:
         """The setters back, in every module that holds a wrapper (those that copied one since
         too). One that another library wrapped meanwhile (torch._dynamo wraps torch.manual_seed)
         keeps calling a wrapper, which does nothing more once disarmed."""
-        for name, setter, wrapper in reversed(self.wrapped):
-            _replace(name, wrapper, setter)
+        for cls, name, setter, wrapper in reversed(self.wrapped):
+            _replace(cls, name, wrapper, setter)
 
 
-def _replace(name: str, old, new) -> None:
-    """`new` for `old` as `name` in every loaded module."""
+def _replace(cls: type | None, name: str, old, new) -> None:
+    """`new` for `old` as `name`: the method of `cls`, or (None) in every loaded module."""
+    if cls is not None:
+        setattr(cls, name, new)
+        return
     for holder in list(sys.modules.values()):
         if isinstance(holder, types.ModuleType) and holder.__dict__.get(name) is old:
             setattr(holder, name, new)
@@ -160,3 +175,14 @@ def armed(enabled: bool) -> Iterator[Tripwire]:
         _armed = None
         sys.meta_path.remove(wrapping)
         wrapping.undo()
+
+
+def run_armed(command: Callable[[], int]) -> int:
+    """`command`'s exit status, run armed when FLEETRL_TRIPWIRE=1 (call it from the main thread,
+    before any thread starts); 1, with a line naming the first offence, when anything tripped."""
+    with armed(os.environ.get(ENV) == "1") as wire:
+        code = command()
+    if (offence := wire.verdict()) is not None:
+        print(f"fleetrl: error: {offence}", file=sys.stderr)
+        return 1
+    return code

@@ -188,9 +188,13 @@ async def test_c_after_failover_the_version_never_goes_back_to_weights_it_did_no
                     discovery_interval_s=3600, log=lambda line: None)  # same run: takes the workers at once
     own = transport(run_dir / "resumed", "broadcast")
     checkpoint = dict(perturbed(base_weights, seed=1)())
+
+    async def checkpoint_weights() -> WeightSource:  # what the resumed run's trainer hands its fleet
+        return WeightSource(own, lambda: iter(checkpoint.items()), checksum_of(checkpoint.items()),
+                            agreement(base_weights, probe, 1), 1)
+
     try:
-        await resumed.start(lambda: WeightSource(own, lambda: iter(checkpoint.items()), checksum_of(checkpoint.items()),
-                                                 agreement(base_weights, probe, 1), 1))
+        await resumed.start(checkpoint_weights)
         assert resumed.version == 1
         for worker in resumed.workers.values():
             assert worker.state == WorkerState.READY and worker.version == 1

@@ -2,6 +2,7 @@
 starts; the whole command against the in-process fake fleet (a real vLLM: the integration suite,
 test_kill_points.py)."""
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -138,7 +139,7 @@ def test_attached_workers_are_held_to_the_models_weights_at_its_version(tmp_path
     model = tmp_path / "model"
     save_tiny_model(model)
     attached = FakeProvider("w0", launches_workers=False)
-    source = base_weights(attached, model, FakeTransport(attached), version=7)()
+    source = asyncio.run(base_weights(attached, model, FakeTransport(attached), version=7)())
     assert source.version == 7 and source.probe.token_ids and source.checksum and list(source.named_tensors())
     assert base_weights(FakeProvider("w0"), model, FakeTransport(attached), version=7) is None
 

@@ -21,6 +21,14 @@ def weights():
     return iter([("w", None)])
 
 
+def at_hand(source: WeightSource):
+    """The start weights of attached workers (what Fleet.start awaits), loaded already."""
+    async def start_weights() -> WeightSource:
+        return source
+
+    return start_weights
+
+
 def request(max_tokens=20, **kw):
     return GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=max_tokens), **kw)
 
@@ -107,7 +115,7 @@ async def test_attached_workers_are_held_to_the_base_checksum_before_they_are_v0
     with pytest.raises(FleetrlError, match="needs the run's base weights"):
         await fleet.start()
     transport = FakeTransport(provider)
-    await fleet.start(lambda: WeightSource(transport, weights, "sum-v0", None, version=0))
+    await fleet.start(at_hand(WeightSource(transport, weights, "sum-v0", None, version=0)))
     assert sorted(ids for ids, _ in transport.transfers) == [["fresh"], ["left-at-v5"]]
     assert {i: e.abandoned for i, e in provider.engines.items()} == {"left-at-v5": 1, "fresh": 1, "at-base": 0}
     assert all(e.version == 0 and e.checksum == "sum-v0" and not e.paused for e in provider.engines.values())
@@ -134,7 +142,7 @@ async def test_a_resumed_run_holds_attached_workers_to_the_checkpoints_version_s
         provider.engines[worker_id].version, provider.engines[worker_id].checksum = version, f"sum-v{version}"
     fleet = Fleet(provider, discovery_interval_s=3600, log=lambda line: None)
     transport = FakeTransport(provider)
-    await fleet.start(lambda: WeightSource(transport, weights, "sum-v4", None, version=4))
+    await fleet.start(at_hand(WeightSource(transport, weights, "sum-v4", None, version=4)))
     assert fleet.version == 4 and fleet.checksum == "sum-v4"
     assert [(ids, version) for ids, version in transport.transfers] == [(["left-at-v5"], 4)]
     assert all(e.version == 4 and e.checksum == "sum-v4" and not e.paused for e in provider.engines.values())
@@ -832,7 +840,7 @@ async def test_an_attached_worker_that_cannot_say_what_it_holds_is_refused_befor
 
     monkeypatch.setattr(admin, "weight_state", proves_nothing)
     transport = FakeTransport(provider)
-    await fleet.start(lambda: WeightSource(transport, weights, "base", None, 0))
+    await fleet.start(at_hand(WeightSource(transport, weights, "base", None, 0)))
     await fleet.refresh()  # and at every round after: a stale worker is refitted, not let in
     assert fleet.workers["plain"].state == WorkerState.STALE and fleet.workers["ours"].state == WorkerState.READY
     assert "which proves nothing" in fleet.workers["plain"].error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from dataclasses import fields, replace
@@ -481,7 +482,7 @@ def test_the_fleet_takes_the_handed_start_weights_once_and_a_stopped_run_release
     run.transport = None
     try:
         run.hand_start_weights(4, {"w": torch.ones(2)}, [1, 2, 3], [-0.5, -0.25])
-        source = run.take_start_weights()
+        source = asyncio.run(run.take_start_weights())
         assert source.probe.token_ids == [1, 2, 3] and dict(source.named_tensors())["w"].sum() == 2
         assert source.version == 4 and run.start_weights.empty()
     finally:
@@ -490,7 +491,7 @@ def test_the_fleet_takes_the_handed_start_weights_once_and_a_stopped_run_release
     stopped.stop()
     with pytest.raises(FleetrlError, match="^the run stopped before the trainer handed the fleet the weights it "
                                            "starts from$"):
-        stopped.take_start_weights()
+        asyncio.run(stopped.take_start_weights())
 
 
 def test_the_collective_timeout_covers_the_longest_legal_publish():

@@ -9,10 +9,9 @@ nothing else given (`attached_to_run`).
 
 from __future__ import annotations
 
-import functools
 import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,14 +149,23 @@ def build_transport(config: Config, run_dir: RunDir, target: UpdateTarget = "mod
 
 
 def base_weights(provider: InferenceProvider, model_dir: Path, transport: WeightTransport,
-                 version: int = 0) -> Callable[[], WeightSource] | None:
+                 version: int = 0) -> Callable[[], Awaitable[WeightSource]] | None:
     """What attached workers are held to before they are labelled `version` (`Fleet.start`
-    calls it once they answered), in a process with no trainer: the weights of the model in
+    awaits it once they answered), in a process with no trainer: the weights of the model in
     `model_dir` (`fleetrl inference`: the base, v0; `fleetrl eval`: the model it scores, at the
     checkpoint's step), their checksum, and their logprobs of the agreement probe. None where
     the provider launches its workers from `model_dir` itself. `fleetrl rl` takes them from the
     trainer's own copy instead (`RLRun.hand_start_weights`)."""
-    return None if provider.launches_workers else functools.partial(_load_base_weights, model_dir, transport, version)
+    if provider.launches_workers:
+        return None
+
+    async def load() -> WeightSource:
+        # On the event loop's thread, the main one (asyncio.run): a model load sets process-wide
+        # state (torch's default dtype, transformers' init patches; fleetrl/tripwire.py). It holds
+        # the loop, where nothing runs yet but this start of attached workers.
+        return _load_base_weights(model_dir, transport, version)
+
+    return load
 
 
 def _load_base_weights(model_dir: Path, transport: WeightTransport, version: int) -> WeightSource:
@@ -180,7 +188,8 @@ def start_source(transport: WeightTransport, tensors: dict, probe: AgreementProb
     return WeightSource(transport, lambda: iter(tensors.items()), checksum_of(tensors.items()), probe, version)
 
 
-async def start_recorded(fleet: Fleet, run_dir: RunDir, weights: Callable[[], WeightSource] | None) -> None:
+async def start_recorded(fleet: Fleet, run_dir: RunDir,
+                        weights: Callable[[], Awaitable[WeightSource]] | None) -> None:
     """Start the fleet (`weights`: see `Fleet.start`), then record in the run directory how to
     attach to it: where it runs (fleet.json) and its tokens (tokens.json, readable by this user
     alone). The run removes both when its fleet stops (`RunDir.forget_fleet`)."""

@@ -316,10 +316,10 @@ class RLRun:
         self.published = weights, probe
         self.start_weights.put(start_source(self.transport, weights, probe, version))
 
-    def take_start_weights(self) -> WeightSource:
-        """What `Fleet.start` holds attached workers to (it waits, off the event loop, until the
+    async def take_start_weights(self) -> WeightSource:
+        """What `Fleet.start` holds attached workers to (waited for, off the event loop, until the
         trainer has loaded them); nothing here keeps them after."""
-        source = self.start_weights.get()
+        source = await asyncio.to_thread(self.start_weights.get)
         if source is None:
             raise FleetrlError("the run stopped before the trainer handed the fleet the weights it starts from")
         return source

@@ -146,7 +146,8 @@ class Fleet:
         workers the provider launched (they received none)."""
         return self._source.checksum if self._source else None
 
-    async def start(self, weights: Callable[[], WeightSource] | None = None, launched_version: int = 0) -> None:
+    async def start(self, weights: Callable[[], Awaitable[WeightSource]] | None = None,
+                    launched_version: int = 0) -> None:
         """Start the provider and bring its workers to the run's first version before any takes
         traffic: v0, the base model, or the version of the checkpoint a run resumes from.
 
@@ -156,8 +157,10 @@ class Fleet:
         of a run's checkpoint: its step). Attached
         ones were started by someone else: a previous run may have left them at vN, or they may
         serve another model. With `weights` (the weights the run starts from, their version and
-        the trainer's logprobs of the probe under them, got from `weights()` once the provider
-        has started, off the event loop: it may wait for the trainer to load them), a worker is
+        the trainer's logprobs of the probe under them, awaited from `weights()` once the
+        provider has started: `fleetrl rl` waits off the event loop for its trainer to load them;
+        `fleetrl inference` and `eval` load them on the loop's thread, the main one, as a model
+        load must be), a worker is
         labelled at that version only once it reports it and its ranks report that checksum (one
         that does not is refitted with them: a worker the killed run left at the checkpoint's
         version is not), and it scores the probe like the trainer."""
@@ -166,7 +169,7 @@ class Fleet:
                                "it needs the run's base weights to check them against before labelling them v0")
         await self.provider.start()
         if weights is not None:
-            self._source = await asyncio.to_thread(weights)
+            self._source = await weights()
             self.version = self._source.version
         else:
             self.version = launched_version
