@@ -125,11 +125,22 @@ LAUNCHER_OWNED_ARGS = (
     TOKEN_VERSIONS_FLAG, "--enable-rl", "--disaggregation-mode", "--kv-transfer-config",
     "--namespace", "--discovery-backend", "--request-plane", "--event-plane", "--config",
 )
+# The arguments of vLLM's that change what a worker samples from or reports without any of
+# fleetrl's checks noticing: the weights it loads (--load-format dummy is random weights),
+# their config or dtype, the tokenizer (whose end-of-sequence token ends a completion), the
+# default sampling of every request, or what a logprob is. fleetrl labels what a launched
+# worker loads v0, the trainer's own weights, and trains on the logprobs it reports.
+WORKER_MODEL_ARGS = (
+    "--load-format", "--hf-overrides", "--hf-config-path", "--revision", "--code-revision", "--quantization",
+    "--quantization-config", "--tokenizer", "--tokenizer-revision", "--generation-config",
+    "--override-generation-config", "--logprobs-mode",
+)
+WORKER_MODEL_SHORT_ARGS = {"-q": "--quantization"}  # vLLM's short spellings of WORKER_MODEL_ARGS
 
 
-def owned_arg(arg: str) -> str | None:
-    """The argument of LAUNCHER_OWNED_ARGS that `arg`, an element of an engine's command line,
-    sets, as vLLM's parser reads it: `--x y` or `--x=y`, `_` for `-`, a key of a JSON argument
+def owned_arg(arg: str, owned_args: tuple[str, ...] = LAUNCHER_OWNED_ARGS) -> str | None:
+    """The argument of `owned_args` that `arg`, an element of an engine's command line, sets,
+    as vLLM's parser reads it: `--x y` or `--x=y`, `_` for `-`, a key of a JSON argument
     (`--x.key`), the `--no-x` of a switch, or an abbreviation (argparse takes any unambiguous
     prefix, and no other argument of vLLM's or Dynamo's is a prefix of one of these); None if
     it sets none."""
@@ -138,7 +149,7 @@ def owned_arg(arg: str) -> str | None:
     name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
     if name.startswith("--no-"):
         name = f"--{name[5:]}"
-    return next((owned for owned in LAUNCHER_OWNED_ARGS if owned.startswith(name)), None)
+    return next((owned for owned in owned_args if owned.startswith(name)), None)
 
 
 class VllmConfig(Section):
@@ -156,7 +167,9 @@ class VllmConfig(Section):
         default_factory=list,
         description="Extra command-line arguments passed verbatim to every launched vLLM server "
         "(or Dynamo vLLM worker). Not the ones fleetrl sets itself: "
-        + ", ".join(LAUNCHER_OWNED_ARGS) + " (in any spelling, `--x=y` included, or abbreviated). Not "
+        + ", ".join(LAUNCHER_OWNED_ARGS) + " (in any spelling, `--x=y` included, or abbreviated). Nor those that "
+        "change the weights the workers load, their dtype, tokenizer, default sampling or logprobs, which fleetrl "
+        "labels v0 and trains on: " + ", ".join(WORKER_MODEL_ARGS) + ", -q. Not "
         "--api-server-count (-asc) other than 1: fleetrl's signed admin calls need one API server process.",
     )
     omp_threads_bind: list[str] = Field(
@@ -195,6 +208,11 @@ class VllmConfig(Section):
             if owned := owned_arg(arg):
                 raise ValueError(f"{arg!r} sets {owned}, which fleetrl's launcher sets itself (the fleet relies on "
                                  "it); remove it")
+            # A short option takes its value attached too (`-qfp8`).
+            short = next((long for short, long in WORKER_MODEL_SHORT_ARGS.items() if arg.startswith(short)), None)
+            if model := short or owned_arg(arg, WORKER_MODEL_ARGS):
+                raise ValueError(f"{arg!r} sets {model}, which changes what the workers sample from or the "
+                                 "logprobs they report, unseen by fleetrl, which labels their weights v0; remove it")
         return value
 
     def cpu_env(self, index: int) -> dict[str, str]:

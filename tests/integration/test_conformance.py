@@ -297,6 +297,21 @@ def spans_not_at_0(answer):
     answer["choices"][0]["weight_versions"][0]["start"] = 1
 
 
+def positive_logprob(answer):
+    answer["choices"][0]["logprobs"]["content"][1]["logprob"] = 50.0
+
+
+def span_ending_short(answer):
+    answer["choices"][0]["weight_versions"][-1]["end"] -= 1
+
+
+def a_token_more(answer):
+    choice = answer["choices"][0]
+    choice["token_ids"].append(choice["token_ids"][-1])
+    choice["logprobs"]["content"].append(copy.deepcopy(choice["logprobs"]["content"][-1]))
+    choice["weight_versions"][-1]["end"] += 1
+
+
 # Each way a proxy between a run and its server corrupted (or could corrupt) one answer, and
 # what the fleet says of the sample.
 CORRUPTIONS = {
@@ -304,7 +319,10 @@ CORRUPTIONS = {
     "a token id of 10**9": (token_id_out_of_range, r"token 1 of 4 is 1000000000, not an id in the model's vocabulary"),
     "an extra choice": (extra_choice, r"2 choices for the 1 requested"),
     "a missing logprob": (missing_logprob, r"3 logprobs for 4 tokens"),
-    "spans not starting at 0": (spans_not_at_0, r"malformed version spans"),
+    "spans not starting at 0": (spans_not_at_0, r"span .* does not go on from token 0"),
+    "a positive logprob": (positive_logprob, r"logprob 1 of 4 is 50.0, not a log-probability"),
+    "a span ending short of the completion": (span_ending_short, r"version spans label 3 of 4 tokens"),
+    "a token more than requested": (a_token_more, r"5 tokens for the 4 requested \(max_tokens\)"),
 }
 
 

@@ -15,7 +15,7 @@ import pytest
 from fleetrl.errors import FleetrlError
 from fleetrl.inference import answers
 from fleetrl.inference.dynamo.data import DynamoDataClient
-from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.fleet import BAD_ANSWERS_BEFORE_STALE, Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, UnversionedTokens, WorkerState
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.versions import VersionSpan
@@ -38,12 +38,32 @@ BAD = {
     "an extra choice": ({"copies": 2}, "2 choices for the 1 requested"),
     "a missing logprob": ({"logprobs": [-0.5, -0.25]}, "2 logprobs for 3 tokens"),
     "spans not starting at 0": ({"versions": [{"version": "v2@r1", "start": 1, "end": 3}]},
-                                "malformed version spans"),
-    "spans going back": ({"versions": [{"version": "v2@r1", "start": 0}, {"version": "v3@r1", "start": 2},
-                                       {"version": "v4@r1", "start": 1}]}, "malformed version spans"),
-    "a span past the completion": ({"versions": [{"version": "v2@r1", "start": 0}, {"version": "v3@r1", "start": 3}]},
-                                   "span starts past the completion"),
+                                "span .* does not go on from token 0"),
+    "spans going back": ({"versions": [{"version": "v2@r1", "start": 0, "end": 2}, {"version": "v3@r1", "start": 2, "end": 3},
+                                       {"version": "v4@r1", "start": 1, "end": 3}]}, "span .* does not go on from token 3"),
+    "a span past the completion": ({"versions": [{"version": "v2@r1", "start": 0, "end": 3},
+                                                 {"version": "v3@r1", "start": 3, "end": 4}]},
+                                   "version spans label 4 of 3 tokens"),
     "a span without its start": ({"versions": [{"version": "v2@r1"}]}, "an unreadable choice \\(KeyError"),
+    # Issue 36, item 4, as a reviewer found it: each of these was a good sample.
+    "versions going back": ({"versions": [{"version": "v3@r1", "start": 0, "end": 1},
+                                          {"version": "v2@r1", "start": 1, "end": 3}]},
+                            "version spans go back from v3 to v2"),
+    "a span ending short of the completion": ({"versions": [{"version": "v2@r1", "start": 0, "end": 1}]},
+                                              "version spans label 1 of 3 tokens"),
+    "a gap between spans": ({"versions": [{"version": "v2@r1", "start": 0, "end": 1},
+                                          {"version": "v3@r1", "start": 2, "end": 3}]},
+                            "span .* does not go on from token 1"),
+    "a positive logprob": ({"logprobs": [-0.5, 50.0, -1.0]},
+                           "logprob 1 of 3 is 50.0, not a log-probability \\(at most 0, finite as a float32\\)"),
+    "a logprob that is -inf as a float32": ({"logprobs": [-0.5, -1e300, -1.0]}, "logprob 1 of 3 is -1e\\+300, not a "
+                                                                                "log-probability"),
+    "more tokens than requested": ({"tokens": [5, 6, 7, 8], "logprobs": [-0.5] * 4,
+                                    "versions": [{"version": "v2@r1", "start": 0, "end": 4}]},
+                                   "4 tokens for the 3 requested \\(max_tokens\\)"),
+    "a finished completion of no tokens": ({"tokens": [], "logprobs": [], "versions": []},
+                                           "a completion of no tokens that finished \\('length'\\), not cut by an "
+                                           "abort"),
 }
 
 
@@ -64,22 +84,23 @@ def answering(body: dict) -> httpx.MockTransport:
                                                               headers={"content-type": "application/json"}))
 
 
-async def answer(provider: str, n: int = 1, **change):
-    """What each provider's data client makes of an answer of GOOD with `change`."""
+async def answer(provider: str, n: int = 1, suffix: list[int] = (), **change):
+    """What each provider's data client makes of an answer of GOOD with `change` (to a
+    continuation of `suffix` where given)."""
     fields = {**GOOD, **change}
-    request = GenerateRequest([1, 2], SamplingParams(max_tokens=3), n=n, request_id="r")
+    request = GenerateRequest([1, 2], SamplingParams(max_tokens=3 + len(suffix)), n=n, request_id="r")
     if provider == "vllm":
         client = VllmDataClient("data-token", 30, "r1", vocab_size=VOCAB)
         await client._http.aclose()
         client._http = httpx.AsyncClient(transport=answering(vllm_answer(**fields)))
         try:
-            return await client.generate("vllm-0", "http://worker", request)
+            return await client.generate("vllm-0", "http://worker", request, suffix)
         finally:
             await client.close()
     async with DynamoDataClient("http://f", "policy", timeout_s=1, run="r1", vocab_size=VOCAB) as client:
         await client._http.aclose()
         client._http = httpx.AsyncClient(base_url="http://f", transport=answering(dynamo_answer(**fields)))
-        return [await client.complete("7", None, request, [], 0, token_versions=True)]
+        return [await client.complete("7", None, request, list(suffix), 0, token_versions=True)]
 
 
 @pytest.mark.parametrize("provider", ["vllm", "dynamo"])
@@ -107,10 +128,32 @@ async def test_more_or_fewer_choices_than_requested_make_every_requested_sample_
                                      for r in out)
 
 
-async def test_a_completion_without_a_finish_reason_is_a_bad_sample():
-    """It was read as "abort" once, and the completion continued."""
-    (out,) = await answer("vllm", finish=None)
-    assert out.answer_error == "worker vllm-0: generate r: a completion without a finish_reason"
+@pytest.mark.parametrize("provider", ["vllm", "dynamo"])
+async def test_a_completion_without_a_finish_reason_is_a_bad_sample(provider):
+    """It was read as "abort" once (on Dynamo until issue 36's review), and the completion continued."""
+    (out,) = await answer(provider, finish=None)
+    worker = "vllm-0" if provider == "vllm" else "7"
+    assert out.answer_error == f"worker {worker}: generate r: a completion without a finish_reason"
+
+
+@pytest.mark.parametrize("provider", ["vllm", "dynamo"])
+async def test_what_a_real_worker_may_send_is_a_sample(provider):
+    """A completion an abort cut before its first token (continued by the fleet), and a logprob
+    a float rounding above 0."""
+    (cut,) = await answer(provider, tokens=[], logprobs=[], versions=[], finish="abort")
+    assert (cut.token_ids, cut.finish_reason, cut.spans, cut.answer_error) == ([], "abort", [], None)
+    (rounded,) = await answer(provider, logprobs=[-0.5, answers.LOGPROB_ROUNDING, -0.0])
+    assert rounded.answer_error is None and rounded.logprobs == [-0.5, answers.LOGPROB_ROUNDING, 0.0]
+
+
+@pytest.mark.parametrize("provider", ["vllm", "dynamo"])
+async def test_a_continuation_may_answer_only_the_tokens_left(provider):
+    """Continuing 2 tokens of a request for 5, the worker is asked for 3: 5 more are bad."""
+    (out,) = await answer(provider, suffix=[8, 9])
+    assert out.answer_error is None and out.token_ids == [5, 6, 7]
+    (out,) = await answer(provider, suffix=[8, 9], tokens=[5] * 5, logprobs=[-0.5] * 5,
+                          versions=[{"version": "v2@r1", "start": 0, "end": 5}])
+    assert out.answer_error is not None and out.answer_error.endswith("5 tokens for the 3 requested (max_tokens)")
 
 
 @pytest.mark.parametrize("provider", ["vllm", "dynamo"])
@@ -167,6 +210,33 @@ async def test_a_bad_answer_counts_against_its_worker_and_is_not_sent_again():
     await fleet.close()
 
 
+async def test_a_worker_that_keeps_answering_badly_is_stale_until_refitted():
+    """It stayed routable however many answers in a row it spoiled; one good answer resets the count."""
+    fleet, provider, logged = await fleet_of("a")
+    real, answers_bad = provider.generate, []
+
+    async def corrupted_when_told(worker, request, suffix=(), prefill=None):
+        out = await real(worker, request, suffix, prefill)
+        return [bad(request) for _ in out] if answers_bad.pop(0) else out
+
+    provider.generate = corrupted_when_told
+    request = GenerateRequest([1, 2, 3], SamplingParams(max_tokens=3), request_id="r")
+    answers_bad.extend([True] * (BAD_ANSWERS_BEFORE_STALE - 1) + [False] + [True] * (BAD_ANSWERS_BEFORE_STALE - 1))
+    for _ in answers_bad[:]:
+        await fleet.generate(request)
+    assert fleet.workers["a"].state == WorkerState.READY and fleet.bad_answers == {"a": 2 * BAD_ANSWERS_BEFORE_STALE - 2}
+
+    answers_bad.append(True)
+    (out,) = await fleet.generate(request)
+    assert out.answer_error is not None and fleet.workers["a"].state == WorkerState.STALE
+    assert f"fleetrl: worker a is stale: answered badly {BAD_ANSWERS_BEFORE_STALE} times in a row (the last: worker " \
+           "a: generate r: logprob 1 of 3 is nan, not a finite number)" in logged
+    await fleet.refresh()  # the discovery loop's round: refitted, it serves again
+    answers_bad.append(False)
+    assert fleet.workers["a"].state == WorkerState.READY and (await fleet.generate(request))[0].answer_error is None
+    await fleet.close()
+
+
 async def test_a_bad_answer_to_an_aborted_completions_continuation_makes_it_a_bad_sample():
     """Before, the continuation's answer was unpacked as `(rest,)`: two choices raised a ValueError."""
     fleet, provider, _ = await fleet_of("a", pause_mode="abort")
@@ -177,7 +247,7 @@ async def test_a_bad_answer_to_an_aborted_completions_continuation_makes_it_a_ba
             (head,) = await real(worker, request, suffix, prefill)
             return [dataclasses.replace(head, token_ids=head.token_ids[:2], logprobs=head.logprobs[:2],
                                         finish_reason="abort")]
-        return answers.samples(worker.id, request, [{}, {}], request.n, "fake-run", None, None)
+        return answers.samples(worker.id, request, [{}, {}], request.n, "fake-run", None, None, 3)
 
     provider.generate = cut_then_corrupted
     (out,) = await fleet.generate(GenerateRequest([1, 2, 3], SamplingParams(max_tokens=5), request_id="r"))

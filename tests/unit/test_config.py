@@ -344,8 +344,33 @@ def test_extra_args_may_not_set_what_the_launcher_sets(args, culprit, owned):
         load_config([], [("inference.vllm.extra_args", str(args).replace("'", '"'))])
 
 
+@pytest.mark.parametrize("args,culprit,model", [
+    (["--load-format", "dummy"], "--load-format", "--load-format"),
+    (["--load_format=dummy"], "--load_format=dummy", "--load-format"),
+    (["--hf-overrides.num_hidden_layers", "1"], "--hf-overrides.num_hidden_layers", "--hf-overrides"),
+    (["--quantization", "fp8"], "--quantization", "--quantization"),
+    (["-q", "fp8"], "-q", "--quantization"),
+    (["-qfp8"], "-qfp8", "--quantization"),
+    (["--revision", "main"], "--revision", "--revision"),
+    (["--tokenizer=other/model"], "--tokenizer=other/model", "--tokenizer"),
+    (["--logprobs-mode", "processed_logprobs"], "--logprobs-mode", "--logprobs-mode"),
+    (["--override-generation-config", "{}"], "--override-generation-config",
+     "--override-generation-config"),
+    (["--generation-conf", "auto"], "--generation-conf", "--generation-config"),
+])
+def test_extra_args_may_not_change_what_the_workers_sample_from(args, culprit, model):
+    """`--load-format dummy` served random weights that fleetrl labelled v0, the trainer's own;
+    a quantization, another revision or tokenizer, default sampling or logprobs mode changed
+    what was trained on unseen (issue 36, item 8)."""
+    with pytest.raises(ConfigError, match=rf"^config key 'inference.vllm.extra_args': '{re.escape(culprit)}' sets "
+                                          rf"{model}, which changes what the workers sample from or the logprobs "
+                                          r"they report, .*labels their weights v0; remove it"):
+        load_config([], [("inference.vllm.extra_args", str(args).replace("'", '"'))])
+
+
 def test_extra_args_of_vllms_own_are_passed():
-    args = ["--seed", "1", "--enable-lora-bias", "--max-num-seqs=8", "--model-impl", "vllm", "-O3"]
+    args = ["--seed", "1", "--enable-lora-bias", "--max-num-seqs=8", "--model-impl", "vllm", "-O3",
+            "--tokenizer-mode", "auto", "--max-logprobs=20"]
     config = load_config([], [("inference.vllm.extra_args", str(args).replace("'", '"'))])
     assert config.inference.vllm.extra_args == args
 

@@ -120,13 +120,15 @@ async def test_a_killed_runs_claim_lapses_after_its_lease(worker):
 
 
 def test_every_token_must_carry_a_version_of_this_run():
-    spans = engine_spans("w", "r", [{"version": "v2@runA", "start": 0}, {"version": "v3@runA", "start": 4}], "runA")
+    spans = engine_spans("w", "r", [{"version": "v2@runA", "start": 0, "end": 4},
+                                    {"version": "v3@runA", "start": 4, "end": 6}], "runA", 6)
     assert spans == [VersionSpan(2, 0), VersionSpan(3, 4)]
     with pytest.raises(UnversionedTokens, match=r"^worker w: request r produced tokens under weight version "
                                                 r"'v3@runB', run runB's, not this run's \(runA\)"):
-        engine_spans("w", "r", [{"version": "v2@runA", "start": 0}, {"version": "v3@runB", "start": 4}], "runA")
+        engine_spans("w", "r", [{"version": "v2@runA", "start": 0, "end": 4},
+                                {"version": "v3@runB", "start": 4, "end": 6}], "runA", 6)
     with pytest.raises(UnversionedTokens, match="'v3', not a fleetrl policy version"):
-        engine_spans("w", "r", [{"version": "v3", "start": 0}], "runA")
+        engine_spans("w", "r", [{"version": "v3", "start": 0, "end": 1}], "runA", 1)
 
 
 def new_run(root) -> str:

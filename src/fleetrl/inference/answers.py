@@ -1,10 +1,12 @@
 """A worker's answer, checked sample by sample before any of it reaches a batch.
 
 Both providers' data clients read what a worker sends back through here: the number of choices
-(exactly the samples requested), and in each choice token ids inside the model's vocabulary,
-one finite logprob per token (where logprobs were asked for), a finish reason, and version
-spans that start at 0 and strictly increase inside the completion, each labelled with a
-version of this run. A choice that breaks any of these is a bad sample (`bad_sample`: no
+(exactly the samples requested), and in each choice no more token ids than requested, inside
+the model's vocabulary, one logprob per token (where logprobs were asked for) that is a
+log-probability the trainer can hold (at most 0, finite as a float32), a finish reason, tokens
+unless it is "abort" (a finished completion holds at least its last token), and version spans
+that label every token once, in order, at versions that never go back, each a version of this
+run. A choice that breaks any of these is a bad sample (`bad_sample`: no
 tokens, `answer_error` says why), never an error of the request: the fleet counts it against
 its worker, the orchestrator drops it (`bad_answer`), and the other samples of the answer
 stand. An answer with another number of choices than requested has no sample to trust (which
@@ -35,6 +37,12 @@ class Choice:
     weight_versions: object | None  # the engine's per-token record; None: the provider attributes versions
 
 
+# How far above 0 a logprob may be, its float rounding, and still be read as a log-probability.
+LOGPROB_ROUNDING = 1e-4
+# The largest finite float32: a logprob below its negative is -inf in the trainer's float32.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 class BadAnswer(FleetrlError):
     """Why one choice cannot be a sample."""
 
@@ -54,34 +62,39 @@ def vocab_size(model_dir: Path) -> int:
 
 
 def samples(worker_id: str, request: GenerateRequest, choices: object, expected: int, run: str | None,
-            vocab: int | None, read: Callable[[dict], Choice]) -> list[GenerateResponse]:
+            vocab: int | None, read: Callable[[dict], Choice], max_tokens: int) -> list[GenerateResponse]:
     """The `expected` samples of an answer whose `choices` each `read` turns into a Choice.
-    `run`: the run every span's label must name (None: spans are the provider's, no labels);
+    `max_tokens`: the tokens the worker was asked for (fewer than the request's in a
+    continuation); `run`: the run every span's label must name (None: spans are the provider's, no labels);
     `vocab`: the model's vocabulary size, None where the model is not known (a readiness check):
     token ids are then only held to be non-negative."""
     if not isinstance(choices, list) or len(choices) != expected:
         what = f"{len(choices)} choices" if isinstance(choices, list) else f"choices {str(choices)[:50]!r}"
         return [bad_sample(worker_id, request, f"{what} for the {expected} requested") for _ in range(expected)]
-    return [sample(worker_id, request, choice, run, vocab, read) for choice in choices]
+    return [sample(worker_id, request, choice, run, vocab, read, max_tokens) for choice in choices]
 
 
 def sample(worker_id: str, request: GenerateRequest, raw: object, run: str | None, vocab: int | None,
-           read: Callable[[dict], Choice]) -> GenerateResponse:
+           read: Callable[[dict], Choice], max_tokens: int) -> GenerateResponse:
     """One choice as a sample: checked, or a bad sample saying why not."""
     try:
         if not isinstance(raw, dict):
             raise BadAnswer(f"a choice that is {type(raw).__name__}, not an object")
         choice = read(raw)
         token_ids = _token_ids(choice.token_ids, vocab)
+        if len(token_ids) > max_tokens:
+            raise BadAnswer(f"{len(token_ids)} tokens for the {max_tokens} requested (max_tokens)")
         logprobs = _logprobs(choice.logprobs, len(token_ids)) if request.sampling.logprobs else []
         if not isinstance(choice.finish_reason, str) or not choice.finish_reason:
             raise BadAnswer("a completion without a finish_reason")
+        if not token_ids and choice.finish_reason != "abort" and max_tokens > 0:
+            raise BadAnswer(f"a completion of no tokens that finished ({choice.finish_reason!r}), not cut by an abort")
         response = GenerateResponse(request_id=request.request_id, token_ids=token_ids, logprobs=logprobs,
                                     finish_reason=choice.finish_reason, worker_id=worker_id, spans=[])
         if choice.weight_versions is not None:
             if not isinstance(choice.weight_versions, list):
                 raise BadAnswer(f"weight_versions is {choice.weight_versions!r}, not a list")
-            response.spans = engine_spans(worker_id, request.request_id, choice.weight_versions, run)
+            response.spans = engine_spans(worker_id, request.request_id, choice.weight_versions, run, len(token_ids))
             if token_ids:
                 response.check()
         return response
@@ -117,4 +130,7 @@ def _logprobs(logprobs: object, tokens: int) -> list[float]:
     for i, logprob in enumerate(logprobs):
         if not isinstance(logprob, (int, float)) or isinstance(logprob, bool) or not math.isfinite(logprob):
             raise BadAnswer(f"logprob {i} of {tokens} is {logprob!r}, not a finite number")
+        if logprob > LOGPROB_ROUNDING or logprob < -FLOAT32_MAX:
+            raise BadAnswer(f"logprob {i} of {tokens} is {logprob!r}, not a log-probability (at most 0, finite as "
+                            "a float32)")
     return [float(logprob) for logprob in logprobs]

@@ -39,6 +39,10 @@ TRANSIENT_RETRIES = 2
 # A completion cut by abort-mode publishes is continued at most this many times: each
 # continuation needs a publish to land inside it, so more means publishes are starving it.
 MAX_CONTINUATIONS = 8
+# A worker whose answers failed answers.py's checks this many times in a row (each answer with a
+# bad sample; one without resets the count) is stale, served nothing until refitted and probed:
+# a worker that keeps answering badly would otherwise lose a sample of every request it serves.
+BAD_ANSWERS_BEFORE_STALE = 3
 # Why a worker cannot be refitted between publishes of a CUDA trainer.
 UNKEPT_WEIGHTS = "the trainer streamed them from its GPUs during their publish and keeps no copy"
 
@@ -128,6 +132,8 @@ class Fleet:
         self.transient_errors = 0  # requests sent again after a healthy worker failed them
         # Worker id -> its samples that failed answers.py's checks (dropped by the orchestrator).
         self.bad_answers: Counter[str] = Counter()
+        # Worker id -> its answers in a row with a bad sample, up to BAD_ANSWERS_BEFORE_STALE.
+        self._bad_in_a_row: Counter[str] = Counter()
         self.version = 0
         self.workers: dict[str, WorkerInfo] = {}
         self._source: WeightSource | None = None
@@ -627,6 +633,8 @@ class Fleet:
                     self._inflight[w.id] -= 1
         if bad := [r for r in responses if r.answer_error is not None]:
             await self._answered_badly(worker, bad)
+        else:
+            self._bad_in_a_row.pop(worker.id, None)
         for response in responses:
             self._check_versions(worker, response, fleet_version)
             await self._check_probed(serving, response, refits)
@@ -636,11 +644,19 @@ class Fleet:
         """Samples of the worker's answer failed their checks (inference/answers.py): they carry
         no tokens and the orchestrator drops them (`bad_answer`); the request is not sent again
         and the run goes on. They count against the worker like a failed request: counted and
-        logged, and a worker that then fails its health check is dead."""
+        logged, and a worker that then fails its health check is dead; one that answered badly
+        BAD_ANSWERS_BEFORE_STALE times in a row is stale until the discovery loop refits it."""
         self.bad_answers[worker.id] += len(bad)
+        self._bad_in_a_row[worker.id] += 1
         self.log(f"fleetrl: {bad[0].answer_error}; {len(bad)} sample(s) dropped (bad_answer)")
         if worker.state != WorkerState.DEAD and not await self._healthy(worker):
+            self._bad_in_a_row.pop(worker.id)
             self._mark(worker, WorkerState.DEAD, f"failed its health check after a bad answer: {bad[0].answer_error}")
+            await self._notify()
+        elif worker.state == WorkerState.READY and self._bad_in_a_row[worker.id] >= BAD_ANSWERS_BEFORE_STALE:
+            self._bad_in_a_row.pop(worker.id)
+            self._mark(worker, WorkerState.STALE, f"answered badly {BAD_ANSWERS_BEFORE_STALE} times in a row "
+                                                  f"(the last: {bad[0].answer_error})")
             await self._notify()
 
     def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, dispatched_at: int) -> None:

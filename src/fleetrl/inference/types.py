@@ -80,16 +80,30 @@ class UnversionedTokens(FleetrlError):
         self.worker_id = worker_id
 
 
-def engine_spans(worker_id: str, request_id: str, items: list[dict], run: str) -> list[VersionSpan]:
-    """Spans from vLLM's per-token record (`[{"version": "v1@<run>", "start": 0, "end": 27}, ...]`),
-    adjacent spans of one version merged. Every span must be a version of run `run`."""
+def engine_spans(worker_id: str, request_id: str, items: list[dict], run: str, tokens: int) -> list[VersionSpan]:
+    """Spans from vLLM's per-token record of a completion of `tokens` tokens (`[{"version":
+    "v1@<run>", "start": 0, "end": 27}, {"version": "v2@<run>", "start": 27, "end": 60}]`),
+    adjacent spans of one version merged. The record must label every token once, in order
+    (each span ends where the next starts, the last at `tokens`), at versions that never go
+    back (a worker's weights only move forward), each a version of run `run`."""
     spans: list[VersionSpan] = []
+    end = 0
     for item in items:
         label = parse_label(str(item["version"]))
         if label is None or label.run != run:
             raise UnversionedTokens(worker_id, request_id, item["version"], run)
+        start, stop = int(item["start"]), int(item["end"])
+        if start != end or stop <= start:
+            raise FleetrlError(f"request {request_id}: span {item} does not go on from token {end} (version spans "
+                               f"{items})")
+        if spans and label.version < spans[-1].version:
+            raise FleetrlError(f"request {request_id}: version spans go back from v{spans[-1].version} to "
+                               f"v{label.version} ({items})")
         if not spans or spans[-1].version != label.version:
-            spans.append(VersionSpan(version=label.version, start=int(item["start"])))
+            spans.append(VersionSpan(version=label.version, start=start))
+        end = stop
+    if end != tokens:
+        raise FleetrlError(f"request {request_id}: version spans label {end} of {tokens} tokens ({items})")
     return spans
 
 

@@ -83,7 +83,7 @@ class DynamoDataClient:
                 raise FleetrlError(f"worker {worker_id}: a client of no run cannot check per-token versions")
 
         def read(choice: dict) -> Choice:
-            finish_reason = choice.get("finish_reason") or "abort"
+            finish_reason = choice.get("finish_reason")  # none: a bad sample, never read as "abort"
             if token_versions and str(engine.get("engine_finish_reason")).startswith("abort"):
                 finish_reason = "abort"  # cut by a pause; Dynamo reports it as "stop"
             return Choice(token_ids=nvext.get("completion_token_ids") or [],
@@ -92,7 +92,8 @@ class DynamoDataClient:
                           weight_versions=engine["weight_versions"] if token_versions else None)
 
         # One sample per request (Dynamo refuses completion_token_ids for more than one choice).
-        (response,) = answers.samples(worker_id, request, choices, 1, self.run, self.vocab_size, read)
+        (response,) = answers.samples(worker_id, request, choices, 1, self.run, self.vocab_size, read,
+                                      body["max_tokens"])
         # Whoever prefilled is accounted for, pinned or not (a deployment whose prefill
         # workers fleetrl does not see): the provider checks that worker's version.
         prefilled_by = (nvext.get("worker_id") or {}).get("prefill_worker_id")

@@ -78,7 +78,7 @@ class VllmDataClient:
         # vLLM names every completion's end ("abort" for one a publish cut), and labels every
         # token's version: a choice without either is a bad sample, never read as "abort".
         return answers.samples(worker_id, request, response.json()["choices"], request.n, self.run, self.vocab_size,
-                               _choice)
+                               _choice, sampling["max_tokens"])
 
     async def prompt_logprobs(self, worker_id: str, url: str, token_ids: list[int]) -> list[float]:
         """log p(token_i | tokens_<i) for i >= 1, scored by the worker's current weights."""
