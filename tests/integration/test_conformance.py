@@ -30,7 +30,6 @@ import torch
 from aiohttp import web
 
 from fleetrl import admin_signature
-
 from fleetrl.app.checks import run_environments
 from fleetrl.app.providers import base_weights as base_weights_of
 from fleetrl.config import InferenceConfig, load_config
