@@ -5,7 +5,10 @@ group (so its own children — vLLM's engine core, say — are stopped with it),
 kernel to die if fleetrl dies (PR_SET_PDEATHSIG, for a SIGKILLed parent), and it is recorded so
 that `stop_all` (run at exit, on SIGTERM and on Ctrl-C) ends whatever is still running. A
 watchdog thread bounds a stop whose main thread is stuck in C (a gloo collective on a hung
-rank), where Python never runs the signal's handler: see `_watch_for_stop_signals`.
+rank), where Python never runs the signal's handler, or overruns its bound: see
+`_watch_for_stop_signals`. A graceful stop's waits end before the watchdog's exit
+(`stop_time_left`). A child forked without exec (a reward's multiprocessing pool) takes none of
+this with it: see `_forget_in_child`.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +37,14 @@ _PR_SET_PDEATHSIG = 1
 # started must be gone within 10 s of a signal to fleetrl, and a vLLM server exits in 1-3 s.
 STOP_GRACE_S = 5.0
 KILL_WAIT_S = 2.0  # for the kernel to end a SIGKILLed group
-# fleetrl and every process it started end within STOP_BOUND_S of a SIGTERM or SIGINT. Where
-# they have not by WATCHDOG_EXIT_S, the watchdog exits (1 s left for the kernel to end fleetrl
-# itself), its stop_all begun at WATCHDOG_STOP_S to end by then.
+# fleetrl and every process it started end within STOP_BOUND_S of a SIGTERM or SIGINT: every
+# bound of a stop derives from it. A graceful stop ends its waits STOP_WAITS_S after the signal
+# (`stop_time_left`), leaving 1 s for its last steps (files, no waits) before the watchdog's
+# exit at WATCHDOG_EXIT_S, where fleetrl has not ended by then (1 s left for the kernel to end
+# fleetrl itself); the watchdog's stop_all, begun at WATCHDOG_STOP_S, ends by its exit.
 STOP_BOUND_S = 10.0
 WATCHDOG_EXIT_S = STOP_BOUND_S - 1.0
+STOP_WAITS_S = WATCHDOG_EXIT_S - 1.0
 WATCHDOG_STOP_S = WATCHDOG_EXIT_S - STOP_GRACE_S - KILL_WAIT_S
 _live: list["ManagedProcess"] = []
 _lock = threading.Lock()
@@ -44,6 +52,10 @@ _lock = threading.Lock()
 # reacts to the stopping (a fleet restarting the workers it sees die) cannot leave a process behind.
 _stopping = threading.Event()
 _stop_signal: int | None = None  # the first SIGTERM or SIGINT, as the watchdog saw it arrive
+_stop_signal_at: float | None = None  # when the watchdog saw it (time.monotonic())
+# What a graceful stop would have undone and the watchdog's exit must not leave behind (a run's
+# tokens file): run by the watchdog just before it exits (`at_forced_exit`).
+_forced_exit_cleanups: list[Callable[[], None]] = []
 
 
 @dataclass
@@ -221,6 +233,28 @@ def stop_signal() -> int | None:
     return _stop_signal
 
 
+def stop_time_left(began: float) -> float:
+    """Seconds left for the waits of a graceful stop begun at `began` (time.monotonic()): they
+    end STOP_WAITS_S after the stop began or after the stop signal, whichever came first, so
+    that the stop is done before the watchdog's exit cuts it."""
+    first = began if _stop_signal_at is None else min(began, _stop_signal_at)
+    return max(0.0, first + STOP_WAITS_S - time.monotonic())
+
+
+def at_forced_exit(cleanup: Callable[[], None]) -> None:
+    """Have the watchdog run `cleanup` before it exits, until `cancel_at_forced_exit`: what
+    the graceful stop it cuts short would have undone (removing a run's tokens file, say).
+    It runs on the watchdog's thread while the main thread may hold any lock: quick, and
+    taking none."""
+    _forced_exit_cleanups.append(cleanup)
+
+
+def cancel_at_forced_exit(cleanup: Callable[[], None]) -> None:
+    """The graceful stop has done what `cleanup` does (or no longer may: the run directory is let go)."""
+    if cleanup in _forced_exit_cleanups:
+        _forced_exit_cleanups.remove(cleanup)
+
+
 def stop_all() -> None:
     with _lock:
         procs = list(_live)
@@ -261,6 +295,28 @@ def install_signal_handlers() -> None:
                      daemon=True).start()
 
 
+def _forget_in_child() -> None:
+    """In the child of a fork without exec (a reward's fork `multiprocessing.Pool`,
+    `datasets.map(num_proc=N)`): fleetrl's stop is not the child's. As the fork copied them, a
+    SIGTERM to the child (a pool's terminate) had the C-level handler write to the parent's
+    wakeup fd, whose watchdog took it for fleetrl's own and ended a healthy run, and ran
+    `on_sigterm`, which stopped every server and rank in the child's copy of `_live`. The
+    child gets SIGTERM's default (it ends) and no wakeup fd; the processes and cleanups it knew
+    of are the parent's. (The forking thread is the child's main thread: the signal calls are
+    allowed there.)"""
+    global _handlers_installed, _lock
+    if _handlers_installed:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _handlers_installed = False
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _live.clear()
+    _forced_exit_cleanups.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _watch_for_stop_signals(wakeups: socket.socket, wakeup_fd: socket.socket) -> None:
     """Bound fleetrl's stop. Python runs a signal's handler on the main thread between two
     bytecodes: never while that thread waits in C (a gloo collective on a hung rank retries
@@ -268,18 +324,29 @@ def _watch_for_stop_signals(wakeups: socket.socket, wakeup_fd: socket.socket) ->
     The signal number is written to the wakeup fd by the C-level handler as the signal
     arrives, whatever the main thread does; woken by the first SIGTERM or SIGINT, this thread
     stops every child WATCHDOG_STOP_S later and exits WATCHDOG_EXIT_S after the signal
-    (128 + its number) unless fleetrl ended first. `wakeup_fd` is held here: the process's
-    wakeup fd must stay open as long as this thread waits on it."""
-    global _stop_signal
-    while _stop_signal is None:
-        _stop_signal = next((s for s in wakeups.recv(64) if s in (signal.SIGTERM, signal.SIGINT)), None)
-    signum = _stop_signal
-    exit_at = time.monotonic() + WATCHDOG_EXIT_S
+    (128 + its number), after the `at_forced_exit` cleanups, unless fleetrl ended first: its
+    main thread waits in a call no signal interrupts, or its stop overran its bound. One line
+    on stderr says where that thread is. `wakeup_fd` is held here: the process's wakeup fd
+    must stay open as long as this thread waits on it."""
+    global _stop_signal, _stop_signal_at
+    signum = None
+    while signum is None:
+        received = wakeups.recv(64)
+        seen_at = time.monotonic()
+        signum = next((s for s in received if s in (signal.SIGTERM, signal.SIGINT)), None)
+    _stop_signal_at, _stop_signal = seen_at, signum
     time.sleep(WATCHDOG_STOP_S)
     _stopping.set()
     stop_all()
-    time.sleep(max(0.0, exit_at - time.monotonic()))
-    os.write(2, f"fleetrl: not ended {WATCHDOG_EXIT_S:.0f} s after {signal.Signals(signum).name} (its main thread "
-                f"waits in a call no signal interrupts, a collective on a hung rank say): its processes are "
-                f"stopped; exiting\n".encode())
+    time.sleep(max(0.0, seen_at + WATCHDOG_EXIT_S - time.monotonic()))
+    for cleanup in list(_forced_exit_cleanups):
+        try:
+            cleanup()
+        except Exception as e:  # the others still run, and the exit still comes
+            os.write(2, f"fleetrl: a cleanup before exiting failed: {type(e).__name__}: {e}\n".encode())
+    main = sys._current_frames().get(threading.main_thread().ident)
+    where = f"{main.f_code.co_filename}:{main.f_lineno} ({main.f_code.co_name})" if main else "no Python code"
+    os.write(2, f"fleetrl: not ended {WATCHDOG_EXIT_S:.0f} s after {signal.Signals(signum).name}: its processes are "
+                f"stopped; exiting. Its main thread is still in {where}: a call no signal interrupts (a collective "
+                f"on a hung rank, say), or a stop that overran its bound\n".encode())
     os._exit(128 + signum)

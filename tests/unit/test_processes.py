@@ -1,6 +1,8 @@
 """Child processes: finding the one behind a hung server (a real process, stopped); a stop
-that ends them and fleetrl while its main thread is stuck in C."""
+that ends them and fleetrl while its main thread is stuck in C, within the bound a graceful
+stop keeps to; a forked child's SIGTERM, which is not fleetrl's."""
 
+import asyncio
 import json
 import os
 import signal
@@ -108,9 +110,12 @@ def test_a_group_id_another_process_took_is_never_signalled(tmp_path):
 STUCK_IN_C = """
 import ctypes, signal, sys
 from pathlib import Path
-from fleetrl.processes import start_process
+from fleetrl.processes import at_forced_exit, start_process
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job may ignore it)
 rank = start_process("trainer-rank-1", [sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[1]))
+tokens = Path(sys.argv[2])
+tokens.write_text("{}")
+at_forced_exit(tokens.unlink)  # as a run has its tokens file removed
 mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER
 libc = ctypes.CDLL("libc.so.6")
 libc.pthread_mutex_lock(mutex)
@@ -123,9 +128,12 @@ libc.pthread_mutex_lock(mutex)
 def test_a_signal_ends_fleetrl_and_its_children_while_its_main_thread_is_stuck_in_c(tmp_path, sig):
     """SIGTERM while rank 0 waited in a collective on a SIGSTOPped rank 1 left fleetrl and its
     children running for minutes: Python runs a handler only between bytecodes of the main
-    thread. The watchdog, woken by the signal itself, stops the children and exits."""
-    fleetrl = subprocess.Popen([sys.executable, "-c", STUCK_IN_C, str(tmp_path / "rank-1.log")],
-                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    thread. The watchdog, woken by the signal itself, stops the children and exits, after the
+    cleanups registered for that exit (a run's tokens file was left on disk), saying where the
+    main thread is (not always in C: a stop can overrun its bound)."""
+    tokens = tmp_path / "tokens.json"
+    fleetrl = subprocess.Popen([sys.executable, "-c", STUCK_IN_C, str(tmp_path / "rank-1.log"), str(tokens)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     rank = None
     try:
         rank = int(fleetrl.stdout.readline())
@@ -133,14 +141,90 @@ def test_a_signal_ends_fleetrl_and_its_children_while_its_main_thread_is_stuck_i
         deadline = time.monotonic() + 60
         while _state(fleetrl.pid) != "S" and time.monotonic() < deadline:  # its main thread waits on the mutex
             time.sleep(0.05)
+        assert tokens.exists()
         os.kill(fleetrl.pid, sig)
         assert fleetrl.wait(timeout=60) == 128 + sig
         assert rank not in running_groups()
+        assert not tokens.exists()
+        assert "Its main thread is still in <string>:" in fleetrl.stderr.read()
     finally:
         fleetrl.kill()
         fleetrl.wait()
         if rank is not None and rank in running_groups():
             os.killpg(rank, signal.SIGKILL)
+
+
+# A fleetrl whose reward uses a fork multiprocessing pool, off the main thread as rewards run:
+# leaving the `with` terminates (SIGTERMs) the pool's worker, still busy. Then it carries on,
+# past the time the watchdog would have stopped its processes (WATCHDOG_STOP_S), and says
+# whether its trainer rank still runs.
+FORKS_A_POOL = """
+import multiprocessing, sys, threading, time
+from pathlib import Path
+from fleetrl.processes import WATCHDOG_STOP_S, start_process
+rank = start_process("trainer-rank-1", [sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[1]))
+fork = multiprocessing.get_context("fork")
+busy = fork.Event()  # the pool's worker inherits it
+def work():
+    busy.set()
+    time.sleep(600)
+def reward():
+    with fork.Pool(1) as pool:
+        pool.apply_async(work)
+        assert busy.wait(60)
+thread = threading.Thread(target=reward)
+thread.start()
+thread.join()
+time.sleep(WATCHDOG_STOP_S + 2)
+print(rank.alive(), flush=True)
+"""
+
+
+def test_a_forked_childs_sigterm_is_not_fleetrls(tmp_path):
+    """A reward's fork pool worker, terminated as the pool closed, inherited fleetrl's wakeup fd
+    and SIGTERM handler: its SIGTERM woke fleetrl's watchdog as if fleetrl had been told to
+    stop (every process stopped at 2 s, exit 143 at 9 s: a healthy run killed), and its copy
+    of the handler stopped fleetrl's processes itself. A forked child now has neither."""
+    fleetrl = subprocess.run([sys.executable, "-c", FORKS_A_POOL, str(tmp_path / "rank-1.log")],
+                             capture_output=True, text=True, timeout=120)
+    assert fleetrl.returncode == 0, fleetrl.stderr
+    assert fleetrl.stdout == "True\n"  # its rank ran until fleetrl's own exit stopped it
+
+
+def test_a_stop_after_a_signal_ends_its_waits_before_the_watchdogs_exit(tmp_path, monkeypatch):
+    """The watchdog exits 9 s after a SIGTERM or SIGINT, yet the run's stop gave the fleet's
+    close 10 s, then the control loop 10 s and each rank 7 s in turn: a stop still under way
+    was cut short, and the run's tokens file stayed on disk. Now every wait of the stop ends
+    STOP_WAITS_S after the signal (or after the stop began), before the watchdog's exit."""
+    from fleetrl import processes
+    from fleetrl.app import rl
+    from fleetrl.config import load_config
+
+    assert processes.STOP_WAITS_S < processes.WATCHDOG_EXIT_S < processes.STOP_BOUND_S
+    began = time.monotonic()
+    assert 0 < processes.stop_time_left(began) <= processes.STOP_WAITS_S  # no signal: from the stop's start
+    monkeypatch.setattr(processes, "_stop_signal_at", began + 3600)
+    assert 0 < processes.stop_time_left(began) <= processes.STOP_WAITS_S  # a later signal moves nothing
+    monkeypatch.setattr(processes, "_stop_signal_at", began - processes.STOP_WAITS_S)
+    assert processes.stop_time_left(began) == 0  # the signal's time is up
+    # The run's stop, 1 s before the signal's time is up: the close starts, and is given up.
+    monkeypatch.setattr(processes, "_stop_signal_at", time.monotonic() + 1 - processes.STOP_WAITS_S)
+
+    class Hangs:  # a fleet, and its transport, whose close never ends
+        async def close(self):
+            await asyncio.Event().wait()
+
+    stopped = []
+    monkeypatch.setattr(rl, "stop_all", lambda: stopped.append(True))
+    logged = []
+    run = rl.RLRun(load_config([], [("run.dir", str(tmp_path / "run"))]), log=logged.append)
+    run.run_dir.record_fleet({}, {"admin_token": "secret"})
+    run.fleet = run.transport = Hangs()
+    processes.at_forced_exit(run.run_dir.forget_fleet)  # as start_fleet has it
+    run.stop()
+    assert stopped and any("the fleet did not close within" in line for line in logged)
+    assert not run.run_dir.tokens_path.exists() and not run.run_dir.fleet_path.exists()
+    assert run.run_dir.forget_fleet not in processes._forced_exit_cleanups  # done: not again at an exit
 
 
 def _state(pid: int) -> str:

@@ -48,7 +48,9 @@ from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import StepSink
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
-from fleetrl.processes import ManagedProcess, free_port, install_signal_handlers, start_process, stop_all, stop_signal
+from fleetrl.processes import (KILL_WAIT_S, STOP_BOUND_S, STOP_GRACE_S, STOP_WAITS_S, ManagedProcess, at_forced_exit,
+                                cancel_at_forced_exit, free_port, install_signal_handlers, start_process, stop_all,
+                                stop_groups, stop_signal, stop_time_left)
 from fleetrl.records import StepLine, StepWorker, TrainEvent, to_dict
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
@@ -61,9 +63,7 @@ from fleetrl.trainer.mismatch import outliers
 from fleetrl.trainer.step import StepMetrics, finite_or_none
 
 
-# A SIGTERM must end the run within seconds: the fleet's close (its workers' processes and
-# connections) is bounded, and a stop slower than SLOW_STOP_S says how long it took.
-CLOSE_BOUND_S = 10.0
+# A stop slower than SLOW_STOP_S says how long it took (its waits are bounded: `RLRun.stop`).
 SLOW_STOP_S = 3.0
 
 
@@ -111,9 +111,9 @@ class ControlLoop:
                     future.cancel()
                     raise
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_BOUND_S) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=timeout_s)
 
 
 class RLRun:
@@ -213,6 +213,7 @@ class RLRun:
         if evaluated:
             self.evaluator = build_evaluator(config, self.orchestrator, evaluated, self.run_dir, self.log)
         self.fleet = fleet  # from here on, stop() closes it and the transport
+        at_forced_exit(self.run_dir.forget_fleet)  # its tokens never outlive the run, however it ends
         fleet.on_event = self.run_dir.append_event  # worker states and fences, for the timeline
         # The same check as the training loop's, which hands the start weights (trainer/loop.py).
         weights = self.take_start_weights if config.inference.attaches() else None
@@ -278,6 +279,9 @@ class RLRun:
         self.log(f"fleetrl: done: {self.run_dir.root} (check it with `fleetrl verify {self.run_dir.root}`)")
 
     def stop(self) -> None:
+        """Every wait here ends by one deadline (`stop_time_left`): after a SIGTERM or SIGINT,
+        before the watchdog's exit would cut the stop short of its last steps (the fleet's
+        record and tokens removed, the metrics written, the directory let go)."""
         began = time.monotonic()
         try:
             self.start_weights.put_nowait(None)  # a fleet start still waiting for its weights gives up
@@ -287,18 +291,19 @@ class RLRun:
             future.cancel()
         if self.fleet is not None and self.control.thread.is_alive():  # else the exit's stop_all ends its processes
             try:
-                self.control.run(_close(self.fleet, self.transport), timeout_s=CLOSE_BOUND_S)
+                self.control.run(_close(self.fleet, self.transport), timeout_s=stop_time_left(began))
             except TimeoutError:
-                self.log(f"fleetrl: the fleet did not close within {CLOSE_BOUND_S:.0f} s: stopping its processes")
+                self.log(f"fleetrl: the fleet did not close within {STOP_WAITS_S:.0f} s of the stop or the signal: "
+                         "stopping its processes")
                 stop_all()  # before the run directory is let go: no worker of this run outlives its lock
         if self.fleet is not None:
             self.run_dir.forget_fleet()
-        self.control.stop()
+            cancel_at_forced_exit(self.run_dir.forget_fleet)
+        self.control.stop(timeout_s=stop_time_left(began))
         if self.sink is not None:
             self.sink.close()
         distributed.destroy()
-        for rank in self.ranks:
-            rank.stop()
+        stop_groups(self.ranks, grace_s=min(STOP_GRACE_S, max(0.0, stop_time_left(began) - KILL_WAIT_S)))  # together
         self.run_dir.close()  # last: the directory is this run's until everything it started is gone
         if self.view is not None:
             self.view.stop()
