@@ -41,6 +41,10 @@ MAX_WAIT_S = 7 * 24 * 3600.0
 ADMIN_RETRIES_MAX = 5
 ADMIN_BACKOFF_S = 0.5
 
+# The share of inference.claim_lease_s the fleet counts on its claim of a worker after a renewal
+# was sent: the rest is slack for the two machines' clocks and a request sent as the check passes.
+CLAIM_TRUSTED_SHARE = 0.9
+
 
 def admin_backoff_s(attempt: int) -> float:
     """The wait after failed try `attempt` (0: the first) of an admin call, before the next."""
@@ -417,8 +421,12 @@ class InferenceConfig(Section):
         "admin call of the run renews its claim for this long, and another run that reaches the worker meanwhile "
         "(attached to the same URL or Dynamo frontend) is refused, naming this one. A run that stops lets its "
         "workers go at once; one killed holds them this "
-        "long, except from a resume of its own run directory. At least discovery_interval_s, whose health "
-        "checks renew it.",
+        "long, except from a resume of its own run directory. The run renews it every discovery_interval_s with a "
+        "health check (even while discovery's listing fails) and routes nothing to a worker once "
+        f"{CLAIM_TRUSTED_SHARE:g} of the lease has passed since its last renewal was sent, until the worker has "
+        "been renewed and verified again: so at least (discovery_interval_s + 2 * health_timeout_s) / "
+        f"{CLAIM_TRUSTED_SHARE:g} (a check is sent at most one interval and one timeout after the last, and "
+        "answers within another timeout).",
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     dynamo: DynamoConfig = Field(default_factory=DynamoConfig)
@@ -450,11 +458,14 @@ class InferenceConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _claim_outlasts_discovery(self) -> "InferenceConfig":
-        if self.claim_lease_s < self.discovery_interval_s:
+    def _claim_outlasts_its_renewals(self) -> "InferenceConfig":
+        renewal_s = self.discovery_interval_s + 2 * self.health_timeout_s
+        if self.claim_trusted_s() < renewal_s:
             raise ValueError(f"inference.claim_lease_s ({self.claim_lease_s:g}) must be at least "
-                             f"inference.discovery_interval_s ({self.discovery_interval_s:g}): the run's claim on "
-                             "its workers would lapse between the health checks that renew it")
+                             f"{renewal_s / CLAIM_TRUSTED_SHARE:g}: (inference.discovery_interval_s "
+                             f"({self.discovery_interval_s:g}) + 2 * inference.health_timeout_s "
+                             f"({self.health_timeout_s:g})) / {CLAIM_TRUSTED_SHARE:g}, or the run's workers would "
+                             "leave its routing between the health checks that renew its claim on them")
         return self
 
     @model_validator(mode="after")
@@ -480,6 +491,10 @@ class InferenceConfig(Section):
 
     def token_versions(self) -> bool:
         return self.provider == "vllm" or self.dynamo.worker == "fleetrl"
+
+    def claim_trusted_s(self) -> float:
+        """How long after a renewal of its claim on a worker was sent the run counts on it (Fleet)."""
+        return self.claim_lease_s * CLAIM_TRUSTED_SHARE
 
     def admin_call_bound_s(self) -> float:
         """The longest one admin call takes: every try to its timeout, and the waits between them."""

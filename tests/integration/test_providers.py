@@ -62,8 +62,11 @@ PROVIDERS = {
     "dynamo-fleetrl": dict(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl"), workers=1),
 }
 # How long the module's fleet holds its native workers after its last call (inference.claim_lease_s):
-# short, so that a test can attach a second run to them once the fleet has let them lapse.
+# short, so that a test can attach a second run to them once the fleet has let them lapse. The
+# renewal interval and health timeout are short enough for config's rule on the lease (unused
+# otherwise: the fleets here are built by hand, and renew nothing).
 CLAIM_LEASE_S = 5.0
+SHORT_LEASE = dict(claim_lease_s=CLAIM_LEASE_S, discovery_interval_s=1.0, health_timeout_s=1.0)
 # Fixed tokens with a leading "-" and digits: they must pass the CLI as they are (issue 15).
 TOKEN = "-0123456789abcdef"  # admin
 DATA_TOKEN = "-fedcba9876543210"
@@ -78,7 +81,7 @@ def only(*names: str):
 async def fleet(request, model_dir, tmp_path_factory):
     """One provider's fleet for every test that runs on it; always stopped, pass or fail."""
     inference = InferenceConfig(**PROVIDERS[request.param], vllm=VllmConfig(max_model_len=512), admin_timeout_s=120,
-                                startup_timeout_s=900, claim_lease_s=CLAIM_LEASE_S)
+                                startup_timeout_s=900, **SHORT_LEASE)
     # Built by name through the registry, as `fleetrl rl` builds it, on the CPUs its default
     # core plan gives the workers (two workers: one CPU each).
     config = Config(inference=inference, run=RunConfig(dir=tmp_path_factory.mktemp(request.param)))
@@ -361,7 +364,7 @@ async def test_a_second_run_on_the_dynamo_frontend_is_refused_naming_the_run_tha
     kinds). It paused, labelled and sent nothing: the module's fleet serves on as it was."""
     settings = fleet.provider.attach_settings()
     inference = InferenceConfig(provider="dynamo", dynamo=DynamoConfig(**settings["dynamo"]), admin_timeout_s=120,
-                                claim_lease_s=CLAIM_LEASE_S, admin_token=settings.get("admin_token"))
+                                **SHORT_LEASE, admin_token=settings.get("admin_token"))
     provider = build_provider(Config(inference=inference, run=RunConfig(dir=tmp_path / "second-run")),
                               RunDir(tmp_path / "second-run"), model_dir,
                               Tokens(admin=settings.get("admin_token"), data=None))

@@ -100,7 +100,8 @@ async def test_a_killed_runs_claim_on_a_dynamo_worker_lapses_after_its_lease(tmp
     calls = []
     with serving(system_server(calls, "dynamo")) as url:
         worker = WorkerInfo(id="7", data_url="http://frontend", admin_url=url)
-        a = provider("dynamo", tmp_path, "runA", claim_lease_s=0.3, discovery_interval_s=0.3)
+        a = provider("dynamo", tmp_path, "runA", claim_lease_s=0.3, discovery_interval_s=0.1,
+                     health_timeout_s=0.05)
         b = provider("dynamo", tmp_path, "runB")
         try:
             assert await a.admin(worker).health()  # then run A is killed: it never lets go

@@ -9,7 +9,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference import fleet as fleet_module
 from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightSource, join_completions
 from fleetrl.inference.http import SINGLE_TRY
-from fleetrl.inference.provider import ImpostorWorker, WorkerCallError
+from fleetrl.inference.provider import ImpostorWorker, WorkerCallError, WorkerHeldByAnotherRun
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState
 from fleetrl.records import FenceEvent, WorkerEvent
 from fleetrl.versions import VersionSpan
@@ -893,4 +893,129 @@ async def test_a_worker_that_announces_another_live_workers_instance_is_kept_out
     await fleet.refresh()
     assert fleet.workers["c"].state == WorkerState.DEAD and "instance of worker a" in fleet.workers["c"].error
     assert fleet.workers["a"].state == WorkerState.READY
+    await fleet.close()
+
+
+class Clock:
+    """fleet.py's clock, moved by hand: the claim checks read it, asyncio's own clock runs on."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def held_by(run: str, worker_id: str):
+    """A health check another run's claim refuses (WorkerHeldByAnotherRun)."""
+    async def refused():
+        raise WorkerHeldByAnotherRun(worker_id, "GET /health", run, 25)
+
+    return refused
+
+
+async def test_the_runs_claim_on_its_workers_is_renewed_while_the_listing_fails(monkeypatch):
+    """The claim was renewed only by the health checks of a discovery round, which a failing
+    listing (a frontend's 5xx, an etcd hiccup) skipped: it lapsed while the run still routed to
+    the worker, and another run could take and refit it (review of issue 36, items 6 and 9).
+    Renewals now go on apart from discovery."""
+    clock = Clock()
+    monkeypatch.setattr(fleet_module, "time", clock)
+    provider, logged = FakeProvider("a"), []
+    fleet = Fleet(provider, discovery_interval_s=0.01, claim_trusted_s=10, log=logged.append)
+    await fleet.start()
+    control = provider.admin(fleet.workers["a"])
+    health, checks = control.health, []
+
+    async def counted():
+        checks.append(clock.now)
+        return await health()
+
+    async def listing_fails():
+        raise FleetrlError("the frontend answered 503")
+
+    monkeypatch.setattr(control, "health", counted)
+    provider.discover = listing_fails
+    for _ in range(3):  # 18 s in all, each step within the trust of the renewal before it
+        clock.now += 6
+        seen = len(checks)
+        async with asyncio.timeout(10):
+            while len(checks) == seen:  # a renewal at the new time
+                await asyncio.sleep(0.01)
+    assert "fleetrl: discovery failed: the frontend answered 503" in logged
+    assert fleet.workers["a"].state == WorkerState.READY
+    (out,) = await fleet.generate(request(max_tokens=4))
+    assert out.version_error is None and out.spans == [VersionSpan(0, 0)]
+    await fleet.close()
+
+
+async def test_a_worker_whose_claim_may_have_lapsed_serves_nothing_until_verified_again(monkeypatch):
+    """With no renewal answered for the trusted share of the lease, another run may hold the
+    worker and have refitted it (on Dynamo's own worker kind its tokens' versions come from the
+    fence, so this run would credit that run's tokens to its own version): it leaves routing at
+    once, what it served meanwhile is not trained, and it serves again only once renewed and
+    verified: refused while the other run holds it (stale, never restarted: not this run's), and
+    refitted if its weights changed (review of issue 36, items 6 and 9)."""
+    clock = Clock()
+    monkeypatch.setattr(fleet_module, "time", clock)
+    provider = FakeProvider("a", step_s=0.01)
+    fleet = Fleet(provider, discovery_interval_s=3600, claim_trusted_s=10, max_restarts=1, log=lambda *_: None)
+    await fleet.start()
+    transport = FakeTransport(provider)
+    await fleet.publish(1, transport, weights)
+    restarted = restarts_with_base_weights(provider)
+    in_flight = asyncio.create_task(fleet.generate(request(max_tokens=50)))
+    await asyncio.sleep(0.05)
+    clock.now += 11  # no renewal: the discovery rounds failed, say
+    assert fleet.routable_workers() == [] and fleet.workers["a"].state == WorkerState.STALE
+    assert "claim may have lapsed" in fleet.workers["a"].error
+    (out,) = await in_flight
+    assert "worker a's claim may have lapsed while it served the request" in out.version_error
+    await fleet.refresh()  # renewed: still this run's, holding v1, so verified and not sent the weights again
+    assert fleet.workers["a"].state == WorkerState.READY and transport.transfers == [(["a"], 1)]
+
+    clock.now += 11
+    assert fleet.routable_workers() == []
+    control = provider.admin(fleet.workers["a"])
+    health = control.health
+    monkeypatch.setattr(control, "health", held_by("runB", "a"))  # taken by another run, which refits it
+    provider.engines["a"].version, provider.engines["a"].checksum = None, "runB's weights"
+    await fleet.refresh()
+    await asyncio.sleep(0.01)
+    assert fleet.routable_workers() == [] and fleet.workers["a"].state == WorkerState.STALE
+    assert "held by another fleetrl run, runB" in fleet.workers["a"].error and restarted == []
+    monkeypatch.setattr(control, "health", health)  # let go: refitted before it serves
+    await fleet.refresh()
+    assert fleet.workers["a"].state == WorkerState.READY and transport.transfers[-1] == (["a"], 1)
+    assert provider.engines["a"].checksum == "sum-v1" and provider.engines["a"].abandoned == 1
+    (out,) = await fleet.generate(request(max_tokens=4))
+    assert out.version_error is None and out.spans == [VersionSpan(1, 0)]
+    await fleet.close()
+
+
+async def test_a_worker_another_run_holds_is_never_restarted(monkeypatch):
+    """A launched worker another run now holds, missed by a listing: its health check, refused,
+    made it stale, and then it was marked dead "gone from discovery" and restarted, killing the
+    other run's worker; a publish's health check made it dead too (review of issue 36, item 9).
+    It stays stale, out of this run's fleet, until that run lets it go."""
+    provider = FakeProvider("a", "b")
+    fleet = Fleet(provider, discovery_interval_s=3600, max_restarts=2, log=lambda *_: None)
+    await fleet.start()
+    restarted = restarts_with_base_weights(provider)
+    monkeypatch.setattr(provider.admin(fleet.workers["b"]), "health", held_by("runB", "b"))
+    listed = provider.discover
+
+    async def without_b():
+        return [w for w in await listed() if w.id != "b"]
+
+    provider.discover = without_b
+    await fleet.refresh()
+    await fleet.refresh()
+    await asyncio.sleep(0.01)
+    assert fleet.workers["b"].state == WorkerState.STALE and restarted == []
+    provider.discover = listed
+    report = await fleet.publish(1, FakeTransport(provider), weights)
+    await asyncio.sleep(0.01)
+    assert report.ready == ["a"] and "held by another fleetrl run, runB" in report.failed["b"]
+    assert fleet.workers["b"].state == WorkerState.STALE and restarted == []
     await fleet.close()

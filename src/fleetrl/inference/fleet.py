@@ -99,7 +99,11 @@ class Fleet:
     def __init__(self, provider: InferenceProvider, pause_mode: PauseMode = "keep",
                  discovery_interval_s: float = 5.0, health_timeout_s: float = 10.0,
                  no_worker_timeout_s: float = 600.0, probe_tolerance: float = 0.1, max_restarts: int = 0,
-                 log=print, on_event: Callable[[FleetEvent], None] = lambda event: None) -> None:
+                 claim_trusted_s: float | None = None, log=print,
+                 on_event: Callable[[FleetEvent], None] = lambda event: None) -> None:
+        """`claim_trusted_s`: how long after a call of this run was sent to a worker (which
+        renews the run's claim on it, engine/worker_claim.py) the fleet counts on the worker being
+        this run's (InferenceConfig.claim_trusted_s); None: the provider's calls claim nothing."""
         self.provider = provider
         self.pause_mode = pause_mode
         self.discovery_interval_s = discovery_interval_s
@@ -107,6 +111,16 @@ class Fleet:
         self.no_worker_timeout_s = no_worker_timeout_s
         self.probe_tolerance = probe_tolerance
         self.restarts_left = max_restarts  # over the whole run, all workers together
+        self.claim_trusted_s = claim_trusted_s
+        # Worker id -> when the last call of this run it answered was sent: its claim holds until
+        # that + inference.claim_lease_s. Only workers the run holds are here (`_check_claims`).
+        self._claimed: dict[str, float] = {}
+        # Worker id -> how often this run's claim on it may have lapsed: a request whose worker's
+        # count changed while it ran may hold another run's tokens (`_check_claimed`).
+        self._lapses: Counter[str] = Counter()
+        # Workers whose claim may have lapsed since they were last verified: another run may have
+        # refitted them, so `_refit` checks what they hold, as at first sight.
+        self._lapsed: set[str] = set()
         self._restarts: set[asyncio.Task] = set()
         # The ids replacements of dead workers came up under (a Dynamo replacement is a new
         # instance), until the fleet finds them alive: a fleet with no live worker waits for them.
@@ -142,6 +156,7 @@ class Fleet:
         self._changed = asyncio.Condition()  # notified whenever routability may have changed
         self._fence = asyncio.Lock()  # held by publish and by refits
         self._discovery: asyncio.Task | None = None
+        self._renewals: asyncio.Task | None = None
         self._unready_since: float | None = None  # since when requests wait with no worker ready
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -179,6 +194,8 @@ class Fleet:
             self.version = self._source.version
         else:
             self.version = launched_version
+        if self.claim_trusted_s is not None:  # from the first claim on: refits one by one may take long
+            self._renewals = asyncio.create_task(self._renewal_loop())
         await self.refresh()
         if not self.routable_workers():
             raise FleetrlError("no inference worker became ready: " + self._describe_failures())
@@ -186,7 +203,7 @@ class Fleet:
 
     async def close(self) -> None:
         self.restarts_left = 0  # a worker that dies as the fleet stops is not started again
-        for task in [self._discovery, *self._restarts]:
+        for task in [self._discovery, self._renewals, *self._restarts]:
             if task:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -206,9 +223,23 @@ class Fleet:
             except Exception as e:  # discovery trouble must not kill the run; it is reported
                 self.log(f"fleetrl: discovery failed: {e}")
 
+    async def _renewal_loop(self) -> None:
+        """Renew the run's claim on every worker it holds (a health check, which claims it) every
+        discovery_interval_s, apart from the discovery rounds: a listing that fails or is slow, or
+        a refit holding the fence, stops those, and a claim that lapsed meanwhile lets another run
+        take a worker this run still routes to. A worker whose check fails is left to discovery;
+        here it only goes unrenewed (`_check_claims` then takes it out)."""
+        while True:
+            await asyncio.sleep(self.discovery_interval_s)
+            held = [w for w in self.workers.values() if w.id in self._claimed]
+            await asyncio.gather(*(self._health(w) for w in held), return_exceptions=True)
+            self._check_claims()
+
     # -- discovery and refit ---------------------------------------------------------------
 
     def ready_workers(self) -> list[WorkerInfo]:
+        """Workers at the fleet's version that this run still holds (`_check_claims` first)."""
+        self._check_claims()
         return [w for w in self.workers.values() if w.state == WorkerState.READY]
 
     def routable_workers(self) -> list[WorkerInfo]:
@@ -255,14 +286,26 @@ class Fleet:
             self.log(f"fleetrl: worker {worker.id} is {worker.error}")
             self._restart_soon(worker)
         missing = [w for w in self.workers.values() if w.id not in listed and w.state != WorkerState.DEAD]
-        for worker, answers in zip(missing, await asyncio.gather(*(self._healthy(w) for w in missing))):
-            if answers:
-                self._unlisted.add(worker.id)
-                self._mark(worker, WorkerState.DEAD, "gone from discovery, though it answers its health check: "
-                                                     "replaced if the next round does not list it either",
-                           restart=False)
-            else:
-                self._mark(worker, WorkerState.DEAD, "gone from discovery")
+        await asyncio.gather(*(self._listing_missed(w) for w in missing))
+
+    async def _listing_missed(self, worker: WorkerInfo) -> None:
+        """A live worker this listing misses: dead, and restarted unless it answers its health
+        check (`_mark_unlisted`); one another run holds now is stale, as in `_healthy`, and never
+        restarted: killing it would take a worker from the run that holds it."""
+        try:
+            answers = await self._health(worker)
+        except WorkerHeldByAnotherRun as e:
+            self._mark(worker, WorkerState.STALE, str(e))
+            return
+        except (ImpostorWorker, SameServerAs):
+            answers = False
+        if answers:
+            self._unlisted.add(worker.id)
+            self._mark(worker, WorkerState.DEAD, "gone from discovery, though it answers its health check: "
+                                                 "replaced if the next round does not list it either",
+                       restart=False)
+        else:
+            self._mark(worker, WorkerState.DEAD, "gone from discovery")
 
     async def _health(self, worker: WorkerInfo) -> bool:
         """Whether the worker answers its health check within `health_timeout_s`: a hung
@@ -272,6 +315,7 @@ class Fleet:
         SameServerAs when it is another live worker's server (`_pin_instance`)."""
         # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation that
         # arrives as the call completes, and the discovery loop would then never stop.
+        sent = time.monotonic()
         try:
             async with asyncio.timeout(self.health_timeout_s):
                 healthy = await self.provider.admin(worker).health()
@@ -281,7 +325,46 @@ class Fleet:
             return False
         if healthy:  # a proven answer: the instance it was signed for is that server's
             self._pin_instance(worker)
+            self._claim_renewed(worker, sent)
         return healthy
+
+    def _claim_renewed(self, worker: WorkerInfo, sent: float) -> None:
+        """A call of this run sent to the worker at `sent` was answered: the run's claim on it
+        holds for inference.claim_lease_s from then (the worker counts the lease from the call's
+        arrival, later still). A lapse before it is counted first: a renewal does not undo it."""
+        if self.claim_trusted_s is not None:
+            self._check_claims([worker])
+            self._claimed[worker.id] = max(sent, self._claimed.get(worker.id, sent))
+
+    def _check_claims(self, workers: list[WorkerInfo] | None = None) -> None:
+        """A worker (of `workers`, default all) none of whose calls answered within
+        `claim_trusted_s` of being sent may have been taken by another run, and refitted by it:
+        its lapse is counted (the requests it serves meanwhile are not trained, `_check_claimed`),
+        `_refit` checks what it holds before it serves again, and a ready one is stale: out of
+        routing until a health check renews the claim (or is refused: another run holds it) and
+        it has been verified. The claim of a worker this run no longer holds is not followed."""
+        now = time.monotonic()
+        for worker in self.workers.values() if workers is None else workers:
+            sent = self._claimed.get(worker.id)
+            if sent is None or now - sent <= self.claim_trusted_s:
+                continue
+            del self._claimed[worker.id]
+            self._lapses[worker.id] += 1
+            self._lapsed.add(worker.id)
+            if worker.state == WorkerState.READY:
+                self._mark(worker, WorkerState.STALE, f"no call of this run answered for {now - sent:.0f} s: its "
+                                                      "claim may have lapsed (inference.claim_lease_s) and another "
+                                                      "run may have refitted it; verified again before it serves")
+
+    def _check_claimed(self, serving: list[WorkerInfo], response: GenerateResponse, dispatched: dict[str, int]) -> None:
+        """A response from a worker whose claim may have lapsed since the request was dispatched
+        (`dispatched`: `_lapses` then) may hold tokens of another run's weights: flagged, never
+        trained."""
+        self._check_claims(serving)
+        for worker in serving:
+            if self._lapses[worker.id] != dispatched[worker.id] and response.version_error is None:
+                response.version_error = (f"worker {worker.id}'s claim may have lapsed while it served the request "
+                                          "(another run may have refitted it): its tokens are not trained")
 
     def _pin_instance(self, worker: WorkerInfo) -> None:
         """Pin the server instance the worker announced to it; SameServerAs if another live
@@ -330,7 +413,9 @@ class Fleet:
     async def _refit(self, worker: WorkerInfo) -> None:
         """Give one worker the fleet's current version before it takes any request."""
         admin = self.provider.admin(worker)
-        first_sight = worker.state == WorkerState.JOINING
+        # Seen for the first time, or after this run's claim on it may have lapsed (another run may
+        # have refitted it meanwhile): what it holds is checked, and it is sent only what it lacks.
+        first_sight = worker.state == WorkerState.JOINING or worker.id in self._lapsed
         if not first_sight and self._source is not None and self._source.named_tensors is None:
             # Nothing to send it: stale (out of routing) until the next publish includes it.
             self._mark(worker, WorkerState.STALE, f"refit to v{self.version} waits for the next publish: "
@@ -346,6 +431,8 @@ class Fleet:
             if self._source is None:
                 # The fleet's version is that of the model folder the provider's workers loaded at
                 # launch (`start`'s launched_version): nothing was published since.
+                if worker.id in self._lapsed:  # it must hold them still: no rank received anything since
+                    await admin.verify_weights(None)
                 await admin.set_version(self.version)
                 reported = await admin.version()
                 if reported != self.version:
@@ -366,7 +453,7 @@ class Fleet:
             probe = self._source.probe if self._source is not None else None
             if probe is not None:
                 self._expect_verdicts([worker], self.version)
-            await admin.resume()
+            await self._resume(worker)
             if probe is not None:
                 await self._agrees(worker, probe, self.ready_prefill_workers())
         except Exception as e:
@@ -377,6 +464,12 @@ class Fleet:
         worker.version = self.version
         self._mark(worker, WorkerState.READY)
         self.log(f"fleetrl: worker {worker.id} ready at v{self.version}")
+
+    async def _resume(self, worker: WorkerInfo) -> None:
+        """Resume the worker: the last call of its publish or refit, which renews this run's claim."""
+        sent = time.monotonic()
+        await self.provider.admin(worker).resume()
+        self._claim_renewed(worker, sent)
 
     async def _unlike(self, worker: WorkerInfo, version: int, checksum: str) -> str | None:
         """How the weights the worker reports differ from `version`'s; None if they do not. A
@@ -519,7 +612,7 @@ class Fleet:
                 self._source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
                 if probe is not None:
                     self._expect_verdicts(verified, version)
-                resumed = await self._each(verified, lambda w: admin(w).resume(), failed, WorkerState.DEAD)
+                resumed = await self._each(verified, self._resume, failed, WorkerState.DEAD)
                 deltas: dict[str, float] = {}
                 if probe is not None:  # still UPDATING here: a worker that disagrees never takes a new request
                     prefills = [w for w in resumed if w.role == WorkerRole.PREFILL]
@@ -604,6 +697,7 @@ class Fleet:
             serving = [w for w in (worker, prefill) if w is not None]
             fleet_version = self.version
             refits = self._refits_of(serving)  # those after this dispatch may have made its tokens
+            lapses = {w.id: self._lapses[w.id] for w in serving}
             try:
                 responses = await self.provider.generate(worker, request, suffix, prefill)
                 break
@@ -638,6 +732,7 @@ class Fleet:
         for response in responses:
             self._check_versions(worker, response, fleet_version)
             await self._check_probed(serving, response, refits)
+            self._check_claimed(serving, response, lapses)
         return responses
 
     async def _answered_badly(self, worker: WorkerInfo, bad: list[GenerateResponse]) -> None:
@@ -754,7 +849,9 @@ class Fleet:
         for worker, result in zip(workers, results):
             if isinstance(result, Exception):
                 failed[worker.id] = str(result)
-                self._mark(worker, state_on_error, str(result))
+                # One another run holds is stale, never dead: not this run's to restart (`_healthy`).
+                held = isinstance(result, WorkerHeldByAnotherRun)
+                self._mark(worker, WorkerState.STALE if held else state_on_error, str(result))
             else:
                 ok.append(worker)
         return ok
@@ -771,6 +868,8 @@ class Fleet:
                                        version=worker.version, error=error))
         if state != WorkerState.DEAD:
             self._replacements.discard(worker.id)
+        if state == WorkerState.READY:  # verified at the fleet's version: refitted or published to
+            self._lapsed.discard(worker.id)
         worker.state = state
         worker.error = error
 

@@ -52,7 +52,8 @@ class SameServerAs(WorkerCallError):
 
 class WorkerHeldByAnotherRun(WorkerCallError):
     """The worker is another fleetrl run's (its claim, engine/worker_claim.py, is live): this run
-    must not publish into it, nor train on what it samples. The fleet takes it for dead."""
+    must not publish into it, nor train on what it samples. The fleet keeps it out: stale, not
+    dead, since it is not this run's to restart."""
 
     def __init__(self, worker_id: str, what: str, holder: str, lease_left_s: float) -> None:
         super().__init__(worker_id, what, f"held by another fleetrl run, {holder} (its claim lapses "
