@@ -21,6 +21,16 @@ def answering(body: dict, status: int = 200):
     return app
 
 
+async def request_body(receive) -> bytes:
+    """An ASGI request's whole body, however many messages it came in."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 @contextmanager
 def serving(app) -> Iterator[str]:
     """`app` served on a free loopback port; yields its base URL."""

@@ -18,7 +18,7 @@ from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.provider import WorkerHeldByAnotherRun
 from fleetrl.inference.types import WorkerInfo
 
-from .asgi_server import serving
+from .asgi_server import request_body, serving
 
 TOKEN = "the-admin-token"
 
@@ -36,12 +36,7 @@ def system_server(calls: list, kind: str):
         return handle
 
     async def app(scope, receive, send):
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         route = scope["path"].removeprefix("/engine/")
         handle = held_for_one_run(claim, handler(route))
         if kind == "fleetrl":

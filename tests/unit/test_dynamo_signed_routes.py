@@ -17,7 +17,7 @@ from fleetrl.engine.dynamo_worker import INSTANCE, _require_signed_calls, signed
 from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerControl
 from fleetrl.inference.provider import ImpostorWorker, WorkerCallError
 
-from .asgi_server import serving
+from .asgi_server import request_body, serving
 
 TOKEN = "the-admin-token"
 
@@ -37,12 +37,7 @@ def system_server(calls: list, token: str = TOKEN, answer_ok_unguarded: bool = F
         return handle if answer_ok_unguarded else signed_calls_only(token, route, handle, instance)
 
     async def app(scope, receive, send):
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         route = scope["path"].removeprefix("/engine/")
         handle = routes.setdefault(route, handler(route))
         result = await handle(None, json.loads(body or b"{}"))
