@@ -5,6 +5,7 @@ three modules later).
 
     metrics.jsonl            StepLine       one per trained step: written by app/rl.py through
                                             monitoring.StepSink, read by status, plots, verify
+                             SftLine        a `fleetrl sft` run's instead (app/sft.py)
     batches/step_N.json      BatchMeta      Batch.meta: how the orchestrator made batch N, and how
                                             what it trains differs from what it generated
     rollouts/step_N.jsonl    RolloutRecord  every sample generated for batch N, trained or not
@@ -282,9 +283,31 @@ class StepLine:
 
 
 @dataclass(frozen=True)
+class SftLine:
+    """One step of `fleetrl sft` (trainer/sft.py), in its metrics.jsonl and wherever StepSink
+    shows it; loss and grad_norm are None where they were not finite."""
+
+    step: int
+    skipped: bool
+    loss: float | None  # mean NLL per assistant token
+    grad_norm: float | None
+    lr: float
+    sequences: int
+    loss_tokens: int
+    tokens: int
+    micro_batches: int
+    tokens_per_s: float
+    train_started: float
+    train_finished: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+@dataclass(frozen=True)
 class EvalLine:
     """One evaluation of `version`: when it began, how long it took, and each environment's
-    figures (prompts, samples, failed, reward_mean, pass@1, pass@k)."""
+    figures (prompts, samples, failed, reward_mean, reward_se, pass@1, pass@k)."""
 
     version: int
     started: float

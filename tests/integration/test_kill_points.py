@@ -27,8 +27,10 @@ fleetrl and everything it started are gone within 10 s; in the end every step ra
 
 import asyncio
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -391,7 +393,8 @@ def check_the_final_model_scores_on_the_runs_server(run_dir, workers) -> None:
     assert records and all(r["worker"] == server and r["spans"] and {v for v, _ in r["spans"]} == {STEPS}
                            for r in records if r["completion_tokens"]), records
     header, *rows = [row.split() for row in done.stdout.strip().splitlines()]
-    assert header == ["environment", "prompts", "completions", "reward_mean", "pass@1", "failed"], done.stdout
+    assert header == ["environment", "prompts", "completions", "reward_mean", "reward_se", "pass@1", "failed"], \
+        done.stdout
     table = {row[0]: dict(zip(header[1:], row[1:])) for row in rows}
     assert set(table) == set(line.envs), done.stdout
     for env, row in table.items():
@@ -400,5 +403,6 @@ def check_the_final_model_scores_on_the_runs_server(run_dir, workers) -> None:
         assert rewards, mine
         assert row == {"prompts": "8", "completions": str(len(mine)),
                        "reward_mean": f"{sum(rewards) / len(rewards):.3f}",
+                       "reward_se": f"{statistics.stdev(rewards) / math.sqrt(len(rewards)):.3f}",  # 1 per prompt
                        "pass@1": f"{sum(r >= 1.0 for r in rewards) / len(rewards):.3f}",
                        "failed": str(len(mine) - len(rewards))}, (done.stdout, line)

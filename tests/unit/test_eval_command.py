@@ -4,7 +4,9 @@ test_kill_points.py)."""
 
 import asyncio
 import json
+import math
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -96,8 +98,10 @@ def test_a_runs_final_model_is_scored_at_the_runs_final_version_with_the_runs_co
     table = printed_table(out)
     assert list(table) == ["arithmetic"]
     assert table["arithmetic"] == {"prompts": "3", "completions": "3", "reward_mean": f"{figures['reward_mean']:.3f}",
-                                   "pass@1": f"{figures['pass@1']:.3f}", "failed": str(figures["failed"])}
+                                   "reward_se": f"{figures['reward_se']:.3f}", "pass@1": f"{figures['pass@1']:.3f}",
+                                   "failed": str(figures["failed"])}
     assert figures["reward_mean"] == pytest.approx(sum(r["reward"] for r in scored) / 3)
+    assert figures["reward_se"] == pytest.approx(statistics.stdev(r["reward"] for r in scored) / math.sqrt(3))
     # The run as it was, but for the lock it was held by while its model was scored.
     assert sorted(p.name for p in run.iterdir()) == [".lock", "config.toml", "final_model"]
     (fleet,) = fake_fleet
@@ -111,7 +115,7 @@ def test_a_model_folder_is_scored_at_v0_and_pass_at_k_is_shown_for_k_above_1(tmp
                  "--eval.samples_per_prompt", "3", "--orchestrator.max_tokens", "4"]) == 0
     table = printed_table(capsys.readouterr().out)
     assert list(table) == ["reverse_text"] and set(table["reverse_text"]) == {
-        "prompts", "completions", "reward_mean", "pass@1", "pass@3", "failed"}
+        "prompts", "completions", "reward_mean", "reward_se", "pass@1", "pass@3", "failed"}
     assert table["reverse_text"]["completions"] == "6"
     assert all(r["spans"] == [[0, 0]] for r in records(out_dir, 0))
     assert (out_dir / "eval.jsonl").exists()
@@ -204,12 +208,12 @@ def test_the_default_out_is_beside_what_is_scored_and_never_inside_a_run(tmp_pat
 
 
 def test_the_table_has_a_row_per_environment_and_a_dash_for_what_nothing_scored():
-    figures = {"reverse": {"prompts": 2, "samples": 8, "failed": 0, "reward_mean": 0.4375, "pass@1": 0.25,
-                           "pass@4": 0.5},
-               "arithmetic": {"prompts": 2, "samples": 8, "failed": 8, "reward_mean": None, "pass@1": None,
-                              "pass@4": None}}
+    figures = {"reverse": {"prompts": 2, "samples": 8, "failed": 0, "reward_mean": 0.4375, "reward_se": 0.0625,
+                           "pass@1": 0.25, "pass@4": 0.5},
+               "arithmetic": {"prompts": 2, "samples": 8, "failed": 8, "reward_mean": None, "reward_se": None,
+                              "pass@1": None, "pass@4": None}}
     assert eval_command.table(figures, k=4).splitlines() == [
-        "environment  prompts  completions  reward_mean  pass@1  pass@4  failed",
-        "reverse      2        8            0.438        0.250   0.500   0",
-        "arithmetic   2        8            -            -       -       8",
+        "environment  prompts  completions  reward_mean  reward_se  pass@1  pass@4  failed",
+        "reverse      2        8            0.438        0.062      0.250   0.500   0",
+        "arithmetic   2        8            -            -          -       -       8",
     ]

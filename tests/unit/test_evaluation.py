@@ -4,6 +4,7 @@ the built-in environments' held-out split."""
 import itertools
 import json
 import math
+import statistics
 
 import pytest
 
@@ -11,11 +12,17 @@ from fleetrl.config import EvalConfig
 from fleetrl.envs import EnvError, get_environment
 from fleetrl.envs.base import eval_stream, held_out
 from fleetrl.envs.mix import RunEnv
-from fleetrl.orchestrator.evaluation import Evaluator, pass_at_k
+from fleetrl.orchestrator.evaluation import Evaluator, pass_at_k, standard_error
 from fleetrl.records import EvalLine
 from fleetrl.rundir import VerifyError, check_eval
 
 from .test_orchestrator import Env, make
+
+
+def test_the_standard_error_is_the_sample_standard_deviation_over_root_n():
+    assert standard_error([0.0, 1.0]) == pytest.approx(math.sqrt(0.5) / math.sqrt(2))  # 0.5
+    assert standard_error([0.2, 0.4, 0.9]) == pytest.approx(statistics.stdev([0.2, 0.4, 0.9]) / math.sqrt(3))
+    assert standard_error([0.7]) is None and standard_error([]) is None
 
 
 def test_pass_at_k_by_hand():
@@ -49,7 +56,7 @@ async def test_an_evaluation_scores_every_prompt_at_one_version_and_records_it()
     evaluator = Evaluator(orch, [RunEnv("fake", Env(lambda rollout: next(rewards)))], config, seed=0,
                           held_out_only=False, run_dir=orch.run_dir, last_step=3, log=lambda *_: None)
     figures = await evaluator.evaluate(fleet.version)
-    assert figures == {"fake": {"prompts": 3, "samples": 12, "failed": 0, "reward_mean": 0.25,
+    assert figures == {"fake": {"prompts": 3, "samples": 12, "failed": 0, "reward_mean": 0.25, "reward_se": 0.0,
                                 "pass@1": pytest.approx(0.25), "pass@4": 1.0}}
     records = [json.loads(line) for line in orch.run_dir.eval_records_path(0).read_text().splitlines()]
     assert len(records) == 12 and {r["task"] for r in records} == {"fake/t0-0", "fake/t0-1", "fake/t0-2"}

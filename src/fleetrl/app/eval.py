@@ -221,13 +221,15 @@ async def evaluate(config: Config, fleet: Fleet, model_dir: Path, version: int, 
 
 
 def table(figures: dict[str, dict], k: int) -> str:
-    """An evaluation's figures, an environment a row; pass@k for k = eval.samples_per_prompt
-    when it is more than 1 (else it is pass@1). "-": nothing of it could be scored."""
+    """An evaluation's figures, an environment a row: the mean reward and its standard error
+    (reward_se); pass@k for k = eval.samples_per_prompt when it is more than 1 (else it is
+    pass@1). "-": nothing of it could be scored (reward_se: fewer than two prompts)."""
     def cell(value) -> str:
         return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
     pass_at_k = [f"pass@{k}"] if k > 1 else []
-    header = ("environment", "prompts", "completions", "reward_mean", "pass@1", *pass_at_k, "failed")
-    rows = [(name, *(cell(f[key]) for key in ("prompts", "samples", "reward_mean", "pass@1", *pass_at_k, "failed")))
+    header = ("environment", "prompts", "completions", "reward_mean", "reward_se", "pass@1", *pass_at_k, "failed")
+    rows = [(name, *(cell(f[key]) for key in ("prompts", "samples", "reward_mean", "reward_se", "pass@1", *pass_at_k,
+                                              "failed")))
             for name, f in figures.items()]
     return "\n".join(aligned([header, *rows]))

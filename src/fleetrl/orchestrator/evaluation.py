@@ -11,7 +11,9 @@ it on the same fleet.
 The prompts are the same at every evaluation: the first `eval.prompts` of each environment's
 held-out split (envs/base.HeldOutSplit), which training never samples; or of an environment
 named for evaluation alone (`eval.envs`). Figures per environment:
-- `reward_mean` over the scored completions;
+- `reward_mean` over the scored completions, and `reward_se`, its standard error over prompts
+  (`standard_error` of the prompts' mean rewards: the spread of the held-out figure when the
+  prompts are a sample of the task);
 - `pass@1`, and `pass@k` for k = samples_per_prompt: the unbiased estimate over prompts of the
   chance that one of k completions passes (reward >= eval.pass_reward);
 - `failed`: completions that could not be scored (an empty one, a failed reward or episode).
@@ -43,6 +45,16 @@ def pass_at_k(samples: int, passed: int, k: int) -> float:
     if samples - passed < k:
         return 1.0
     return 1.0 - math.comb(samples - passed, k) / math.comb(samples, k)
+
+
+def standard_error(values: list[float]) -> float | None:
+    """The standard error of the mean of `values`: their sample standard deviation / sqrt(n);
+    None for fewer than two."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
 class Evaluator:
@@ -120,15 +132,16 @@ class Evaluator:
 
     def _figures(self, groups: list[list[tuple[Scored, RolloutRecord]]]) -> dict:
         k = self.config.samples_per_prompt
-        rewards = [s.reward for group in groups for s, record in group if record.drop_reason is None]
-        passes = [(len(usable), sum(r >= self.config.pass_reward for r in usable))
-                  for group in groups
-                  if (usable := [s.reward for s, record in group if record.drop_reason is None])]
+        per_prompt = [usable for group in groups
+                      if (usable := [s.reward for s, record in group if record.drop_reason is None])]
+        rewards = [r for usable in per_prompt for r in usable]
+        passes = [(len(usable), sum(r >= self.config.pass_reward for r in usable)) for usable in per_prompt]
         figures = {
             "prompts": len(groups),
             "samples": sum(len(group) for group in groups),
             "failed": sum(record.drop_reason is not None for group in groups for _, record in group),
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "reward_se": standard_error([sum(usable) / len(usable) for usable in per_prompt]),
             "pass@1": sum(pass_at_k(n, c, 1) for n, c in passes) / len(passes) if passes else None,
         }
         if k > 1:
