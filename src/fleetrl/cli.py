@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(
             name, help=help_text, description=help_text, allow_abbrev=False,
             usage=f"fleetrl {name}{' [RUN_DIR]' if name in RUN_DIR_COMMANDS else ''}"
-                  f"{' OUT_DIR' if name == 'export' else ''}{' MODEL_OR_RUN' if name == 'eval' else ''} "
+                  f"{' OUT_DIR' if name == 'export' else ''}{' [MODEL_OR_RUN]' if name == 'eval' else ''} "
                   "[@ CONFIG.toml ...] "
                   "[--SECTION.KEY VALUE ...] [options]",
         )
@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("model_or_run", nargs="?", type=Path, metavar="MODEL_OR_RUN",
                              help="A Hugging Face model folder (scored as version 0), or a run directory: its "
                                   "config.toml is the config this command starts from, and its final_model/ (else "
-                                  "its newest complete checkpoint) is scored at its version.")
+                                  "its newest complete checkpoint) is scored at its version [default: the config's "
+                                  "own model, model.path else the embedded default; --out is then needed].")
             sub.add_argument("--step", type=int, metavar="N",
                              help="Score the run's checkpoint of step N, exported into a temporary folder "
                                   "[default: RUN_DIR/final_model, else the newest complete checkpoint].")

@@ -121,6 +121,17 @@ def test_a_model_folder_is_scored_at_v0_and_pass_at_k_is_shown_for_k_above_1(tmp
     assert (out_dir / "eval.jsonl").exists()
 
 
+def test_without_a_model_or_run_the_configs_own_model_is_scored_into_out(tmp_path, fake_fleet, capsys):
+    """The base a run would start from (model.path here; unset, the embedded default), at v0."""
+    model = model_folder(tmp_path / "base")
+    out_dir = tmp_path / "base-scores"
+    assert main(["eval", "--model.path", str(model), "--out", str(out_dir), "--eval.prompts", "2",
+                 "--orchestrator.max_tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert f"fleetrl eval: {model} at v0: 2 prompt(s) of reverse_text" in err
+    assert list(printed_table(out)) == ["reverse_text"] and len(records(out_dir, 0)) == 2
+
+
 def test_a_checkpoint_is_exported_into_a_temporary_folder_and_scored_at_its_step(tmp_path, fake_fleet, capsys):
     """No final model (or --step N): the checkpoint, exported with `fleetrl export`'s code into
     OUT, which keeps nothing of it once the command ends."""
@@ -149,8 +160,9 @@ def test_attached_workers_are_held_to_the_models_weights_at_its_version(tmp_path
 
 
 @pytest.mark.parametrize("args, message", [
-    (["eval"], "fleetrl eval needs a model folder or a run directory: fleetrl eval MODEL_OR_RUN [--step N] "
-               "[--out DIR]"),
+    (["eval"], "fleetrl eval without MODEL_OR_RUN scores the config's own model (model.path, else the embedded "
+               "default): name a new folder for its records with --out DIR"),
+    (["eval", "--model.path", "{tmp}/model", "--out", "{tmp}/empty"], "--out {tmp}/empty exists"),
     (["eval", "{tmp}/nowhere"], "MODEL_OR_RUN {tmp}/nowhere does not exist"),
     (["eval", "{tmp}/empty"], "MODEL_OR_RUN {tmp}/empty is neither a Hugging Face model folder (no config.json) nor a "
                               "run directory (no config.toml)"),

@@ -1,4 +1,4 @@
-"""`fleetrl eval MODEL_OR_RUN`: a saved model scored on the environments of a run's evaluation,
+"""`fleetrl eval [MODEL_OR_RUN]`: a saved model scored on the environments of a run's evaluation,
 printed as a table, its records written to a folder of their own.
 
 MODEL_OR_RUN is a Hugging Face model folder (with config.json) or a run directory (with
@@ -7,8 +7,11 @@ config files and flags on top (`config_files`); the model scored is the run's fi
 the version recorded in it (trainer/export.VERSION_FILE), or a checkpoint (`--step N`, else the
 newest complete one when there is no final model), exported into a temporary folder inside OUT,
 at its step. A model folder is scored at the version recorded in it, else 0, with the config of
-the run directory it lies in, if any. The run directory is held (locked) while its model is
-scored: a running run is refused, and none can start and replace the model meanwhile.
+the run directory it lies in, if any. Without MODEL_OR_RUN, the config's own model (model.path,
+else the embedded default) is that model folder: the base a run would start from, scored with
+the config files and flags given, its records in `--out DIR`. The run directory is held (locked)
+while its model is scored: a running run is refused, and none can start and replace the model
+meanwhile.
 
 What is scored is `[eval]` as `fleetrl rl` evaluates during training, through the same
 Evaluator: the environments eval.envs names, else the config's own on their held-out split;
@@ -53,9 +56,6 @@ from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir
 from fleetrl.trainer.export import VERSION_FILE, export_hf, folder_version
 
-USAGE = "fleetrl eval MODEL_OR_RUN [--step N] [--out DIR]"
-
-
 def to_stderr(line: str) -> None:
     """The command's progress lines: stdout is the table's."""
     print(line, file=sys.stderr)
@@ -83,10 +83,10 @@ class EvalPlan:
 
 def config_files(model_or_run: Path | None) -> list[Path]:
     """The config files `fleetrl eval MODEL_OR_RUN` starts from, under its own: the config.toml
-    of the run directory it is or lies in (a run's final_model/); none for another model folder.
-    Anything else is refused, naming it."""
+    of the run directory it is or lies in (a run's final_model/); none for another model folder,
+    or without MODEL_OR_RUN (the config's own model). Anything else is refused, naming it."""
     if model_or_run is None:
-        raise FleetrlError(f"fleetrl eval needs a model folder or a run directory: {USAGE}")
+        return []
     if is_model_folder(model_or_run):  # a run's final_model/, say, is scored as the run evaluates
         run = run_of(model_or_run.absolute().parent)
         return [RunDir(run).config_path] if run is not None else []
@@ -103,10 +103,16 @@ def is_model_folder(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
-def plan(config: Config, model_or_run: Path, step: int | None, out: Path | None, log=to_stderr) -> EvalPlan:
+def plan(config: Config, model_or_run: Path | None, step: int | None, out: Path | None,
+         log=to_stderr) -> EvalPlan:
     """What `fleetrl eval` (and its --dry-run) refuses before it starts anything: the model, a
     folder to write that exists already or lies inside a run directory, an environment that
-    cannot be evaluated."""
+    cannot be evaluated. No MODEL_OR_RUN: the config's own model, into --out."""
+    if model_or_run is None:
+        if out is None:
+            raise FleetrlError("fleetrl eval without MODEL_OR_RUN scores the config's own model (model.path, else "
+                               "the embedded default): name a new folder for its records with --out DIR")
+        model_or_run = resolve_model(config.model, log)
     model = find_model(config, model_or_run, step, log)
     if out is None and (out := default_out(model_or_run, model.version)).exists():
         raise FleetrlError(f"{out}, where fleetrl eval writes the records by default, exists: remove it, or name "
