@@ -74,8 +74,8 @@ def load_table(path: str | Path, split: str | None = None) -> datasets.Dataset:
 
 def check_fields(table: datasets.Dataset, path: str | Path, fields: dict[str, str | tuple[str, ...]]) -> dict[str, str]:
     """Check that every row of `table` (as `load_table` gave it) has each field of `fields`, of
-    one of the kinds given for it (a kind of KINDS, or a tuple of them); the kind each field
-    has. The first bad row is found by Arrow kernels, and named in the DataFileError."""
+    one of the kinds given for it (a kind of KINDS, or a tuple of them); which of those kinds
+    each field is. The first bad row is found by Arrow kernels, and named in the DataFileError."""
     found = {}
     for field, wanted in fields.items():
         kinds = (wanted,) if isinstance(wanted, str) else tuple(wanted)

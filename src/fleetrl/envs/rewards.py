@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetrl.envs.base import EnvError
+from fleetrl.envs.imports import load_attribute
 
 Reward = Callable[[str, Any], float]
 
@@ -70,9 +71,6 @@ def resolve_reward(spec: str, **options: Any) -> Reward:
     if spec in MENU:
         fn = MENU[spec]
     elif ":" in spec:
-        # Imported here: fleetrl.envs imports the environments, which import this module.
-        from fleetrl.envs import load_attribute
-
         fn = load_attribute(where, *spec.split(":", 1))
     else:
         raise EnvError(f"unknown reward '{spec}' (the menu: {', '.join(MENU)}; or module.path:function)")
