@@ -1,0 +1,96 @@
+"""`reasoning_gym:<dataset>`: any procedural dataset of the `reasoning-gym` library, scored by
+the dataset's own `score_answer`.
+
+Options are the fields of the dataset's config (a dataclass, e.g. `basic_arithmetic`'s
+`min_terms`, `max_digits`, `operators`), except `seed`: the run's seed seeds the tasks. Each task
+is reasoning_gym's default system prompt (think step by step, then the final answer alone inside
+`<answer>...</answer>`) and the entry's `question` as the user message. The reward is
+`score_answer(extract_answer(completion), entry)`: the last `<answer>` tag's text (None without
+one, which scores 0), clamped into [0, 1] (some scorers overshoot 1 by a rounding error); an
+answer the scorer cannot parse at all (it raises) scores 0.
+
+The stream is endless and exact per seed: chunk c holds the `size` entries (the config's own
+field, 500 by default) of a dataset created with a seed hashed from the run's seed and c, in
+order. The seeds are hashed, not consecutive, because a dataset's entry i is drawn from
+`Random(seed + i)`: consecutive seeds would repeat each other's entries shifted by one. A task's
+id is `{seed}-{position}`. The held-out split is `HeldOutSplit`'s: one prompt in ten by a hash of
+its messages, so a question that several seeds generate is always on the same side.
+
+`reasoning-gym` is optional (`pip install -e ".[reasoning-gym]"`, which scripts/setup.sh runs):
+it is imported only when such an environment is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import importlib.util
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from fleetrl.envs.base import EnvError, HeldOutSplit, Rollout, Task, one_line
+
+CLOSE_NAMES = 5  # how many dataset names an unknown name's error suggests
+
+
+def _import_reasoning_gym():
+    if importlib.util.find_spec("reasoning_gym") is None:
+        raise EnvError("reasoning_gym environments need the 'reasoning-gym' package, which scripts/setup.sh "
+                       "installs: pip install -e '.[reasoning-gym]'")
+    import reasoning_gym
+    import reasoning_gym.factory
+    import reasoning_gym.utils
+
+    return reasoning_gym
+
+
+class ReasoningGymEnvironment(HeldOutSplit):
+    def __init__(self, dataset: str, **options: Any) -> None:
+        self.name = f"reasoning_gym:{dataset}"
+        self._rg = rg = _import_reasoning_gym()
+        datasets = rg.factory.DATASETS
+        if dataset not in datasets:
+            close = difflib.get_close_matches(dataset, datasets, n=CLOSE_NAMES, cutoff=0.5)
+            hint = f"close: {', '.join(close)}" if close else f"e.g. {', '.join(sorted(datasets)[:CLOSE_NAMES])}"
+            raise EnvError(f"env {self.name}: reasoning_gym has no dataset '{dataset}' ({hint}; "
+                           f"{len(datasets)} in all)")
+        if dataset == "composite":
+            raise EnvError(f"env {self.name}: mix reasoning_gym datasets with [[orchestrator.envs]] instead")
+        fields = [f.name for f in dataclasses.fields(datasets[dataset][1]) if f.name != "seed"]
+        if "seed" in options:
+            raise EnvError(f"env {self.name}: option 'seed': the run's seed (run.seed) seeds the tasks")
+        if unknown := sorted(set(options) - set(fields)):
+            raise EnvError(f"env {self.name}: unknown option '{unknown[0]}' (the dataset's config fields: "
+                           f"{', '.join(fields)})")
+        self.dataset = dataset
+        self.options = options
+        try:
+            # The dataset that scores: `score_answer` depends on the config, not on the seed.
+            self._scorer = rg.create_dataset(dataset, seed=0, **options)
+        except Exception as e:  # the configs check themselves with asserts, or fail on a wrong type
+            raise EnvError(f"env {self.name}: options {options}: {one_line(e)}") from None
+        self.size = self._scorer.size
+        if not isinstance(self.size, int) or self.size < 1:
+            raise EnvError(f"env {self.name}: option 'size' must be an integer >= 1, got {self.size!r}")
+
+    def generate(self, seed: int) -> Iterator[Task]:
+        system = {"role": "system", "content": self._rg.utils.SYSTEM_PROMPTS["default"]}
+        position = 0
+        for chunk in itertools.count():
+            # 31 bits: a dataset may seed numpy with `seed + index`, which must stay below 2**32.
+            chunk_seed = int.from_bytes(hashlib.sha256(f"{seed}/{chunk}".encode()).digest()[:4], "big") >> 1
+            for entry in self._rg.create_dataset(self.dataset, seed=chunk_seed, **self.options):
+                yield Task(id=f"{seed}-{position}", messages=[system, {"role": "user", "content": entry["question"]}],
+                           answer=entry)
+                position += 1
+
+    def reward(self, rollout: Rollout) -> float:
+        answer = self._rg.utils.extract_answer(rollout.completion)
+        try:
+            value = float(self._scorer.score_answer(answer, rollout.task.answer))
+        except Exception:  # e.g. prime_factorization raises ValueError on an answer that is not numbers
+            return 0.0
+        return min(max(value, 0.0), 1.0) if math.isfinite(value) else value
