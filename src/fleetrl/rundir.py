@@ -529,8 +529,13 @@ def verify_run(root: Path) -> str:
 
 
 def eval_summary(figures: dict[str, dict]) -> str:
-    """An evaluation's figures in a line: each environment's reward and pass@1."""
-    return ", ".join(f"{name} reward {f['reward_mean']:.3f} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
+    """An evaluation's figures in a line: each environment's reward (± its standard error, where
+    there is one: none of a single prompt, or in eval.jsonl lines older than it) and pass@1."""
+    def reward(f: dict) -> str:
+        se = f.get("reward_se")
+        return f"{f['reward_mean']:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+
+    return ", ".join(f"{name} reward {reward(f)} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
                      else f"{name} nothing scored" for name, f in figures.items())
 
 
