@@ -510,7 +510,8 @@ class EnvEntry(Section):
     name: str = Field(min_length=1, pattern=r"^[^/]+$", description="How the run reports it: per-environment "
                       "figures in metrics.jsonl, the `env` of each record and sample, task ids `name/<id>`. Unique, "
                       "without a `/`.")
-    env: str = Field("", description="The environment, as orchestrator.env names one; empty = `name`.")
+    env: str = Field("", description="The environment, as orchestrator.env names one (a built-in name, "
+                     "verifiers:<env id>, module.path:Attr, or a registered name); empty = `name`.")
     options: dict[str, Any] = Field(default_factory=dict, description="Its keyword options, as "
                                     "orchestrator.env_options.")
     weight: float = Field(1.0, gt=0, description="Its share of the prompts: each prompt's environment is "
@@ -538,12 +539,14 @@ class OrchestratorConfig(Section):
     env: str = Field(
         "reverse_text",
         description="Environment: a built-in task (reverse_text, arithmetic; multi-turn: arithmetic_retry, and "
-        "calculator, with a tool) or verifiers:<env id>.",
+        "calculator, with a tool), verifiers:<env id>, module.path:Attr (a class or factory, imported with the "
+        "current directory on sys.path), or a name an installed package registers (entry points "
+        "`fleetrl.environments`). docs/environments.md.",
     )
     env_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword options of the environment (e.g. {max_len = 5} for reverse_text; "
-        "{config = {...}} for a verifiers taskset).",
+        description="Keyword options of the environment: its class's or factory's keyword arguments (e.g. "
+        "{max_len = 5} for reverse_text; {config = {...}} for a verifiers taskset).",
     )
     envs: list[EnvEntry] = Field(
         default_factory=list,
@@ -849,7 +852,8 @@ class EvalConfig(Section):
         "evaluated token is of the one version (records in RUN_DIR/eval/, which `fleetrl verify` checks).")
     envs: list[EnvEntry] = Field(
         default_factory=list,
-        description="What to evaluate on, as orchestrator.envs entries; empty = the run's own environments, on "
+        description="What to evaluate on, as orchestrator.envs entries (their `env` any form orchestrator.env "
+        "takes, module.path:Attr included); empty = the run's own environments, on "
         "their held-out split (the built-in ones keep one in ten tasks out of training). A named environment "
         "without a held-out split is evaluated on its tasks: name one training does not use.")
     prompts: int = Field(32, ge=1, description="Prompts per environment, the same ones at every evaluation.")

@@ -1,9 +1,13 @@
 """The README's commands that start no training run, as written: `fleetrl inference` on a real
-vLLM CPU server, the resolved config, the help; and `fleetrl inference` stopped by Ctrl-C and by
-SIGKILL, where a process-level property is cheapest to check."""
+vLLM CPU server, the resolved config, the help; docs/environments.md's dry runs of its examples,
+named by import path; and `fleetrl inference` stopped by Ctrl-C and by SIGKILL, where a
+process-level property is cheapest to check."""
 
+import re
 import signal
 import time
+
+import pytest
 
 from tests.documented import documented, run_documented
 
@@ -33,6 +37,25 @@ def test_the_readmes_dry_run_prints_the_default_config_and_starts_nothing():
     done = run_documented(".venv/bin/fleetrl rl --dry-run")
     assert done.returncode == 0, done.stderr
     assert "[inference]" in done.stdout and 'provider = "vllm"' in done.stdout and "[trainer]" in done.stdout
+
+
+# docs/environments.md's commands: each example of examples/my_envs/ loaded from the repository
+# root by a console script (whose sys.path holds no current directory of its own) and checked.
+ENVIRONMENT_DRY_RUNS = (
+    ".venv/bin/fleetrl rl @ configs/default.toml --orchestrator.env examples.my_envs.shout:Shout --dry-run",
+    ".venv/bin/fleetrl rl @ configs/default.toml --orchestrator.env examples.my_envs.guess:Guess "
+    "--orchestrator.env_options '{high = 20}' --dry-run",
+    ".venv/bin/fleetrl rl @ configs/default.toml --orchestrator.env examples.my_envs.weather:Weather "
+    "--orchestrator.max_turns 3 --orchestrator.max_tokens 40 --dry-run",
+)
+
+
+@pytest.mark.parametrize("command", ENVIRONMENT_DRY_RUNS)
+def test_the_environment_pages_dry_runs_load_its_examples(command):
+    done = run_documented(command)
+    assert done.returncode == 0, done.stderr
+    (env,) = re.findall(r"--orchestrator.env (\S+)", command)
+    assert f'env = "{env}"' in done.stdout
 
 
 def test_the_readmes_help_lists_every_command():

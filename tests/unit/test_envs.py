@@ -149,8 +149,9 @@ def test_a_raising_task_stream_becomes_an_env_error():
 
 
 def test_unknown_environment_lists_the_known_ones():
-    with pytest.raises(EnvError, match=r"^unknown environment 'revers_text' \(known: reverse_text, arithmetic, arithmetic_retry, "
-                                       r"calculator, verifiers:<taskset id>\)$"):
+    with pytest.raises(EnvError, match=r"^unknown environment 'revers_text' \(built-in: reverse_text, arithmetic, "
+                                       r"arithmetic_retry, calculator.*; registered: .*; or module.path:Attr, "
+                                       r"verifiers:<taskset id>.*\)$"):
         get_environment("revers_text")
 
 

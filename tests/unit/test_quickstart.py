@@ -1,5 +1,5 @@
-"""Every command of README.md and docs/quickstart.md is run by some test, as written
-(tests/documented.py)."""
+"""Every command of README.md, docs/quickstart.md and docs/environments.md is run by some test,
+as written (tests/documented.py)."""
 
 import ast
 
