@@ -1,13 +1,14 @@
 """Environments by spec (`orchestrator.env`, an entry's `env`), resolved in this order: a built-in
-name (BUILTIN: single-turn reverse_text, arithmetic; multi-turn arithmetic_retry; with a tool,
-calculator); a prefix of PREFIXES (`verifiers:<taskset id>`, a taskset of the `verifiers`
-library); `module.path:Attr`, any other spec with a colon, imported with the current directory
-on sys.path after the installed packages (as `python -m` does, so a package beside the user's
-configs works uninstalled); a name an installed package registers in the entry-point group
-`fleetrl.environments` (a built-in name wins over a registered one; two packages registering one
-name is an error). `Attr`, by import path or entry point, is a class or a factory (any callable),
-called with the options as keyword arguments, and what it makes is checked against the contract
-(`check_contract`). Every failure is an `EnvError` of one line that names the spec."""
+name (BUILTIN: single-turn reverse_text, arithmetic, dataset; multi-turn arithmetic_retry; with a
+tool, calculator); a prefix of PREFIXES (`verifiers:<taskset id>`, a taskset of the `verifiers`
+library; `reasoning_gym:<dataset>`); `module.path:Attr`, any other spec with a colon, imported
+with the current directory on sys.path after the installed packages (envs/imports.py, so a
+package beside the user's configs works uninstalled); a name an installed package registers in
+the entry-point group `fleetrl.environments` (a built-in name wins over a registered one; two
+packages registering one name is an error). `Attr`, by import path or entry point, is a class or
+a factory (any callable), called with the options as keyword arguments, and what it makes is
+checked against the contract (`check_contract`). Every failure is an `EnvError` of one line that
+names the spec."""
 
 from __future__ import annotations
 
