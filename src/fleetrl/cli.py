@@ -21,6 +21,9 @@ from fleetrl.errors import FleetrlError
 
 COMMANDS = {
     "rl": "Run an RL job: fleet, trainer ranks and orchestrator.",
+    "sft": "Supervised warm start: train the policy on a dataset of conversations or prompt/completion pairs "
+           "([sft]; the loss on the assistant's tokens) with the RL trainer's ranks, LoRA and checkpoints; "
+           "RUN_DIR/final_model is a model.path for `fleetrl rl`. No inference worker is started.",
     "inference": "Start the inference fleet, sample a few completions, print them and shut down.",
     "status": "Show each worker of a fleet (a running run's, or the one the config names): role, state, "
               "policy version, weight checksum, requests in flight, last publish; for a finished run, how it left them.",

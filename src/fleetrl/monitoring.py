@@ -16,7 +16,7 @@ from typing import Protocol
 
 from fleetrl.config import Config, to_toml
 from fleetrl.errors import FleetrlError
-from fleetrl.records import StepLine
+from fleetrl.records import SftLine, StepLine
 from fleetrl.rundir import RunDir
 
 # Fields of a step line that are no measure to chart: wall-clock stamps and identities.
@@ -111,6 +111,18 @@ class StepSink:
         for text in outlier_texts(line):
             self.log(text)
         self.log(step_text(line, self.max_steps, self.dynamic_sampling))
+
+    def write_sft(self, line: SftLine) -> None:
+        """A `fleetrl sft` step's line, to the same places as `write`'s."""
+        self.run_dir.append_metrics(line)
+        self._chart(line.step, line.to_dict())
+        loss = f"{line.loss:.4f}" if line.loss is not None else "n/a"
+        if self.view is not None:
+            self.view.step_done(line.step, f"loss {loss}")
+        self.log(f"step {line.step}/{self.max_steps}  loss {loss}  {line.sequences} sequences, {line.loss_tokens} "
+                 f"trained of {line.tokens} tokens in {line.micro_batches} micro-batch(es)  lr {line.lr:.1e}  "
+                 f"grad norm {line.grad_norm if line.grad_norm is None else f'{line.grad_norm:.3f}'}  "
+                 f"train {line.train_finished - line.train_started:.1f}s")
 
     def write_eval(self, version: int, figures: dict[str, dict]) -> None:
         """An evaluation no step's line carries (the version the run starts from): charted at its

@@ -63,7 +63,7 @@ from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import eval_plot, off_policy_plot, reward_plot, timeline_plot
-from fleetrl.records import EvalLine, FleetEvent, RolloutRecord, StepLine, event_to_dict, read, read_event
+from fleetrl.records import EvalLine, FleetEvent, RolloutRecord, SftLine, StepLine, event_to_dict, read, read_event
 from fleetrl.versions import is_run_id, new_run_id, off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -104,6 +104,7 @@ RUN_DEFINING = (
     "trainer.kl_coef",  # the loss
     "trainer.lora",  # what is trained (adapter or all weights) and what the checkpoints hold
     "run.seed",  # the task stream the resume continues
+    "sft",  # the rows each step of a `fleetrl sft` run trains on
 )
 
 
@@ -176,9 +177,11 @@ class DeploymentPaths:
 class RunDir:
     """The paths of one run directory, and every write into it."""
 
-    def __init__(self, root: Path, log=print) -> None:
+    def __init__(self, root: Path, log=print, lines: type = StepLine) -> None:
+        """`lines`: the record of metrics.jsonl, SftLine for a `fleetrl sft` run."""
         self.root = Path(root)
         self.log = log
+        self.lines = lines
         self.config_path = self.root / "config.toml"
         self.metrics_path = self.root / "metrics.jsonl"
         self.final_path = self.root / "final.json"
@@ -378,7 +381,7 @@ class RunDir:
     def write_rollouts(self, step: int, records: list[RolloutRecord]) -> Path:
         return atomic_write(self.rollouts_path(step), json_lines([r.to_dict() for r in records]))
 
-    def append_metrics(self, line: StepLine) -> None:
+    def append_metrics(self, line: StepLine | SftLine) -> None:
         append_line(self.metrics_path, json.dumps(line.to_dict()))
 
     def write_eval(self, records: list[RolloutRecord], line: EvalLine) -> None:
@@ -399,8 +402,8 @@ class RunDir:
     def read_evals(self) -> list[EvalLine]:
         return self._read_records(self.eval_path, functools.partial(read, EvalLine))
 
-    def read_metrics(self) -> list[StepLine]:
-        return self._read_records(self.metrics_path, functools.partial(read, StepLine))
+    def read_metrics(self) -> list[StepLine] | list[SftLine]:
+        return self._read_records(self.metrics_path, functools.partial(read, self.lines))
 
     def write_final(self, final: dict) -> Path:
         return atomic_write(self.final_path, json.dumps(final, indent=1))
@@ -436,10 +439,12 @@ class RunDir:
         return sorted(p for p in self.root.rglob("*") if p.is_file() and p.name != MANIFEST and listed(p))
 
     def write_manifest(self) -> Path:
+        """The manifest of every artifact; a `fleetrl sft` run's says so (`"kind": "sft"`), for verify."""
         self._events.flush()  # every event appended so far is in the file it hashes
         entries = {str(p.relative_to(self.root)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                    for p in self.artifacts()}
-        return atomic_write(self.manifest_path, json.dumps({"artifacts": entries}, indent=1, sort_keys=True))
+        kind = {"kind": "sft"} if self.lines is SftLine else {}
+        return atomic_write(self.manifest_path, json.dumps({"artifacts": entries, **kind}, indent=1, sort_keys=True))
 
     def record_fleet(self, settings: dict, tokens: dict) -> None:
         """Record the running fleet for `fleetrl status RUN_DIR`: the inference settings that
@@ -498,6 +503,8 @@ def verify_run(root: Path) -> str:
     if unlisted:
         raise VerifyError(f"{unlisted[0]}: an artifact the manifest does not list")
 
+    if json.loads(run_dir.manifest_path.read_text()).get("kind") == "sft":
+        return verify_sft_run(RunDir(root, lines=SftLine), len(listed))
     orchestrator = load_config([run_dir.config_path], []).orchestrator
     k = orchestrator.max_off_policy_steps
     metrics = run_dir.read_metrics()
@@ -526,6 +533,18 @@ def verify_run(root: Path) -> str:
     return (f"{run_dir.root}: {len(listed)} artifacts match the manifest; {len(metrics)} steps, {samples} trained "
             f"samples, max off-policy distance {max(m.distance_max for m in metrics)} <= k = {k}; "
             f"{len(final.worker_versions)} worker(s) at the final version {final.step}")
+
+
+def verify_sft_run(run_dir: RunDir, artifacts: int) -> str:
+    """A `fleetrl sft` run's invariants, once its manifest holds: a line per step 1..N and a final model."""
+    metrics = run_dir.read_metrics()
+    steps = [line.step for line in metrics]
+    if steps != list(range(1, len(steps) + 1)) or not steps:
+        raise VerifyError(f"metrics.jsonl: steps {steps[:10]} are not 1..N")
+    if not (run_dir.final_model_dir / "config.json").is_file():
+        raise VerifyError(f"{run_dir.final_model_dir}: no final model (config.json)")
+    return (f"{run_dir.root}: {artifacts} artifacts match the manifest; sft: {len(metrics)} steps, loss "
+            f"{metrics[0].loss} at step 1, {metrics[-1].loss} at step {len(metrics)}; final_model/ written")
 
 
 def eval_summary(figures: dict[str, dict]) -> str:

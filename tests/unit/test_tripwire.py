@@ -179,12 +179,12 @@ def test_a_trainer_rank_fleetrl_starts_runs_armed_like_fleetrl(monkeypatch, caps
     monkeypatch.setattr(trainer_rank.distributed, "destroy", lambda: None)
     monkeypatch.setattr(trainer_rank, "train_peer", train_peer)
     monkeypatch.setenv(tripwire.ENV, "1")
-    assert trainer_rank.main([str(tmp_path / "run"), str(tmp_path / "model")]) == 1
+    assert trainer_rank.main(["rl", str(tmp_path / "run"), str(tmp_path / "model")]) == 1
     assert trained == [(tmp_path / "run", tmp_path / "model")]
     assert capsys.readouterr().err.splitlines()[-1].startswith(
         "fleetrl: error: tripwire: torch.set_default_dtype called on thread fleetrl-control")
     monkeypatch.delenv(tripwire.ENV)
-    assert trainer_rank.main([str(tmp_path / "run"), str(tmp_path / "model")]) == 0
+    assert trainer_rank.main(["rl", str(tmp_path / "run"), str(tmp_path / "model")]) == 0
 
 
 def test_the_base_weights_of_attached_workers_load_on_the_main_thread(tmp_path):

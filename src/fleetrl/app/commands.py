@@ -41,6 +41,10 @@ def check_command(args: argparse.Namespace, config: Config) -> None:
         from fleetrl.app.checks import check_config
 
         check_config(config)
+    if args.command == "sft":
+        from fleetrl.app.sft import check_sft
+
+        check_sft(config)
     if args.command == "eval":
         from fleetrl.app.eval import plan
 
@@ -63,6 +67,12 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
 
         launched = launched_rank()
         return run_peer_rank(config) if launched and launched.rank > 0 else RLRun(config).run()
+    if args.command == "sft":
+        from fleetrl.app.sft import SftRun, run_sft_peer_rank
+        from fleetrl.torchrun import launched_rank
+
+        launched = launched_rank()
+        return run_sft_peer_rank(config) if launched and launched.rank > 0 else SftRun(config).run()
     if args.command == "verify":
         from fleetrl.rundir import verify_run
 

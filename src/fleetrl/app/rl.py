@@ -222,30 +222,7 @@ class RLRun:
             self.watching = self.control.submit(self.view.watch(fleet, self.orchestrator))
 
     def start_ranks(self) -> None:
-        """Ranks 1..N-1 as children (unless a launcher started them); this process joins the
-        same group as rank 0. The rendezvous is handed to each rank, never written into this
-        process's environment: os.environ is process-wide, and the control loop starts workers
-        meanwhile (`start_process` copies it), which must neither see it change under the copy
-        nor inherit a trainer rank's variables."""
-        world_size = self.config.trainer.world_size
-        launched = launched_rank() is not None
-        rendezvous = None
-        if world_size > 1 and not launched:
-            group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),
-                     "WORLD_SIZE": str(world_size)}
-            rendezvous = {**group, "RANK": "0", "LOCAL_RANK": "0"}
-            self.ranks = [
-                start_process(f"trainer-rank-{rank}",
-                              [sys.executable, "-m", "fleetrl.trainer", str(self.run_dir.root), str(self.model_dir)],
-                              self.run_dir.log_path(f"trainer-rank-{rank}"),
-                              env={**group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-                for rank in range(1, world_size)
-            ]
-        self.world = distributed.init(distributed.collective_timeout_s(self.config), rendezvous)
-        if launched:  # what the peers must see as rank 0 does (run_peer_rank)
-            distributed.broadcast_from_rank0({"config_sha256": sha256_file(self.run_dir.config_path),
-                                              "model_dir": str(self.model_dir)})
-        distributed.use_cpus(self.config.trainer.cpu_cores, self.world)
+        self.world = start_trainer_ranks(self.config, self.run_dir, self.model_dir, "rl", self.ranks)
 
     def train(self) -> None:
         hooks = Hooks(wait_batch=self.wait_batch, start_rollouts=self.start_rollouts, publish=self.publish,
@@ -376,12 +353,7 @@ class RLRun:
         return self.control.run(self.evaluator.evaluate(version))
 
     def write_final_model(self, named: NamedTensors) -> None:
-        self.log(f"fleetrl: writing the final model (v{self.fleet.version}) to {self.run_dir.final_model_dir}")
-        version = self.fleet.version  # the weights' own, recorded in the folder for `fleetrl eval`
-        # A LoRA run publishes its adapter alone: merged into the base, the folder loads with no peft.
-        adapter = adapter_config(self.config.trainer.lora, self.model_dir)
-        self.run_dir.replace_final_model(lambda folder: export_weights(self.model_dir, named(), folder, version,
-                                                                       adapter=adapter))
+        write_final_model(self.config, self.run_dir, self.model_dir, named, self.fleet.version, self.log)
 
     def on_step(self, batch: Batch, metrics: StepMetrics, report: PublishReport, started: float,
                 finished: float) -> None:
@@ -457,6 +429,46 @@ class RLRun:
             self.check_children()
             time.sleep(0.2)
         self.fleet_started.result()
+
+
+def start_trainer_ranks(config: Config, run_dir: RunDir, model_dir: Path, mode: str,
+                        ranks: list[ManagedProcess]) -> distributed.World:
+    """This process's place in the trainer group, once ranks 1..N-1 are started as children
+    (`python -m fleetrl.trainer MODE ...`, added to `ranks`) unless a launcher started them. The
+    rendezvous is handed to each rank, never written into this process's environment:
+    os.environ is process-wide, and the control loop starts workers meanwhile (`start_process`
+    copies it), which must neither see it change under the copy nor inherit a trainer rank's
+    variables."""
+    world_size = config.trainer.world_size
+    launched = launched_rank() is not None
+    rendezvous = None
+    if world_size > 1 and not launched:
+        group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),
+                 "WORLD_SIZE": str(world_size)}
+        rendezvous = {**group, "RANK": "0", "LOCAL_RANK": "0"}
+        ranks += [
+            start_process(f"trainer-rank-{rank}",
+                          [sys.executable, "-m", "fleetrl.trainer", mode, str(run_dir.root), str(model_dir)],
+                          run_dir.log_path(f"trainer-rank-{rank}"),
+                          env={**group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            for rank in range(1, world_size)
+        ]
+    world = distributed.init(distributed.collective_timeout_s(config), rendezvous)
+    if launched:  # what the peers must see as rank 0 does (check_sees_rank0)
+        distributed.broadcast_from_rank0({"config_sha256": sha256_file(run_dir.config_path),
+                                          "model_dir": str(model_dir)})
+    distributed.use_cpus(config.trainer.cpu_cores, world)
+    return world
+
+
+def write_final_model(config: Config, run_dir: RunDir, model_dir: Path, named: NamedTensors, version: int,
+                      log=print) -> None:
+    """RUN_DIR/final_model: the full tensors `named` gives (`trainer.model.named_tensors`'s), of
+    policy `version` (recorded in the folder for `fleetrl eval`), with the base model's files."""
+    log(f"fleetrl: writing the final model (v{version}) to {run_dir.final_model_dir}")
+    # A LoRA run's weights are its adapter alone: merged into the base, the folder loads with no peft.
+    adapter = adapter_config(config.trainer.lora, model_dir)
+    run_dir.replace_final_model(lambda folder: export_weights(model_dir, named(), folder, version, adapter=adapter))
 
 
 def run_peer_rank(config: Config) -> int:

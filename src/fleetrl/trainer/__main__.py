@@ -1,6 +1,7 @@
-"""Trainer ranks 1..N-1 that `fleetrl rl` starts itself: `python -m fleetrl.trainer RUN_DIR
-MODEL_DIR`, with torchrun-style environment variables. Rank 0 runs in the `fleetrl rl` process
-itself. (Under torchrun every rank is a `fleetrl rl` process: app/rl.py's `run_peer_rank`.) Like
+"""Trainer ranks 1..N-1 that `fleetrl rl` and `fleetrl sft` start themselves: `python -m
+fleetrl.trainer MODE RUN_DIR MODEL_DIR` (MODE rl or sft), with torchrun-style environment
+variables. Rank 0 runs in the `fleetrl` process itself. (Under torchrun every rank is a
+`fleetrl rl` or `fleetrl sft` process: app/rl.py's `run_peer_rank`, app/sft.py's.) Like
 `fleetrl` itself, a rank runs with the tripwire of process-wide state armed when FLEETRL_TRIPWIRE=1
 (fleetrl/tripwire.py), which it inherits from the run."""
 
@@ -9,21 +10,25 @@ from pathlib import Path
 
 from fleetrl import tripwire
 from fleetrl.config import load_config
+from fleetrl.records import SftLine, StepLine
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import distributed
 from fleetrl.trainer.loop import train_peer
+from fleetrl.trainer.sft import train_sft_peer
 
 
 def main(argv: list[str]) -> int:
-    """The rank's exit status: `argv` is RUN_DIR MODEL_DIR."""
-    return tripwire.run_armed(lambda: train_rank(RunDir(Path(argv[0])), Path(argv[1])))
+    """The rank's exit status: `argv` is MODE RUN_DIR MODEL_DIR."""
+    mode, run_dir, model_dir = argv
+    return tripwire.run_armed(lambda: train_rank(mode, Path(run_dir), Path(model_dir)))
 
 
-def train_rank(run_dir: RunDir, model_dir: Path) -> int:
+def train_rank(mode: str, root: Path, model_dir: Path) -> int:
+    run_dir = RunDir(root, lines=SftLine if mode == "sft" else StepLine)
     config = load_config([run_dir.config_path], [])
     world = distributed.init(timeout_s=distributed.collective_timeout_s(config))
     try:
-        train_peer(config, run_dir, model_dir, world)
+        (train_sft_peer if mode == "sft" else train_peer)(config, run_dir, model_dir, world)
     finally:
         distributed.destroy()
     return 0

@@ -307,10 +307,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
                 mismatch.add(mismatch_sums(logprobs, previous_logprobs.get(index), packed.inference_logprobs,
                                            packed.lag, packed.mask, packed.worker, len(workers)))
             else:
-                # Nothing left on this rank: a one-token forward whose loss is 0 joins the
-                # other ranks' collectives and adds zero gradient.
-                logits = model(input_ids=torch.full((1, 1), PAD_ID, device=device)).logits
-                loss = logits.sum() * 0.0
+                loss = idle_forward(model, device)
         loss.backward()
 
     grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
@@ -361,6 +358,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
         tokens=all_tokens,
         tokens_per_s=all_tokens / elapsed,
     )
+
+
+def idle_forward(model: nn.Module, device: torch.device) -> torch.Tensor:
+    """For a rank with nothing left to train on: a one-token forward whose loss is 0, which
+    joins the other ranks' collectives and adds zero gradient (once backpropagated)."""
+    return model(input_ids=torch.full((1, 1), PAD_ID, device=device)).logits.sum() * 0.0
 
 
 def score_previous_version(model: nn.Module, previous: KeptWeights | None, batch: Batch,

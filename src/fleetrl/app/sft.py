@@ -1,0 +1,147 @@
+"""`fleetrl sft`: supervised training of the policy on conversations or prompt/completion pairs
+(sft.*), the loss on the assistant's tokens, with `fleetrl rl`'s trainer: its ranks (started
+here as `python -m fleetrl.trainer sft`, or by torchrun), LoRA, checkpoints and exact resume,
+the step sink (metrics.jsonl of SftLine records, TensorBoard, W&B, the live view), then
+RUN_DIR/final_model (a whole Hugging Face folder, a LoRA adapter merged in: a `model.path` for
+`fleetrl rl`) and the manifest. No inference worker is started. This process is rank 0 and runs
+the training loop on its main thread.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+from fleetrl import progress
+from fleetrl.app.checks import take_world_from_launcher
+from fleetrl.app.live import LiveView
+from fleetrl.app.rl import check_sees_rank0, start_trainer_ranks, write_final_model
+from fleetrl.config import Config, ConfigError, load_config
+from fleetrl.errors import FleetrlError
+from fleetrl.model import resolve_model
+from fleetrl.monitoring import StepSink
+from fleetrl.processes import ManagedProcess, install_signal_handlers, stop_groups
+from fleetrl.records import SftLine
+from fleetrl.rundir import RunDir
+from fleetrl.sft_data import SftData
+from fleetrl.trainer import checkpoint, distributed
+from fleetrl.trainer.sft import NamedTensors, SftMetrics, train_sft, train_sft_peer
+from fleetrl.trainer.step import finite_or_none
+
+
+def check_sft(config: Config, log=print) -> tuple[Path, SftData]:
+    """What `fleetrl sft` (and its --dry-run) refuses before anything starts: the config, and
+    every row of the data rendered in the policy's chat template; the model folder and the data."""
+    take_world_from_launcher(config)
+    if config.sft.max_tokens > config.trainer.micro_batch_tokens:
+        raise ConfigError(f"sft.max_tokens = {config.sft.max_tokens} is more than trainer.micro_batch_tokens = "
+                          f"{config.trainer.micro_batch_tokens}: a row must fit one micro-batch")
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(config.model, log=log)
+    data = SftData(config.sft, AutoTokenizer.from_pretrained(model_dir), config.run.seed)
+    data.check()
+    return model_dir, data
+
+
+class SftRun:
+    """One `fleetrl sft` job; `stop` ends what `run` started, however far it got."""
+
+    def __init__(self, config: Config, log=print) -> None:
+        self.config = config
+        self.log = log
+        self.run_dir = RunDir(config.run.dir, log=log, lines=SftLine)
+        self.model_dir: Path | None = None
+        self.view: LiveView | None = None
+        self.sink: StepSink | None = None
+        self.ranks: list[ManagedProcess] = []  # trainer ranks 1..N-1, as children
+
+    def run(self) -> int:
+        install_signal_handlers()  # a SIGTERM of fleetrl stops the ranks too
+        if self.config.run.live_view == "off":
+            progress.set_interactive(False)
+        try:
+            # Everything is checked before the run directory is touched.
+            self.model_dir, data = check_sft(self.config, self.log)
+            resume = self.find_resume()
+            if progress.interactive():
+                self.view = LiveView(self.config.run.max_steps, resume, self.config.sft.sequences_per_step)
+                self.view.start()
+            self.run_dir.start(self.config, resume)
+            self.sink = StepSink(self.config, self.run_dir, self.view, log=self.log)
+            world = start_trainer_ranks(self.config, self.run_dir, self.model_dir, "sft", self.ranks)
+            self.log(f"fleetrl: sft run {self.run_dir.root}: {self.config.run.max_steps} steps of "
+                     f"{self.config.sft.sequences_per_step} of the {len(data)} rows of {data.path}, "
+                     f"{self.config.trainer.world_size} trainer rank(s)"
+                     + (f", resuming after step {resume}" if resume else ""))
+            try:
+                train_sft(self.config, self.run_dir, self.model_dir, world, data.step_sequences, self.on_step,
+                          self.write_final, log=self.log)
+            except FleetrlError:
+                raise
+            except Exception:
+                self.check_ranks()  # a collective fails when a peer rank dies: name the rank
+                raise
+            self.sink.close()  # its files complete before the manifest lists them
+            self.run_dir.write_manifest()
+            self.log(f"fleetrl: done: {self.run_dir.root} (its final model: {self.run_dir.final_model_dir})")
+            return 0
+        finally:
+            self.stop()
+
+    def find_resume(self) -> int:
+        """The step of the newest good checkpoint, read with the directory locked (as `fleetrl rl`)."""
+        if self.run_dir.root.is_dir():
+            self.run_dir.lock()
+        try:
+            latest = checkpoint.latest(self.run_dir.checkpoints_dir, log=self.log)
+        except BaseException:
+            self.run_dir.close()
+            raise
+        return latest[0] if latest else 0
+
+    def on_step(self, metrics: SftMetrics, started: float, finished: float) -> None:
+        self.sink.write_sft(SftLine(
+            step=metrics.step, skipped=metrics.skipped, loss=finite_or_none(metrics.loss),
+            grad_norm=finite_or_none(metrics.grad_norm), lr=metrics.lr, sequences=metrics.sequences,
+            loss_tokens=metrics.loss_tokens, tokens=metrics.tokens, micro_batches=metrics.micro_batches,
+            tokens_per_s=metrics.tokens_per_s, train_started=started, train_finished=finished))
+
+    def write_final(self, named: NamedTensors) -> None:
+        if self.view is not None:
+            self.view.set_phase("writing the final model")
+        write_final_model(self.config, self.run_dir, self.model_dir, named, self.config.run.max_steps, self.log)
+
+    def check_ranks(self) -> None:
+        deadline = time.monotonic() + 5  # a rank that failed takes a moment to exit
+        while self.ranks and all(r.alive() for r in self.ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for rank in self.ranks:
+            if not rank.alive():
+                raise FleetrlError(f"{rank.name} died (exit code {rank.popen.returncode}); last lines of "
+                                   f"{rank.log_path}: {rank.log_tail(3)}")
+
+    def stop(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+        distributed.destroy()
+        stop_groups(self.ranks)
+        self.run_dir.close()  # last: the directory is this run's until everything it started is gone
+        if self.view is not None:
+            self.view.stop()
+
+
+def run_sft_peer_rank(config: Config) -> int:
+    """`fleetrl sft` as a rank other than 0 of a group torchrun started: a trainer rank only,
+    on the run directory's config.toml as rank 0 wrote it (`fleetrl rl`'s `run_peer_rank`)."""
+    take_world_from_launcher(config)
+    world = distributed.init(timeout_s=distributed.collective_timeout_s(config))
+    try:
+        rank0 = distributed.broadcast_from_rank0(None)  # sent once rank 0 has started the run directory
+        run_dir = RunDir(config.run.dir, lines=SftLine)
+        model_dir = check_sees_rank0(run_dir, rank0, f"trainer rank {world.rank} on {socket.gethostname()}")
+        train_sft_peer(load_config([run_dir.config_path], []), run_dir, model_dir, world)
+    finally:
+        distributed.destroy()
+    return 0
