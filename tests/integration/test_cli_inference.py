@@ -47,6 +47,8 @@ ENVIRONMENT_DRY_RUNS = (
     "--orchestrator.env_options '{high = 20}' --dry-run",
     ".venv/bin/fleetrl rl @ configs/default.toml --orchestrator.env examples.my_envs.weather:Weather "
     "--orchestrator.max_turns 3 --orchestrator.max_tokens 40 --dry-run",
+    ".venv/bin/fleetrl rl @ configs/default.toml --orchestrator.env dataset --orchestrator.env_options "
+    "'{path = \"examples/math/sums.jsonl\", reward = \"math\", eval_fraction = 0.05}' --dry-run",
 )
 
 
