@@ -538,9 +538,9 @@ class OrchestratorConfig(Section):
     )
     env: str = Field(
         "reverse_text",
-        description="Environment: a built-in task (reverse_text, arithmetic; multi-turn: arithmetic_retry, and "
-        "calculator, with a tool), verifiers:<env id>, module.path:Attr (a class or factory, imported with the "
-        "current directory on sys.path), or a name an installed package registers (entry points "
+        description="Environment: a built-in task (reverse_text, arithmetic, dataset: a data file's rows; multi-turn: "
+        "arithmetic_retry, and calculator, with a tool), verifiers:<env id>, module.path:Attr (a class or factory, "
+        "imported with the current directory on sys.path), or a name an installed package registers (entry points "
         "`fleetrl.environments`). docs/environments.md.",
     )
     env_options: dict[str, Any] = Field(
