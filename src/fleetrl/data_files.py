@@ -51,14 +51,15 @@ def load_table(path: str | Path, split: str | None = None) -> datasets.Dataset:
     else:
         builder = BUILDERS.get(source.suffix.lower())
         if builder is None:
-            raise DataFileError(f"{path}: not a {', '.join(list(BUILDERS)[:-1])} or {list(BUILDERS)[-1]} file, nor a folder that `datasets` saved")
+            raise DataFileError(f"{path}: not a {', '.join(list(BUILDERS)[:-1])} or {list(BUILDERS)[-1]} file, nor a "
+                                "folder that `datasets` saved")
         if split is not None:
             raise DataFileError(f"{path}: a file has no named splits (split '{split}' is for a folder that `datasets` "
                                 "saved)")
-        # JSON: one type per column, as Arrow stores it. `datasets` would otherwise keep a column
-        # of mixed types (or of objects with other keys) as JSON text, which no kernel can check.
         if source.stat().st_size == 0:
             raise DataFileError(f"{path}: an empty file")
+        # JSON: one type per column, as Arrow stores it. `datasets` would otherwise keep a column
+        # of mixed types (or of objects with other keys) as JSON text, which no kernel can check.
         options = {"on_mixed_types": None, "parse_agent_traces": False} if builder == "json" else {}
         try:
             with _quiet():

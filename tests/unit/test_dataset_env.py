@@ -134,8 +134,9 @@ def test_check_fields_reports_kinds(jsonl):
     (ROWS[:4] + [{"prompt": [{"role": "user", "content": "x"}], "answer": "1"}], {},
      "{path} row 4: field 'prompt' is an array here, a string in the rows before it (a field holds one type in every "
      "row)"),
-    ([{"prompt": [{"role": "user", "content": "x"}], "answer": "1"}] * 2 + [{"prompt": [{"role": "user"}], "answer": "1"}],
-     {}, "{path} row 2: field 'prompt' has a message without 'content'"),
+    ([{"prompt": [{"role": "user", "content": "x"}], "answer": "1"}] * 2
+     + [{"prompt": [{"role": "user"}], "answer": "1"}], {},
+     "{path} row 2: field 'prompt' has a message without 'content'"),
     ([{"prompt": [{"role": "user", "content": "x"}], "answer": "1"}, {"prompt": [], "answer": "1"}], {},
      "{path} row 1: field 'prompt' holds no messages"),
     (ROWS, {"reward": "nope"}, "unknown reward 'nope' (the menu: exact, contains, regex, math; or "

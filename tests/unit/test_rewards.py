@@ -43,7 +43,8 @@ def test_math_compares_answers_as_mathematics(completion, answer, expected):
 def test_math_works_off_the_main_thread_as_the_orchestrator_calls_it():
     # math-verify's default time limits use signal.alarm, which raises outside the main thread.
     reward = resolve_reward("math")
-    scored = asyncio.run(call_user_code("reward", 60, "orchestrator.reward_timeout_s", reward, "\\boxed{\\frac12}", "0.5"))
+    scored = asyncio.run(call_user_code("reward", 60, "orchestrator.reward_timeout_s", reward,
+                                        "\\boxed{\\frac12}", "0.5"))
     assert scored == 1.0
 
 
@@ -70,7 +71,8 @@ def test_a_user_function_takes_the_same_arguments_and_its_options(user_module):
 
 @pytest.mark.parametrize("spec, options, error", [
     ("nope", {}, f"unknown reward 'nope' (the menu: {', '.join(MENU)}; or module.path:function)"),
-    ("exact", {"pattern": "x"}, "reward exact: got an unexpected keyword argument 'pattern' (it takes completion, answer)"),
+    ("exact", {"pattern": "x"},
+     "reward exact: got an unexpected keyword argument 'pattern' (it takes completion, answer)"),
     ("regex", {}, "reward regex: missing a required argument: 'pattern' (it takes completion, answer, pattern)"),
     ("regex", {"pattern": "(a)(b)"}, "reward regex: pattern '(a)(b)' has 2 groups; it needs exactly one, the answer"),
     ("regex", {"pattern": "(("}, "reward regex: pattern '((' is not a regular expression (missing ), unterminated "

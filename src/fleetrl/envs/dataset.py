@@ -41,7 +41,8 @@ class DatasetEnvironment:
 
     def __init__(self, path: str, prompt_field: str = "prompt", answer_field: str = "answer",
                  system_prompt: str | None = None, split: str | None = None, eval_split: str | None = None,
-                 eval_fraction: float = 0.0, reward: str = "math", reward_options: dict[str, Any] | None = None) -> None:
+                 eval_fraction: float = 0.0, reward: str = "math",
+                 reward_options: dict[str, Any] | None = None) -> None:
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         if eval_split is not None and eval_fraction:
@@ -55,19 +56,21 @@ class DatasetEnvironment:
 
         self.prompt_field, self.answer_field, self.system_prompt = prompt_field, answer_field, system_prompt
         fields = {prompt_field: ("text", "messages"), answer_field: "any"}
+        columns = list(dict.fromkeys(fields))  # the two fields once, should they be one
         table = load_table(path, split)
         check_fields(table, path, fields)
-        self.table = table.select_columns(list(dict.fromkeys(fields)))
+        self.table = table.select_columns(columns)
         self.train_rows = np.arange(len(table))
         if eval_split is not None:
             held_out = load_table(path, eval_split)
             check_fields(held_out, f"{path} split '{eval_split}'", fields)
-            self.eval_table, self.eval_rows = held_out.select_columns(list(dict.fromkeys(fields))), np.arange(len(held_out))
+            self.eval_table, self.eval_rows = held_out.select_columns(columns), np.arange(len(held_out))
             self.eval_tasks = self._eval_tasks
         elif eval_fraction:
             count = round(len(table) * eval_fraction) or 1
             if count >= len(table):
-                raise ValueError(f"eval_fraction = {eval_fraction} of {path}'s {len(table)} rows leaves none to train on")
+                raise ValueError(f"eval_fraction = {eval_fraction} of {path}'s {len(table)} rows leaves none to "
+                                 "train on")
             held = np.zeros(len(table), dtype=bool)
             held[np.random.default_rng(HELD_OUT_SEED).choice(len(table), count, replace=False)] = True
             self.train_rows, self.eval_rows = np.flatnonzero(~held), np.flatnonzero(held)
