@@ -69,9 +69,11 @@ RUNS: dict[str, RunSpec] = {
         "dynamic sampling (a third prompt while a group scored alike)",
         "test_kill_points.py"),
     "hung-worker": RunSpec(
-        "fleetrl rl @ rl.toml (2 launched workers, 1 rank, k = 0, the multi-turn arithmetic_retry task)",
-        "a worker frozen with SIGSTOP leaves the fence, is restarted and readmitted; multi-turn episodes with a "
-        "span per turn; SIGTERM of fleetrl with one rank leaves no process",
+        "fleetrl rl @ rl.toml (2 launched workers, 1 rank, k = 0, the multi-turn Guess of examples/my_envs/, "
+        "named by its import path)",
+        "a worker frozen with SIGSTOP leaves the fence, is restarted and readmitted; a user's environment, "
+        "outside fleetrl, trained by import path; multi-turn episodes with a span per turn; SIGTERM of fleetrl "
+        "with one rank leaves no process",
         "test_chaos.py"),
     "dynamo-lora": RunSpec(
         ".venv/bin/fleetrl rl @ configs/default.toml @ configs/lora.toml --inference.provider dynamo "

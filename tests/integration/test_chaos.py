@@ -7,7 +7,9 @@ sound, to keep CI time flat (tests/integration/runs.py lists the three runs):
    launched worker starts from, refitted with the trained adapter, and readmitted;
 3. SIGTERM of `fleetrl rl` (one trainer rank: every process starts on the control loop's
    thread) leaves no process behind within 10 s;
-4. the run's task is multi-turn (arithmetic_retry): every episode's turns carry their spans;
+4. the run's task is a user's multi-turn environment, the examples' Guess named by its import
+   path (`examples.my_envs.guess:Guess`, docs/environments.md): every episode's turns carry
+   their spans;
 
 and the quickstart's Dynamo command as written, SIGKILLed in its second step, once it has
 trained one: the frontend, the worker and its engine-core grandchildren end by themselves
@@ -30,6 +32,8 @@ import time
 import psutil
 import pytest
 
+from fleetrl.rundir import RunDir
+
 from tests.documented import documented
 
 from .conftest import (ROOT, TINY_ROLLOUTS, _term_with_parent, adapter_bytes, alive_in, check_adapter_folders_trained,
@@ -38,7 +42,7 @@ from .runs import RUNS
 
 pytestmark = pytest.mark.chaos
 
-CONFIG = TINY_ROLLOUTS.replace('env = "reverse_text"', 'env = "arithmetic_retry"\nmax_turns = 2') + """
+CONFIG = TINY_ROLLOUTS.replace('env = "reverse_text"', 'env = "examples.my_envs.guess:Guess"\nmax_turns = 2') + """
 [inference]
 workers = 2
 request_timeout_s = 45
@@ -140,6 +144,9 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
     assert [m["step"] for m in done] == list(range(1, len(done) + 1))
     assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
     check_episodes(run_dir, len(done), max_turns=2)
+    records = [r for step in range(1, len(done) + 1) for r in RunDir(run_dir).read_rollouts(step)]
+    assert {r.env for r in records} == {"examples.my_envs.guess:Guess"}
+    assert any(m["content"] in ("No: higher.", "No: lower.") for r in records for m in r.messages or [])  # its hints
     # The readmitted worker was refitted with the adapter alone (verified on every rank, or it
     # would not be at the step's version), as every publish sends it. (Whether its adapter moved
     # off zero is not checked here: this task's tiny rollouts may score every group alike.)
