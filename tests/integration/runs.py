@@ -65,7 +65,8 @@ RUNS: dict[str, RunSpec] = {
         "final model exported and served by plain vLLM, then scored by the quickstart's `fleetrl eval` on the run's "
         "server (held to its weights at v5 first, 8 held-out prompts per environment, every token at v5, the table "
         "the records' figures); the KL penalty to the base model, its reference kept "
-        "across every resume; two environments in one run (reverse_text and arithmetic), drawn by weight; "
+        "across every resume; two environments in one run (reverse_text, and dataset on examples/math/sums.jsonl "
+        "with the math reward), drawn by weight, every group of every resume the uninterrupted stream's task; "
         "dynamic sampling (a third prompt while a group scored alike)",
         "test_kill_points.py"),
     "hung-worker": RunSpec(

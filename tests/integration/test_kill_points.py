@@ -26,6 +26,7 @@ fleetrl and everything it started are gone within 10 s; in the end every step ra
 """
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -42,7 +43,10 @@ import httpx
 import psutil
 import torch
 
+from fleetrl.app.checks import run_environments
+from fleetrl.config import load_config
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
+from fleetrl.envs.mix import run_task_stream
 from fleetrl.failpoints import ENV as FAILPOINT_ENV
 from fleetrl.inference.http import prompt_logprobs_of
 from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
@@ -62,11 +66,15 @@ pytestmark = [pytest.mark.chaos, pytest.mark.deployment(OPERATOR_SERVERS)]
 
 STEPS = 5
 # Two environments, one run (orchestrator.envs): which one each prompt comes from is drawn by
-# weight from the seed, so every resume of the sequence draws what the first run would have.
-# Dynamic sampling: a pair of samples often scores alike (arithmetic: both wrong), and then one
-# more prompt is sampled, at most; each step's window of the stream keeps the resumes exact.
+# weight from the seed, so every resume of the sequence draws what the first run would have. The
+# second is a data file's rows (env = "dataset": docs/examples.md's sums, the math reward), whose
+# stream each resume skips to where the killed run was. Dynamic sampling: a pair of samples often
+# scores alike (a sum: both wrong), and then one more prompt is sampled, at most; each step's
+# window of the stream keeps the resumes exact.
+SUMS = ROOT / "examples" / "math" / "sums.jsonl"
 CONFIG = TINY_ROLLOUTS.replace('env = "reverse_text"', 'envs = [{name = "reverse", env = "reverse_text", weight = 2}, '
-                               '{name = "arithmetic"}]\ndynamic_sampling = true\n'
+                               f'{{name = "sums", env = "dataset", options = {{path = "{SUMS}", reward = "math", '
+                               'eval_fraction = 0.05}}]\ndynamic_sampling = true\n'
                                'dynamic_sampling_prompts = 3') + """
 [inference]
 request_timeout_s = 60
@@ -290,9 +298,10 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
     done = read_metrics(run_dir)
     assert [m["step"] for m in done] == list(range(1, STEPS + 1))  # none twice, none missing
     check_no_prompt_lost_or_repeated(run_dir, STEPS)  # the conformance suite's class (e)
+    check_every_group_is_the_uninterrupted_streams(run_dir)
     check_dynamic_sampling(run_dir, done)
     # Both environments were sampled, each reported apart, and each sample says whose it is.
-    assert set().union(*(m["envs"] for m in done)) == {"reverse", "arithmetic"}, [m["envs"] for m in done]
+    assert set().union(*(m["envs"] for m in done)) == {"reverse", "sums"}, [m["envs"] for m in done]
     for m in done:
         assert sum(f["groups"] for f in m["envs"].values()) == m["sampled_prompts"]
         batch = json.loads((run_dir / "batches" / f"step_{m['step']:06d}.json").read_text())
@@ -314,6 +323,24 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
     assert verify.returncode == 0, verify.stderr
     check_the_final_model_serves_like_the_workers(run_dir, urls, tmp_path)
     check_the_final_model_scores_on_the_runs_server(run_dir, urls)
+
+
+def check_every_group_is_the_uninterrupted_streams(run_dir) -> None:
+    """Every group of every step, sampled by a resumed run or not, is the task at its place in
+    the run's seeded stream (step n's group g: task (n - 1) x W + g), the dynamic ones included:
+    the dataset environment's rows, read from a memory-mapped table, come exactly as an
+    uninterrupted run draws them."""
+    config = load_config([run_dir / "config.toml"], [])
+    window = config.orchestrator.prompts_per_step()
+    stream = [drawn.id for drawn in itertools.islice(
+        run_task_stream(run_environments(config, RunDir(run_dir)), config.run.seed), STEPS * window)]
+    drawn = []
+    for step in range(1, STEPS + 1):
+        for line in RunDir(run_dir).rollouts_path(step).read_text().splitlines():
+            record = json.loads(line)
+            assert record["task"] == stream[(step - 1) * window + record["group"]], (step, record["group"], stream)
+            drawn.append(record["task"])
+    assert any(task.startswith("sums/row") for task in drawn), drawn
 
 
 def check_dynamic_sampling(run_dir, metrics: list[dict]) -> None:
@@ -389,7 +416,7 @@ def check_the_final_model_scores_on_the_runs_server(run_dir, workers) -> None:
     out = RunDir(Path(f"{run_dir}-eval-v{STEPS}"))  # beside the run: `fleetrl verify` above still holds
     (line,) = out.read_evals()
     records = [json.loads(record) for record in out.eval_records_path(STEPS).read_text().splitlines()]
-    assert line.version == STEPS and set(line.envs) == {"reverse", "arithmetic"}
+    assert line.version == STEPS and set(line.envs) == {"reverse", "sums"}
     assert records and all(r["worker"] == server and r["spans"] and {v for v, _ in r["spans"]} == {STEPS}
                            for r in records if r["completion_tokens"]), records
     header, *rows = [row.split() for row in done.stdout.strip().splitlines()]
