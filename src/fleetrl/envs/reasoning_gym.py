@@ -72,9 +72,8 @@ class ReasoningGymEnvironment(HeldOutSplit):
             self._scorer = rg.create_dataset(dataset, seed=0, **options)
         except Exception as e:  # the configs check themselves with asserts, or fail on a wrong type
             raise EnvError(f"env {self.name}: options {options}: {one_line(e)}") from None
-        self.size = self._scorer.size
-        if not isinstance(self.size, int) or self.size < 1:
-            raise EnvError(f"env {self.name}: option 'size' must be an integer >= 1, got {self.size!r}")
+        if not isinstance(self._scorer.size, int) or self._scorer.size < 1:
+            raise EnvError(f"env {self.name}: option 'size' must be an integer >= 1, got {self._scorer.size!r}")
 
     def generate(self, seed: int) -> Iterator[Task]:
         system = {"role": "system", "content": self._rg.utils.SYSTEM_PROMPTS["default"]}
