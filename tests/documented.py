@@ -1,5 +1,5 @@
-"""The commands of README.md, docs/quickstart.md and docs/environments.md, as the tests run them:
-as written.
+"""The commands of README.md, docs/quickstart.md, docs/environments.md and docs/examples.md, as
+the tests run them: as written.
 
 Every command in those pages (each line of their ```bash blocks) is run by a test through
 `documented(...)`; tests/unit/test_quickstart.py checks that each one is. A test may change only
@@ -23,7 +23,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = (ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "docs" / "environments.md")
+PAGES = (ROOT / "README.md", ROOT / "docs" / "quickstart.md", ROOT / "docs" / "environments.md",
+         ROOT / "docs" / "examples.md")
 # Run by CI itself (.ci/run), not by a test of the suite it starts.
 NOT_RUN_BY_A_TEST = {"make test": "CI runs it (.ci/run): a test of the suite cannot run the suite"}
 # Leading NAME=value assignments of a command line (the environment it runs with).

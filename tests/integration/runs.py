@@ -85,6 +85,13 @@ RUNS: dict[str, RunSpec] = {
         "refitted with the trained adapter; the adapter's bytes alone in every publish, the sampler's logprobs "
         "the trainer's, fleetrl verify",
         "test_chaos.py"),
+    "math-example": RunSpec(
+        ".venv/bin/fleetrl rl @ examples/math/rl.toml --model.path runs/math-sft/final_model",
+        "docs/examples.md's worked example as written, 2 steps of each training command: `fleetrl eval` of the "
+        "base model (256 held-out sums, mean ± standard error), `fleetrl sft` (no worker), then GRPO from its "
+        "final model (the workers' v0 logprobs are that model's) on a JSONL dataset with the math reward, "
+        "evaluating v0 and its last version; fleetrl verify",
+        "test_example.py"),
     "dynamo": RunSpec(
         DYNAMO_RUN,
         "the quickstart's section 7 as written (Dynamo's own worker, wait pauses): 1 step trained, then SIGKILL in "
