@@ -234,3 +234,20 @@ def test_an_environment_answer_must_be_none_or_messages():
     env.respond = lambda task, messages, state: 1 / 0
     with pytest.raises(EnvError, match="^env arithmetic_retry: answer to turn 1 of task 0-0 raised ZeroDivisionError"):
         respond(env, task, conversation(task, "x"), {})
+
+
+def test_a_seek_draws_what_skipping_would_for_the_dataset_and_a_mix_with_a_built_in(tmp_path):
+    from fleetrl.envs.mix import RunEnv, run_task_stream
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(5)))
+    dataset = get_environment("dataset", path=str(path), reward="exact", eval_fraction=0.2)
+    whole = list(itertools.islice(task_stream(dataset, 3), 30))  # 4 training rows a pass: passes 0..7
+    for start in (1, 4, 9, 26):
+        assert list(itertools.islice(dataset.tasks_from(3, start), 30 - start)) == whole[start:]
+    # arithmetic has no tasks_from: its stream is generated and skipped, the dataset's sought.
+    envs = [RunEnv("rows", dataset), RunEnv("arith", get_environment("arithmetic"), weight=2.0)]
+    skipped = list(itertools.islice(run_task_stream(envs, seed=3), 40, 70))
+    sought = list(itertools.islice(run_task_stream(envs, seed=3, start=40), 30))
+    assert [(d.id, d.task) for d in sought] == [(d.id, d.task) for d in skipped]
+    assert {d.env.name for d in sought} == {"rows", "arith"}

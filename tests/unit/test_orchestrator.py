@@ -154,6 +154,34 @@ async def test_a_resumed_run_draws_the_tasks_an_uninterrupted_run_would():
     await fleet.close()
 
 
+class SeekingEnv(Env):
+    """Env that can seek, counting the tasks it generates."""
+
+    def __init__(self):
+        super().__init__()
+        self.generated = []
+
+    def tasks(self, seed):
+        return self.tasks_from(seed, 0)
+
+    def tasks_from(self, seed, start):
+        for task in itertools.islice(super().tasks(seed), start, None):  # the stream skipped, as it would be
+            self.generated.append(task.id)
+            yield task
+
+
+async def test_a_resume_seeks_the_stream_without_generating_the_tasks_before_it():
+    fleet, uninterrupted, _ = await make(k=2, env=SeekingEnv())
+    await uninterrupted.run(1, 3)
+    env = SeekingEnv()
+    fleet2, resumed, _ = await make(k=2, env=env)
+    await resumed.run(3, 3)
+    assert [r["task"] for r in records(resumed, 3)] == [r["task"] for r in records(uninterrupted, 3)]
+    assert env.generated == ["t0-6", "t0-7", "t0-8"]  # tasks 0..5 (steps 1 and 2) never made
+    for f in (fleet, fleet2):
+        await f.close()
+
+
 def even_tasks_flat(rollout):
     """Tasks t0-0, t0-2, ... give every sample 0.5 (a group with no gradient); the others vary
     (the fake fleet's completions of one prompt are all alike, so at random)."""
@@ -440,3 +468,21 @@ def test_the_run_stream_draws_environments_by_weight_and_keeps_each_ones_order()
         assert all(d.id == f"{name}/{d.task.id}" for d in drawn if d.env.name == name)
     one = list(itertools.islice(run_task_stream(envs[:1], seed=7), 3))
     assert [d.id for d in one] == ["t7-0", "t7-1", "t7-2"]  # one environment: its ids as they are
+
+
+@pytest.mark.parametrize("seeks", [True, False])
+def test_the_run_stream_from_a_position_is_the_stream_skipped_there(seeks):
+    from fleetrl.envs.mix import run_task_stream
+
+    def env():  # with tasks_from, or without it (generated and skipped)
+        return SeekingEnv() if seeks else Env()
+
+    for envs in ([RunEnv("a", env())], [RunEnv("a", env(), weight=3.0), RunEnv("b", env()), RunEnv("c", env())]):
+        skipped = list(itertools.islice(run_task_stream(envs, seed=7), 50, 80))
+        sought = list(itertools.islice(run_task_stream(envs, seed=7, start=50), 30))
+        assert [(d.env.name, d.id, d.task) for d in sought] == [(d.env.name, d.id, d.task) for d in skipped]
+    if seeks:  # task 50 of a mix, sought: its environment makes that task alone, the others none
+        fresh = [RunEnv("a", env(), weight=3.0), RunEnv("b", env()), RunEnv("c", env())]
+        drawn = next(run_task_stream(fresh, seed=7, start=50))
+        assert [run_env.env.generated for run_env in fresh if run_env.env.generated] == [[drawn.task.id]]
+        assert drawn.id == skipped[0].id

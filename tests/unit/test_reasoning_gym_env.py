@@ -1,7 +1,7 @@
 """`reasoning_gym:<dataset>` (fleetrl/envs/reasoning_gym.py) on the installed reasoning-gym
 library, offline: exact task streams per seed, the dataset's config as options, one-line errors,
-the dataset's own scorer as the reward, a held-out split, a mix of two, and a build off the main
-thread with the tripwire armed."""
+the dataset's own scorer as the reward, a held-out split, a resume's seek, a mix of two, and a
+build off the main thread with the tripwire armed."""
 
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ def test_options_are_the_dataset_config():
     ("reasoning_gym:basic_arithmetc", {}, "env reasoning_gym:basic_arithmetc: reasoning_gym has no dataset "
                                           "'basic_arithmetc' (close: basic_arithmetic"),
     ("reasoning_gym:composite", {}, "mix reasoning_gym datasets with [[orchestrator.envs]] instead"),
+    ("reasoning_gym:codeio", {}, "env reasoning_gym:codeio: not supported: its tasks depend on Python's global "
+                                 "random state"),
+    ("reasoning_gym:list_functions", {}, "not supported: the same seed gives different tasks even within one"),
 ])
 def test_bad_options_and_names_get_one_line(name, options, message):
     with pytest.raises(EnvError) as caught:
@@ -89,6 +92,9 @@ def test_a_scorer_that_cannot_parse_the_answer_scores_it_zero_and_overshoots_are
     rewards = [score(backward, rollout(t, f"<answer>{t.answer['answer']}</answer>"))
                for t in take(task_stream(backward, 0), 50)]
     assert rewards == [1.0] * 50  # its scorer gives some right answers 1.0000000000000002
+    nan = get_environment(ARITH)
+    nan._scorer.score_answer = lambda answer, entry: float("nan")
+    assert score(nan, rollout(take(task_stream(nan, 0), 1)[0], "<answer>1</answer>")) == 0.0
 
 
 def test_the_held_out_split_is_disjoint_from_training():
@@ -97,6 +103,20 @@ def test_the_held_out_split_is_disjoint_from_training():
     held = take(task_stream(env, 0, split="eval_tasks"), 20)
     assert not any(held_out(t) for t in train) and all(held_out(t) for t in held)
     assert not {t.messages[-1]["content"] for t in held} & {t.messages[-1]["content"] for t in train}
+
+
+def test_a_resume_seeks_to_its_chunk_and_draws_what_skipping_would(monkeypatch):
+    # A small space: about one entry in ten is held out and replaced, some replacements too.
+    env = get_environment(ARITH, max_terms=2, max_digits=1, operators=["+"], size=7)
+    made = []
+    chunk = env._chunk
+    monkeypatch.setattr(env, "_chunk", lambda seed, c, replacement=0: made.append(c) or chunk(seed, c, replacement))
+    whole = take(task_stream(env, 3), 120)
+    assert any("r" in t.id for t in whole) and not any(held_out(t) for t in whole)
+    for start in (1, 7, 52, 100):
+        made.clear()
+        assert take(task_stream(env, 3, start=start), 20) == whole[start:start + 20]
+        assert min(made) == start // 7  # no chunk before `start`'s is created
 
 
 def test_two_datasets_mix_through_orchestrator_envs_deterministically():

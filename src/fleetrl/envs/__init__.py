@@ -133,7 +133,7 @@ def check_contract(env: Any, where: str) -> None:
     for method in ("tasks", "reward"):
         if not callable(getattr(env, method, None)):
             raise EnvError(f"{where}: the environment has no {method}() method")
-    for method in ("respond", "episode_ended", "eval_tasks"):
+    for method in ("respond", "episode_ended", "eval_tasks", "tasks_from"):
         if hasattr(env, method) and not callable(getattr(env, method)):
             raise EnvError(f"{where}: its {method} is a {type(getattr(env, method)).__name__}, not a method")
     tools = getattr(env, "tools", None)

@@ -25,6 +25,7 @@ as a NaN and never stalls the run; a task stream that raises ends the run with t
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -66,7 +67,10 @@ class Rollout:
 
 class Environment(Protocol):
     """An environment may also define `eval_tasks(seed)`: its held-out split, which `tasks`
-    never yields, for evaluation during training (`HeldOutSplit` makes one of a generator)."""
+    never yields, for evaluation during training (`HeldOutSplit` makes one of a generator); and
+    `tasks_from(seed, start)`: the tasks of `tasks(seed)` from position `start` on, made without
+    generating those before it, which a resumed run seeks with (`task_stream`) rather than
+    generating and skipping them."""
 
     name: str
 
@@ -161,12 +165,17 @@ def eval_stream(env: Environment, seed: int, held_out_only: bool) -> Iterator[Ta
     return task_stream(env, seed)
 
 
-def task_stream(env: Environment, seed: int, split: str = "tasks") -> Iterator[Task]:
-    """`env.tasks(seed)` (or another `split`), with whatever the environment raises turned into
-    an `EnvError`."""
-    index = 0  # of the task being generated, for the error message
+def task_stream(env: Environment, seed: int, split: str = "tasks", start: int = 0) -> Iterator[Task]:
+    """`env.tasks(seed)` (or another `split`) from position `start` on (by `tasks_from` where the
+    environment has it, else by skipping), with whatever the environment raises turned into an
+    `EnvError`."""
+    index = start  # of the task being generated, for the error message
     try:
-        for task in getattr(env, split)(seed):
+        if split == "tasks" and start and callable(getattr(env, "tasks_from", None)):
+            tasks = env.tasks_from(seed, start)
+        else:
+            tasks = itertools.islice(getattr(env, split)(seed), start, None)
+        for task in tasks:
             yield task
             index += 1
     except EnvError:

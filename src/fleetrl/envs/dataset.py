@@ -10,8 +10,8 @@ system message of their own). `reward` is a name of the reward menu or `module.p
 
 `tasks(seed)` is endless: pass p visits every training row once, in an order drawn from the
 seed and p; task `row17-pass2` is row 17 in pass 2. Rows are read from the table a batch at a
-time as the stream reaches them, so a resume that skips a million tasks reads a million rows
-in batches but keeps no more than one batch. A held-out split, which training never sees and
+time as the stream reaches them, and a resume seeks to its task (`tasks_from`) reading no row
+before it. A held-out split, which training never sees and
 evaluation draws from (`eval_tasks`, each row once, in an order drawn from the seed), is either
 `eval_split`, another split of the saved folder, or `eval_fraction`, that fraction of the rows
 picked by a fixed seed (the same rows whatever the run's seed, so no seed trains on them).
@@ -78,12 +78,17 @@ class DatasetEnvironment:
             self.eval_tasks = self._eval_tasks
 
     def tasks(self, seed: int) -> Iterator[Task]:
-        passes = 0
+        return self.tasks_from(seed, 0)
+
+    def tasks_from(self, seed: int, start: int) -> Iterator[Task]:
+        """The stream from task `start` on: its pass and place in that pass's order, no row read
+        before it."""
+        passes, skip = divmod(start, len(self.train_rows))
         while True:
             order = self.train_rows[np.random.default_rng([seed, passes]).permutation(len(self.train_rows))]
-            for row, prompt, answer in self._rows(self.table, order):
+            for row, prompt, answer in self._rows(self.table, order[skip:]):
                 yield Task(id=f"row{row}-pass{passes}", messages=self._messages(prompt), answer=answer)
-            passes += 1
+            passes, skip = passes + 1, 0
 
     def _eval_tasks(self, seed: int) -> Iterator[Task]:
         """The held-out rows, each once (set as `eval_tasks` where there is a held-out split)."""

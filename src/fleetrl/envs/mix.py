@@ -2,7 +2,8 @@
 
 A run trains on one environment (`orchestrator.env`) or on several (`[[orchestrator.envs]]`),
 each with a name and a sampling weight. The stream is deterministic in the run's seed, so a
-resume draws exactly what an uninterrupted run would (the orchestrator skips by position):
+resume draws exactly what an uninterrupted run would (the orchestrator seeks by position,
+`run_task_stream(..., start)`):
 
 - one environment: its own task stream, as it is;
 - several: task i of the run comes from the environment a seeded draw by weight picks for
@@ -47,19 +48,25 @@ def entry_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "big")
 
 
-def run_task_stream(envs: list[RunEnv], seed: int) -> Iterator[Drawn]:
-    """The run's tasks, in order (see the module's docstring)."""
+def run_task_stream(envs: list[RunEnv], seed: int, start: int = 0) -> Iterator[Drawn]:
+    """The run's tasks, in order (see the module's docstring), from position `start` on: each
+    environment's stream seeks to its own position there (`task_stream`)."""
     if len(envs) == 1:
-        for task in task_stream(envs[0].env, seed):
+        for task in task_stream(envs[0].env, seed, start=start):
             yield Drawn(envs[0], task, task.id)
         return
-    # Each environment draws from a seed of its own: two entries of one environment (other
-    # options, or the same) would otherwise give the same tasks at the same positions.
-    streams = [task_stream(run_env.env, entry_seed(seed, run_env.name)) for run_env in envs]
     # The draw has a stream of its own, so that which environment comes next never depends on
-    # how many tasks the others generated.
+    # how many tasks the others generated, and a resume replays the draws before `start` alone
+    # to learn each environment's position there.
     picks = random.Random(f"fleetrl-envs-{seed}")
     weights = [run_env.weight for run_env in envs]
+    positions = [0] * len(envs)
+    for _ in range(start):
+        positions[picks.choices(range(len(envs)), weights)[0]] += 1
+    # Each environment draws from a seed of its own: two entries of one environment (other
+    # options, or the same) would otherwise give the same tasks at the same positions.
+    streams = [task_stream(run_env.env, entry_seed(seed, run_env.name), start=position)
+               for run_env, position in zip(envs, positions, strict=True)]
     while True:
         (index,) = picks.choices(range(len(envs)), weights)
         task = next(streams[index], None)

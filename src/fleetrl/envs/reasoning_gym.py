@@ -7,14 +7,21 @@ is reasoning_gym's default system prompt (think step by step, then the final ans
 `<answer>...</answer>`) and the entry's `question` as the user message. The reward is
 `score_answer(extract_answer(completion), entry)`: the last `<answer>` tag's text (None without
 one, which scores 0), clamped into [0, 1] (some scorers overshoot 1 by a rounding error); an
-answer the scorer cannot parse at all (it raises) scores 0.
+answer the scorer cannot parse at all (it raises, or scores NaN) scores 0.
 
 The stream is endless and exact per seed: chunk c holds the `size` entries (the config's own
 field, 500 by default) of a dataset created with a seed hashed from the run's seed and c, in
 order. The seeds are hashed, not consecutive, because a dataset's entry i is drawn from
-`Random(seed + i)`: consecutive seeds would repeat each other's entries shifted by one. A task's
-id is `{seed}-{position}`. The held-out split is `HeldOutSplit`'s: one prompt in ten by a hash of
-its messages, so a question that several seeds generate is always on the same side.
+`Random(seed + i)`: consecutive seeds would repeat each other's entries shifted by one. The
+held-out split (`eval_tasks`) is the entries whose prompt `held_out` picks by a hash of its
+messages, so a question that several seeds generate is always on the same side; training puts
+in a held-out entry's place the same slot of a replacement dataset of the chunk (seeded from the
+chunk and the replacement's number), so that task p of training is slot p % size of chunk
+p // size and a resume seeks to it creating only that chunk (`tasks_from`). A task's id is
+`{seed}-{position}`, a replacement's `{seed}-{position}r{n}`. Datasets whose tasks are not a
+function of the seed are refused (REFUSED); a few hash strings, so their tasks repeat across
+processes only under a fixed PYTHONHASHSEED, and one seeds numpy's global state
+(docs/environments.md).
 
 `reasoning-gym` is optional (`pip install -e ".[reasoning-gym]"`, which scripts/setup.sh runs):
 it is imported only when such an environment is built.
@@ -31,9 +38,14 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from fleetrl.envs.base import EnvError, HeldOutSplit, Rollout, Task, one_line
+from fleetrl.envs.base import EnvError, HeldOutSplit, Rollout, Task, held_out, one_line
 
 CLOSE_NAMES = 5  # how many dataset names an unknown name's error suggests
+# Datasets whose tasks the seed does not determine, so a resume would not draw the same ones.
+REFUSED = {
+    "codeio": "its tasks depend on Python's global random state, not on the seed alone",
+    "list_functions": "the same seed gives different tasks even within one process",
+}
 
 
 def _import_reasoning_gym():
@@ -59,6 +71,9 @@ class ReasoningGymEnvironment(HeldOutSplit):
                            f"{len(datasets)} in all)")
         if dataset == "composite":
             raise EnvError(f"env {self.name}: mix reasoning_gym datasets with [[orchestrator.envs]] instead")
+        if dataset in REFUSED:
+            raise EnvError(f"env {self.name}: not supported: {REFUSED[dataset]} (a resumed run would not draw "
+                           "the same tasks)")
         fields = [f.name for f in dataclasses.fields(datasets[dataset][1]) if f.name != "seed"]
         if "seed" in options:
             raise EnvError(f"env {self.name}: option 'seed': the run's seed (run.seed) seeds the tasks")
@@ -76,15 +91,42 @@ class ReasoningGymEnvironment(HeldOutSplit):
             raise EnvError(f"env {self.name}: option 'size' must be an integer >= 1, got {self._scorer.size!r}")
 
     def generate(self, seed: int) -> Iterator[Task]:
-        system = {"role": "system", "content": self._rg.utils.SYSTEM_PROMPTS["default"]}
-        position = 0
         for chunk in itertools.count():
-            # 31 bits: a dataset may seed numpy with `seed + index`, which must stay below 2**32.
-            chunk_seed = int.from_bytes(hashlib.sha256(f"{seed}/{chunk}".encode()).digest()[:4], "big") >> 1
-            for entry in self._rg.create_dataset(self.dataset, seed=chunk_seed, **self.options):
-                yield Task(id=f"{seed}-{position}", messages=[system, {"role": "user", "content": entry["question"]}],
-                           answer=entry)
-                position += 1
+            for slot, entry in enumerate(self._chunk(seed, chunk)):
+                yield self._task(f"{seed}-{chunk * self._scorer.size + slot}", entry)
+
+    def tasks(self, seed: int) -> Iterator[Task]:
+        return self.tasks_from(seed, 0)
+
+    def tasks_from(self, seed: int, start: int) -> Iterator[Task]:
+        """The training stream from position `start` on, creating only the chunks from `start`'s:
+        slot s of chunk c is entry s of the chunk's dataset, or where that is held out, entry s
+        of the chunk's first replacement dataset whose entry s is not."""
+        size = self._scorer.size
+        first_chunk, first_slot = divmod(start, size)
+        for chunk in itertools.count(first_chunk):
+            datasets = [self._chunk(seed, chunk)]  # then its replacements, created when a slot needs one
+            for slot in range(first_slot if chunk == first_chunk else 0, size):
+                position = chunk * size + slot
+                for attempt in itertools.count():
+                    if attempt == len(datasets):
+                        datasets.append(self._chunk(seed, chunk, attempt))
+                    task = self._task(f"{seed}-{position}" + (f"r{attempt}" if attempt else ""),
+                                      datasets[attempt][slot])
+                    if not held_out(task):
+                        break
+                yield task
+
+    def _chunk(self, seed: int, chunk: int, replacement: int = 0) -> Any:
+        """Chunk `chunk`'s dataset (`replacement` > 0: that replacement of it)."""
+        key = f"{seed}/{chunk}" + (f"/{replacement}" if replacement else "")
+        # 31 bits: a dataset may seed numpy with `seed + index`, which must stay below 2**32.
+        chunk_seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") >> 1
+        return self._rg.create_dataset(self.dataset, seed=chunk_seed, **self.options)
+
+    def _task(self, task_id: str, entry: dict[str, Any]) -> Task:
+        system = {"role": "system", "content": self._rg.utils.SYSTEM_PROMPTS["default"]}
+        return Task(id=task_id, messages=[system, {"role": "user", "content": entry["question"]}], answer=entry)
 
     def reward(self, rollout: Rollout) -> float:
         answer = self._rg.utils.extract_answer(rollout.completion)
@@ -92,4 +134,4 @@ class ReasoningGymEnvironment(HeldOutSplit):
             value = float(self._scorer.score_answer(answer, rollout.task.answer))
         except Exception:  # e.g. prime_factorization raises ValueError on an answer that is not numbers
             return 0.0
-        return min(max(value, 0.0), 1.0) if math.isfinite(value) else value
+        return 0.0 if math.isnan(value) else min(max(value, 0.0), 1.0)

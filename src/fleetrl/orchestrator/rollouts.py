@@ -97,8 +97,9 @@ class Orchestrator:
         self.config = config
         self.run_dir = run_dir
         self.log = log
+        self.seed = seed
         self._tasks = run_task_stream(envs, seed)
-        self._drawn = 0  # tasks taken from the stream so far (used or skipped)
+        self._drawn = 0  # tasks taken from the stream so far (used or sought past)
         self._reward_slots = asyncio.Semaphore(REWARD_THREADS)
         self.progress: tuple[int, int] | None = None  # (the step being sampled, its completions so far)
         self.sampling = SamplingParams(
@@ -259,16 +260,19 @@ class Orchestrator:
 
     async def _tasks_of(self, step: int) -> list[Drawn]:
         """Step `step`'s window of the stream: `prompts_per_step` tasks from (step - 1) times
-        that, skipping those of the steps before that this orchestrator did not make (a resumed
-        run's). Steps come in order. Dynamic sampling may leave the end of a window unused.
-        The stream is user code: drawn off the event loop, within orchestrator.task_timeout_s."""
+        that, seeking past those of the steps before that this orchestrator did not make (a
+        resumed run's: `run_task_stream`'s `start`, which generates none of them where the
+        environments can seek). Steps come in order. Dynamic sampling may leave the end of a
+        window unused. The stream is user code: drawn off the event loop, within
+        orchestrator.task_timeout_s."""
         size = self.config.prompts_per_step()
         first = (step - 1) * size
-        skip = first - self._drawn
+        if first != self._drawn:
+            self._tasks = run_task_stream(self.envs, self.seed, start=first)
         envs = ", ".join(e.name for e in self.envs)
         tasks = await call_user_code(f"env {envs}: drawing tasks {first}..{first + size - 1} (batch {step})",
                                      self.config.task_timeout_s, "orchestrator.task_timeout_s",
-                                     lambda: list(itertools.islice(self._tasks, skip, skip + size)))
+                                     lambda: list(itertools.islice(self._tasks, size)))
         self._drawn = first + len(tasks)
         if len(tasks) < self.config.batch_prompts:
             raise EnvError(f"env {envs}: its task stream ended after {self._drawn} tasks "
