@@ -2,23 +2,27 @@
 
 `load_table` opens a local `.jsonl`, `.json`, `.parquet` or `.csv` file, or a folder that
 `datasets` saved (`save_to_disk`), with the `datasets` library. A file is converted once into
-Arrow in fleetrl's cache (`$FLEETRL_CACHE/datasets`; `datasets` keys it by the file's path and
-modification time), and the table is memory-mapped from there: no hub is asked, and no row
-becomes a Python object until it is read. `check_fields` checks the fields a caller needs with
-Arrow's column types and compute kernels, without a Python loop over the rows. Every bad input
-is one `DataFileError` line naming the file, and the row (counted from 0, as the table indexes
+Arrow in fleetrl's cache (`$FLEETRL_CACHE/datasets`, keyed by the file's path and
+`file_fingerprint`), and the table is memory-mapped from there: no hub is asked, and no row
+becomes a Python object until it is read. A CSV file's columns are its text; a JSON column
+holds JSON's type (integers, or floats where any row has a fraction). `check_fields` checks
+the fields a caller needs with Arrow's column types and compute kernels, without a Python loop
+over the rows. Every bad input is one `DataFileError` line naming the file, and the row (counted from 0, as the table indexes
 it) and the field where there is one: `data/train.jsonl row 17: field 'answer' is missing`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -33,6 +37,8 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "c
 KINDS = {"text": "text (a string)", "messages": "chat messages (a list of {role, content} strings)", "any": "a value"}
 # pyarrow's error for a JSON column whose rows hold two types (a string, then a list).
 _MIXED = re.compile(r"Column\((/[^)]*)\) changed from (\w+) to (\w+)")
+# How much of each end of a big file `file_fingerprint` reads.
+FINGERPRINT_SPAN = 1 << 20
 
 
 class DataFileError(FleetrlError, ValueError):
@@ -58,19 +64,50 @@ def load_table(path: str | Path, split: str | None = None) -> datasets.Dataset:
                                 "saved)")
         if source.stat().st_size == 0:
             raise DataFileError(f"{path}: an empty file")
-        # JSON: one type per column, as Arrow stores it. `datasets` would otherwise keep a column
-        # of mixed types (or of objects with other keys) as JSON text, which no kernel can check.
-        options = {"on_mixed_types": None, "parse_agent_traces": False} if builder == "json" else {}
         try:
             with _quiet():
+                # The config name keys the cache by the file's fingerprint too: `datasets` keys it by
+                # path and modification time, which a rewrite within the clock's tick keeps.
                 table = datasets.load_dataset(builder, data_files=str(source.resolve()), split="train",
-                                              cache_dir=str(fleetrl_cache() / "datasets"), **options)
+                                              cache_dir=str(fleetrl_cache() / "datasets"),
+                                              name=f"file-{file_fingerprint(source)[:16]}",
+                                              **_builder_options(builder, source))
         except Exception as e:
             raise DataFileError(_unreadable(path, source, builder, e)) from e
         where = str(path)
     if len(table) == 0:
         raise DataFileError(f"{where}: no rows")
     return table
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """A file's identity, as hex: a sha256 of its size, modification time (ns) and contents, or,
+    past 2 * FINGERPRINT_SPAN bytes, of its first and last FINGERPRINT_SPAN bytes only (a
+    rewrite keeps neither size nor mtime but in contrived cases; a big file is not read whole)."""
+    stat = Path(path).stat()
+    digest = hashlib.sha256(f"{stat.st_size} {stat.st_mtime_ns}\n".encode())
+    with open(path, "rb") as f:
+        if stat.st_size <= 2 * FINGERPRINT_SPAN:
+            digest.update(f.read())
+        else:
+            digest.update(f.read(FINGERPRINT_SPAN))
+            f.seek(-FINGERPRINT_SPAN, os.SEEK_END)
+            digest.update(f.read(FINGERPRINT_SPAN))
+    return digest.hexdigest()
+
+
+def _builder_options(builder: str, source: Path) -> dict:
+    if builder == "json":
+        # One type per column, as Arrow stores it. `datasets` would otherwise keep a column of
+        # mixed types (or of objects with other keys) as JSON text, which no kernel can check.
+        return {"on_mixed_types": None, "parse_agent_traces": False}
+    if builder == "csv":
+        # Every column is the file's text (`007` stays `007`, not 7.0), and only an empty cell is
+        # missing (not a cell that reads `NA` or `null`).
+        header = pd.read_csv(source, nrows=0).columns
+        return {"features": datasets.Features({name: datasets.Value("string") for name in header}),
+                "keep_default_na": False, "na_values": [""]}
+    return {}
 
 
 def check_fields(table: datasets.Dataset, path: str | Path, fields: dict[str, str | tuple[str, ...]]) -> dict[str, str]:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,7 @@ STOP_WAITS_S = WATCHDOG_EXIT_S - 1.0
 WATCHDOG_STOP_S = WATCHDOG_EXIT_S - STOP_GRACE_S - KILL_WAIT_S
 _live: list["ManagedProcess"] = []
 _lock = threading.Lock()
+_starter: ThreadPoolExecutor | None = None  # start_piped's thread, started on first use
 # Set when fleetrl exits or is told to (SIGTERM): from then on nothing starts, so a thread that
 # reacts to the stopping (a fleet restarting the workers it sees die) cannot leave a process behind.
 _stopping = threading.Event()
@@ -223,6 +225,21 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
     return proc
 
 
+def start_piped(argv: list[str]) -> subprocess.Popen:
+    """`argv` in a session of its own, with pipes to its stdin and stdout (and fleetrl's stderr),
+    without fleetrl's tokens, killed by the kernel when fleetrl dies: a helper process that a
+    caller owns (a reward's worker) and kills itself, so not one that `stop_all` knows of."""
+    with _lock:
+        global _starter
+        _starter = _starter or ThreadPoolExecutor(1, thread_name_prefix="fleetrl-starter")
+    # Started by one long-lived thread: the parent-death signal comes when the *thread* that
+    # started a child ends, and a caller's thread (the orchestrator's, per reward call) ends first.
+    return _starter.submit(
+        subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if k not in SECRET_ENV}, start_new_session=True,
+        preexec_fn=_die_with_parent).result()
+
+
 def stopping() -> bool:
     """Whether fleetrl is ending (at exit, or told to by SIGTERM): nothing starts any more."""
     return _stopping.is_set()
@@ -304,12 +321,13 @@ def _forget_in_child() -> None:
     child gets SIGTERM's default (it ends) and no wakeup fd; the processes and cleanups it knew
     of are the parent's. (The forking thread is the child's main thread: the signal calls are
     allowed there.)"""
-    global _handlers_installed, _lock
+    global _handlers_installed, _lock, _starter
     if _handlers_installed:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _handlers_installed = False
     _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _starter = None  # its thread is the parent's
     _live.clear()
     _forced_exit_cleanups.clear()
 

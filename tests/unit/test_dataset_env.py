@@ -4,6 +4,7 @@ one line, from the environment and from `fleetrl rl --dry-run`."""
 
 import itertools
 import json
+import os
 
 import datasets
 import pandas as pd
@@ -117,6 +118,32 @@ def test_a_held_out_split_of_a_saved_folder(tmp_path):
     assert {t.messages[0]["content"] for t in take(env.tasks(0), 15)} == {r["prompt"] for r in ROWS[:15]}
     assert {t.messages[0]["content"] for t in env.eval_tasks(0)} == {r["prompt"] for r in ROWS[15:]}
     assert len(load_table(folder, "test")) == 5
+    for split in ("train", None):  # the split trained on, named or by default
+        with pytest.raises(EnvError, match=rf"^env dataset: eval_split 'train' is the split trained on; hold out "
+                                           rf"another split of {folder}$"):
+            get_environment("dataset", path=str(folder), split=split, eval_split="train")
+
+
+def test_answers_keep_the_files_text(tmp_path):
+    path = tmp_path / "train.csv"
+    path.write_text("prompt,answer\nWhat?,0.50\nWho?,007\nHow many?,1e3\nWhich?,NA\n")
+    table = load_table(path)
+    assert table["answer"] == ["0.50", "007", "1e3", "NA"] and table["prompt"][0] == "What?"
+    # JSON keeps JSON's types: an integer beside a fraction loads as 7.0, and is judged as 7.
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a", "answer": 7}, {"prompt": "b", "answer": 2.5}])
+    assert load_table(write_jsonl(tmp_path / "ints.jsonl", [{"prompt": "a", "answer": 7}]))["answer"] == [7]
+    env = get_environment("dataset", path=str(mixed), reward="exact")
+    task = next(t for t in env.tasks(0) if t.id.startswith("row0-"))
+    assert task.answer == 7.0 and score(env, Rollout(task=task, completion="7", spans=[], step=1)) == 1.0
+
+
+def test_a_rewritten_file_is_never_served_from_the_cache_stale(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS[:3])
+    stat = path.stat()
+    assert load_table(path)["answer"] == ["0", "2", "4"]
+    write_jsonl(path, [{**row, "answer": row["answer"] + "0"} for row in ROWS[:3]])
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # a rewrite within the clock's tick
+    assert load_table(path)["answer"] == ["00", "20", "40"]
 
 
 def test_check_fields_reports_kinds(jsonl):

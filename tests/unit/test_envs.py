@@ -116,6 +116,8 @@ class Stub:
         (-0.1, r"is -0.1, outside \[0, 1\]"),
         (1.5, r"is 1.5, outside \[0, 1\]"),
         (None, r"is None, not a number"),
+        ("0.5", r"is '0.5', not a number"),
+        (b"1", r"is b'1', not a number"),
     ],
 )
 def test_unusable_rewards_become_env_errors_naming_env_and_task(value, message):

@@ -28,9 +28,12 @@ import hashlib
 import itertools
 import json
 import math
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import numpy as np
 
 from fleetrl.envs.tools import Tool
 from fleetrl.errors import FleetrlError
@@ -193,10 +196,10 @@ def score(env: Environment, rollout: Rollout) -> float:
         raise
     except Exception as e:
         raise EnvError(f"{where} raised {one_line(e)}") from e
-    try:  # numpy scalars and bools are fine; None or a string is a bug in the env
-        reward = float(value)
-    except (TypeError, ValueError):
-        raise EnvError(f"{where} is {value!r}, not a number") from None
+    # bools and numpy's scalars (its bool_ too) are fine; None or a string ("0.5") is a bug in the env
+    if not isinstance(value, numbers.Real | np.bool_):
+        raise EnvError(f"{where} is {value!r}, not a number")
+    reward = float(value)
     if not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
         raise EnvError(f"{where} is {reward!r}, outside [0, 1]")
     return reward

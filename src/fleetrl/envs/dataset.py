@@ -63,6 +63,8 @@ class DatasetEnvironment:
         self.train_rows = np.arange(len(table))
         if eval_split is not None:
             held_out = load_table(path, eval_split)
+            if held_out.cache_files == table.cache_files:  # the same split (a default of None is resolved)
+                raise ValueError(f"eval_split '{eval_split}' is the split trained on; hold out another split of {path}")
             check_fields(held_out, f"{path} split '{eval_split}'", fields)
             self.eval_table, self.eval_rows = held_out.select_columns(columns), np.arange(len(held_out))
             self.eval_tasks = self._eval_tasks

@@ -2,7 +2,7 @@
 
 Every reward is a function `(completion: str, answer, **options) -> float` in [0, 1], and
 `resolve_reward(spec, **options)` gives the one `spec` names with its options bound, as a
-function of `(completion, answer)`. The answer is compared as `str(answer)`, stripped:
+function of `(completion, answer)`. The answer is compared as its text (`answer_text`):
 
 - `exact`: 1 when the completion, stripped, is the answer;
 - `contains`: 1 when the answer occurs in the completion;
@@ -12,7 +12,8 @@ function of `(completion, answer)`. The answer is compared as `str(answer)`, str
 - `math`: Hugging Face's math-verify parses the answer and the completion (LaTeX or plain
   numbers and expressions, `\\boxed{}` first, else the last one given) and compares them as
   mathematics: `1/2`, `0.5` and `\\frac{1}{2}` are equal. An answer it cannot parse raises,
-  so its samples are dropped with that reason rather than scored 0;
+  so its samples are dropped with that reason rather than scored 0. It runs in a worker
+  process, killed past option `timeout_s` (MATH_TIMEOUT_S), and the call then raises too;
 - `module.path:function`: a user's function with the same signature, imported as environments
   are (the current directory on sys.path): `function(completion, answer, **options)`.
 """
@@ -21,43 +22,124 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
+import json
 import re
+import select
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fleetrl.envs.base import EnvError
 from fleetrl.envs.imports import load_attribute
+from fleetrl.processes import start_piped
 
 Reward = Callable[[str, Any], float]
+# The `math` reward's time limit per call (option timeout_s), well within the orchestrator's
+# reward_timeout_s (30 s by default), which also covers a worker's start (MATH_START_S at most).
+MATH_TIMEOUT_S = 5.0
+MATH_START_S = 20.0
+# The most math-verify worker processes at once (each some 100 MB); more calls wait for one.
+MATH_WORKERS = 4
+
+
+def answer_text(answer: Any) -> str:
+    """The text an answer is compared as: `str(answer)`, stripped, but an integral float as the
+    integer (7.0 as `7`: a JSON column that holds 7 beside 2.5 loads 7 as 7.0)."""
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer).strip()
 
 
 def exact(completion: str, answer: Any) -> float:
-    return float(completion.strip() == str(answer).strip())
+    return float(completion.strip() == answer_text(answer))
 
 
 def contains(completion: str, answer: Any) -> float:
-    needle = str(answer).strip()
+    needle = answer_text(answer)
     return float(bool(needle) and needle in completion)
 
 
 def regex(completion: str, answer: Any, pattern: str) -> float:
     found = re.findall(pattern, completion)  # one group: the group's text of each match
-    return float(bool(found) and found[-1].strip() == str(answer).strip())
+    return float(bool(found) and found[-1].strip() == answer_text(answer))
 
 
-def math_equal(completion: str, answer: Any) -> float:
-    math_verify = _math_verify()
-    gold = str(answer).strip()
-    if "$" not in gold and "\\boxed" not in gold:  # a bare answer (`x+1`, `\frac12`) parses as LaTeX math
-        gold = f"${gold}$"
-    # No signal-based time limits: they work on the main thread only, and the orchestrator
-    # scores in worker threads under orchestrator.reward_timeout_s instead.
-    parsed_gold = math_verify.parse(gold, parsing_timeout=None)
-    if not parsed_gold:
-        raise ValueError(f"math-verify cannot parse the answer {str(answer)[:100]!r}")
-    parsed = math_verify.parse(completion, parsing_timeout=None)
-    return float(math_verify.verify(parsed_gold, parsed, timeout_seconds=None))
+def math_equal(completion: str, answer: Any, timeout_s: float = MATH_TIMEOUT_S) -> float:
+    """math-verify's judgement, in a worker process (fleetrl.envs.math_worker) killed past
+    `timeout_s`: its parse of a completion can run sympy's big integers for ever, holding the
+    GIL, which no thread's time limit stops and which would starve the orchestrator's loop."""
+    return _MATH_WORKERS.score(completion, answer_text(answer), timeout_s)
+
+
+class _MathWorkers:
+    """Up to MATH_WORKERS worker processes, each lent to one call at a time; one that overran
+    its call's limit or died is killed and forgotten, and another starts when next needed."""
+
+    def __init__(self) -> None:
+        self._idle: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MATH_WORKERS)
+
+    def score(self, completion: str, answer: str, timeout_s: float) -> float:
+        with self._slots:
+            with self._lock:
+                worker = self._idle.pop() if self._idle else None
+            try:
+                worker = worker or self._start()
+                reply = self._ask(worker, json.dumps([completion, answer]), timeout_s)
+            except BaseException:
+                if worker is not None:
+                    _end(worker)
+                raise
+            with self._lock:
+                self._idle.append(worker)
+        if "error" in reply:
+            raise ValueError(reply["error"])
+        return reply["score"]
+
+    @staticmethod
+    def _start() -> subprocess.Popen:
+        worker = start_piped([sys.executable, "-I", str(Path(__file__).with_name("math_worker.py"))])
+        try:
+            if _read_line(worker, MATH_START_S) != "ready":
+                raise RuntimeError("math-verify's worker process did not start")
+        except BaseException:
+            _end(worker)
+            raise
+        return worker
+
+    @staticmethod
+    def _ask(worker: subprocess.Popen, request: str, timeout_s: float) -> dict:
+        worker.stdin.write(request + "\n")
+        worker.stdin.flush()
+        reply = _read_line(worker, timeout_s)
+        if reply is None:
+            # Not a TimeoutError: call_user_code would take that for its own limit's.
+            raise RuntimeError(f"math-verify took longer than timeout_s = {timeout_s:g} s (its process was killed)")
+        return json.loads(reply)
+
+
+def _read_line(worker: subprocess.Popen, timeout_s: float) -> str | None:
+    """The worker's next line, None past `timeout_s`; a RuntimeError if it ended."""
+    if not select.select([worker.stdout], [], [], timeout_s)[0]:
+        return None
+    line = worker.stdout.readline()  # the worker writes whole lines
+    if not line:
+        raise RuntimeError(f"math-verify's worker process ended (exit code {worker.wait()})")
+    return line.strip()
+
+
+def _end(worker: subprocess.Popen) -> None:
+    worker.kill()
+    worker.wait()
+    worker.stdin.close()
+    worker.stdout.close()
+
+
+_MATH_WORKERS = _MathWorkers()
 
 
 MENU: dict[str, Callable[..., float]] = {"exact": exact, "contains": contains, "regex": regex, "math": math_equal}
@@ -87,7 +169,13 @@ def resolve_reward(spec: str, **options: Any) -> Reward:
             raise EnvError(f"{where}: {e} (it takes {takes})") from None
     if fn is regex:
         _check_pattern(options["pattern"], where)
+    if fn is math_equal and not _is_seconds(timeout_s := options.get("timeout_s", MATH_TIMEOUT_S)):
+        raise EnvError(f"{where}: timeout_s = {timeout_s!r} is not a positive number of seconds")
     return functools.partial(fn, **options) if options else fn
+
+
+def _is_seconds(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 def _check_pattern(pattern: Any, where: str) -> None:
@@ -97,13 +185,3 @@ def _check_pattern(pattern: Any, where: str) -> None:
         raise EnvError(f"{where}: pattern {pattern!r} is not a regular expression ({e})") from None
     if groups != 1:
         raise EnvError(f"{where}: pattern {pattern!r} has {groups} groups; it needs exactly one, the answer")
-
-
-@functools.cache
-def _math_verify():
-    # Imported on first use: it brings sympy and a LaTeX parser, a second or more.
-    import math_verify
-
-    # Its warning that time limits are off, once per process: fleetrl set them off on purpose.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    return math_verify
