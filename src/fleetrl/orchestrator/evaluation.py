@@ -11,9 +11,12 @@ it on the same fleet.
 The prompts are the same at every evaluation: the first `eval.prompts` of each environment's
 held-out split (envs/base.HeldOutSplit), which training never samples; or of an environment
 named for evaluation alone (`eval.envs`). Figures per environment:
-- `reward_mean` over the scored completions, and `reward_se`, its standard error over prompts
-  (`standard_error` of the prompts' mean rewards: the spread of the held-out figure when the
-  prompts are a sample of the task);
+- `reward_mean`, the mean over the scored completions, and `reward_se`, the standard error of
+  the mean over prompts of each prompt's mean reward (`standard_error` of the prompts' means:
+  the spread of the held-out figure when the prompts are a sample of the task). The two means
+  are one figure when every prompt has the same number of scored completions; where failed
+  completions leave some prompts fewer, `reward_mean` weighs each prompt by its scored
+  completions and `reward_se` is that of the mean of prompt means, which weighs them equally;
 - `pass@1`, and `pass@k` for k = samples_per_prompt: the unbiased estimate over prompts of the
   chance that one of k completions passes (reward >= eval.pass_reward);
 - `failed`: completions that could not be scored (an empty one, a failed reward or episode).
