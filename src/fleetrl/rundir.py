@@ -77,6 +77,7 @@ MANIFEST = "manifest.json"
 UNLISTED = ("logs", "wandb", "weights", "dynamo-discovery", "kv-store", "etcd", "nats", "fleet.json", "tokens.json",
             "run_id")
 STEP_PREFIX = "step_"
+KINDS = {"rl": StepLine, "sft": SftLine}  # a run's kind (the command that made it): its metrics.jsonl records
 LOCK = ".lock"  # a dot-file: never an artifact of the manifest
 
 # What a run *is*. A resume that changed one of these would go on, under the same run.dir and
@@ -177,11 +178,13 @@ class DeploymentPaths:
 class RunDir:
     """The paths of one run directory, and every write into it."""
 
-    def __init__(self, root: Path, log=print, lines: type = StepLine) -> None:
-        """`lines`: the record of metrics.jsonl, SftLine for a `fleetrl sft` run."""
+    def __init__(self, root: Path, log=print, kind: str = "rl") -> None:
+        """`kind`: the command whose run this is, `fleetrl rl`'s or `fleetrl sft`'s (KINDS)."""
         self.root = Path(root)
         self.log = log
-        self.lines = lines
+        self.kind = kind
+        self.lines = KINDS[kind]  # the record of metrics.jsonl
+        self.kind_path = self.root / "kind"
         self.config_path = self.root / "config.toml"
         self.metrics_path = self.root / "metrics.jsonl"
         self.final_path = self.root / "final.json"
@@ -211,6 +214,28 @@ class RunDir:
         self.lock_path = self.root / LOCK
         self._lock_fd: int | None = None  # open while this RunDir holds the lock
 
+    @classmethod
+    def of(cls, root: Path, log=print) -> RunDir:
+        """The run directory `root` as the kind of run it holds (`recorded_kind`)."""
+        return cls(root, log=log, kind=cls(root).recorded_kind() or "rl")
+
+    def recorded_kind(self) -> str | None:
+        """The kind of run the directory holds: its `kind` file, which every new run's start
+        writes; without one "rl" where it holds a run (one from before kinds were kept, all of
+        them `fleetrl rl`'s), else None."""
+        if not self.kind_path.exists():
+            return "rl" if self.metrics_path.exists() else None
+        kind = self.kind_path.read_text().strip()
+        if kind not in KINDS:
+            raise FleetrlError(f"{self.kind_path}: {kind[:40]!r} is not a kind of run ({', '.join(KINDS)})")
+        return kind
+
+    def check_kind(self) -> None:
+        """Refuse to run this command's kind of run in a directory that holds the other kind."""
+        if (held := self.recorded_kind()) not in (None, self.kind):
+            raise FleetrlError(f"run.dir {self.root} holds a `fleetrl {held}` run; a `fleetrl {self.kind}` run "
+                               f"needs a run.dir of its own (choose another run.dir)")
+
     def batch_path(self, step: int) -> Path:
         return self.batches_dir / f"{step_name(step)}.json"
 
@@ -231,6 +256,7 @@ class RunDir:
         this run writes their replacements (`replace_final_model`, `write_manifest`)."""
         self.lock()
         try:
+            self.check_kind()
             config_text = to_toml(config)  # read back as it was, or refused: before anything is removed
             metrics = self.read_metrics()
             episodes = read_json_lines(self.verifiers_episodes_path, self.log)
@@ -261,6 +287,8 @@ class RunDir:
                 self._events.close()  # its next line goes to the file written here, not the one replaced
                 atomic_write(self.events_path, json_lines([event_to_dict(e) for e in events]), durable=True)
             self.record_run_id()
+            if not resume:  # a resume keeps the kind check_kind found (none: an older `fleetrl rl` run)
+                atomic_write(self.kind_path, self.kind + "\n", durable=True)
             atomic_write(self.config_path, config_text, durable=True)
             fsync_dir(self.root)
         except BaseException:
@@ -439,12 +467,11 @@ class RunDir:
         return sorted(p for p in self.root.rglob("*") if p.is_file() and p.name != MANIFEST and listed(p))
 
     def write_manifest(self) -> Path:
-        """The manifest of every artifact; a `fleetrl sft` run's says so (`"kind": "sft"`), for verify."""
+        """The manifest of every artifact (the `kind` file among them)."""
         self._events.flush()  # every event appended so far is in the file it hashes
         entries = {str(p.relative_to(self.root)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                    for p in self.artifacts()}
-        kind = {"kind": "sft"} if self.lines is SftLine else {}
-        return atomic_write(self.manifest_path, json.dumps({"artifacts": entries, **kind}, indent=1, sort_keys=True))
+        return atomic_write(self.manifest_path, json.dumps({"artifacts": entries}, indent=1, sort_keys=True))
 
     def record_fleet(self, settings: dict, tokens: dict) -> None:
         """Record the running fleet for `fleetrl status RUN_DIR`: the inference settings that
@@ -482,6 +509,9 @@ def plot_run(root: Path) -> list[Path]:
     run_dir = RunDir(root)
     if not run_dir.config_path.exists():
         raise FleetrlError(f"{run_dir.root}: no config.toml (not a run directory)")
+    if run_dir.recorded_kind() == "sft":
+        raise FleetrlError(f"{run_dir.root} holds a `fleetrl {run_dir.recorded_kind()}` run, which draws no plots: "
+                           f"its loss per step is in {run_dir.metrics_path} (and TensorBoard, W&B)")
     if not run_dir.metrics_path.exists() and not run_dir.events_path.exists():
         raise FleetrlError(f"{run_dir.root}: nothing to draw yet (no metrics.jsonl or events.jsonl)")
     return run_dir.write_plots()
@@ -503,8 +533,8 @@ def verify_run(root: Path) -> str:
     if unlisted:
         raise VerifyError(f"{unlisted[0]}: an artifact the manifest does not list")
 
-    if json.loads(run_dir.manifest_path.read_text()).get("kind") == "sft":
-        return verify_sft_run(RunDir(root, lines=SftLine), len(listed))
+    if run_dir.recorded_kind() == "sft":  # the kind file, which the manifest has just checked
+        return verify_sft_run(RunDir(root, kind="sft"), len(listed))
     orchestrator = load_config([run_dir.config_path], []).orchestrator
     k = orchestrator.max_off_policy_steps
     metrics = run_dir.read_metrics()

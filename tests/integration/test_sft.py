@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from fleetrl.records import SftLine
 from fleetrl.rundir import RunDir
+from fleetrl.trainer.export import folder_version
 
 ROWS = [{"messages": [{"role": "user", "content": f"Repeat: {word}"}, {"role": "assistant", "content": word}]}
         for word in ("apple", "river", "stone", "cloud", "light")]
@@ -54,7 +54,7 @@ def test_sft_on_two_ranks_resumes_and_leaves_a_model_for_rl(tiny_model, tmp_path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after step 3" in resumed.stdout
 
-    lines = RunDir(run, lines=SftLine).read_metrics()
+    lines = RunDir(run, kind="sft").read_metrics()
     assert [line.step for line in lines] == [1, 2, 3, 4]
     # Every step trains all five rows (one pass each): the loss of the same rows goes down.
     assert lines[-1].loss < lines[0].loss
@@ -65,6 +65,7 @@ def test_sft_on_two_ranks_resumes_and_leaves_a_model_for_rl(tiny_model, tmp_path
 
     model = AutoModelForCausalLM.from_pretrained(run / "final_model")
     assert AutoTokenizer.from_pretrained(run / "final_model").chat_template  # rl renders its prompts with it
+    assert folder_version(run / "final_model") == 0  # no policy version: `fleetrl rl` on it starts at v0
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_model).config.vocab_size
 
     verified = fleetrl("verify", str(run))

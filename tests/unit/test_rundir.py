@@ -317,15 +317,15 @@ def test_the_step_to_resume_from_is_read_only_once_the_directory_is_locked(tmp_p
         assert first.stdout.readline() == "locked\n"
         run = rl.RLRun(load_config([], [("run.dir", str(root))]), log=lambda *_: None)
         with pytest.raises(FleetrlError, match=rf"^run.dir {root} is in use by fleetrl pid {first.pid}; "):
-            run.find_resume()
+            rl.find_resume(run.run_dir)
         assert read == []
     finally:
         first.kill()
         first.wait()
         if run is not None:
             run.control.stop()
-    run.find_resume()  # free now: it holds the directory, then reads
-    assert len(read) == 1 and run.resume == 0
+    resume = rl.find_resume(run.run_dir)  # free now: it holds the directory, then reads
+    assert len(read) == 1 and resume == 0
     run.run_dir.close()
 
 

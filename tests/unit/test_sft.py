@@ -189,7 +189,7 @@ class SftRunOnOneRank:
         self.config = load_config([], [("run.max_steps", str(max_steps)), ("trainer.lr", "1e-3"),
                                        ("trainer.checkpoint_interval", "2"), ("trainer.micro_batch_tokens", "48"),
                                        *overrides])
-        self.run_dir = RunDir(root, lines=SftLine)
+        self.run_dir = RunDir(root, kind="sft")
         self.model_dir = model_dir
         self.losses, self.final = {}, None
 
@@ -228,3 +228,30 @@ def test_with_lora_the_adapter_alone_trains_and_is_handed_over(model_dir, tmp_pa
     assert run.final and all("lora_" in name for name in run.final)
     assert any(tensor.abs().sum() > 0 for name, tensor in run.final.items() if "lora_B" in name)
     assert run.losses[4] < run.losses[1]
+
+
+def test_a_run_dir_of_the_other_kind_of_run_is_refused_in_one_line_before_it_is_touched(tmp_path):
+    """`fleetrl rl` on an sft run's directory once found its checkpoint and failed on its metrics."""
+    from fleetrl.app.rl import find_resume
+    from fleetrl.rundir import plot_run
+
+    sft = RunDir(tmp_path / "run", kind="sft")
+    sft.start(load_config([], [("run.dir", str(sft.root))]), 0)
+    sft.close()
+    assert sft.kind_path.read_text() == "sft\n" and RunDir.of(sft.root).lines is SftLine
+    before = sorted(p.name for p in sft.root.iterdir())
+    with pytest.raises(FleetrlError, match=rf"^run.dir {sft.root} holds a `fleetrl sft` run; a `fleetrl rl` run needs"):
+        find_resume(RunDir(sft.root))
+    assert sorted(p.name for p in sft.root.iterdir()) == before
+    with pytest.raises(FleetrlError, match="holds a `fleetrl sft` run, which draws no plots"):
+        plot_run(sft.root)
+
+
+def test_the_final_model_of_sft_is_policy_version_0(monkeypatch, tmp_path):
+    """It was labelled v{max_steps}, which `fleetrl eval` showed while `fleetrl rl` on it starts at v0."""
+    from fleetrl.app import sft
+
+    versions = []
+    monkeypatch.setattr(sft, "write_final_model", lambda config, run_dir, model_dir, named, version, log: versions.append(version))
+    sft.SftRun(load_config([], [("run.dir", str(tmp_path / "run")), ("run.max_steps", "20")])).write_final(iter)
+    assert versions == [0]

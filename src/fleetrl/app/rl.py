@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -151,20 +152,6 @@ class RLRun:
         self.published: tuple[Snapshot | None, AgreementProbe] | None = None
         self.evaluated: dict[int, dict] = {}  # each evaluation's figures by version, until its step's line
 
-    def find_resume(self) -> None:
-        """The step to resume from: the latest good checkpoint, read with the run directory
-        already locked, so no other run can add or replace one under the decision (a directory
-        that does not exist yet holds none: `RunDir.start` creates and locks it once all is
-        checked)."""
-        if self.run_dir.root.is_dir():
-            self.run_dir.lock()
-        try:
-            latest = checkpoint.latest(self.run_dir.checkpoints_dir, log=self.log)
-        except BaseException:
-            self.run_dir.close()
-            raise
-        self.resume = latest[0] if latest else 0
-
     def run(self) -> int:
         # Also with one rank, where every process starts on the control loop's thread: a SIGTERM
         # of fleetrl must stop the workers (Ctrl-C and exit are handled either way).
@@ -184,7 +171,7 @@ class RLRun:
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             check_prompts_fit(self.config, envs, self.tokenizer)
-            self.find_resume()
+            self.resume = find_resume(self.run_dir, self.log)
             if progress.interactive():
                 orchestrator = self.config.orchestrator
                 self.view = LiveView(self.config.run.max_steps, self.resume,
@@ -471,17 +458,40 @@ def write_final_model(config: Config, run_dir: RunDir, model_dir: Path, named: N
     run_dir.replace_final_model(lambda folder: export_weights(model_dir, named(), folder, version, adapter=adapter))
 
 
+def find_resume(run_dir: RunDir, log=print) -> int:
+    """The step to resume from (0: none), `fleetrl rl`'s or `fleetrl sft`'s: the latest good
+    checkpoint, read with the run directory already locked, so no other run can add or replace
+    one under the decision (a directory that does not exist yet holds none: `RunDir.start`
+    creates and locks it once all is checked); a directory of the other kind of run is refused."""
+    if run_dir.root.is_dir():
+        run_dir.lock()
+    try:
+        run_dir.check_kind()
+        latest = checkpoint.latest(run_dir.checkpoints_dir, log=log)
+    except BaseException:
+        run_dir.close()
+        raise
+    return latest[0] if latest else 0
+
+
 def run_peer_rank(config: Config) -> int:
     """`fleetrl rl` as a rank other than 0 of a group torchrun started: a trainer rank and
-    nothing else. It trains with the run directory's config.toml, as rank 0 wrote it; a rank
-    that does not see that file, or the model folder, is on storage rank 0 does not share."""
+    nothing else (`run_peer`)."""
     check_config(config)
+    return run_peer(config, "rl", train_peer)
+
+
+def run_peer(config: Config, kind: str, train_rank: Callable) -> int:
+    """A rank other than 0 of a `fleetrl rl` or `fleetrl sft` (`kind`) group torchrun started:
+    `train_rank(config, run_dir, model_dir, world)`. It trains with the run directory's config.toml,
+    as rank 0 wrote it; a rank that does not see that file, or the model folder, is on storage
+    rank 0 does not share."""
     world = distributed.init(timeout_s=distributed.collective_timeout_s(config))
     try:
         rank0 = distributed.broadcast_from_rank0(None)  # sent once rank 0 has started the run directory
-        run_dir = RunDir(config.run.dir)
+        run_dir = RunDir(config.run.dir, kind=kind)
         model_dir = check_sees_rank0(run_dir, rank0, f"trainer rank {world.rank} on {socket.gethostname()}")
-        train_peer(load_config([run_dir.config_path], []), run_dir, model_dir, world)
+        train_rank(load_config([run_dir.config_path], []), run_dir, model_dir, world)
     finally:
         distributed.destroy()
     return 0

@@ -9,15 +9,15 @@ the training loop on its main thread.
 
 from __future__ import annotations
 
-import socket
+import dataclasses
 import time
 from pathlib import Path
 
 from fleetrl import progress
 from fleetrl.app.checks import take_world_from_launcher
 from fleetrl.app.live import LiveView
-from fleetrl.app.rl import check_sees_rank0, start_trainer_ranks, write_final_model
-from fleetrl.config import Config, ConfigError, load_config
+from fleetrl.app.rl import find_resume, run_peer, start_trainer_ranks, write_final_model
+from fleetrl.config import Config, ConfigError
 from fleetrl.errors import FleetrlError
 from fleetrl.model import resolve_model
 from fleetrl.monitoring import StepSink
@@ -25,7 +25,7 @@ from fleetrl.processes import ManagedProcess, install_signal_handlers, stop_grou
 from fleetrl.records import SftLine
 from fleetrl.rundir import RunDir
 from fleetrl.sft_data import SftData
-from fleetrl.trainer import checkpoint, distributed
+from fleetrl.trainer import distributed
 from fleetrl.trainer.sft import NamedTensors, SftMetrics, train_sft, train_sft_peer
 from fleetrl.trainer.step import finite_or_none
 
@@ -51,7 +51,7 @@ class SftRun:
     def __init__(self, config: Config, log=print) -> None:
         self.config = config
         self.log = log
-        self.run_dir = RunDir(config.run.dir, log=log, lines=SftLine)
+        self.run_dir = RunDir(config.run.dir, log=log, kind="sft")
         self.model_dir: Path | None = None
         self.view: LiveView | None = None
         self.sink: StepSink | None = None
@@ -64,7 +64,7 @@ class SftRun:
         try:
             # Everything is checked before the run directory is touched.
             self.model_dir, data = check_sft(self.config, self.log)
-            resume = self.find_resume()
+            resume = find_resume(self.run_dir, self.log)
             if progress.interactive():
                 self.view = LiveView(self.config.run.max_steps, resume, self.config.sft.sequences_per_step)
                 self.view.start()
@@ -90,28 +90,16 @@ class SftRun:
         finally:
             self.stop()
 
-    def find_resume(self) -> int:
-        """The step of the newest good checkpoint, read with the directory locked (as `fleetrl rl`)."""
-        if self.run_dir.root.is_dir():
-            self.run_dir.lock()
-        try:
-            latest = checkpoint.latest(self.run_dir.checkpoints_dir, log=self.log)
-        except BaseException:
-            self.run_dir.close()
-            raise
-        return latest[0] if latest else 0
-
     def on_step(self, metrics: SftMetrics, started: float, finished: float) -> None:
-        self.sink.write_sft(SftLine(
-            step=metrics.step, skipped=metrics.skipped, loss=finite_or_none(metrics.loss),
-            grad_norm=finite_or_none(metrics.grad_norm), lr=metrics.lr, sequences=metrics.sequences,
-            loss_tokens=metrics.loss_tokens, tokens=metrics.tokens, micro_batches=metrics.micro_batches,
-            tokens_per_s=metrics.tokens_per_s, train_started=started, train_finished=finished))
+        self.sink.write_sft(SftLine(**dataclasses.asdict(metrics) | {
+            "loss": finite_or_none(metrics.loss), "grad_norm": finite_or_none(metrics.grad_norm),
+            "train_started": started, "train_finished": finished}))
 
     def write_final(self, named: NamedTensors) -> None:
         if self.view is not None:
             self.view.set_phase("writing the final model")
-        write_final_model(self.config, self.run_dir, self.model_dir, named, self.config.run.max_steps, self.log)
+        # Version 0: no policy has been trained by RL yet, and `fleetrl rl` on it starts at v0.
+        write_final_model(self.config, self.run_dir, self.model_dir, named, 0, self.log)
 
     def check_ranks(self) -> None:
         deadline = time.monotonic() + 5  # a rank that failed takes a moment to exit
@@ -133,15 +121,6 @@ class SftRun:
 
 
 def run_sft_peer_rank(config: Config) -> int:
-    """`fleetrl sft` as a rank other than 0 of a group torchrun started: a trainer rank only,
-    on the run directory's config.toml as rank 0 wrote it (`fleetrl rl`'s `run_peer_rank`)."""
+    """`fleetrl sft` as a rank other than 0 of a group torchrun started: a trainer rank only (`run_peer`)."""
     take_world_from_launcher(config)
-    world = distributed.init(timeout_s=distributed.collective_timeout_s(config))
-    try:
-        rank0 = distributed.broadcast_from_rank0(None)  # sent once rank 0 has started the run directory
-        run_dir = RunDir(config.run.dir, lines=SftLine)
-        model_dir = check_sees_rank0(run_dir, rank0, f"trainer rank {world.rank} on {socket.gethostname()}")
-        train_sft_peer(load_config([run_dir.config_path], []), run_dir, model_dir, world)
-    finally:
-        distributed.destroy()
-    return 0
+    return run_peer(config, "sft", train_sft_peer)

@@ -72,6 +72,9 @@ async def run_status(config: Config, run_dir: Path | None = None) -> int:
     """Prints the worker table; 1 when any worker is down or did not answer."""
     if run_dir is not None:
         run = RunDir(run_dir)
+        if run.recorded_kind() == "sft":
+            raise FleetrlError(f"{run.root} holds a `fleetrl {run.recorded_kind()}` run, which has no inference "
+                               f"fleet: its steps are in {run.metrics_path}")
         if not run.fleet_path.exists() and run.final_path.exists():
             print(finished_run(run))
             return 0

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from fleetrl import tripwire
 from fleetrl.config import load_config
-from fleetrl.records import SftLine, StepLine
-from fleetrl.rundir import RunDir
+from fleetrl.rundir import KINDS, RunDir
 from fleetrl.trainer import distributed
 from fleetrl.trainer.loop import train_peer
 from fleetrl.trainer.sft import train_sft_peer
@@ -20,11 +19,13 @@ from fleetrl.trainer.sft import train_sft_peer
 def main(argv: list[str]) -> int:
     """The rank's exit status: `argv` is MODE RUN_DIR MODEL_DIR."""
     mode, run_dir, model_dir = argv
+    if mode not in KINDS:
+        raise SystemExit(f"fleetrl.trainer: mode {mode!r} is not one of {', '.join(KINDS)}")
     return tripwire.run_armed(lambda: train_rank(mode, Path(run_dir), Path(model_dir)))
 
 
 def train_rank(mode: str, root: Path, model_dir: Path) -> int:
-    run_dir = RunDir(root, lines=SftLine if mode == "sft" else StepLine)
+    run_dir = RunDir(root, kind=mode)
     config = load_config([run_dir.config_path], [])
     world = distributed.init(timeout_s=distributed.collective_timeout_s(config))
     try:
