@@ -881,7 +881,7 @@ class SftConfig(Section):
         "`datasets` saved (save_to_disk). Each row is a conversation (sft.messages_field) or a prompt/completion "
         "pair (sft.prompt_field and sft.completion_field), whichever columns the table has.")
     split: str | None = Field(None, description="The split to read from a saved DatasetDict folder; unset = its "
-                              "only split (see the dataset environment's loader).")
+                              "'train' split, else its only split.")
     messages_field: str = Field(
         "messages", min_length=1, description="The column of conversations: lists of {role, content} messages; "
         "every assistant message is trained on (its tokens and its end-of-turn token), the rest is context.")

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -83,7 +84,8 @@ LOCK = ".lock"  # a dot-file: never an artifact of the manifest
 # What a run *is*. A resume that changed one of these would go on, under the same run.dir and
 # from the same checkpoint, with a run that means something else, so it is refused; everything
 # else (steps, workers, timeouts, logging, the learning rate) may change between the two.
-RUN_DEFINING = (
+# Each kind of run's (KINDS); the model folder and data files themselves are fingerprinted (`start`'s inputs).
+RUN_DEFINING = {"rl": (
     "model.path",  # the policy the checkpoints hold weights of
     "orchestrator.env",  # the tasks and their reward
     "orchestrator.env_options",  # the same
@@ -105,8 +107,34 @@ RUN_DEFINING = (
     "trainer.kl_coef",  # the loss
     "trainer.lora",  # what is trained (adapter or all weights) and what the checkpoints hold
     "run.seed",  # the task stream the resume continues
-    "sft",  # the rows each step of a `fleetrl sft` run trains on
-)
+), "sft": (
+    "model.path",
+    "trainer.lora",
+    "run.seed",  # the order of the rows
+    "sft.path",  # the rows each step trains on
+    "sft.split",
+    "sft.messages_field",
+    "sft.prompt_field",
+    "sft.completion_field",
+    "sft.sequences_per_step",  # a resume skips the rows of the steps done
+)}
+
+
+def path_fingerprint(path: Path) -> str:
+    """A file's or a folder's identity, as hex (`data_files.file_fingerprint` of each file, a
+    folder's by their names; hidden ones, a download's locks say, left out): cheap for big
+    models, it reads 2 MiB of each file at most."""
+    from fleetrl.data_files import file_fingerprint  # `datasets` and pandas: only where a run starts
+
+    path = Path(path)
+    if path.is_file():
+        return file_fingerprint(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(path).parts))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.relative_to(path)} {file_fingerprint(file)}\n".encode())
+    return digest.hexdigest()
 
 
 def step_name(step: int) -> str:
@@ -185,6 +213,7 @@ class RunDir:
         self.kind = kind
         self.lines = KINDS[kind]  # the record of metrics.jsonl
         self.kind_path = self.root / "kind"
+        self.fingerprints_path = self.root / "fingerprints.json"  # of `start`'s inputs, at the run's first start
         self.config_path = self.root / "config.toml"
         self.metrics_path = self.root / "metrics.jsonl"
         self.final_path = self.root / "final.json"
@@ -248,9 +277,12 @@ class RunDir:
     def log_path(self, process: str) -> Path:
         return self.deployment.log(process)
 
-    def start(self, config: Config, resume: int) -> None:
+    def start(self, config: Config, resume: int, inputs: dict[str, Path] | None = None) -> None:
         """Lock the directory for this run (`close` lets go) and make it ready for a run that
-        continues after step `resume` (0: a new run). Everything is checked before anything is
+        continues after step `resume` (0: a new run). `inputs`: the model folder and data files
+        the run reads, by config key (model.path, sft.path): a new run keeps their fingerprints,
+        and a resume whose files changed since (a final model an SFT run rewrote) is refused.
+        Everything is checked before anything is
         written: a refused start leaves the directory as it was (but for the lock file) and
         holds nothing. What a finished run took home, its final model and manifest, stays until
         this run writes their replacements (`replace_final_model`, `write_manifest`)."""
@@ -269,6 +301,13 @@ class RunDir:
                                    f"choose an empty or new folder")
             if resume and self.config_path.exists():
                 self._check_resume_keeps_the_run(config)
+            fingerprints = {key: path_fingerprint(path) for key, path in (inputs or {}).items()}
+            if resume and self.fingerprints_path.exists():  # none: a run from before they were kept
+                for key, then in json.loads(self.fingerprints_path.read_text()).items():
+                    if key in fingerprints and fingerprints[key] != then:
+                        raise FleetrlError(f"run.dir {self.root}: resume with {key} {str(inputs[key])!r}, whose files "
+                                           "changed since the run started; a resumed run must keep what the run "
+                                           "means (start a new run.dir)")
             self.run_id()  # one the directory holds is checked before anything is written
             # Steps after the checkpoint are redone: drop their batches, rollouts, metric lines
             # and verifiers episodes. Each rewrite is synced to disk before it replaces the file.
@@ -289,6 +328,8 @@ class RunDir:
             self.record_run_id()
             if not resume:  # a resume keeps the kind check_kind found (none: an older `fleetrl rl` run)
                 atomic_write(self.kind_path, self.kind + "\n", durable=True)
+                atomic_write(self.fingerprints_path, json.dumps(fingerprints, indent=1, sort_keys=True) + "\n",
+                             durable=True)
             atomic_write(self.config_path, config_text, durable=True)
             fsync_dir(self.root)
         except BaseException:
@@ -384,7 +425,7 @@ class RunDir:
     def _check_resume_keeps_the_run(self, config: Config) -> None:
         now = config.model_dump(mode="json")
         then = load_config([self.config_path], []).model_dump(mode="json")
-        for name in RUN_DEFINING:
+        for name in RUN_DEFINING[self.kind]:
             new, old = (reduce(dict.__getitem__, name.split("."), values) for values in (now, then))
             if new != old:
                 name, new, old = _first_change(name, new, old)

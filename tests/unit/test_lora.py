@@ -124,7 +124,7 @@ def test_lora_is_off_by_default_and_a_resume_may_not_change_it():
     assert lora.rank == 0 and not lora.enabled and lora.dropout == 0.0 and not lora.use_rslora
     assert lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert adapter_config(lora, "base") is None
-    assert "trainer.lora" in RUN_DEFINING
+    assert "trainer.lora" in RUN_DEFINING["rl"] and "trainer.lora" in RUN_DEFINING["sft"]
     config = load_config([], [("trainer.lora.rank", "12"), ("trainer.lora.target_modules", '["q_proj"]')])
     assert "[trainer.lora]" in to_toml(config)  # and it reads back as it was (to_toml checks)
 

@@ -373,7 +373,8 @@ def test_a_resume_that_changes_what_the_run_means_is_refused_and_changes_nothing
 def test_a_resume_may_change_what_does_not_define_the_run(tmp_path):
     run = RunDir(make_run(tmp_path))
     changed = load_config([run.config_path], [("run.max_steps", "20"), ("trainer.lr", "1e-5"),
-                                              ("inference.workers", "3"), ("orchestrator.reward_timeout_s", "5")])
+                                              ("inference.workers", "3"), ("orchestrator.reward_timeout_s", "5"),
+                                              ("sft.sequences_per_step", "3")])  # an rl run's: no [sft] key defines it
     run.start(changed, resume=2)
     assert load_config([run.config_path], []).run.max_steps == 20
     run.close()

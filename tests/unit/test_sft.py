@@ -255,3 +255,36 @@ def test_the_final_model_of_sft_is_policy_version_0(monkeypatch, tmp_path):
     monkeypatch.setattr(sft, "write_final_model", lambda config, run_dir, model_dir, named, version, log: versions.append(version))
     sft.SftRun(load_config([], [("run.dir", str(tmp_path / "run")), ("run.max_steps", "20")])).write_final(iter)
     assert versions == [0]
+
+
+def test_a_resume_whose_model_folder_or_data_file_changed_is_refused_in_one_line(tmp_path):
+    """model.path was compared as a string, but SFT_RUN/final_model is rewritten whenever that run
+    is resumed: a LoRA run (its checkpoints hold the adapter alone) would resume on other weights."""
+    model, data = tmp_path / "model", tmp_path / "data.jsonl"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"a" * 10)
+    data.write_text("{}\n")
+    run = RunDir(tmp_path / "run", kind="sft")
+    config = load_config([], [("run.dir", str(run.root))])
+    run.start(config, 0, {"model.path": model, "sft.path": data})
+    run.close()
+    run.start(config, 2, {"model.path": model, "sft.path": data})  # the same files: it resumes
+    run.close()
+    (model / "model.safetensors").write_bytes(b"b" * 10)  # the same size
+    with pytest.raises(FleetrlError, match=rf"^run.dir {run.root}: resume with model.path '{model}', whose files changed"):
+        run.start(config, 2, {"model.path": model, "sft.path": data})
+    data.write_text("[]\n")
+    with pytest.raises(FleetrlError, match=rf"^run.dir {run.root}: resume with sft.path '{data}', whose files changed"):
+        run.start(config, 2, {"sft.path": data})
+
+
+def test_only_the_sft_keys_that_change_its_rows_define_an_sft_run(tmp_path):
+    run = RunDir(tmp_path / "run", kind="sft")
+    config = load_config([], [("run.dir", str(run.root))])
+    run.start(config, 0)
+    run.close()
+    changed = load_config([run.config_path], [("orchestrator.group_size", "4"), ("sft.max_tokens", "64")])
+    run.start(changed, 2)  # an rl key, and the longest row allowed: the same rows in the same order
+    run.close()
+    with pytest.raises(FleetrlError, match=r"resume with sft.sequences_per_step 3 but the run was started with 32"):
+        run.start(load_config([run.config_path], [("sft.sequences_per_step", "3")]), 2)

@@ -177,7 +177,7 @@ class RLRun:
                 self.view = LiveView(self.config.run.max_steps, self.resume,
                                      orchestrator.batch_prompts * orchestrator.group_size)
                 self.view.start()
-            self.run_dir.start(self.config, self.resume)
+            self.run_dir.start(self.config, self.resume, inputs={"model.path": self.model_dir})
             self.sink = StepSink(self.config, self.run_dir, self.view, log=self.log)
             self.start_fleet(fleet, envs, evaluated)
             self.start_ranks()
@@ -403,10 +403,7 @@ class RLRun:
     def check_children(self) -> None:
         """Raises the failure of a trainer rank, the fleet's start or the rollouts, if any."""
         self.control.check()
-        for rank in self.ranks:
-            if not rank.alive():
-                raise FleetrlError(f"{rank.name} died (exit code {rank.popen.returncode}); last lines of "
-                                   f"{rank.log_path}: {rank.log_tail(3)}")
+        check_ranks(self.ranks)
         for future in self.rollouts + ([self.fleet_started] if self.fleet_started else []):
             if future.done() and future.exception():
                 raise future.exception()
@@ -416,6 +413,14 @@ class RLRun:
             self.check_children()
             time.sleep(0.2)
         self.fleet_started.result()
+
+
+def check_ranks(ranks: list[ManagedProcess]) -> None:
+    """Raise the death of the first trainer rank (of `fleetrl rl`'s or `fleetrl sft`'s) that died, in one line."""
+    for rank in ranks:
+        if not rank.alive():
+            raise FleetrlError(f"{rank.name} died (exit code {rank.popen.returncode}); last lines of "
+                               f"{rank.log_path}: {rank.log_tail(3)}")
 
 
 def start_trainer_ranks(config: Config, run_dir: RunDir, model_dir: Path, mode: str,

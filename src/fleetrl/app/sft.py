@@ -16,7 +16,7 @@ from pathlib import Path
 from fleetrl import progress
 from fleetrl.app.checks import take_world_from_launcher
 from fleetrl.app.live import LiveView
-from fleetrl.app.rl import find_resume, run_peer, start_trainer_ranks, write_final_model
+from fleetrl.app.rl import check_ranks, find_resume, run_peer, start_trainer_ranks, write_final_model
 from fleetrl.config import Config, ConfigError
 from fleetrl.errors import FleetrlError
 from fleetrl.model import resolve_model
@@ -68,7 +68,7 @@ class SftRun:
             if progress.interactive():
                 self.view = LiveView(self.config.run.max_steps, resume, self.config.sft.sequences_per_step)
                 self.view.start()
-            self.run_dir.start(self.config, resume)
+            self.run_dir.start(self.config, resume, inputs={"model.path": self.model_dir, "sft.path": data.path})
             self.sink = StepSink(self.config, self.run_dir, self.view, log=self.log)
             world = start_trainer_ranks(self.config, self.run_dir, self.model_dir, "sft", self.ranks)
             self.log(f"fleetrl: sft run {self.run_dir.root}: {self.config.run.max_steps} steps of "
@@ -81,7 +81,7 @@ class SftRun:
             except FleetrlError:
                 raise
             except Exception:
-                self.check_ranks()  # a collective fails when a peer rank dies: name the rank
+                self.wait_for_a_dead_rank()  # a collective fails when a peer rank dies: name the rank
                 raise
             self.sink.close()  # its files complete before the manifest lists them
             self.run_dir.write_manifest()
@@ -101,14 +101,11 @@ class SftRun:
         # Version 0: no policy has been trained by RL yet, and `fleetrl rl` on it starts at v0.
         write_final_model(self.config, self.run_dir, self.model_dir, named, 0, self.log)
 
-    def check_ranks(self) -> None:
+    def wait_for_a_dead_rank(self) -> None:
         deadline = time.monotonic() + 5  # a rank that failed takes a moment to exit
         while self.ranks and all(r.alive() for r in self.ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
-        for rank in self.ranks:
-            if not rank.alive():
-                raise FleetrlError(f"{rank.name} died (exit code {rank.popen.returncode}); last lines of "
-                                   f"{rank.log_path}: {rank.log_tail(3)}")
+        check_ranks(self.ranks)
 
     def stop(self) -> None:
         if self.sink is not None:
