@@ -26,8 +26,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from fleetrl.envs.base import one_line
-from fleetrl.errors import FleetrlError
+from fleetrl.errors import FleetrlError, one_line
 from fleetrl.files import fleetrl_cache
 
 # The `datasets` builder of each file suffix.

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fleetrl.envs.tools import Tool
-from fleetrl.errors import FleetrlError
+from fleetrl.errors import FleetrlError, one_line
 from fleetrl.versions import VersionSpan
 
 
@@ -203,9 +203,3 @@ def score(env: Environment, rollout: Rollout) -> float:
     if not math.isfinite(reward) or not 0.0 <= reward <= 1.0:
         raise EnvError(f"{where} is {reward!r}, outside [0, 1]")
     return reward
-
-
-def one_line(e: BaseException) -> str:
-    """An exception as `Type: first line of its message`; the full traceback stays chained."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

@@ -10,7 +10,8 @@ import os
 import sys
 from typing import Any
 
-from fleetrl.envs.base import EnvError, one_line
+from fleetrl.envs.base import EnvError
+from fleetrl.errors import one_line
 
 
 def load_attribute(where: str, module_name: str, attr: str) -> Any:

@@ -38,7 +38,8 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from fleetrl.envs.base import EnvError, HeldOutSplit, Rollout, Task, held_out, one_line
+from fleetrl.envs.base import EnvError, HeldOutSplit, Rollout, Task, held_out
+from fleetrl.errors import one_line
 
 CLOSE_NAMES = 5  # how many dataset names an unknown name's error suggests
 # Datasets whose tasks the seed does not determine, so a resume would not draw the same ones.

@@ -76,8 +76,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from fleetrl.envs.base import EnvError, Rollout, Task, one_line
+from fleetrl.envs.base import EnvError, Rollout, Task
 from fleetrl.envs.verifiers_bridge import Session, check_toolsets, load_tools
+from fleetrl.errors import one_line
 from fleetrl.files import append_line
 
 if TYPE_CHECKING:

@@ -27,8 +27,9 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from fleetrl.envs.base import EnvError, one_line
+from fleetrl.envs.base import EnvError
 from fleetrl.envs.tools import TOOL_CALL, Tool
+from fleetrl.errors import one_line
 
 if TYPE_CHECKING:
     import verifiers.v1 as vf

@@ -7,8 +7,7 @@ import threading
 from collections.abc import Callable
 
 from fleetrl.envs import EnvError
-from fleetrl.envs.base import one_line
-from fleetrl.errors import FleetrlError
+from fleetrl.errors import FleetrlError, one_line
 
 # Calls given up on (past their time limit) whose threads still run. Python cannot stop a
 # thread, so each holds one until it returns; a reward that always hangs would leave one per
