@@ -504,6 +504,17 @@ class InferenceConfig(Section):
         return pause_modes(self.token_versions(), disaggregated=self.dynamo.prefill_workers > 0)
 
 
+def check_env_spec(spec: str) -> str:
+    """An environment is named by a module's import path, never a file's: `pkg/tasks.py:Env`
+    would fail later as an unknown module, or as an environment name with a `/`."""
+    module = spec.partition(":")[0]
+    if "/" in module or "\\" in module or module.endswith(".py"):
+        dotted = module.removesuffix(".py").replace("\\", "/").strip("/").replace("/", ".")
+        raise ValueError(f"{spec!r} names a file; name the environment by its import path, module.path:Attr "
+                         f"({dotted}:{spec.partition(':')[2] or 'Attr'}), from the folder that holds the package")
+    return spec
+
+
 class EnvEntry(Section):
     """One environment of a run that trains on several (`[[orchestrator.envs]]`)."""
 
@@ -516,6 +527,11 @@ class EnvEntry(Section):
                                     "orchestrator.env_options.")
     weight: float = Field(1.0, gt=0, description="Its share of the prompts: each prompt's environment is "
                           "drawn by weight (seeded).")
+
+    @field_validator("env")
+    @classmethod
+    def _env_is_no_file_path(cls, spec: str) -> str:
+        return check_env_spec(spec)
 
     @property
     def env_id(self) -> str:
@@ -602,6 +618,11 @@ class OrchestratorConfig(Section):
         "current weights, and trained on its tokens within k (the older ones stay in as context), instead of "
         "being stopped and dropped.",
     )
+
+    @field_validator("env")
+    @classmethod
+    def _env_is_no_file_path(cls, spec: str) -> str:
+        return check_env_spec(spec)
 
     @model_validator(mode="after")
     def _one_way_to_name_the_environments(self) -> "OrchestratorConfig":

@@ -274,6 +274,17 @@ def test_several_environments_are_named_one_way_uniquely(flags, message):
         load_config([], flags)
 
 
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("orchestrator.env", "mypkg/parity.py:Parity", "config key 'orchestrator.env': 'mypkg/parity.py:Parity' names a "
+     "file; name the environment by its import path, module.path:Attr (mypkg.parity:Parity)"),
+    ("orchestrator.env", "tasks.py", "(tasks:Attr)"),
+    ("orchestrator.envs", '[{name = "a", env = "x/y.py:Z"}]', "orchestrator.envs.0.env': 'x/y.py:Z' names a file"),
+])
+def test_an_environment_named_by_a_file_path_is_refused_with_its_import_path(key, value, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config([], [(key, value)])
+
+
 def test_an_unknown_environment_among_several_is_named_by_its_entry():
     from fleetrl.app.checks import run_environments
     from fleetrl.rundir import RunDir

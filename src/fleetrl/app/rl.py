@@ -454,10 +454,11 @@ def start_trainer_ranks(config: Config, run_dir: RunDir, model_dir: Path, mode: 
 
 
 def write_final_model(config: Config, run_dir: RunDir, model_dir: Path, named: NamedTensors, version: int,
-                      log=print) -> None:
+                      log=print, what: str = "") -> None:
     """RUN_DIR/final_model: the full tensors `named` gives (`trainer.model.named_tensors`'s), of
-    policy `version` (recorded in the folder for `fleetrl eval`), with the base model's files."""
-    log(f"fleetrl: writing the final model (v{version}) to {run_dir.final_model_dir}")
+    policy `version` (recorded in the folder for `fleetrl eval`), with the base model's files;
+    `what` says in the log line what the version means, where `v{version}` alone would mislead."""
+    log(f"fleetrl: writing the final model ({what or f'v{version}'}) to {run_dir.final_model_dir}")
     # A LoRA run's weights are its adapter alone: merged into the base, the folder loads with no peft.
     adapter = adapter_config(config.trainer.lora, model_dir)
     run_dir.replace_final_model(lambda folder: export_weights(model_dir, named(), folder, version, adapter=adapter))

@@ -99,7 +99,8 @@ class SftRun:
         if self.view is not None:
             self.view.set_phase("writing the final model")
         # Version 0: no policy has been trained by RL yet, and `fleetrl rl` on it starts at v0.
-        write_final_model(self.config, self.run_dir, self.model_dir, named, 0, self.log)
+        write_final_model(self.config, self.run_dir, self.model_dir, named, 0, self.log,
+                          what=f"step {self.config.run.max_steps}, version 0 of an RL run started from it")
 
     def wait_for_a_dead_rank(self) -> None:
         deadline = time.monotonic() + 5  # a rank that failed takes a moment to exit
