@@ -170,7 +170,7 @@ _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 
 
 def _die_with_parent() -> None:
-    """Runs in the child between fork and exec (the session comes from start_new_session)."""
+    """Runs in the child between fork and exec."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -226,9 +226,10 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
 
 
 def start_piped(argv: list[str]) -> subprocess.Popen:
-    """`argv` in a session of its own, with pipes to its stdin and stdout (and fleetrl's stderr),
-    without fleetrl's tokens, killed by the kernel when fleetrl dies: a helper process that a
-    caller owns (a reward's worker) and kills itself, so not one that `stop_all` knows of."""
+    """`argv` with pipes to its stdin and stdout (and fleetrl's stderr), without fleetrl's
+    tokens, killed by the kernel when fleetrl dies: a helper process that a caller owns (a
+    reward's worker) and kills itself, so not one that `stop_all` knows of. It stays in
+    fleetrl's process group: it is part of fleetrl, not a server with a group of its own."""
     with _lock:
         global _starter
         _starter = _starter or ThreadPoolExecutor(1, thread_name_prefix="fleetrl-starter")
@@ -236,8 +237,7 @@ def start_piped(argv: list[str]) -> subprocess.Popen:
     # started a child ends, and a caller's thread (the orchestrator's, per reward call) ends first.
     return _starter.submit(
         subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env={k: v for k, v in os.environ.items() if k not in SECRET_ENV}, start_new_session=True,
-        preexec_fn=_die_with_parent).result()
+        env={k: v for k, v in os.environ.items() if k not in SECRET_ENV}, preexec_fn=_die_with_parent).result()
 
 
 def stopping() -> bool:

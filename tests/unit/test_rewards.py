@@ -3,6 +3,7 @@ reward off the main thread and in worker processes killed past its time limit, a
 spec's one-line error."""
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -96,6 +97,9 @@ def test_a_math_worker_dies_with_fleetrl_and_outlives_the_thread_that_asked():
     try:
         worker = psutil.Process(int(parent.stdout.readline()))
         assert worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE
+        # Part of fleetrl, in its process group: not a server that leads a group of its own (the
+        # kill-points and chaos runs hold fleetrl's only group-leading child to be trainer rank 1).
+        assert os.getpgid(worker.pid) == os.getpgid(parent.pid)
     finally:
         parent.kill()
         parent.wait()

@@ -9,6 +9,7 @@ is the caller's to stop, by killing this process (fleetrl.envs.rewards.math_equa
 
 import json
 import logging
+import signal
 import sys
 
 
@@ -25,6 +26,9 @@ def score(math_verify, completion: str, answer: str) -> float:
 
 
 def main() -> None:
+    # It shares fleetrl's process group: a Ctrl-C is fleetrl's to handle; this process ends when
+    # fleetrl closes its stdin or dies (the parent-death signal), without a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies, sys.stdout = sys.stdout, sys.stderr  # whatever a library prints is not a reply
     import math_verify
 
