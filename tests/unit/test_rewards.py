@@ -70,10 +70,13 @@ def workers() -> set[int]:
 
 def test_math_kills_a_parse_past_its_time_limit_and_goes_on():
     reward = resolve_reward("math", timeout_s=1)
+    # Children this test did not start (an earlier test's call still running in a thread it left).
+    others = workers() - {w.pid for w in _MATH_WORKERS._idle}
     with pytest.raises(RuntimeError, match=r"^math-verify took longer than timeout_s = 1 s \(its process was killed\)$"):
         reward(BOMB, "3")
     assert reward("\\boxed{3}", "3") == 1.0
-    assert workers() == {w.pid for w in _MATH_WORKERS._idle}  # the killed one is gone, not left behind
+    # The killed one is gone, not left behind.
+    assert workers() - others == {w.pid for w in _MATH_WORKERS._idle}
     # As the orchestrator calls it: the call fails (reward_failed), and the loop was never starved.
     with pytest.raises(EnvError, match=r"^reward raised RuntimeError: math-verify took longer than timeout_s = 1 s"):
         asyncio.run(call_user_code("reward", 30, "orchestrator.reward_timeout_s", reward, BOMB, "3"))
