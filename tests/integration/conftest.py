@@ -2,7 +2,6 @@
 
 import copy
 import fcntl
-import functools
 import json
 import os
 import pty
@@ -118,34 +117,20 @@ def perturbed(model: torch.nn.Module, seed: int, scale: float = 0.05):
     that greedy decoding differs from the base model at almost every position."""
 
     def named_tensors():
-        yield from _noisy_weights(model, seed, scale)
+        for i, (name, param) in enumerate(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed * 1000 + i))
+            yield name, (param.detach() + scale * noise).contiguous()
 
     return named_tensors
 
 
-@functools.lru_cache(maxsize=2)
-def _noisy_weights(model: torch.nn.Module, seed: int, scale: float) -> tuple[tuple[str, torch.Tensor], ...]:
-    """`perturbed`'s tensors, drawn once for each of the last two versions asked for: a test
-    sends, checksums and scores one version several times, and a draw of 135M normals takes
-    seconds of CPU that the workers need. (Nothing writes to them: senders and checksums read.)"""
-    return tuple((name, (param.detach() + scale * torch.randn(param.shape, generator=torch.Generator().manual_seed(
-        seed * 1000 + i))).contiguous()) for i, (name, param) in enumerate(model.named_parameters()))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _noisy_weights_freed():
-    """The drawn weights (1 GB) are freed as each module ends, before runs that need the memory."""
-    yield
-    _noisy_weights.cache_clear()
-
-
 def model_with(base: torch.nn.Module, named_tensors) -> torch.nn.Module:
-    """A copy of `base` holding `named_tensors`, which it shares, not copies (a test only scores
-    with it); tied weights stay tied."""
-    params = dict(base.named_parameters())
-    shared = {id(params[name]): torch.nn.Parameter(tensor, requires_grad=params[name].requires_grad)
-              for name, tensor in named_tensors()}
-    return copy.deepcopy(base, shared)
+    model = copy.deepcopy(base)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in named_tensors():
+            params[name].copy_(tensor)
+    return model
 
 
 @pytest.fixture(scope="session")
