@@ -84,11 +84,13 @@ def test_math_kills_a_parse_past_its_time_limit_and_goes_on():
 
 def test_math_from_many_threads_at_once():
     reward = resolve_reward("math")
+    others = workers() - {w.pid for w in _MATH_WORKERS._idle}  # children an earlier test left
     cases = [(f"\\boxed{{{n}/2}}", str(n / 2), 1.0) for n in range(12)] + [("\\boxed{5}", "4", 0.0)] * 4
     with ThreadPoolExecutor(8) as pool:
         scored = list(pool.map(lambda case: reward(case[0], case[1]), cases))
     assert scored == [expected for _, _, expected in cases]
-    assert len(workers()) <= MATH_WORKERS
+    idle = {w.pid for w in _MATH_WORKERS._idle}
+    assert workers() - others == idle and len(idle) <= MATH_WORKERS
 
 
 def test_a_math_worker_dies_with_fleetrl_and_outlives_the_thread_that_asked():

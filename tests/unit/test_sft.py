@@ -252,7 +252,7 @@ def test_the_final_model_of_sft_is_policy_version_0(monkeypatch, tmp_path):
     from fleetrl.app import sft
 
     versions = []
-    monkeypatch.setattr(sft, "write_final_model", lambda config, run_dir, model_dir, named, version, log: versions.append(version))
+    monkeypatch.setattr(sft, "write_final_model", lambda config, run_dir, model_dir, named, version, log, **_: versions.append(version))
     sft.SftRun(load_config([], [("run.dir", str(tmp_path / "run")), ("run.max_steps", "20")])).write_final(iter)
     assert versions == [0]
 
