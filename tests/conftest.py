@@ -1,5 +1,5 @@
-"""What every test run shares: no model hub, unit tests first, where the time went, and a
-bounded disk."""
+"""What every test run shares: no model hub, unit tests first, where the time and the memory
+went, and a bounded disk."""
 
 import os
 import shutil
@@ -7,6 +7,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.tmp_folders import KEPT_FOLDERS
@@ -16,6 +17,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 _module_seconds: dict[str, float] = defaultdict(float)
 _module_outcomes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+_module_after: dict[str, str] = {}  # the runner's memory and its descendants when the module ended
 _started = time.monotonic()
 
 _BASETEMP = pytest.StashKey[Path]()
@@ -51,6 +53,7 @@ def pytest_runtest_teardown(item, nextitem):
     module = item.nodeid.split("::", 1)[0]
     if nextitem is not None and nextitem.nodeid.split("::", 1)[0] == module:
         return
+    _module_after[module] = _memory_and_descendants()
     basetemp = item.config.stash.get(_BASETEMP, None)
     if basetemp is not None and basetemp.is_dir():
         made = {path for path in basetemp.iterdir() if path not in KEPT_FOLDERS}
@@ -61,6 +64,20 @@ def pytest_runtest_teardown(item, nextitem):
                 path.unlink() if path.is_symlink() else shutil.rmtree(path, ignore_errors=True)
 
 
+def _memory_and_descendants() -> str:
+    """The runner's resident memory and the processes still below it: a suite that grows or
+    leaves a busy process behind slows every module after it (a CI run was killed for memory)."""
+    me = psutil.Process()
+    alive = []
+    for child in me.children(recursive=True):
+        try:
+            alive.append((child.pid, child.name(), sum(child.cpu_times()[:2])))
+        except psutil.NoSuchProcess:
+            pass
+    named = ", ".join(f"{name}[{pid}] {cpu:.0f} s CPU" for pid, name, cpu in alive[:6])
+    return f"rss {me.memory_info().rss / 2**30:.1f} GiB, {len(alive)} descendants{': ' + named if named else ''}"
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _module_seconds:
         return
@@ -68,6 +85,6 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("wall time per module")
     for module, seconds in sorted(_module_seconds.items(), key=lambda kv: -kv[1]):
         outcomes = ", ".join(f"{n} {o}" for o, n in sorted(_module_outcomes[module].items()))
-        write(f"{seconds:8.1f} s  {module}  ({outcomes})")
+        write(f"{seconds:8.1f} s  {module}  ({outcomes})  after it: {_module_after.get(module, '?')}")
     write(f"{sum(_module_seconds.values()):8.1f} s  in tests; {time.monotonic() - _started:.1f} s since the "
           "session started (collection included)")
