@@ -1,31 +1,9 @@
 """The GPU weight path of a publish: full tensors gathered from the ranks' FSDP2 shards one at
-a time, while rank 0 sends them, instead of a full CPU snapshot of the model.
-
-On CUDA the trainer keeps no copy of a published version. Rank 0 opens a `WeightGather` for the
-duration of one publish and hands it to the publish hook; the sender pulls `tensors()` and packs
-each tensor into its bucket as it comes (`weights.buckets.packed_buckets`), so the GPU holds one
-bucket and the tensor in hand beyond the shards. Every other rank runs `serve_gathers` for that
-same time: gathering a sharded tensor is a collective of the trainer's group, and only rank 0
-knows when the fleet asks for the weights, so rank 0 leads and the others follow.
-
-The protocol, over the trainer's default group: before each gather rank 0 broadcasts the index
-of the parameter it wants (in `model.published_params` order), and every rank then gathers that one
-parameter; `STOP` ends the session. The peers follow whatever rank 0 asks, so rank 0 may stop a
-stream half way (a transfer failed) and start it again from the first tensor (the fleet retries
-it) without the peers' knowing: no collective is left half done.
-
-The stream is valid only while the session is open: afterwards the peers train on, and the
-parameters are no longer the published version. Hence the fleet keeps no refit source for a
-version published this way; a worker that joins or goes stale between publishes waits, out of
-routing, for the next publish (docs/architecture.md, "The GPU weight path").
-
-Threads: rank 0 pulls the stream on the fleet's control thread (its sender's worker threads)
-while the training thread waits in the publish hook, so only one thread issues collectives at
-a time. The CUDA device is a per-thread setting: each gather sets it.
-
-Status: these gathers over two gloo ranks are unit-tested on the CPU; on CUDA (NCCL, FSDP2 with
-bf16 compute) they were never run here (docs/benchmarks.md, "GPU smoke: not run yet").
-"""
+a time, while rank 0 sends them, instead of a full CPU snapshot of the model. Rank 0 leads a
+session (`WeightGather`) for the length of one publish, broadcasting the index of each parameter
+it wants; every other rank follows in `serve_gathers` until `STOP`. The protocol, its retries and
+why late workers wait for the next publish: docs/architecture.md, "The GPU weight path". Unit-tested
+on two gloo ranks on the CPU only: docs/benchmarks.md, "GPU smoke: not run yet"."""
 
 from __future__ import annotations
 
@@ -103,4 +81,7 @@ def _command(index: int | None, device: torch.device) -> int:
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    # Rank 0 pulls the stream on the fleet's control thread (its sender's workers) while the
+    # training thread waits in the publish hook, so one thread at a time issues collectives; the
+    # CUDA device is a per-thread setting, so each gather sets it.
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

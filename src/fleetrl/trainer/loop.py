@@ -1,28 +1,11 @@
 """The training loop every trainer rank runs: step n reads batch n and produces version n.
 
-Rank 0 also publishes (with LoRA, `trainer.lora`, the adapter alone: trainer/lora.py), and how
-depends on where the trainer runs:
-- CPU: after each optimizer step all ranks gather the full weights (a collective on a sharded
-  model) into a CPU snapshot on rank 0, which the fleet coordinator publishes as version n. The
-  snapshot is kept until the next step so a worker that joins or must be refitted later gets
-  exactly the published tensors, without asking the other ranks to take part in a collective
-  at an arbitrary time.
-- CUDA: no full copy of the model is ever made. Rank 0 hands the publish a `WeightGather`: the
-  sender pulls full tensors one at a time, gathered from the ranks' shards on the GPU while the
-  other ranks serve the gather in step (`trainer.gather`), for as long as the publish lasts
-  (retries included). Nothing is kept: a worker that needs a refit between publishes waits for
-  the next one. Never run on a GPU yet (docs/benchmarks.md, "GPU smoke: not run yet").
-
-Order within a step: train -> publish version n -> metrics line -> checkpoint. The metrics line
-comes before the checkpoint, so a kill between the two loses nothing: a resume redoes (and
-writes again) every step after its checkpoint, and drops their old lines.
-
-Numbers that are not finite: a step whose loss or gradient norm is not finite is never
-applied (`train_step`); `trainer.on_nonfinite` says whether the run then stops or goes on, the
-unchanged weights becoming version n so versions stay one per step. Weights that are not
-finite are never published (checked here: in the snapshot, or on CUDA in every rank's shards)
-nor checkpointed (`checkpoint.save`).
-"""
+Each step trains, publishes version n from rank 0 (with LoRA, `trainer.lora`, the adapter
+alone: trainer/lora.py), writes its metrics line, then checkpoints. How rank 0 publishes, from a
+kept CPU snapshot or, on CUDA, from a `WeightGather` over the ranks' shards, is in
+docs/architecture.md, "The GPU weight path" (the CUDA path has never run on a GPU:
+docs/benchmarks.md, "GPU smoke: not run yet"); why the metrics line precedes the checkpoint, and
+what a step or weights that are not finite do, in docs/reliability.md, "Nothing lost"."""
 
 from __future__ import annotations
 
