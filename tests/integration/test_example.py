@@ -1,14 +1,17 @@
-"""docs/examples.md's worked example as written (tests/documented.py), with fewer steps: the base
-model scored by `fleetrl eval`, a supervised warm start (`fleetrl sft`, no inference worker),
-then GRPO from its final model with the `math` reward on a JSONL dataset, which evaluates the
-version it starts from and its last; then `fleetrl verify`. The commands run one after the
-other, each reading what the one before left, so they are one module fixture; each check is a
-small test that reads it."""
+"""docs/examples.md's worked example as written (tests/documented.py), with one step of each
+training command: the base model scored by `fleetrl eval`, a supervised warm start (`fleetrl
+sft`, no inference worker), then GRPO from its final model on two environments, a JSONL dataset
+with the `math` reward and reasoning-gym's basic_arithmetic, which evaluates the version it
+starts from and its last on both; then `fleetrl verify`. The base model's evaluation and the
+warm start are independent, so they run side by side; RL reads the warm start's model, verify
+the RL run. They are one module fixture; each check is a small test that reads it."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +28,10 @@ from .runs import RUNS
 BASE_EVAL = ".venv/bin/fleetrl eval @ examples/math/rl.toml --out runs/math-base-eval"
 SFT = ".venv/bin/fleetrl sft @ examples/math/sft.toml"
 VERIFY = ".venv/bin/fleetrl verify runs/math-rl"
-STEPS = 2  # of each training command: enough for a publish, an update and the last evaluation
+STEPS = 1  # of each training command: enough for an update, its publish and the last evaluation
 HEADER = ["environment", "prompts", "completions", "reward_mean", "reward_se", "pass@1", "failed"]
+ENVS = ["sums", "gym"]  # rl.toml's [[orchestrator.envs]]: the JSONL dataset, reasoning-gym's basic_arithmetic
+EVAL_PROMPTS = 64  # rl.toml's eval.prompts, per environment
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,11 @@ class Example:
 def example(tmp_path_factory) -> Example:
     root = tmp_path_factory.mktemp("math-example")
     steps = ("--run.max_steps", str(STEPS))
-    base_eval = run_documented(BASE_EVAL, replace={"runs/math-base-eval": str(root / "base-eval")}, timeout=600)
-    sft = run_documented(SFT, "--run.dir", str(root / "sft"), *steps, timeout=600)
+    with ThreadPoolExecutor(2) as pool:
+        base_eval = pool.submit(run_documented, BASE_EVAL, replace={"runs/math-base-eval": str(root / "base-eval")},
+                                timeout=600)
+        sft = pool.submit(run_documented, SFT, "--run.dir", str(root / "sft"), *steps, timeout=600)
+        base_eval, sft = base_eval.result(), sft.result()
     rl = run_documented(RUNS["math-example"].command, "--run.dir", str(root / "rl"), *steps,
                         replace={"runs/math-sft": str(root / "sft")}, timeout=900)
     verify = run_documented(VERIFY, replace={"runs/math-rl": str(root / "rl")})
@@ -59,10 +67,10 @@ def test_the_base_model_is_scored_with_mean_and_standard_error(example):
     header, *rows = [row.split() for row in done.stdout.strip().splitlines()]
     assert header == HEADER, done.stdout
     (line,) = RunDir(example.dir("base-eval")).read_evals()
-    (figures,) = line.envs.values()
-    assert line.version == 0 and figures["prompts"] == 256 and figures["reward_se"] is not None, line
-    assert rows == [["dataset", "256", "256", f"{figures['reward_mean']:.3f}", f"{figures['reward_se']:.3f}",
-                     f"{figures['pass@1']:.3f}", str(figures["failed"])]], done.stdout
+    assert line.version == 0 and list(line.envs) == ENVS, line
+    assert all(f["prompts"] == EVAL_PROMPTS and f["reward_se"] is not None for f in line.envs.values()), line
+    assert rows == [[name, str(EVAL_PROMPTS), str(EVAL_PROMPTS), f"{f['reward_mean']:.3f}", f"{f['reward_se']:.3f}",
+                     f"{f['pass@1']:.3f}", str(f["failed"])] for name, f in line.envs.items()], done.stdout
 
 
 def test_the_sft_runs_final_model_is_what_the_rl_runs_workers_sampled_at_v0(example, base_weights):
@@ -87,15 +95,30 @@ def test_the_sft_runs_final_model_is_what_the_rl_runs_workers_sampled_at_v0(exam
     assert gap(sft) < 1e-3 < gap(base_weights)
 
 
-def test_the_rl_run_evaluates_the_warm_start_and_its_last_version(example):
+def test_step_1_trains_on_both_environments(example):
+    """The batch step 1 trained holds groups of each environment, the reasoning-gym one included,
+    each sample with trained tokens and a reward in [0, 1]."""
+    assert example.rl.returncode == 0, example.rl.stdout[-3000:] + example.rl.stderr[-3000:]
+    batch = json.loads((example.dir("rl") / "batches" / "step_000001.json").read_text())
+    by_env = {name: [s for s in batch["samples"] if s["env"] == name] for name in ENVS}
+    assert set(s["env"] for s in batch["samples"]) == set(ENVS), batch["samples"][0]
+    for name, samples in by_env.items():
+        assert any(s["completion_ids"] for s in samples), name
+        assert all(s["loss_mask"] is None and 0 <= s["reward"] <= 1 for s in samples), name
+
+
+def test_the_rl_run_evaluates_the_warm_start_and_its_last_version_on_both(example):
     rl = example.rl
     evals = RunDir(example.dir("rl")).read_evals()
     assert [e.version for e in evals] == [0, STEPS], evals
     for e in evals:
-        (figures,) = e.envs.values()
-        assert figures["prompts"] == 256 and figures["reward_mean"] is not None and figures["reward_se"] is not None
-        assert f"fleetrl: evaluated v{e.version} in" in rl.stdout + rl.stderr
-    assert " ± " in rl.stdout + rl.stderr  # the log line's mean ± standard error
+        assert list(e.envs) == ENVS, e
+        for f in e.envs.values():
+            assert f["prompts"] == EVAL_PROMPTS and f["reward_mean"] is not None and f["reward_se"] is not None, e
+        # the log line: each environment's mean ± standard error
+        figures = r" reward \d\.\d{3} ± \d\.\d{3} pass@1 \d\.\d{3}"
+        line = rf"fleetrl: evaluated v{e.version} in [\d.]+ s: sums{figures}, gym{figures}"
+        assert re.search(line, rl.stdout + rl.stderr), rl.stdout[-3000:] + rl.stderr[-3000:]
     metrics = read_metrics(example.dir("rl"))
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert all(m["mismatch_kl"] is not None and m["mismatch_kl"] <= 1e-6 for m in metrics), metrics
