@@ -1,26 +1,9 @@
-"""What the orchestrator needs from an environment: prompts in, rewards out.
-
-An environment hands out an endless, seeded stream of tasks (chat messages plus whatever it
-needs to judge an answer) and scores one rollout at a time with a reward in [0, 1]. The
-orchestrator renders `task.messages` with the policy's chat template, samples a group of
-completions, and calls `score(env, rollout)` on each.
-
-A rollout carries its provenance (the version spans of its completion and the trainer step it
-is generated for), so an environment that keeps its own records (the `verifiers` adapter) can
-say which policy produced what. Built-in environments only read the task and the text.
-
-An environment can be multi-turn: it then has `respond`, and may lend the model `tools`. The
-model speaks; the environment answers its turn (a user message: feedback, a new question) or
-ends the episode; tool calls in a turn are answered by the tools instead. The orchestrator runs
-up to `orchestrator.max_turns` model turns, token-exact (docs/environments.md), and `reward`
-then scores the whole conversation, which `rollout.messages` holds.
-
-Environments are user code: `score` and `task_stream` turn anything they raise, and any reward
-that is not a finite number in [0, 1], into an `EnvError` naming the environment and the task.
-The orchestrator calls `score` in a thread of its own, with a time limit: a reward that fails
-or hangs drops its sample (counted, and recorded with the reason), so it never reaches the loss
-as a NaN and never stalls the run; a task stream that raises ends the run with that line.
-"""
+"""What the orchestrator needs from an environment: prompts in, rewards out. An environment hands
+out an endless, seeded stream of tasks and scores one rollout at a time with a reward in [0, 1];
+a multi-turn one also answers the model's turns (`respond`) and may lend it `tools`. `score` and
+`task_stream` wrap this user code: what it raises, and a reward that is not a finite number in
+[0, 1], becomes an `EnvError` naming the environment and the task. The contract and how the
+orchestrator calls it: docs/environments.md."""
 
 from __future__ import annotations
 

@@ -1,31 +1,9 @@
 """`reasoning_gym:<dataset>`: any procedural dataset of the `reasoning-gym` library, scored by
-the dataset's own `score_answer`.
-
-Options are the fields of the dataset's config (a dataclass, e.g. `basic_arithmetic`'s
-`min_terms`, `max_digits`, `operators`), except `seed`: the run's seed seeds the tasks. Each task
-is reasoning_gym's default system prompt (think step by step, then the final answer alone inside
-`<answer>...</answer>`) and the entry's `question` as the user message. The reward is
-`score_answer(extract_answer(completion), entry)`: the last `<answer>` tag's text (None without
-one, which scores 0), clamped into [0, 1] (some scorers overshoot 1 by a rounding error); an
-answer the scorer cannot parse at all (it raises, or scores NaN) scores 0.
-
-The stream is endless and exact per seed: chunk c holds the `size` entries (the config's own
-field, 500 by default) of a dataset created with a seed hashed from the run's seed and c, in
-order. The seeds are hashed, not consecutive, because a dataset's entry i is drawn from
-`Random(seed + i)`: consecutive seeds would repeat each other's entries shifted by one. The
-held-out split (`eval_tasks`) is the entries whose prompt `held_out` picks by a hash of its
-messages, so a question that several seeds generate is always on the same side; training puts
-in a held-out entry's place the same slot of a replacement dataset of the chunk (seeded from the
-chunk and the replacement's number), so that task p of training is slot p % size of chunk
-p // size and a resume seeks to it creating only that chunk (`tasks_from`). A task's id is
-`{seed}-{position}`, a replacement's `{seed}-{position}r{n}`. Datasets whose tasks are not a
-function of the seed are refused (REFUSED); a few hash strings, so their tasks repeat across
-processes only under a fixed PYTHONHASHSEED, and one seeds numpy's global state
-(docs/environments.md).
-
-`reasoning-gym` is optional (`pip install -e ".[reasoning-gym]"`, which scripts/setup.sh runs):
-it is imported only when such an environment is built.
-"""
+the dataset's own `score_answer`, as an endless task stream that is exact per seed and seekable
+by position (`tasks_from`), with a held-out split by a hash of each prompt. Options, prompt,
+reward, task ids, the datasets refused (REFUSED) and those reproducible only under a fixed
+PYTHONHASHSEED: docs/environments.md, "reasoning-gym tasks". `reasoning-gym` is optional and
+imported only when such an environment is built."""
 
 from __future__ import annotations
 

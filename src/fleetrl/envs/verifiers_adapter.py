@@ -1,66 +1,12 @@
 """Run a `verifiers` (v1 API) taskset as a fleetrl environment, and record what produced each rollout.
 
-`verifiers:<taskset id>` loads the taskset package the way verifiers does (`load_taskset`:
-the id names an installed module exporting one `Taskset` subclass, and optionally one `Env`
-subclass). fleetrl plays the agent itself: its inference fleet samples every model turn.
-
-**Single-turn** (the taskset ships no `Env` of its own and no toolsets): the prompt is the
-task's `system_prompt` + `prompt`, fleetrl samples the completion, and the task's own
-`@vf.reward` functions score it on a verifiers `Trace` holding those messages. The reward is the
-trace's weighted sum of rewards. The adapter then has no `respond`: fleetrl runs it single-turn.
-
-**Multi-turn** (the taskset ships its own `Env`, e.g. one whose `run` talks to the model over
-several `interaction(task).turn(...)`s) and **tools** (the taskset's or its task type's
-`toolsets()`: `vf.Toolset`s with `@vf.tool` methods): the adapter defines `respond`,
-`episode_ended` and `tools`, and verifiers' own `Env.setup/run/finalize` run unchanged on the
-adapter's private event loop (`verifiers_bridge.py`), the env's one seat answered by fleetrl:
-
-- Each episode's verifiers session lives in its fleetrl `state` (`state["verifiers_session"]`),
-  opened at its first `respond`: the env runs up to the model's first turn, which must see the
-  task's messages. A prompted task opens with its `system_prompt` + `prompt`; a prompt-less one
-  (the env's `run` sends the first user message) with what the env sends, found by running the
-  env once per task when `tasks` first hands it out.
-- `respond` hands the env the model's turn (and, before it, the model's tool calls and their
-  results) and returns what the env says next (`user` messages), or None when `Env.run` returns.
-  Before each turn the env asks for, the seat makes verifiers' checks: its `max_turns`/token
-  limits and the task's `@vf.stop` hooks end the episode as they would in verifiers. Tool rounds
-  are fleetrl's (within one turn the env asked for) and are bounded by `orchestrator.max_turns`
-  alone: a `@vf.stop` is not consulted between them.
-- Tools are served in process: each toolset is registered with verifiers' own
-  `Toolset.register` on an `mcp` MCPServer, and each of its tools is a fleetrl `Tool` named as
-  verifiers' chat harness names it (`{toolset server_name}_{tool}`), with the tool's JSON schema.
-  Arguments that do not fit the schema are answered as the model's mistake (`error: ...`); a
-  tool that raises makes `Tool.fn` raise (fleetrl ends the episode: `tool_failed`). The trace
-  records each call as an assistant `ToolCall` and a `ToolMessage` answering it.
-- `episode_ended` cancels the env of an episode that a fault ended (`tool_failed`, `env_failed`,
-  `misversioned`, `off_policy`): nothing is scored or recorded. An episode fleetrl scores
-  (`done`, `max_turns`, `context`) is wound down by `reward`, which hands the env the model's
-  last turn (if `respond` never saw it), refuses any further turn (the trace stops with fleetrl's
-  end), runs `Env.finalize`, and scores the trace with the task's rewards. Each reward must be in
-  [0, 1], and so must their weighted sum (the reward), else an `EnvError` names it.
-
-Every scored rollout becomes a verifiers `Episode` whose run is stamped the way verifiers'
-own trainers stamp it: `TrainRunInfo(id, name, work=TrainWorkInfo(step, policy=PolicySpan(
-start, end)))`, with `start`/`end` the oldest and newest policy version that produced the
-completion. The exact per-token version spans go to `trace.info["fleetrl"]` (`step`,
-`version_spans`); a multi-turn trace adds `turns`: for each sampled node (model turn), its index
-in `trace.nodes`, its `[start, end)` in the episode's tokens (`rollout.turns`), its version spans
-and its `PolicySpan` (verifiers 0.4 has no per-node policy field). With `episodes_path` set,
-each episode is appended there as one JSON line (`Episode.to_record()`), readable with
-`verifiers.v1.WireEpisode.model_validate`, and synced to disk as it is written (a resumed
-`fleetrl rl` drops the episodes of the steps it redoes, by their run stamp's step).
-
-Not supported, and refused with a one-line `EnvError` naming the env and the reason: tasks that
-need a container; rewards that need a runtime (a `runtime` parameter); an `Env` with more than
-one seat, or whose `setup` freezes its seat (fleetrl provides no model for other seats); a
-`run` that opens a second conversation with the model; toolsets that keep per-rollout `State`
-or have a per-task `setup_task` (an in-process tool call does not carry the rollout); prompt-less
-tasks without an `Env` of their own that opens the conversation; an `Env.run` that raises (the
-episode fails: `env_failed`). An env must open every episode of a task the same way.
-Synchronous `@vf.tool` methods run on the adapter's loop, so a slow one delays other episodes.
-
-`verifiers` is optional: it is imported only when such an environment is built.
-"""
+`verifiers:<taskset id>` loads the taskset the way verifiers does; fleetrl samples every model
+turn. Single-turn tasksets are scored by their own `@vf.reward`s; a taskset with its own `Env` or
+toolsets runs multi-turn, verifiers' `Env` driving the conversation on the adapter's loop
+(`verifiers_bridge.py`). Each scored rollout becomes a verifiers `Episode` stamped with the policy
+versions that produced it. What is supported, what is recorded and what is refused:
+docs/environments.md, "`verifiers` tasksets". `verifiers` is imported only when such an
+environment is built."""
 
 from __future__ import annotations
 

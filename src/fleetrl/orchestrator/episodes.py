@@ -1,24 +1,10 @@
 """Multi-turn episodes: the model and the environment take turns, token-exact, versions per turn.
-
-One episode is one sample. Its completion (everything after the task's prompt) holds each model
-turn exactly as the engine sampled it, with the engine's logprobs, and between turns the tokens
-of the environment's answers (user messages, tool results), rendered by `ChatTokens` and never
-trained on (`loss_mask` 0). Each model turn opens a version span of its own, and carries the
-engine's spans within it, so a publish between turns or inside one (keep mode; abort mode, where
-the fleet continues the cut turn) leaves every model token with its exact version.
-
-Off-policy control holds per episode. After each turn but the last, the episode's distance for
-its batch's step is taken over the tokens it would train; above k, the episode is stopped
-(`off_policy`: no more turns are sampled for it) or, with `orchestrator.partial_episodes`,
-continued on the fleet's current weights: at assembly its tokens more than k versions behind
-become context, kept in the sequence with their spans but masked out of the loss.
-
-An episode ends when the environment says so (`done`), after `orchestrator.max_turns` model
-turns (`max_turns`), when its next turn would not fit in the engine's context (`context`), or
-on a fault that drops it: a tool or the environment's answer failed (`tool_failed`,
-`env_failed`), a worker sampled at a version the fleet never published (`misversioned`), or a
-turn its worker answered badly (`bad_answer`: inference/answers.py).
-"""
+One episode is one sample: each model turn as the engine sampled it, with its own version span,
+and between turns the environment's tokens (`ChatTokens`), masked out of the loss. Off-policy
+control holds per episode (stopped above k, or with `orchestrator.partial_episodes` continued,
+its tokens past k kept as context). How an episode ends and what fleetrl keeps exact:
+docs/environments.md, "A multi-turn environment", "What fleetrl keeps exact" and "What the run
+records"."""
 
 from __future__ import annotations
 

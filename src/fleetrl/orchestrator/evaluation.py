@@ -1,26 +1,9 @@
 """Evaluation during training: held-out prompts, sampled at one exact version, scored, recorded.
-
-Every `eval.every_steps` steps, at the last step, and for the version the run starts from,
-the trainer waits (inside its publish hook; for the start version, before any rollout) while
-the fleet samples `eval.prompts` held-out
-prompts of each evaluated environment (`eval.samples_per_prompt` completions each, greedy by
-default). No publish can happen meanwhile, so every token is of the evaluated version: its spans
-say so, and `fleetrl verify` checks them (rundir.check_eval). Rollouts for training go on beside
-it on the same fleet.
-
-The prompts are the same at every evaluation: the first `eval.prompts` of each environment's
-held-out split (envs/base.HeldOutSplit), which training never samples; or of an environment
-named for evaluation alone (`eval.envs`). Figures per environment:
-- `reward_mean`, the mean over the scored completions, and `reward_se`, the standard error of
-  the mean over prompts of each prompt's mean reward (`standard_error` of the prompts' means:
-  the spread of the held-out figure when the prompts are a sample of the task). The two means
-  are one figure when every prompt has the same number of scored completions; where failed
-  completions leave some prompts fewer, `reward_mean` weighs each prompt by its scored
-  completions and `reward_se` is that of the mean of prompt means, which weighs them equally;
-- `pass@1`, and `pass@k` for k = samples_per_prompt: the unbiased estimate over prompts of the
-  chance that one of k completions passes (reward >= eval.pass_reward);
-- `failed`: completions that could not be scored (an empty one, a failed reward or episode).
-"""
+Every `eval.every_steps` steps, at the last step and for the version the run starts from, the
+trainer waits while the fleet samples the same `eval.prompts` held-out prompts of each evaluated
+environment; `fleetrl verify` checks the records' spans (rundir.check_eval). When it runs, where
+the prompts come from and what each figure means: docs/environments.md, "Evaluation and the
+held-out split"."""
 
 from __future__ import annotations
 
