@@ -1,27 +1,7 @@
-"""Trainer checkpoints: model, optimizer and step, saved atomically, the last K kept.
-
-With LoRA (`trainer.lora`) a checkpoint holds the adapter and its optimizer state alone (the base
-weights are frozen: the base model's folder has them), and the adapter's config as
-adapter_config.json, so that an export knows the adapter it loads without the run's config.
-
-Format: `torch.distributed.checkpoint` (DCP) with the sharded state dicts of
-`get_state_dict` / `set_state_dict`. Each rank writes only its own shards, in parallel, so no
-rank ever holds the full model and optimizer (a full state dict gathered on rank 0 needs three
-model-sized copies in one process); DCP also reshards on load, so a checkpoint written by N
-ranks loads into M, one included. The price is that every rank must see the same directory
-(shared storage across nodes), as the batches already require.
-
-Atomicity: a checkpoint is written into `.tmp-step_N`, then rank 0 writes `complete.json`
-inside it (after DCP's own metadata, which is written last by DCP) and renames the folder to
-`step_N`. A crash at any point leaves either the previous checkpoints or the new complete one.
-
-Integrity: `complete.json` records the size and sha256 of every other file in the folder, and
-that the weights were finite (`save` refuses weights that are not). `latest()` trusts a
-`step_N` folder only when its record is for step N and every file matches it, so a checkpoint
-truncated or corrupted after it was written (a full disk, a torn copy, bit rot) is skipped,
-with a line naming the file, for the previous good one. Verifying reads the whole checkpoint
-(seconds per GB): it happens when a run resumes, never per step.
-"""
+"""Trainer checkpoints: model, optimizer and step (with LoRA, the adapter alone), saved by every
+rank as DCP shards into `.tmp-step_N` and renamed to `step_N` once `complete.json` records every
+file's size and sha256; the last K kept, and `latest()` skips one that does not match its record.
+Format, atomicity and integrity: docs/design/trainer.md, "Checkpoints"."""
 
 from __future__ import annotations
 

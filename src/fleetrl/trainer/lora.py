@@ -1,22 +1,8 @@
 """LoRA through peft: the adapter on the trainer's model, and the names under which its tensors are
-published, checkpointed and exported (`trainer.lora`; off while its rank is 0).
-
-The adapter is injected in place (`model.add_adapter`), not by wrapping the model in a
-`PeftModel` (`get_peft_model`): the model stays a transformers causal LM, so FSDP2 finds its
-decoder layers where it shards them (`model.decoder_layers`), and `model.config` and the names
-of its parameters stay those of transformers. peft freezes the base weights, so only the
-adapter's A and B train, and the optimizer, built from the trainable parameters alone, holds
-state for them alone.
-
-Names. peft renames what it wraps: a targeted linear's frozen weight becomes
-`...q_proj.base_layer.weight`, and its adapter `...q_proj.lora_A.default.weight` ("default":
-peft's name for the one adapter). Outside the trainer both go by the names of peft's saved
-form, which vLLM and peft read: `fleetrl.lora.adapter_key` drops `.default` (`...q_proj.lora_A.weight`), and
-`base_key` drops `.base_layer` (the plain Hugging Face name, `...q_proj.weight`).
-
-The adapter starts at B = 0 (peft's default init), so a fresh adapter's model computes exactly
-the base model's logits: the KL penalty's reference, the adapter as it loaded, is the base model.
-"""
+published, checkpointed and exported (`trainer.lora`; off while its rank is 0). The adapter is
+injected in place, so the model stays a transformers causal LM, and starts at B = 0, so a fresh
+one computes the base model's logits. Why, and how peft's names map to fleetrl's:
+docs/design/trainer.md, "LoRA"."""
 
 from __future__ import annotations
 

@@ -1,71 +1,9 @@
-"""The policy loss of one batch: importance-weighted policy gradient (GRPO-style), with a menu of
-treatments of the importance ratio.
-
-Samples come from the inference workers' policy mu (the version that sampled them, with the
-workers' own numerics), not from the policy pi being trained. Every completion token t is
-weighted by the importance ratio r_t = pi(y_t) / mu(y_t) = exp(trainer_lp - inference_lp);
-there is no separate "old policy" forward pass, because a trainer step takes exactly one
-optimizer step per batch, so pi at the start of the step *is* the old policy.
-
-The default: two treatments of each token's ratio, usable together.
-
-- PPO clip (`clip_low`, `clip_high`): a token whose ratio has already moved past
-  [1 - clip_low, 1 + clip_high] in the direction its advantage pushes contributes no gradient.
-  The upper bound is the wider one (DAPO's "clip higher") so rare good tokens can still grow.
-- Truncated importance sampling (`tis_cap`): the ratio's *value* is capped at `tis_cap` and
-  detached, so a token the trainer finds far likelier than the sampler did (the usual
-  trainer/inference mismatch: other kernels, another dtype, a stale version) cannot dominate
-  the gradient. With the clip on too it bounds what PPO leaves unbounded: negative-advantage
-  tokens with a large ratio (the role of dual-clip PPO's constant).
-
-The menu: each option is off by default, and they combine unless `LossConfig` says otherwise.
-
-- Sequence-level TIS (`tis_level = "sequence"`): every token of a sample carries, instead of its
-  own ratio, the sample's weight min(prod_t r_t, tis_cap) = min(exp(sum_t log r_t), tis_cap),
-  detached (the PPO clip still acts on each token's ratio). The product is the importance
-  weight of the whole sequence: a token's own ratio ignores that the tokens before it, its
-  context, were sampled off-policy too. Pick it for long samples (multi-turn episodes), where
-  that compounding is the mismatch; the product's variance grows with length, so the cap does
-  much of the work.
-- Masked importance sampling, MIS (`mis_low`, `mis_high`, `mis_level`): drop what falls outside
-  the band [mis_low, mis_high] of the ratio, rather than cap it. `token`: each token whose r_t is
-  outside; `sequence`: a whole sample if any of its tokens' r_t is; `geometric`: a whole sample
-  if its geometric-mean ratio exp(mean_t log r_t) is. A dropped token gives nothing (value,
-  gradient, KL penalty) but still counts in `num_tokens`: the divisor stays a constant of the
-  batch, known before any ratio is, so the split stays exact (a batch with much dropped takes a
-  smaller step, not a reweighted one). Pick masking when the mismatch is a few tokens far off
-  (MoE routing noise, a kernel bug), which a cap would keep at the cap's weight: token level
-  for short samples, sequence level for long multi-turn ones where one broken token spoils what
-  follows it, geometric when lengths vary (the any-token rule, like the product, rejects long
-  samples more often than short ones; a mean does not).
-  IcePop (Ant Group's Ring-1T) is token-level MIS with the band [0.5, 5] and no cap: not an
-  option of its own but a preset, configs/icepop.toml.
-- GSPO (`ratio_level = "sequence"`): each token's ratio becomes its sample's,
-  s_i = exp(mean_t log r_t) over the sample's trained tokens (those MIS kept), whose gradient
-  is that of the mean log-ratio; the PPO clip and the token-level TIS cap then act on s_i, so
-  a sample is clipped or kept whole. Summed over its n tokens, n * s_i * A has the gradient
-  s_i * A * sum_t grad log pi(y_t): GSPO's token form, each sample weighted by its length (the
-  normalization below) instead of GSPO's mean over samples. s_i is an average, so GSPO's clip
-  range is far narrower (its paper: 3e-4 below, 4e-4 above). Pick it for MoE models (routing
-  noise in the token ratios averages out) and long sequences.
-- KL penalty to a reference model (`kl_coef`): kl_coef * k3 on each token, with
-  k3 = exp(ref - pi) - (ref - pi) - 1, Schulman's non-negative estimator of KL(pi || ref), the
-  gradient through pi; not importance-weighted (as in GRPO). Needs the reference model's
-  logprobs of the same tokens. Pick it when drift from the reference must be bounded (a
-  reward that can be gamed, abilities to keep); plain RL with verifiable rewards does without.
-
-Entropy is reported, not trained on: given the per-token entropy of pi (`token_entropy` of the
-logits the logprobs come from), its sum joins the statistics.
-
-Normalization: the per-token losses are summed over every completion token of the whole batch
-and divided by that batch's completion-token count (`num_tokens`), given by the caller. Each
-token weighs the same whatever its sample's length (a per-sample mean would give a token of a
-long completion less weight than one of a short completion, biasing toward short answers), and
-because the divisor is a constant of the batch rather than of a micro-batch or a rank, the
-gradient summed over micro-batches and ranks is the same however the batch was split. The
-sequence-level options compute per-sample quantities within one call, which is exact: a sample
-is never split across micro-batches or ranks, so all its tokens are in the same call.
-"""
+"""The policy loss of one batch: importance-weighted policy gradient (GRPO-style), each token
+weighted by its ratio pi/mu to the worker that sampled it, with the PPO clip and a TIS cap by
+default and a menu of other treatments of the ratio (sequence-level TIS, masked importance
+sampling, GSPO's sequence ratio, a k3 KL penalty), normalized by the batch's completion-token
+count so that any split into micro-batches and ranks gives the same gradient. The math and the
+reasons: docs/design/trainer.md, "The loss"; when to pick each option: docs/config.md."""
 
 from __future__ import annotations
 

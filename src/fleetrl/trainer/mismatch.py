@@ -1,25 +1,8 @@
-"""How far the sampler is from the trainer, apart from how far the policy moved.
-
-The importance ratio of the loss compares the policy being trained (version n - 1 at step n)
-with the worker that sampled each token, at the token's own version v. That distance mixes two
-things that mean different things, so each step reports them apart, as k3 estimates over the
-completion tokens the loss sees (k3 = r - 1 - log r, unbiased for tokens drawn from the first
-distribution, never negative, 0 exactly where the logprobs agree):
-
-- `mismatch_kl`, KL(worker at v || trainer at v): the engines' numerics (kernels, dtype,
-  batching) and nothing else, unless the sync is broken, e.g. a worker serving other weights
-  than its label says. fp32 on CPU keeps it at most 1e-6. Per worker too: one whose figure
-  stands out is named in the step's log.
-- `staleness_kl`, KL(trainer at v || trainer at n - 1): the policy's own movement between the
-  sampling version and the one being trained. 0 at k = 0; at k >= 1, what off-policy costs.
-
-Scoring a token under its own version: tokens of version n - 1 take the training forward's
-logprobs. Tokens one version behind need version n - 2's weights: the step keeps this rank's
-parameters as they were before the last update (`KeptWeights`, only when k >= 1) and swaps them
-in for a no-grad forward of the micro-batches that hold such tokens. Tokens older still
-(k >= 2), and the first step after a resume's tokens one version behind (the checkpoint has no
-previous version), are not measured: `mismatch_tokens` counts those that are.
-"""
+"""How far the sampler is from the trainer, apart from how far the policy moved: each step's
+`mismatch_kl` and `staleness_kl`, k3 estimates over the trained tokens, each token scored under
+its own version (the training forward, or for tokens one version behind the weights kept from
+before the last update). How and why: docs/design/trainer.md, "Mismatch and staleness"; what
+the figures tell: docs/quickstart.md, section 3."""
 
 from __future__ import annotations
 

@@ -1,27 +1,8 @@
-"""One trainer step: batch `n` in, one optimizer step, policy version `n` out.
-
-Layout of the work:
-- The samples of one group share their prompt, and the prompt is most of their tokens (a
-  reverse_text sample: about 130 prompt tokens, 6 completion tokens). So each group is one
-  *unit*: its prompt once, then each of its completions, in one row of the forward. A 4D
-  attention mask lets every completion see its prompt and itself only, and position ids give it
-  the positions it would have alone, so each token's logprob is what a forward of its own
-  sample gives (up to float rounding), at a fraction of the tokens: 4 samples of 130 + 6 tokens
-  take 154 positions instead of 544. The gradient of the shared prompt sums over its
-  completions, as it would over separate rows. A group too long for one micro-batch is split
-  into units that each repeat the prompt.
-- Every rank reads the whole batch and takes its share of the units (largest first, dealt
-  round-robin: deterministic, and no rank gets more than one unit's worth of extra tokens).
-- A rank's share is cut into micro-batches of at most `micro_batch_tokens` (rows x padded
-  length), one row per unit, right-padded, so peak memory is bounded whatever the batch size.
-  Every rank runs the *same number* of micro-batches, because each FSDP forward/backward is a
-  collective; a rank that runs out of samples runs a zero-weight forward/backward to keep in
-  step.
-- Only positions that predict completion tokens go through the LM head (`logits_to_keep`):
-  the [tokens x vocab] logits are the largest activation of a small model.
-- A step whose loss or gradient norm is not finite is not applied (no optimizer step, the
-  gradients cleared) and reports `skipped`; every rank decides alike (see `train_step`).
-"""
+"""One trainer step: batch `n` in, one optimizer step, policy version `n` out. Each group is one
+row unit (its prompt once, then its completions, under a 4D mask), dealt to the ranks and cut
+into micro-batches of at most `micro_batch_tokens`, every rank running the same number; a step
+whose loss or gradient norm is not finite is not applied. The layout and why:
+docs/design/trainer.md, "A step's layout"."""
 
 from __future__ import annotations
 
