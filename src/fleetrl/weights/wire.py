@@ -1,49 +1,50 @@
-"""The envelope of a weight transfer's wire records: what the sender (broadcast/sender.py,
-filesystem/sender.py) posts to each worker, and what fleetrl's weight receiver reads in every
-rank of it (engine/weight_receiver.py). Both sides build and read the records of each
-transport's wire.py; neither spells a key by hand.
+"""The envelope of a weight transfer's wire records: what a transport's sender posts to each
+worker, and what fleetrl's weight receiver reads in every rank of it
+(engine/weight_receiver.py). Both sides build and read the records of each transport's
+wire.py; neither spells a key by hand.
 
 They travel as JSON objects through vLLM's weight-transfer protocol (native servers) or
 Dynamo's RL routes:
 
-    init_info    /init_weight_transfer_engine: {"transport": kind, ...the kind's init record}
-                 BroadcastInit (broadcast/wire.py), FilesystemInit (filesystem/wire.py)
-    update_info  /update_weights, read as the kind the init named:
-                 BucketInfo (broadcast: the tensors of one bucket),
-                 ManifestInfo (filesystem: a whole published version)
+    init_info    /init_weight_transfer_engine: {"transport": name, ...the transport's init record}
+    update_info  /update_weights, read as the update record of the transport the init named
 
-Read strictly: a key missing or unknown is refused with the record it belongs to named.
-No vLLM here: the sender runs in the trainer, which has none.
+Each transport's spec names its two records (fleetrl/transports.py). Read strictly: a key
+missing or unknown is refused with the record it belongs to named. No vLLM here: the sender
+runs in the trainer, which has none.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Protocol
 
-from fleetrl.weights.broadcast.wire import BroadcastInit, BucketInfo
-from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
+from fleetrl.transports import check_name, spec
 
-TransportKind = Literal["broadcast", "filesystem"]
-TRANSPORTS = get_args(TransportKind)
-InitInfo = BroadcastInit | FilesystemInit
-UpdateInfo = BucketInfo | ManifestInfo
 
-_INIT: dict[str, type[InitInfo]] = {"broadcast": BroadcastInit, "filesystem": FilesystemInit}
-_UPDATE: dict[str, type[UpdateInfo]] = {"broadcast": BucketInfo, "filesystem": ManifestInfo}
+class InitInfo(Protocol):
+    """Every transport's init record: the transport it names, and what its updates replace."""
+
+    transport: ClassVar[str]
+    target: str
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class UpdateInfo(Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 def parse_init(data: dict[str, Any]) -> InitInfo:
     """The init record of the transport `data["transport"]` names."""
     transport = data.get("transport")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"init_info.transport: {transport!r} is not one of {TRANSPORTS}")
+    check_name(transport, "init_info.transport")
     fields = {key: value for key, value in data.items() if key != "transport"}
-    return _read(_INIT[transport], fields, "init_info")
+    return _read(spec(transport).init, fields, "init_info")
 
 
-def parse_update(transport: TransportKind, data: dict[str, Any]) -> UpdateInfo:
+def parse_update(transport: str, data: dict[str, Any]) -> UpdateInfo:
     """An update record of `transport`, the one the worker was initialised for."""
-    return _read(_UPDATE[transport], data, f"update_info for the fleetrl {transport} transport")
+    return _read(spec(transport).update, data, f"update_info for the fleetrl {transport} transport")
 
 
 def _read(cls, data: dict[str, Any], what: str):

@@ -35,6 +35,7 @@ import torch
 
 from fleetrl import failpoints
 from fleetrl.inference.provider import NamedTensors, WeightSyncClient
+from fleetrl.transports import SenderSettings
 from fleetrl.weights import fanout
 from fleetrl.weights.broadcast import group as broadcast_group
 from fleetrl.weights.buckets import packed_buckets, unpack_bucket
@@ -57,6 +58,10 @@ class BroadcastTransport:
         self.backend = backend
         self.target = target
         self._group: broadcast_group.BroadcastGroup | None = None
+
+    @classmethod
+    def from_settings(cls, settings: SenderSettings) -> BroadcastTransport:
+        return cls(settings.host, settings.bucket_bytes, settings.timeout_s, settings.backend, settings.target)
 
     async def transfer(self, workers: Sequence[WeightSyncClient], named_tensors: NamedTensors,
                        version: int) -> str:

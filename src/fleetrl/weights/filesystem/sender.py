@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fleetrl.inference.provider import NamedTensors, WeightSyncClient
+from fleetrl.transports import SenderSettings
 from fleetrl.weights import fanout
 from fleetrl.weights.filesystem.manifest import MANIFEST, collect_garbage, write_version
 from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
@@ -30,6 +31,11 @@ class FilesystemTransport:
         self.shard_bytes = shard_bytes
         self.timeout_s = timeout_s
         self.target = target
+
+    @classmethod
+    def from_settings(cls, settings: SenderSettings) -> FilesystemTransport:
+        # The shard size is the bucket size: both bound what is held at once.
+        return cls(settings.storage_dir, settings.bucket_bytes, settings.timeout_s, settings.target)
 
     async def transfer(self, workers: Sequence[WeightSyncClient], named_tensors: NamedTensors,
                        version: int) -> str:
