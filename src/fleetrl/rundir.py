@@ -1,48 +1,11 @@
 """The run directory: the one owner of its paths and its writes, its manifest, and `fleetrl verify`.
-
-    RUN_DIR/
-      config.toml            the resolved config
-      metrics.jsonl          one line per trainer step
-      batches/step_N.json    what step N trained on (samples with their version spans)
-      rollouts/step_N.jsonl  every sampled completion, trained or dropped, with its spans
-      checkpoints/step_N/    model + optimizer + step (written by fleetrl.trainer.checkpoint)
-      final.json             a greedy sample of the final policy, every worker's version, and the
-                             trainer's logprobs of the agreement probe under it
-      final_model/           the final policy as a Hugging Face folder (safetensors, config,
-                             tokenizer): transformers and `vllm serve` load it
-      events.jsonl           the timeline's events, one per line, each stamped with its wall time
-                             "t": worker state changes, publish fences (start, end), each
-                             trainer step's start and end, and each sample's start, end, worker
-                             and version spans
-      reward.png, off_policy.png, timeline.png
-      eval.png               the held-out figures per evaluated version (when the run evaluates)
-      verifiers_episodes.jsonl  a `verifiers` environment's episodes, when it runs one
-      tensorboard/           each step's metrics as TensorBoard event files (run.tensorboard)
-      wandb/                 W&B's offline run files (run.wandb): W&B's own, never in the manifest
-      logs/                  each process's log
-      weights/               filesystem transport scratch (recent versions)
-      dynamo-discovery/      file discovery of a launched Dynamo deployment
-      etcd/, nats/           the data of the etcd and NATS launched for Dynamo (discovery = etcd,
-                             event_plane = nats)
-      fleet.json             where a running run's fleet is (provider, endpoints), for `fleetrl status`
-      tokens.json            the run's admin and data tokens, mode 0600 (never in the manifest)
-      run_id                 the run's identity in its workers' labels and claims: drawn at
-                             random at its first start, read back by every later one
-      manifest.json          every artifact above (but logs, wandb, weights, dynamo-discovery,
-                             etcd, nats, fleet.json, tokens.json, run_id) with its sha256
-      .lock                  locked (flock) by the run using the directory; holds its pid
-
-One run at a time: `RunDir.start` locks the directory for the whole run (a second fleetrl on it
-is refused, naming the first one's pid), and a resume may not change what the run means
-(`RUN_DEFINING`). Every file is written whole or not at all (`files.atomic_write`), so a
-reader — a trainer rank waiting for a batch, `fleetrl verify`, a resumed run — never sees half
-of one. The exceptions grow a line at a time (metrics.jsonl, events.jsonl, verifiers_episodes.jsonl): each
-line is synced to disk as it is appended, and a last line torn by a kill mid-write is dropped
-when the file is read (and by the trim of a resume).
-
-`verify_run` re-checks the manifest and the run's invariants from the artifacts themselves,
-and reports the first violation.
-"""
+`RunDir.start` locks the directory for the whole run and refuses a resume that changes what the
+run means (`RUN_DEFINING`); every file is written whole or not at all, except the line-by-line
+files (metrics.jsonl, events.jsonl, verifiers_episodes.jsonl), whose lines are synced as they are
+appended and whose torn last line is dropped when read. `verify_run` re-checks the manifest and
+the run's invariants from the artifacts themselves and reports the first violation. What each
+file is: docs/quickstart.md, section 3; the faults this guards against: docs/reliability.md,
+"Nothing lost"."""
 
 from __future__ import annotations
 
