@@ -1,24 +1,9 @@
 """The RL routes of one Dynamo vLLM worker, `POST <system URL>/engine/<route>`, and its control
 client: health, pause, resume, versions, what its ranks hold. Its weight-sync client
-(weight_sync.py) shares the routes and the fence record.
-
-The routes answer HTTP 200 with `{"status": "ok" | "error", ...}` (labelled text/plain), so
-the body, not the HTTP status, says whether a call worked. Calls have a timeout and are
-retried where that is safe (see `http.AdminHttp`; the weight-transfer calls only when the
-connection was never made). Two of the routes run any engine method on every rank by name
-(`engine_rpc`): `init_weights_update_group` and `update_weights_from_distributed` (the latter
-only while paused, unless the call says it only reads; with `weight_version` it also labels
-the worker). Dynamo's routes return none of the ranks' results, but the weight check must:
-a worker must prove it holds the published bytes, and a bare "ok" would prove nothing, so
-fleetrl's worker entry (engine/dynamo_worker.py) answers the checksum method with the
-checksum each rank computed itself, which the coordinator compares with the sender's.
-
-The routes also keep the worker's fence record (attribution.py), which the control client
-(pause, resume, set_version) and the weight-sync client (start, finish) both move: for Dynamo's
-own worker, which reports no weight version with its tokens, the provider derives each
-completion's version from it. fleetrl's worker kind does report them (engine/dynamo_worker.py)
-and says so in `get_weight_version` (`token_versions: true`).
-"""
+(weight_sync.py) shares the routes and the worker's fence record (attribution.py), from which
+the provider derives the version of each completion of Dynamo's own worker kind. The routes,
+their answers and why fleetrl's worker entry answers the checksum method with every rank's own
+checksum: docs/dynamo.md, "Discovery, data plane, admin plane" and "Version guarantees"."""
 
 from __future__ import annotations
 

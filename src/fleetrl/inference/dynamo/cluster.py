@@ -1,23 +1,8 @@
-"""etcd and NATS beside a launched Dynamo deployment, as a cluster runs them.
-
-With `inference.dynamo.discovery = "etcd"` and no etcd named (`inference.dynamo.etcd_endpoints`,
-or ETCD_ENDPOINTS in `inference.dynamo.env`), fleetrl starts an etcd of its own; with
-`inference.dynamo.event_plane = "nats"` and no NATS_SERVER in `inference.dynamo.env`, a NATS
-server. Each is a managed child (own process group, dies with fleetrl) bound to loopback on
-free ports, keeps its data in the run directory, and must answer its health route before the
-frontend and workers start, pointed at it (ETCD_ENDPOINTS, NATS_SERVER).
-
-Why NATS only with the nats event plane: Dynamo 1.6.1 decides from its event plane
-(DYN_EVENT_PLANE) and request plane (DYN_REQUEST_PLANE) whether to connect to NATS at all.
-With the zmq event plane and the tcp request plane that fleetrl uses by default, no Dynamo
-process connects to a NATS server even when NATS_SERVER names a running one (checked here: 0
-connections in its /connz with a frontend and a worker on etcd discovery; with
-DYN_EVENT_PLANE=nats, the frontend and every worker connect). Discovery, the workers'
-registrations and their leases are etcd's alone.
-
-The deployment script of deploy/dynamo/ starts the same two services as an operator would
-(processes fleetrl does not own), through the same argument lists.
-"""
+"""etcd and NATS beside a launched Dynamo deployment, as a cluster runs them: started when the
+config asks for etcd discovery or the nats event plane and names no server of its own, each a
+managed child on free loopback ports with its data in the run directory, healthy before the
+frontend and workers start. The deployment script of deploy/dynamo/ starts the same services
+through the same argument lists. Why and how: docs/dynamo.md, "Dynamo with etcd and NATS"."""
 
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
-"""The Dynamo provider: a frontend that routes, and workers that Dynamo discovers.
-
-fleetrl launches the deployment (launcher.py) or attaches to a running one
-(`inference.dynamo.frontend_url` + `rl_url`), learns the workers from the frontend's RL
-discovery (discovery.py), sends rollouts through the frontend pinned to the worker the
-coordinator chose (data.py), and drives each worker's RL routes directly: its control client
-(admin.py) and its weight-sync client (weight_sync.py), which share one fence record.
-
-A LoRA run's workers serve the policy's adapter (`adapter`): each is launched with an adapter
-folder that its engine side keeps current, and is admitted once it serves requests through the
-adapter's name (`_serves_adapter`), so that a worker that joins or restarts takes no rollout
-before it does; the fleet refits it with the current adapter before it serves them.
-
-Each worker is held by one run at a time, as a native server is: every admin call carries the
-run's claim (admin.py, engine/worker_claim.py), and another run's is refused naming the holder.
-
-Versions: fleetrl's worker kind reports the version of every token, as a native vLLM server
-does. Dynamo's own vLLM worker reports none, so each of its completions gets the one version
-its fence record proves produced it, and a completion that cannot be attributed is sampled
-again rather than mis-versioned (attribution.py).
-"""
+"""The Dynamo provider: a frontend that routes, and workers that Dynamo discovers. fleetrl launches
+the deployment (launcher.py) or attaches to a running one, learns the workers from the
+frontend's RL discovery (discovery.py), sends rollouts through the frontend pinned to the worker
+the coordinator chose (data.py), and drives each worker's RL routes directly: its control client
+(admin.py) and its weight-sync client (weight_sync.py), which share one fence record. How LoRA
+workers are admitted, how claims hold a worker for one run, and which version guarantee each
+worker kind gives: docs/dynamo.md."""
 
 from __future__ import annotations
 
