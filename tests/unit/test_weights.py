@@ -25,9 +25,8 @@ from fleetrl.weights.filesystem.manifest import (
     version_dir,
     write_version,
 )
-from fleetrl.weights.broadcast.receiver import BroadcastReceiver
+from fleetrl.transports import TRANSPORTS, spec
 from fleetrl.weights.broadcast.wire import BroadcastInit, BucketInfo
-from fleetrl.weights.filesystem.receiver import FilesystemReceiver
 from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
 from fleetrl.weights.wire import parse_init, parse_update
 
@@ -410,20 +409,21 @@ def _worker_rank(conn) -> None:
     """One worker rank: what fleetrl's weight-transfer backend does with each weight-sync call,
     less vLLM's reload (engine/weight_receiver.py): the transport's receiver takes the bytes in
     and the rank hashes them."""
-    receiver, hasher = None, None
+    receiver, transport, hasher = None, "", None
     while (call := conn.recv()) is not None:
         method, args = call
         try:
             result = None
             if method == "membership":
-                result = (1, isinstance(receiver, BroadcastReceiver) and receiver.group_name == args[0])
+                result = (1, receiver is not None and receiver.state == args[0])
             elif method == "init":
                 init = parse_init(args[0])
-                receiver = BroadcastReceiver.join(init, 0) if isinstance(init, BroadcastInit) else FilesystemReceiver()
+                receiver, transport = spec(init.transport).receiver_class().join(init, 0), init.transport
             elif method == "start":
                 hasher = WeightsHasher()
             elif method == "update":
-                hasher.update_all(receiver.receive(parse_update(receiver.transport, args[0])))
+                for batch in receiver.receive(parse_update(transport, args[0])):
+                    hasher.update_all(batch)
             elif method == "finish":
                 result = hasher.hexdigest()
             conn.send(("ok", result))
@@ -461,7 +461,7 @@ class PipeWorker:
         return call
 
 
-@pytest.mark.parametrize("kind", ["broadcast", "filesystem"])
+@pytest.mark.parametrize("kind", TRANSPORTS)
 def test_each_transport_delivers_to_its_receiver_bit_exact(kind, tmp_path):
     """The sender's checksum is the receiving rank's, over the wire records both sides read; the
     second broadcast publish reuses the group the first formed (one init), while the filesystem
@@ -493,8 +493,26 @@ def test_each_transport_delivers_to_its_receiver_bit_exact(kind, tmp_path):
             rank.kill()
     calls = [method for method, _ in worker.answers]
     assert sent == [checksum for method, checksum in worker.answers if method == "finish"] == [digest(named)] * 2
-    assert calls.count("init") == (1 if kind == "broadcast" else 2)
-    assert calls.count("update") == (2 * len(list(iter_buckets(named, 128))) if kind == "broadcast" else 2)
+    if kind == "broadcast":
+        assert calls.count("init") == 1 and calls.count("update") == 2 * len(list(iter_buckets(named, 128)))
+    if kind == "filesystem":
+        assert calls.count("init") == calls.count("update") == 2
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_each_registered_transport_is_one_package_whose_spec_names_its_sides(kind):
+    """A registry line names a package of weights/ whose SPEC is the transport's: its records
+    carry its name, and its receiver is that package's receiver.py (so the import rules hold
+    it to the worker's side)."""
+    transport = spec(kind)
+    assert TRANSPORTS[kind] == f"fleetrl.weights.{kind}" and transport.name == kind
+    assert transport.init.transport == kind and transport.init.__module__ == f"fleetrl.weights.{kind}.wire"
+    assert transport.update.__module__ == f"fleetrl.weights.{kind}.wire"
+    assert transport.receiver.startswith(f"fleetrl.weights.{kind}.receiver:")
+    assert transport.sender.startswith(f"fleetrl.weights.{kind}.sender:")
+    receiver, sender = transport.receiver_class(), transport.sender_class()
+    assert all(callable(getattr(receiver, m)) for m in ("join", "receive", "reset_on_failure", "close"))
+    assert isinstance(receiver.state, property) and callable(sender.from_settings)
 
 
 # -- sender plumbing and engine registration ---------------------------------------------------

@@ -3,21 +3,17 @@
 vLLM drives it through its weight-transfer protocol (HTTP routes -> engine core ->
 collective_rpc on every rank):
 
-    /init_weight_transfer_engine {"init_info": {"transport": "broadcast"|"filesystem",
+    /init_weight_transfer_engine {"init_info": {"transport": a registered name,
                                                 "target": "model"|"adapter", ...}}
     /start_weight_update                     open vLLM's layerwise reload
     /update_weights {"update_info": {...}}   stream tensors into model.load_weights
     /finish_weight_update                    close the reload; keep the checksum
 
 The infos are the wire records the sender builds them from (fleetrl.weights.wire). This
-module is the vLLM side only; each transport's receiver, which has no vLLM, takes the bytes in:
-
-- broadcast (weights/broadcast/receiver.py): the rank joins the trainer's broadcast group
-  (gloo on CPU, NCCL on CUDA) and receives one bucket per /update_weights call; update_info
-  carries the bucket's names, dtypes and shapes.
-- filesystem (weights/filesystem/receiver.py): update_info names a manifest.json of a
-  published version; it is verified in full (READY marker, every shard's sha256,
-  names/dtypes/shapes) before a tensor is loaded.
+module is the vLLM side only; the receiver of the transport the init names (the registry's,
+fleetrl/transports.py), which has no vLLM, takes the bytes in through one interface: it joins
+at the init, yields each update's tensors in batches, resets after a failure, and says what it
+holds (`state`: a broadcast group's name) for the sender to check.
 
 Each rank hashes and loads what it received on threads of its own (`LoadPipeline`), so an
 update_weights call returns once the bytes are in and the next bucket's broadcast overlaps
@@ -60,11 +56,8 @@ from vllm.model_executor.model_loader.reload import (
 from fleetrl.contract import WEIGHT_UPDATE_PHASES
 from fleetrl.engine.load_pipeline import LoadPipeline
 from fleetrl.lora import ADAPTER_DIR_ENV, ADAPTER_NAME, AdapterSpec, check_complete, write_weights
-from fleetrl.weights.broadcast.receiver import BroadcastReceiver
-from fleetrl.weights.broadcast.wire import BroadcastInit
+from fleetrl.transports import Receiver, spec
 from fleetrl.weights.checksum import WeightsHasher
-from fleetrl.weights.filesystem.receiver import FilesystemReceiver
-from fleetrl.weights.filesystem.wire import ManifestInfo
 from fleetrl.weights.wire import InitInfo, UpdateInfo, parse_init, parse_update
 
 BACKEND = "fleetrl"
@@ -74,12 +67,13 @@ _END = object()  # what `next` gives back once an iterator is spent
 
 class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
     # No init_info_cls / update_info_cls: they serve only vLLM's default parse_*_info, which
-    # this class replaces with the envelope's (one backend, two transports).
+    # this class replaces with the envelope's (one backend, every registered transport).
     supports_draft_weight_update = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._receiver: BroadcastReceiver | FilesystemReceiver | None = None  # of the transport the init named
+        self._receiver: Receiver | None = None  # of the transport the init named
+        self._transport = ""  # its name, which reads the update records
         self._adapter_folder: Path | None = None  # set while the init names the adapter as its target
         self._adapter: list[tuple[str, torch.Tensor]] | None = None  # an open adapter update's tensors
         self.checksum: str | None = None  # of the last completed update
@@ -103,12 +97,10 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
         """(Re)joins: a new init replaces the previous group (the worker set changed)."""
         self.shutdown()
         self._adapter_folder = self._adapter_folder_for(init_info.target)
-        if isinstance(init_info, BroadcastInit):
-            parallel = self.parallel_config
-            self._receiver = BroadcastReceiver.join(
-                init_info, parallel.data_parallel_index * parallel.world_size + parallel.rank)
-        else:
-            self._receiver = FilesystemReceiver()
+        parallel = self.parallel_config
+        self._receiver = spec(init_info.transport).receiver_class().join(
+            init_info, parallel.data_parallel_index * parallel.world_size + parallel.rank)
+        self._transport = init_info.transport
 
     def start_weight_update(self) -> None:
         if self._receiver is None:
@@ -128,23 +120,14 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
     def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
         if self._receiver is None:
             raise RuntimeError("fleetrl weight receiver: update_weights before init_weight_transfer_engine")
-        return parse_update(self._receiver.transport, update_dict)
+        return parse_update(self._transport, update_dict)
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         if self._hasher is None:
             raise RuntimeError("fleetrl weight receiver: update_weights outside start/finish_weight_update")
         try:
-            if isinstance(update_info, ManifestInfo):
-                with self._timed("receive"):
-                    tensors = self._receiver.receive(update_info)  # verified in full before anything loads
-                # One tensor at a time; reading each one is receiving. Loaded from the CPU: the
-                # weight loaders copy into the model's device.
-                for named in self._timed_each("receive", tensors):
-                    self._submit([named])
-            else:
-                with self._timed("receive"):
-                    bucket = self._receiver.receive(update_info)
-                self._submit(bucket)
+            for batch in self._timed_each("receive", self._receiver.receive(update_info)):
+                self._submit(batch)
         except BaseException:
             self._abort()
             raise
@@ -180,8 +163,8 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     @property
     def group_name(self) -> str:
-        """The broadcast group this rank has joined; "" if none."""
-        return self._receiver.group_name if isinstance(self._receiver, BroadcastReceiver) else ""
+        """The broadcast group this rank has joined (its receiver's state); "" if none."""
+        return self._receiver.state if self._receiver is not None else ""
 
     def shutdown(self) -> None:
         if self._receiver is not None:
@@ -230,7 +213,7 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Close the reload after a failed update so the model is whole again: layers that
         received nothing get their previous weights back; the rest hold a mix, which is why
         the checksum is cleared (the worker holds no known version until a full update).
-        A broken broadcast group is dropped too; the sender re-forms it."""
+        The receiver drops what the sender sets up again (a broken broadcast group)."""
         self._hasher = None
         self.checksum = None
         if self._pipeline is not None:
@@ -238,8 +221,8 @@ class FleetrlWeightReceiver(WeightTransferEngine[InitInfo, UpdateInfo]):
         if self._adapter is None:
             self._close_reload()
         self._adapter = None  # the folder still holds the adapter before this update: it is written whole or not
-        if isinstance(self._receiver, BroadcastReceiver):
-            self.shutdown()
+        if self._receiver is not None:
+            self._receiver.reset_on_failure()
 
     @contextmanager
     def _timed(self, phase: str):

@@ -7,6 +7,8 @@ rank, and hashes and loads what it returns.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from fleetrl.weights.broadcast import group as broadcast_group
@@ -15,10 +17,8 @@ from fleetrl.weights.buckets import layout, unpack_bucket
 
 
 class BroadcastReceiver:
-    transport = "broadcast"
-
     def __init__(self, group: broadcast_group.BroadcastGroup) -> None:
-        self._group = group
+        self._group: broadcast_group.BroadcastGroup | None = group  # None once dropped
 
     @classmethod
     def join(cls, init: BroadcastInit, worker_rank: int) -> BroadcastReceiver:
@@ -30,18 +30,27 @@ class BroadcastReceiver:
                                         init.backend, init.timeout_s))
 
     @property
-    def group_name(self) -> str:
-        return self._group.name
+    def state(self) -> str:
+        """The name of the group this rank is in; "" once it was dropped."""
+        return self._group.name if self._group is not None else ""
 
-    def receive(self, bucket: BucketInfo) -> list[tuple[str, torch.Tensor]]:
+    def receive(self, bucket: BucketInfo) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The bucket's tensors, once its bytes are in: views into a buffer of its own."""
+        if self._group is None:
+            raise RuntimeError("broadcast receiver: the group was dropped after a failure; the sender forms a new one")
         metas = bucket.metas()
         _, total = layout(metas)
         # A fresh buffer per bucket, never a reused one: the layerwise reload keeps the
         # loaded views until their layer is complete, which may be in the next bucket.
         buffer = torch.empty(total, dtype=torch.uint8, device=broadcast_group.buffer_device(self._group.backend_name))
         self._group.broadcast(buffer)
-        return unpack_bucket(buffer, metas)
+        yield unpack_bucket(buffer, metas)
+
+    def reset_on_failure(self) -> None:
+        """A group that failed a broadcast is broken: dropped, and re-formed by the sender."""
+        self.close()
 
     def close(self) -> None:
-        self._group.close()
+        if self._group is not None:
+            self._group.close()
+            self._group = None

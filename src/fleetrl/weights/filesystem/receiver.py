@@ -12,17 +12,29 @@ from pathlib import Path
 import torch
 
 from fleetrl.weights.filesystem.manifest import iter_tensors, read_manifest
-from fleetrl.weights.filesystem.wire import ManifestInfo
+from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
 
 
 class FilesystemReceiver:
-    transport = "filesystem"
+    @classmethod
+    def join(cls, init: FilesystemInit, worker_rank: int) -> FilesystemReceiver:
+        """Nothing to join: each update names a version every rank reads."""
+        return cls()
 
-    def receive(self, update: ManifestInfo) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def state(self) -> str:
+        return ""
+
+    def receive(self, update: ManifestInfo) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The version's tensors on the CPU, one at a time in send order (never a second copy
         of the model), once all of it is verified (READY, every shard's sha256, every name,
-        dtype and shape): a half-written or corrupted version is refused before any loads."""
-        return iter_tensors(read_manifest(Path(update.manifest)))
+        dtype and shape): a half-written or corrupted version is refused before any loads.
+        Loaded from the CPU: the weight loaders copy into the model's device."""
+        for named in iter_tensors(read_manifest(Path(update.manifest))):
+            yield [named]
+
+    def reset_on_failure(self) -> None:
+        """Nothing to reset: the next update reads its own version."""
 
     def close(self) -> None:
         """Nothing to release: each update reads its own version."""
