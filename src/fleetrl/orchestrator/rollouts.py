@@ -1,44 +1,11 @@
 """The orchestrator: samples groups from the fleet, scores them, assembles batch `n` for step `n`.
-
-Off-policy control, with k = `max_off_policy_steps`:
-
-- admission: rollouts for batch n are dispatched only once the fleet serves version
-  >= (n - 1) - k, so every token they produce is at most k versions behind the policy that
-  trainer step n starts from (version n - 1). k = 0: strictly on-policy, sampling for batch n
-  waits for version n - 1; k >= 1: sampling for batch n overlaps training of step n - 1.
-- assembly: each sample's distance is recomputed from its own version spans,
-  (n - 1) - min(span versions); a sample above k is dropped and counted, never trained on.
-- a sample whose spans name versions the fleet never served while it ran (a worker at the
-  wrong version) is rejected and counted (`misversioned`), and left out of its group's
-  advantage baseline.
-
-A multi-turn environment's samples are whole episodes (`episodes.py`): the same admission,
-per-sample distance and drops hold for them, and an episode whose tool or environment failed
-is dropped too (`tool_failed`, `env_failed`), never the run.
-
-The same holds for an empty completion (`empty`: nothing to train on), for a sample its worker
-answered badly (`bad_answer`: a token id outside the vocabulary, a logprob that is not finite or
-missing, malformed version spans, more or fewer choices than requested; inference/answers.py),
-and for a sample whose reward failed (`reward_failed`): the reward raised, was not a number in
-[0, 1], or took longer than `reward_timeout_s`. Rewards are user code, so each runs in a thread of its own, off the
-event loop that also drives the fleet. Every sample, trained or not, is recorded in the batch's
-rollouts file with the reason it was not trained (`drop_reason`).
-
-Dynamic sampling (`dynamic_sampling`): a group whose usable samples' rewards are all equal has
-advantages all 0 and carries no gradient. It is dropped (`filtered`, recorded like any drop),
-and more prompts are sampled, as many as groups are missing, until the batch has
-`batch_prompts` groups or `dynamic_sampling_prompts` prompts were sampled; a batch short at
-that bound trains on what it has, and one whose every group was filtered trains on them as
-sampled (a step with no gradient but the KL penalty's, logged), never an empty batch.
-
-Batch n trains on tasks (n - 1) * W onwards of the seeded task stream, W being
-`prompts_per_step` (batch_prompts, or dynamic sampling's bound, the unused ones skipped), so a
-run resumed after step s draws, for each step, the tasks an uninterrupted run would have: none
-of steps 1..s again.
-
-Each batch's meta says how the trained batch differs from what was generated: reward and
-completion length of both, and every sample not trained by its reason (`dropped_by`).
-"""
+Rollouts for batch n are admitted only once the fleet serves version >= (n - 1) - k
+(k = `max_off_policy_steps`); at assembly each sample's distance is recomputed from its own spans,
+and a sample past k, misversioned, empty, badly answered, whose reward failed or (multi-turn)
+whose tool or environment failed is dropped, counted and recorded with its `drop_reason`, never
+trained on. Rewards run in threads of their own, off the event loop that drives the fleet. Dynamic
+sampling, the task window of each step and each batch's meta: docs/architecture.md, "The RL run";
+docs/config.md (`[orchestrator]`); the figures: docs/quickstart.md, section 3."""
 
 from __future__ import annotations
 
