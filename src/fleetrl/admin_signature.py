@@ -1,42 +1,10 @@
-"""Signed admin calls: fleetrl proves it holds the run's admin token without sending it, and
-the worker proves the same in its answer (a leaf: imports nothing of fleetrl).
-
-A bearer token goes to whoever answers at a worker's port. After a worker dies, any local
-process may take that port, answer /health (which needs no token) and so receive the token
-with the next admin call. fleetrl's admin calls therefore carry, instead of the token, an HMAC
-keyed by the token of everything about the call that a relay or a replay could change
-(`SignedCall`: the method, the path and query, the authority the caller addressed, the body,
-the run's claim on the worker, the server instance it is for) with a timestamp and a fresh
-nonce. The instance is a random name each server makes as it starts and announces to anyone
-(contract.INSTANCE_PATH; a Dynamo worker in its liveness probe's answer): a call signed for one
-start of a server opens nothing at the next one, nor at another server. The worker's middleware
-(engine/admin_auth.py) checks the call, refuses a timestamp off by more than MAX_SKEW_S, a nonce
-it has seen in this instance (`FreshCalls`) and an authority that is not its own, answers a
-call signed for another instance of itself with contract.STALE_INSTANCE (the caller asks for the
-instance again and signs afresh, once), and proves its answer with an HMAC of the call's nonce,
-that authority, its instance and the answer's body, keyed by the same token (`answer_proof`).
-A caller that gets no valid proof back is not talking to a server started with the run's token
-(or what it got was changed on the way: a rewritten checksum or version label), and trusts
-nothing it said; a captured call replayed elsewhere, later, or with another body, opens nothing.
-A relay is refused by the authority check alone: a server lets in only calls addressed to a
-name of its own (its socket's address, a loopback name on loopback, the names its launcher or
-operator lists in contract.ADMIN_AUTHORITIES_ENV), so a process on a dead worker's address
-that passes the call to another live worker gets it refused there. Where a worker cannot see
-the authority (Dynamo) or names one server twice (two spellings of its URL), the fleet pins
-each worker's announced instance: a worker that announces another live worker's instance is
-that worker, or a relay to it, and is kept out (inference/fleet.py). fleetrl's data requests
-(which carry the data token as a bearer) name a nonce of their own (NONCE_HEADER), and their
-answers carry the same proof (`answer_proof`, of that nonce, the address and the answer's very
-body; no instance: the data client never asks for one), so a relay that relabels a version or
-rewrites tokens or logprobs is found out. Bearer tokens still open the routes, for an
-operator's curl.
-
-fleetrl's Dynamo worker kind (engine/dynamo_worker.py) gets the same protection in the JSON body,
-the only part of a call its route handlers see: the signature rides in BODY_SIGNATURE_FIELD and
-covers the rest of the body, and the answer carries the proof of the rest of the answer in
-BODY_PROOF_FIELD. Its handlers do not see the authority: there the worker's own instance, which
-no other worker shares, is what binds a call to one worker.
-"""
+"""Signed admin calls: fleetrl proves it holds the run's admin token without sending it, and the
+worker proves the same in its answer (a leaf: imports nothing of fleetrl). A call carries an HMAC,
+keyed by the token, of everything a relay or a replay could change (`SignedCall`), with a
+timestamp and a fresh nonce; the answer carries a proof of the nonce, the authority, the instance
+and its body (`answer_proof`); fleetrl's Dynamo worker kind carries both in the JSON body. The
+threat and why each part is covered: docs/cluster.md, "Why admin calls are signed, and what the
+signature covers"."""
 
 from __future__ import annotations
 
