@@ -1,37 +1,10 @@
 """`fleetrl eval [MODEL_OR_RUN]`: a saved model scored on the environments of a run's evaluation,
-printed as a table, its records written to a folder of their own.
-
-MODEL_OR_RUN is a Hugging Face model folder (with config.json) or a run directory (with
-config.toml). A run directory's config.toml is the config the command starts from, its own
-config files and flags on top (`config_files`); the model scored is the run's final_model/, at
-the version recorded in it (trainer/export.VERSION_FILE), or a checkpoint (`--step N`, else the
-newest complete one when there is no final model), exported into a temporary folder inside OUT,
-at its step. A model folder is scored at the version recorded in it, else 0, with the config of
-the run directory it lies in, if any. Without MODEL_OR_RUN, the config's own model (model.path,
-else the embedded default) is that model folder: the base a run would start from, scored with
-the config files and flags given, its records in `--out DIR`. The run directory is held (locked)
-while its model is scored: a running run is refused, and none can start and replace the model
-meanwhile.
-
-What is scored is `[eval]` as `fleetrl rl` evaluates during training, through the same
-Evaluator: the environments eval.envs names, else the config's own on their held-out split;
-eval.prompts prompts of each, eval.samples_per_prompt completions per prompt, greedy by default
-(eval.every_steps plays no part).
-
-Where: the config's inference section, as for `fleetrl rl`. Launched workers load the model
-folder and are labelled with its version; attached ones (inference.urls, or a Dynamo
-deployment) are first held to its weights at that version (checksum and agreement probe), as
-`fleetrl rl` holds them to the weights it starts from. Nothing is published meanwhile, so every
-scored token carries that version in its spans.
-
-    OUT/  eval.jsonl          the evaluation's line: its version and each environment's figures
-          eval/step_N.jsonl   every completion scored at version N: task, reward, spans, worker
-          logs/               launched workers' logs (OUT is the command's run.dir)
-
-OUT (`--out`) is a new folder, by default beside the run directory or model folder and never
-inside a run directory (`default_out`): `fleetrl verify` refuses files a run's manifest does not
-list, and the run's own eval/ stays as the run wrote it.
-"""
+printed as a table, its records written to a folder of their own. MODEL_OR_RUN is a Hugging Face
+model folder, a run directory (its final model or a checkpoint, with its config.toml), or nothing
+(the config's own model); what is scored is `[eval]`, through the same Evaluator as `fleetrl rl`,
+at the model's one version on launched or held attached workers. Which model, at which version,
+with which config, and what OUT holds: docs/quickstart.md, section 4; docs/environments.md,
+"Evaluation and the held-out split"."""
 
 from __future__ import annotations
 
