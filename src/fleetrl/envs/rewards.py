@@ -1,22 +1,9 @@
-"""The reward menu: how an environment judges a completion against its task's answer.
-
-Every reward is a function `(completion: str, answer, **options) -> float` in [0, 1], and
-`resolve_reward(spec, **options)` gives the one `spec` names with its options bound, as a
-function of `(completion, answer)`. The answer is compared as its text (`answer_text`):
-
-- `exact`: 1 when the completion, stripped, is the answer;
-- `contains`: 1 when the answer occurs in the completion;
-- `regex`: option `pattern`, a regular expression with exactly one group; 1 when that group of
-  its last match in the completion (the final answer, where a model restates), stripped, is
-  the answer;
-- `math`: Hugging Face's math-verify parses the answer and the completion (LaTeX or plain
-  numbers and expressions, `\\boxed{}` first, else the last one given) and compares them as
-  mathematics: `1/2`, `0.5` and `\\frac{1}{2}` are equal. An answer it cannot parse raises,
-  so its samples are dropped with that reason rather than scored 0. It runs in a worker
-  process, killed past option `timeout_s` (MATH_TIMEOUT_S), and the call then raises too;
-- `module.path:function`: a user's function with the same signature, imported as environments
-  are (the current directory on sys.path): `function(completion, answer, **options)`.
-"""
+"""The reward menu: how an environment judges a completion against its task's answer. Every reward
+is a function `(completion: str, answer, **options) -> float` in [0, 1], compared against the
+answer as its text (`answer_text`); `resolve_reward(spec, **options)` gives the one `spec` names
+(`exact`, `contains`, `regex`, `math`, or a user's `module.path:function`) with its options bound.
+`math` runs math-verify in a worker process killed past `timeout_s` (MATH_TIMEOUT_S). What each
+one scores, and why `math` runs out of process: docs/environments.md, "Rewards"."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
-"""Tools a multi-turn environment lends the model, and the tool calls read from its turns.
-
-A tool is a plain Python callable with a name, a JSON-schema of its arguments and a time limit.
-It returns the text the model reads back (a `tool` message). A tool that cannot do what was
-asked (a bad expression for a calculator) says so in that text: the mistake is the model's and
-part of the episode. A tool that raises, or runs past its limit, is broken: the orchestrator
-ends the episode with that reason and does not train on it.
-
-Tool calls are read in the Hermes format that Qwen, SmolLM3 and Hermes chat templates use, one
-JSON object per call:
-
-    <tool_call>
-    {"name": "calculator", "arguments": {"expression": "17 * 23"}}
-    </tool_call>
-
-A call the model wrote badly (not JSON, an unknown tool, arguments that are not an object) is
-answered with a `tool` message naming the mistake, so the model can learn to call well.
-"""
+"""Tools a multi-turn environment lends the model, and the tool calls read from its turns. A tool
+is a plain Python callable with a name, a JSON-schema of its arguments and a time limit, whose
+text the model reads back; calls are read in the Hermes `<tool_call>` format. A call the model
+wrote badly is answered with a `tool` message naming the mistake; a tool that raises or runs past
+its limit ends the episode. docs/environments.md, "A tool"."""
 
 from __future__ import annotations
 

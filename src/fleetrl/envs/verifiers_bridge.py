@@ -1,21 +1,11 @@
 """A verifiers v1 `Env` driven turn by turn by fleetrl (the multi-turn half of the adapter).
-
 verifiers' own control flow (`Env.setup`, `Env.run`, `Env.finalize`, the env's
-`agents.<seat>.interaction(task)` / `turn()` and `agents.<seat>.run(task)`) runs unchanged on
-the adapter's private event loop. The seat it talks to is not a `vf.Agent` (that launches a
-harness program in a runtime and calls a model endpoint) but a `_Seat`: each time the env asks
-it for a turn, it hands the turn's input messages to fleetrl and waits for what fleetrl sampled
-(the model's turn, with the tool calls it made and the tools' answers before it). Its trace is
-built as verifiers builds one: the same checks before each model call (the seat's limits, the
-task's `@vf.stop` hooks), and scored with the task's rewards when the conversation closes.
-
-fleetrl's side is blocking and thread-safe (`Session.open/respond/finish/cancel`): fleetrl calls
-environments from daemon threads, never from the private loop.
-
-Tools: each `vf.Toolset` is registered on an in-process `mcp` MCPServer with verifiers' own
-`Toolset.register`, and each of its tools becomes a fleetrl `Tool` named as verifiers' chat
-harness names it (`{server_name}_{tool}`).
-"""
+`agents.<seat>.interaction(task)` / `turn()` and `agents.<seat>.run(task)`) runs unchanged on the
+adapter's private event loop; the seat it talks to is a `_Seat`, not a `vf.Agent`: each time the
+env asks it for a turn, it hands the turn's input messages to fleetrl and waits for what fleetrl
+sampled. fleetrl's side (`Session.open/respond/finish/cancel`) is blocking and thread-safe:
+fleetrl calls environments from daemon threads, never from the private loop. What the bridge
+supports and records: docs/environments.md, "`verifiers` tasksets"."""
 
 from __future__ import annotations
 
