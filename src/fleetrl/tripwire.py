@@ -1,21 +1,11 @@
-"""A tripwire for process-wide state set off the main thread.
-
-`fleetrl rl` trains on the main thread while the fleet and the orchestrator run on the control
-loop's thread (and the threads it starts). torch's default dtype and device, its seed, and the
-init patches that transformers and accelerate apply while they build a model (module creation on
-the meta device, weight init and tying switched off) hold for the whole process: set by one
-thread, they change under the other, and a model built meanwhile comes out wrong. A search of the
-code found the known cases; this catches the next one, on real runs.
-
-With `FLEETRL_TRIPWIRE=1` in its environment, `fleetrl` (cli.main) and each trainer rank it
-starts (`python -m fleetrl.trainer`) run their command through `run_armed`, on the main thread
-before any thread starts, which wraps each setter in GUARDED for the length of the command. A
-call from any other thread is an offence: it is recorded and printed at once with its thread and
-stack, the call raises TripwireError in that thread (it never runs), and the command ends with
-exit status 1 and one line naming the function and the thread, whatever became of the exception.
-The integration suite sets the variable for every fleetrl process it starts. Without it nothing
-is wrapped.
-"""
+"""A tripwire for process-wide state set off the main thread. torch's default dtype and device, its
+seed, and the init patches transformers and accelerate apply while they build a model hold for
+the whole process, so one set on the control loop's thread changes under the trainer on the main
+thread. With `FLEETRL_TRIPWIRE=1`, `fleetrl` (cli.main) and each trainer rank run their command
+through `run_armed`, which wraps each setter in GUARDED: a call from another thread is printed
+with its stack, raises TripwireError there, and ends the command with exit status 1. Without the
+variable nothing is wrapped. The cases it guards, and the tests: docs/reliability.md, "Never
+mis-versioned"."""
 
 from __future__ import annotations
 
