@@ -1,22 +1,8 @@
-"""A LoRA adapter as fleetrl moves it between processes: peft's folder format, which vLLM's
-LoRA loader, transformers + peft and `fleetrl export --adapter` all read.
-
-    adapter_config.json          AdapterSpec.peft_config: rank, alpha, target modules, ...
-    adapter_model.safetensors    `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`
-                                 [rank, in], and `...lora_B.weight` [out, rank]
-
-The tensors travel (publish, checkpoint) under their names without peft's folder prefix
-(`model.layers.N...`); the folder adds it, since peft's PeftModel.from_pretrained loads only
-names written so (vLLM reads either).
-
-A leaf: the trainer writes these names, the engine side writes the folder its vLLM server
-reads, and the launchers write a worker's first folder; none of them imports another.
-
-Why a folder and not tensors handed to vLLM in memory: vLLM drops every adapter when a weight
-update finishes (`reset_lora_state`) and loads it again from its folder at the next request
-that names it. A worker's folder therefore always holds its current adapter, written whole
-(file by file, each replaced atomically) before the update that brought it finishes.
-"""
+"""A LoRA adapter as fleetrl moves it between processes: peft's folder format, which vLLM's LoRA
+loader, transformers + peft and `fleetrl export --adapter` all read, and the names its tensors
+travel under (without peft's folder prefix, which the folder adds). A leaf, so the trainer, the
+engine side and the launchers share it without importing one another. The format, and why a
+worker gets a folder rather than tensors in memory: docs/design/trainer.md, "LoRA"."""
 
 from __future__ import annotations
 
