@@ -9,9 +9,8 @@ back as a tool message; the episode ends at the first turn without a tool call, 
 
 Products of two two-digit numbers are beyond what SmolLM2-135M-Instruct computes in its head
 (it is right on few of them), and exact with the tool, so the reward rises as the model learns
-to call it and to copy its result. One worked example opens the conversation: without it the
-model does not know the call's shape.
-Three worked examples open the conversation: with one, SmolLM2-135M-Instruct mostly answers
+to call it and to copy its result. Three worked examples open the conversation: without one
+the model does not know the call's shape, and with one SmolLM2-135M-Instruct mostly answers
 without the tool.
 """
 
