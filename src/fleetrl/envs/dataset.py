@@ -1,21 +1,9 @@
-"""dataset: train on the rows of a data file, each a prompt and the answer a reward judges.
-
-`path` is a local `.jsonl`, `.json`, `.parquet` or `.csv` file, or a folder that `datasets`
-saved (`split` picks a DatasetDict's split: default "train", or its only one), read by
-`fleetrl.data_files` as a memory-mapped table, checked whole when the environment is made:
-`prompt_field` holds text (one user message) or chat messages, `answer_field` a value in every
-row; `system_prompt`, where set, opens each conversation (unless a row's messages open with a
-system message of their own). `reward` is a name of the reward menu or `module.path:function`
-(fleetrl.envs.rewards), with `reward_options` as its options.
-
-`tasks(seed)` is endless: pass p visits every training row once, in an order drawn from the
-seed and p; task `row17-pass2` is row 17 in pass 2. Rows are read from the table a batch at a
-time as the stream reaches them, and a resume seeks to its task (`tasks_from`) reading no row
-before it. A held-out split, which training never sees and
-evaluation draws from (`eval_tasks`, each row once, in an order drawn from the seed), is either
-`eval_split`, another split of the saved folder, or `eval_fraction`, that fraction of the rows
-picked by a fixed seed (the same rows whatever the run's seed, so no seed trains on them).
-"""
+"""dataset: train on the rows of a data file, each a prompt and the answer a reward judges. The
+file (`path`: JSON Lines, JSON, Parquet, CSV, or a folder `datasets` saved) is read by
+`fleetrl.data_files` as a memory-mapped table and checked whole when the environment is made;
+`tasks(seed)` visits every training row once per pass in a seeded order (task `row17-pass2`),
+reading rows a batch at a time, and a resume seeks to its task reading no row before it. The
+options, the checks, the tasks and the held-out split: docs/environments.md, "Datasets"."""
 
 from __future__ import annotations
 

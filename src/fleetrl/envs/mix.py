@@ -1,19 +1,9 @@
-"""The environments of one run and the one task stream they make together.
-
-A run trains on one environment (`orchestrator.env`) or on several (`[[orchestrator.envs]]`),
-each with a name and a sampling weight. The stream is deterministic in the run's seed, so a
-resume draws exactly what an uninterrupted run would (the orchestrator seeks by position,
-`run_task_stream(..., start)`):
-
-- one environment: its own task stream, as it is;
-- several: task i of the run comes from the environment a seeded draw by weight picks for
-  position i, as that environment's next task (each environment seeded from the run's seed and
-  its name); the run knows it by its id prefixed with the
-  environment's name (`arith/17`), unique across environments, while the environment is handed
-  its own task as it made it.
-
-A group is one task, so every sample of a group comes from one environment.
-"""
+"""The environments of one run and the one task stream they make together: one environment's own
+stream, or for several (`[[orchestrator.envs]]`) task i from the environment a seeded draw by
+weight picks for position i, known to the run by its id prefixed with the environment's name
+(`arith/17`). The stream is deterministic in the run's seed, so a resume seeks by position
+(`run_task_stream(..., start)`) and draws what an uninterrupted run would. docs/environments.md,
+"Several environments in one run"."""
 
 from __future__ import annotations
 
