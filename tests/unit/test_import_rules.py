@@ -44,6 +44,8 @@ FORBIDDEN = [
 ENGINE_USES_OF_WEIGHTS = {"receiver", "wire", "group", "buckets", "checksum", "manifest"}
 # The composition root: only the CLI (and the root itself) imports it.
 ROOT, ROOT_IMPORTERS = "fleetrl.app", {"fleetrl.cli"}
+# The config package: its section schemas and the loader that assembles them into one Config.
+CONFIG, CONFIG_LOADER = "fleetrl.config", "fleetrl.config.loader"
 
 
 def module_name(path: Path) -> str:
@@ -116,6 +118,19 @@ def test_only_the_cli_imports_the_composition_root():
 def test_leaves_import_only_leaves():
     bad = [f"{leaf} imports {name}" for leaf in LEAVES for name in graph().get(leaf, ()) if name not in LEAVES]
     assert all(leaf in graph() for leaf in LEAVES)
+    assert not bad, "; ".join(bad)
+
+
+def test_the_config_imports_only_leaves_and_the_loader_no_section():
+    """Every layer reads the config, so it reads none of them; a section's schema is whole without
+    the loader, which is the one module that knows every section."""
+    edges = graph()
+    package = [name for name in edges if name == CONFIG or name.startswith(CONFIG + ".")]
+    assert CONFIG_LOADER in package
+    bad = [f"{module} imports {name}" for module in package for name in edges[module]
+           if name not in LEAVES and not name.startswith(CONFIG + ".")]
+    bad += [f"{module} imports {name}" for module in package if module not in (CONFIG, CONFIG_LOADER)
+            for name in edges[module] if name == CONFIG_LOADER]
     assert not bad, "; ".join(bad)
 
 

@@ -522,7 +522,7 @@ def apply_core_plan(config: Config, log=print) -> None:
     "auto", for the trainer ranks too. Written into the config where the user set none, so the
     launchers and every rank (which read config.toml) apply them."""
     inference = config.inference
-    # prefill_workers is 0 unless the provider is Dynamo (config.py refuses it otherwise)
+    # prefill_workers is 0 unless the provider is Dynamo (the config refuses it otherwise)
     launched = 0 if inference.attaches() else inference.workers + inference.dynamo.prefill_workers
     pin_ranks = config.run.core_plan == "auto"
     if not pin_ranks and launched < 2:

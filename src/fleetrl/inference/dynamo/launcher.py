@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from fleetrl.config import InferenceConfig, is_loopback
+from fleetrl.admin_signature import is_loopback
+from fleetrl.config import InferenceConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_WORKER_MODULE, ENGINE_ARGS, TOKEN_VERSIONS_FLAG
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.cluster import ClusterServices, start_cluster_services
