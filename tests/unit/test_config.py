@@ -190,6 +190,15 @@ def test_subsections_load_from_tables_and_dotted_flags(tmp_path):
     f.write_text("[inference.dynamo]\nwrker = 1\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'inference.dynamo.wrker' \(from .*dynamo.toml\)"):
         load_config([f], [])
+
+
+def test_the_weight_transport_is_a_name_of_the_registry():
+    from fleetrl.transports import TRANSPORTS
+
+    for name in TRANSPORTS:
+        assert load_config([], [("inference.weights.transport", name)]).inference.weights.transport == name
+    with pytest.raises(ConfigError, match=r"'inference.weights.transport': 'pigeon' is not one of broadcast, "):
+        load_config([], [("inference.weights.transport", "pigeon")])
     with pytest.raises(ConfigError, match=r"'inference.weights.bucket_mb'.*\(from --inference.weights.bucket_mb\)"):
         load_config([], [("inference.weights.bucket_mb", "0")])
     with pytest.raises(ConfigError, match="prefill_workers is set but inference.provider is not 'dynamo'"):

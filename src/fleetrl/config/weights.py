@@ -6,18 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fleetrl.config.section import MAX_WAIT_S, Section
+from fleetrl.transports import TRANSPORTS
 
 
 class WeightsConfig(Section):
     """How each new policy version travels from the trainer to every worker."""
 
-    transport: Literal["broadcast", "filesystem"] = Field(
+    transport: str = Field(
         "broadcast",
-        description="How weights reach workers: torch.distributed broadcast (gloo/NCCL) or "
-        "safetensors shards on shared storage.",
+        description="How weights reach workers: a transport of the registry (fleetrl/transports.py), e.g. "
+        "broadcast (torch.distributed, gloo/NCCL) or filesystem (safetensors shards on shared storage).",
     )
     bucket_mb: int = Field(
         128, ge=1, description="Broadcast bucket size, or filesystem shard size, in MiB."
@@ -39,3 +40,10 @@ class WeightsConfig(Section):
     transfer_timeout_s: float = Field(
         600.0, gt=0, le=MAX_WAIT_S, description="Limit for each weight-transfer step on a worker (join, bucket, load)."
     )
+
+    @field_validator("transport")
+    @classmethod
+    def _registered(cls, transport: str) -> str:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"{transport!r} is not one of {', '.join(TRANSPORTS)}")
+        return transport
