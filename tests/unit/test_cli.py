@@ -1,10 +1,11 @@
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 
-from fleetrl.app.providers import PROVIDERS, ProviderEntry
+from fleetrl.app.providers import PROVIDERS
 from fleetrl.cli import main
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.rundir import RunDir, verify_run
@@ -110,8 +111,7 @@ def test_status_of_a_run_directory_attaches_to_the_fleet_it_recorded(tmp_path, m
         built.update(urls=config.inference.urls, tokens=tokens, runs=runs, adapter=adapter)
         return FakeProvider("a")
 
-    monkeypatch.setitem(PROVIDERS, "vllm",
-                        ProviderEntry(build=build, missing_to_attach=PROVIDERS["vllm"].missing_to_attach))
+    monkeypatch.setitem(PROVIDERS, "vllm", dataclasses.replace(PROVIDERS["vllm"], build=build))
     assert main(["status", str(tmp_path)]) == 0
     head, _, row = capsys.readouterr().out.splitlines()
     assert head == f"run {tmp_path}: no step done yet (of ?)"
@@ -126,7 +126,8 @@ def test_status_reads_each_discovered_worker_through_the_provider(monkeypatch, c
     provider.engines["a"].version = 2
     provider.engines["b"].paused = True
     provider.engines["c"].fail = {"version"}
-    monkeypatch.setitem(PROVIDERS, "dynamo", ProviderEntry(build=lambda *_: provider, missing_to_attach=lambda _: None))
+    monkeypatch.setitem(PROVIDERS, "dynamo", dataclasses.replace(PROVIDERS["dynamo"], build=lambda *_: provider,
+                                                                 missing_to_attach=lambda _: None))
     assert main(["status", "--inference.provider", "dynamo"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:4] for line in lines[1:4]] == [

@@ -62,6 +62,8 @@ class ProviderEntry:
     build: Callable[[Config, RunDir, Path | None, Tokens, bool, AdapterSpec | None], InferenceProvider]
     # What the config lacks to attach to a running fleet, as "fleetrl status needs ..." ends; None: nothing.
     missing_to_attach: Callable[[InferenceConfig], str | None]
+    # The config keys that attach a run to workers started elsewhere, as a one-line error names them.
+    attach_keys: str
 
 
 def _vllm(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool,
@@ -111,8 +113,9 @@ def _dynamo_missing(inference: InferenceConfig) -> str | None:
 
 
 PROVIDERS: dict[str, ProviderEntry] = {
-    "vllm": ProviderEntry(build=_vllm, missing_to_attach=_vllm_missing),
-    "dynamo": ProviderEntry(build=_dynamo, missing_to_attach=_dynamo_missing),
+    "vllm": ProviderEntry(build=_vllm, missing_to_attach=_vllm_missing, attach_keys="inference.urls"),
+    "dynamo": ProviderEntry(build=_dynamo, missing_to_attach=_dynamo_missing,
+                            attach_keys="inference.dynamo.frontend_url and inference.dynamo.rl_url"),
 }
 
 
