@@ -19,6 +19,7 @@ from typing import Any, Protocol
 TRANSPORTS = {
     "broadcast": "fleetrl.weights.broadcast",
     "filesystem": "fleetrl.weights.filesystem",
+    "shm": "fleetrl.weights.shm",
 }
 
 

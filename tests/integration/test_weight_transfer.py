@@ -195,6 +195,22 @@ def test_filesystem_publishes_and_restores(server, tmp_path, prompt_ids, origina
     asyncio.run(with_client(server, scenario))
 
 
+def test_shm_publishes_and_restores(server, tmp_path, prompt_ids, original, modified, original_output, expected_output):
+    """The shared-memory transport, which no code outside its package and its registry line
+    names, moves the weights into a real worker on this host."""
+    async def scenario(client: VllmWorkerControl) -> None:
+        transport = make_transport("shm", host="127.0.0.1", bucket_bytes=32 << 20, storage_dir=tmp_path)
+        try:
+            await publish(client, transport, modified, 401)
+            assert await generate(client, prompt_ids) == expected_output
+            await publish(client, transport, original, 402)
+            assert await generate(client, prompt_ids) == original_output
+        finally:
+            await transport.close()
+
+    asyncio.run(with_client(server, scenario))
+
+
 def test_filesystem_refuses_an_unready_version(server, tmp_path, prompt_ids, original, modified,
                                                original_output, monkeypatch):
     """A version without its READY marker is refused before anything loads: the worker keeps

@@ -1,0 +1,47 @@
+"""The shared-memory transport's wire records, in the envelope of weights/wire.py:
+
+    init_info    ShmInit     what the updates replace: there is no group to join
+    update_info  ShmVersion  a whole version: its file, its tensors in order, its sha256
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from fleetrl.weights.buckets import TensorMeta
+from fleetrl.weights.target import UpdateTarget, check_target
+
+
+@dataclass(frozen=True)
+class ShmInit:
+    transport: ClassVar[str] = "shm"
+
+    target: UpdateTarget = "model"
+
+    def __post_init__(self) -> None:
+        check_target(self.target)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"transport": self.transport, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class ShmVersion:
+    """A version packed in one file, laid out as one bucket (weights/buckets.py) of
+    `tensors`, in send order."""
+
+    path: str
+    sha256: str  # of the file's bytes
+    tensors: list[list[Any]]  # [name, dtype, shape], as JSON carries them
+
+    @classmethod
+    def of(cls, path: str, sha256: str, metas: list[TensorMeta]) -> ShmVersion:
+        return cls(path, sha256, [[m.name, m.dtype, list(m.shape)] for m in metas])
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(name, dtype, tuple(shape)) for name, dtype, shape in self.tensors]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
