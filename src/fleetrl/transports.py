@@ -3,7 +3,7 @@ exports. `TRANSPORTS` maps a name to its package (`fleetrl.weights.<name>`), who
 imported only when that name is used, so the config can check a name, and a worker rank load a
 receiver, without importing any sender (the trainer's side, which reaches the coordinator).
 The config's `inference.weights.transport`, the wire parser (weights/wire.py), `make_transport`
-(weights/factory.py) and the engine's receiver (engine/weight_receiver.py) all read it here.
+(weights/factory.py) and a worker rank's update (engine/weight_update.py) all read it here.
 A leaf: it imports nothing of fleetrl, so that the config, low in the layers, may use it.
 """
 

@@ -18,6 +18,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from fleetrl.engine.cpu_lora import use_per_adapter_products
 from fleetrl.engine.weight_receiver import BACKEND, FleetrlWeightReceiver
+from fleetrl.engine.weight_update import WeightUpdates
 
 
 def _register_backend() -> None:
@@ -33,9 +34,9 @@ use_per_adapter_products()
 
 
 class FleetrlWorkerExtension:
-    def _fleetrl_receiver(self) -> FleetrlWeightReceiver | None:
+    def _fleetrl_receiver(self) -> WeightUpdates | None:
         engine = getattr(self, "weight_transfer_engine", None)
-        return engine if isinstance(engine, FleetrlWeightReceiver) else None
+        return engine.updates if isinstance(engine, FleetrlWeightReceiver) else None
 
     def fleetrl_weight_state(self) -> dict:
         """What this rank holds: the fleetrl checksum of the weights it last received in full,
