@@ -46,3 +46,19 @@ async def run_together(*steps: Awaitable[Any], on_failure: Callable[[], None]) -
 
 async def abandon_update(workers: Sequence[WeightSyncClient], version: int) -> None:
     await asyncio.gather(*(w.abandon(version) for w in workers))
+
+
+async def update_in_phases(workers: Sequence[WeightSyncClient], init_info: dict, update_info: dict, version: int,
+                           timeout_s: float) -> None:
+    """A whole version already written where every worker reads it (a file, a folder): init,
+    start, update and finish on every worker, each phase on all before the next, the update
+    abandoned on every worker if any phase fails."""
+    try:
+        # Cheap (no group to join), so done every time: a restarted worker needs it too.
+        await on_all(workers, lambda w: w.init(init_info, timeout_s))
+        await on_all(workers, lambda w: w.start(timeout_s))
+        await on_all(workers, lambda w: w.update(update_info, timeout_s))
+        await on_all(workers, lambda w: w.finish(version, timeout_s))
+    except BaseException:
+        await abandon_update(workers, version)
+        raise

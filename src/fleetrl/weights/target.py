@@ -8,7 +8,9 @@ A transport sends one kind for its life: a LoRA run publishes only its adapter.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, get_args
 
 UpdateTarget = Literal["model", "adapter"]
 TARGETS = get_args(UpdateTarget)
@@ -17,3 +19,19 @@ TARGETS = get_args(UpdateTarget)
 def check_target(target: str) -> None:
     if target not in TARGETS:
         raise ValueError(f"init_info.target: {target!r} is not one of {TARGETS}")
+
+
+@dataclass(frozen=True)
+class GrouplessInit:
+    """The init record of a transport with no group to join (each version is written where the
+    workers read it): the target alone. A transport's subclass names it in `transport`."""
+
+    transport: ClassVar[str]
+
+    target: UpdateTarget = "model"
+
+    def __post_init__(self) -> None:
+        check_target(self.target)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"transport": self.transport, **dataclasses.asdict(self)}

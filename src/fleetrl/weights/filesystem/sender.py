@@ -41,17 +41,9 @@ class FilesystemTransport:
                        version: int) -> str:
         manifest = await asyncio.to_thread(
             write_version, self.storage_dir, version, named_tensors(), self.shard_bytes)
-        init_info = FilesystemInit(self.target).to_dict()
         update_info = ManifestInfo(str((manifest.folder / MANIFEST).resolve())).to_dict()
-        try:
-            # Cheap (no group to join), so done every time: a restarted worker needs it too.
-            await fanout.on_all(workers, lambda w: w.init(init_info, self.timeout_s))
-            await fanout.on_all(workers, lambda w: w.start(self.timeout_s))
-            await fanout.on_all(workers, lambda w: w.update(update_info, self.timeout_s))
-            await fanout.on_all(workers, lambda w: w.finish(version, self.timeout_s))
-        except BaseException:
-            await fanout.abandon_update(workers, version)
-            raise
+        await fanout.update_in_phases(workers, FilesystemInit(self.target).to_dict(), update_info, version,
+                                      self.timeout_s)
         await asyncio.to_thread(collect_garbage, self.storage_dir, KEEP_VERSIONS)
         return manifest.checksum
 

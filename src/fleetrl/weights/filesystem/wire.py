@@ -10,20 +10,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from fleetrl.weights.target import UpdateTarget, check_target
+from fleetrl.weights.target import GrouplessInit
 
 
 @dataclass(frozen=True)
-class FilesystemInit:
+class FilesystemInit(GrouplessInit):
     transport: ClassVar[str] = "filesystem"
-
-    target: UpdateTarget = "model"
-
-    def __post_init__(self) -> None:
-        check_target(self.target)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"transport": self.transport, **dataclasses.asdict(self)}
 
 
 @dataclass(frozen=True)

@@ -48,16 +48,8 @@ class ShmTransport:
         path = self.folder / f"{self._prefix}-v{version}.bin"
         try:
             update_info, checksum = await asyncio.to_thread(self._write, path, named_tensors())
-            init_info = ShmInit(self.target).to_dict()
-            try:
-                # Cheap (no group to join), so done every time: a restarted worker needs it too.
-                await fanout.on_all(workers, lambda w: w.init(init_info, self.timeout_s))
-                await fanout.on_all(workers, lambda w: w.start(self.timeout_s))
-                await fanout.on_all(workers, lambda w: w.update(update_info, self.timeout_s))
-                await fanout.on_all(workers, lambda w: w.finish(version, self.timeout_s))
-            except BaseException:
-                await fanout.abandon_update(workers, version)
-                raise
+            await fanout.update_in_phases(workers, ShmInit(self.target).to_dict(), update_info, version,
+                                          self.timeout_s)
         finally:
             # The workers' mappings outlive the name: the memory is freed with the last of them.
             path.unlink(missing_ok=True)

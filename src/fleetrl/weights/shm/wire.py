@@ -11,20 +11,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fleetrl.weights.buckets import TensorMeta
-from fleetrl.weights.target import UpdateTarget, check_target
+from fleetrl.weights.target import GrouplessInit
 
 
 @dataclass(frozen=True)
-class ShmInit:
+class ShmInit(GrouplessInit):
     transport: ClassVar[str] = "shm"
-
-    target: UpdateTarget = "model"
-
-    def __post_init__(self) -> None:
-        check_target(self.target)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"transport": self.transport, **dataclasses.asdict(self)}
 
 
 @dataclass(frozen=True)
