@@ -13,7 +13,6 @@ import uuid
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from fleetrl.transports import check_name
 from fleetrl.weights.shm import receiver as receiver_module
@@ -21,7 +20,7 @@ from fleetrl.weights.shm.receiver import ShmReceiver
 from fleetrl.weights.shm.sender import ShmTransport, remove_orphans
 from fleetrl.weights.shm.wire import SHM_DIR, ShmInit, ShmVersion
 
-from .test_weights import PipeWorker, _worker_rank, digest, sample_tensors
+from .test_weights import digest, pipe_worker, sample_tensors
 
 
 def version_file(folder, pid: int | None = None, version: int = 1):
@@ -42,19 +41,9 @@ def shm_dir(tmp_path, monkeypatch):
 
 def test_a_version_crosses_to_another_process_and_leaves_no_file():
     named = [(f"{i}.{n}", t) for i, (n, t) in enumerate(sample_tensors() * 2)]
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    rank = ctx.Process(target=_worker_rank, args=(child,), daemon=True)
-    rank.start()
-    worker = PipeWorker(conn)
     transport = ShmTransport(SHM_DIR, bucket_bytes=64, timeout_s=60)  # several buckets per file
-    try:
+    with pipe_worker() as worker:
         sent = [asyncio.run(transport.transfer([worker], lambda: iter(named), version)) for version in (1, 2)]
-    finally:
-        conn.send(None)
-        rank.join(timeout=30)
-        if rank.is_alive():
-            rank.kill()
     assert sent == [checksum for method, checksum in worker.answers if method == "finish"] == [digest(named)] * 2
     assert list(SHM_DIR.glob(f"fleetrl-weights-{os.getpid()}-*")) == []
 
