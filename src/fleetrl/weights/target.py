@@ -35,3 +35,22 @@ class GrouplessInit:
 
     def to_dict(self) -> dict[str, Any]:
         return {"transport": self.transport, **dataclasses.asdict(self)}
+
+
+class GrouplessReceiver:
+    """The receiver side of such a transport: nothing to join, reset or release, since each
+    update names a whole version every rank reads on its own. A subclass writes `receive`."""
+
+    @classmethod
+    def join(cls, init: GrouplessInit, worker_rank: int) -> GrouplessReceiver:
+        return cls()
+
+    @property
+    def state(self) -> str:
+        return ""
+
+    def reset_on_failure(self) -> None:
+        """Nothing to reset: the next update reads its own version."""
+
+    def close(self) -> None:
+        """Nothing to release: each update reads its own version."""

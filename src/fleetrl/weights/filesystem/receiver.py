@@ -12,19 +12,11 @@ from pathlib import Path
 import torch
 
 from fleetrl.weights.filesystem.manifest import iter_tensors, read_manifest
-from fleetrl.weights.filesystem.wire import FilesystemInit, ManifestInfo
+from fleetrl.weights.filesystem.wire import ManifestInfo
+from fleetrl.weights.target import GrouplessReceiver
 
 
-class FilesystemReceiver:
-    @classmethod
-    def join(cls, init: FilesystemInit, worker_rank: int) -> FilesystemReceiver:
-        """Nothing to join: each update names a version every rank reads."""
-        return cls()
-
-    @property
-    def state(self) -> str:
-        return ""
-
+class FilesystemReceiver(GrouplessReceiver):
     def receive(self, update: ManifestInfo) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The version's tensors on the CPU, one at a time in send order (never a second copy
         of the model), once all of it is verified (READY, every shard's sha256, every name,
@@ -32,9 +24,3 @@ class FilesystemReceiver:
         Loaded from the CPU: the weight loaders copy into the model's device."""
         for named in iter_tensors(read_manifest(Path(update.manifest))):
             yield [named]
-
-    def reset_on_failure(self) -> None:
-        """Nothing to reset: the next update reads its own version."""
-
-    def close(self) -> None:
-        """Nothing to release: each update reads its own version."""

@@ -15,19 +15,11 @@ from pathlib import Path
 import torch
 
 from fleetrl.weights.buckets import layout, unpack_bucket
-from fleetrl.weights.shm.wire import FILE_NAME, SHM_DIR, ShmInit, ShmVersion
+from fleetrl.weights.shm.wire import FILE_NAME, SHM_DIR, ShmVersion
+from fleetrl.weights.target import GrouplessReceiver
 
 
-class ShmReceiver:
-    @classmethod
-    def join(cls, init: ShmInit, worker_rank: int) -> ShmReceiver:
-        """Nothing to join: each update names a file every rank of the host reads."""
-        return cls()
-
-    @property
-    def state(self) -> str:
-        return ""
-
+class ShmReceiver(GrouplessReceiver):
     def receive(self, update: ShmVersion) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The version's tensors, read from its file into this rank's own memory and checked
         there: size and sha256 as the record says, so what loads is what was hashed, whatever
@@ -50,9 +42,3 @@ class ShmReceiver:
         if hashlib.sha256(buffer.numpy()).hexdigest() != update.sha256:
             raise ValueError(f"shm transport: {path} does not match its sha256 {update.sha256}")
         yield unpack_bucket(buffer, metas)
-
-    def reset_on_failure(self) -> None:
-        """Nothing to reset: the next update reads its own file."""
-
-    def close(self) -> None:
-        """Nothing to release: a version's memory lives as long as the tensors viewing it."""
