@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.fleet import roster, routing
-from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightSource, join_completions
+from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightSource, roster, routing
+from fleetrl.inference.fleet.routing import join_completions
 from fleetrl.inference.http import SINGLE_TRY
 from fleetrl.inference.provider import ImpostorWorker, WorkerCallError, WorkerHeldByAnotherRun
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState

@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable
 from fleetrl.inference.fleet.fence import AgreementProbe, Fence, PublishError, PublishReport, WeightSource
 from fleetrl.inference.fleet.lifecycle import Lifecycle
 from fleetrl.inference.fleet.roster import Roster
-from fleetrl.inference.fleet.routing import Routing, join_completions
+from fleetrl.inference.fleet.routing import Routing
 from fleetrl.inference.provider import InferenceProvider, NamedTensors, PauseMode, WeightTransport
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 from fleetrl.records import FleetEvent
 
-__all__ = ["AgreementProbe", "Fleet", "PublishError", "PublishReport", "WeightSource", "join_completions"]
+__all__ = ["AgreementProbe", "Fleet", "PublishError", "PublishReport", "WeightSource"]
 
 
 class Fleet:
@@ -68,6 +68,7 @@ class Fleet:
         await self.lifecycle.refresh()
 
     def restart_pending(self) -> bool:
+        """Whether a dead worker may soon serve again: see `Lifecycle.restart_pending`."""
         return self.lifecycle.restart_pending()
 
     # -- the fence -------------------------------------------------------------------------
