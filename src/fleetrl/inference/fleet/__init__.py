@@ -9,7 +9,6 @@ Each layer imports only those below it: roster, fence, lifecycle, routing, then 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from fleetrl.inference.fleet.fence import AgreementProbe, Fence, PublishError, PublishReport, WeightSource
@@ -23,7 +22,35 @@ from fleetrl.records import FleetEvent
 __all__ = ["AgreementProbe", "Fleet", "PublishError", "PublishReport", "WeightSource"]
 
 
+class _HeldBy:
+    """An attribute of `Fleet` that one of its parts holds, read and set on that part: each
+    setting and figure lives in one place (`fleet.pause_mode = "abort"` sets the fence's)."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, fleet: Fleet | None, owner: type | None = None):
+        return self if fleet is None else getattr(getattr(fleet, self.part), self.name)
+
+    def __set__(self, fleet: Fleet, value) -> None:
+        setattr(getattr(fleet, self.part), self.name, value)
+
+
 class Fleet:
+    workers = _HeldBy("roster")  # worker id -> WorkerInfo
+    version = _HeldBy("roster")  # the fleet's version: what its ready workers hold
+    on_event = _HeldBy("roster")
+    health_timeout_s = _HeldBy("roster")
+    checksum = _HeldBy("fence")
+    pause_mode = _HeldBy("fence")
+    probe_tolerance = _HeldBy("fence")
+    restarts_left = _HeldBy("lifecycle")
+    bad_answers = _HeldBy("routing")
+    transient_errors = _HeldBy("routing")
+
     def __init__(self, provider: InferenceProvider, pause_mode: PauseMode = "keep",
                  discovery_interval_s: float = 5.0, health_timeout_s: float = 10.0,
                  no_worker_timeout_s: float = 600.0, probe_tolerance: float = 0.1, max_restarts: int = 0,
@@ -93,7 +120,7 @@ class Fleet:
     def in_flight(self, worker_id: str) -> int:
         return self.routing.in_flight(worker_id)
 
-    # -- the workers and settings, each held by the one part that uses it ------------------
+    # -- the workers -----------------------------------------------------------------------
 
     def ready_workers(self) -> list[WorkerInfo]:
         return self.roster.ready_workers()
@@ -103,59 +130,3 @@ class Fleet:
 
     def ready_prefill_workers(self) -> list[WorkerInfo]:
         return self.roster.ready_prefill_workers()
-
-    @property
-    def workers(self) -> dict[str, WorkerInfo]:
-        return self.roster.workers
-
-    @property
-    def version(self) -> int:
-        return self.roster.version
-
-    @property
-    def checksum(self) -> str | None:
-        return self.fence.checksum
-
-    @property
-    def bad_answers(self) -> Counter[str]:
-        return self.routing.bad_answers
-
-    @property
-    def transient_errors(self) -> int:
-        return self.routing.transient_errors
-
-    @property
-    def on_event(self) -> Callable[[FleetEvent], None]:
-        return self.roster.on_event
-
-    @on_event.setter
-    def on_event(self, on_event: Callable[[FleetEvent], None]) -> None:
-        self.roster.on_event = on_event
-
-    @property
-    def health_timeout_s(self) -> float:
-        return self.roster.health_timeout_s
-
-    @health_timeout_s.setter
-    def health_timeout_s(self, seconds: float) -> None:
-        self.roster.health_timeout_s = seconds
-
-    @property
-    def pause_mode(self) -> PauseMode:
-        return self.fence.pause_mode
-
-    @pause_mode.setter
-    def pause_mode(self, mode: PauseMode) -> None:
-        self.fence.pause_mode = mode
-
-    @property
-    def probe_tolerance(self) -> float:
-        return self.fence.probe_tolerance
-
-    @property
-    def restarts_left(self) -> int:
-        return self.lifecycle.restarts_left
-
-    @restarts_left.setter
-    def restarts_left(self, restarts: int) -> None:
-        self.lifecycle.restarts_left = restarts
