@@ -265,7 +265,7 @@ class StepLine:
     mismatch_outliers: list[str]
     lr: float
     tokens_per_s: float
-    # The publish of this step's version (inference/fleet.py).
+    # The publish of this step's version (inference/fleet/fence.py).
     publish_s: float
     checksum: str
     worker_versions: dict[str, int]
@@ -322,7 +322,7 @@ class EvalLine:
 
 @dataclass(frozen=True)
 class WorkerEvent:
-    """A worker changed state (inference/fleet.py)."""
+    """A worker changed state (inference/fleet/roster.py)."""
 
     KIND: ClassVar = "worker"
     worker: str

@@ -871,7 +871,7 @@ async def test_a_dead_launched_worker_is_replaced_and_refitted_before_it_serves(
     fleet.restarts_left = 1
     (dead,) = [w for w in fleet.workers.values() if w.state == WorkerState.DEAD]
     version, known = fleet.version, {w.id for w in fleet.workers.values() if w.state != WorkerState.DEAD}
-    await fleet._restart(dead)
+    await fleet.lifecycle._restart(dead)
     assert fleet.restarts_left == 0
     deployment = fleet.provider.deployment
     assert all(p.alive() for p in deployment.workers)  # the dead process was replaced, not kept

@@ -15,7 +15,8 @@ import pytest
 from fleetrl.errors import FleetrlError
 from fleetrl.inference import answers
 from fleetrl.inference.dynamo.data import DynamoDataClient
-from fleetrl.inference.fleet import BAD_ANSWERS_BEFORE_STALE, Fleet
+from fleetrl.inference.fleet import Fleet
+from fleetrl.inference.fleet.routing import BAD_ANSWERS_BEFORE_STALE
 from fleetrl.inference.types import GenerateRequest, SamplingParams, UnversionedTokens, WorkerState
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.versions import VersionSpan
@@ -158,7 +159,7 @@ async def test_a_continuation_may_answer_only_the_tokens_left(provider):
 
 @pytest.mark.parametrize("provider", ["vllm", "dynamo"])
 async def test_a_label_of_another_run_is_a_worker_at_other_weights(provider):
-    """Not a bad sample: the worker goes stale and the request is sent again (Fleet._generate_once)."""
+    """Not a bad sample: the worker goes stale and the request is sent again (Routing._generate_once)."""
     with pytest.raises(UnversionedTokens, match="run other's, not this run's"):
         await answer(provider, versions=[{"version": "v2@other", "start": 0, "end": 3}])
 

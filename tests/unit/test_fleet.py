@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from fleetrl.errors import FleetrlError
-from fleetrl.inference import fleet as fleet_module
-from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightSource, join_completions
+from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishError, WeightSource, roster, routing
+from fleetrl.inference.fleet.routing import join_completions
 from fleetrl.inference.http import SINGLE_TRY
 from fleetrl.inference.provider import ImpostorWorker, WorkerCallError, WorkerHeldByAnotherRun
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerRole, WorkerState
@@ -125,7 +125,7 @@ async def test_attached_workers_are_held_to_the_base_checksum_before_they_are_v0
     # A wrong install of the base weights (checksum right, logprobs not) never serves.
     provider.add("wrong-install").version = 0
     provider.engines["wrong-install"].checksum = "sum-v0"
-    fleet._source.probe = AgreementProbe([1, 2], [-1.0])
+    fleet.fence.source.probe = AgreementProbe([1, 2], [-1.0])
     provider.prompt_logprobs = lambda worker, ids, prefill=None: asyncio.sleep(0, [-1.0 if worker.id != "wrong-install" else -3.0])
     await fleet.refresh()
     assert fleet.workers["wrong-install"].state == WorkerState.STALE
@@ -316,11 +316,11 @@ async def test_requests_spread_by_load_and_stick_by_session():
 
 
 async def test_the_session_map_forgets_the_least_recently_used_sessions(monkeypatch):
-    monkeypatch.setattr(fleet_module, "STICKY_SESSIONS", 2)
+    monkeypatch.setattr(routing, "STICKY_SESSIONS", 2)
     fleet, _, _ = await started("a", "b")
     for session in ["s1", "s2", "s1", "s3"]:
         await fleet.generate(request(max_tokens=2, session_id=session))
-    assert list(fleet._sticky) == ["s1", "s3"]  # s2 was used least recently
+    assert list(fleet.routing._sticky) == ["s1", "s3"]  # s2 was used least recently
     await fleet.close()
 
 
@@ -351,7 +351,7 @@ async def test_request_on_a_worker_that_dies_is_retried_elsewhere():
     fleet, provider, _ = await started("a", "b", step_s=0.01)
     first = asyncio.create_task(fleet.generate(request(max_tokens=30, session_id="s")))
     await asyncio.sleep(0.05)
-    victim = fleet._sticky["s"]
+    victim = fleet.routing._sticky["s"]
     provider.engines[victim].alive = False
     (out,) = await first
     assert out.worker_id != victim and len(out.token_ids) == 30
@@ -448,7 +448,7 @@ def test_a_transient_error_of_a_healthy_worker_is_retried_on_another():
         provider.generate = always_fails
         with pytest.raises(FleetrlError, match="HTTP 500"):
             await fleet.generate(request(max_tokens=3, n=1))
-        assert fleet.transient_errors == 1 + fleet_module.TRANSIENT_RETRIES
+        assert fleet.transient_errors == 1 + routing.TRANSIENT_RETRIES
 
     asyncio.run(scenario())
 
@@ -461,7 +461,7 @@ def test_continuing_an_aborted_completion_has_a_cap():
             return [GenerateResponse(request.request_id, [7], [-0.1], "abort", worker.id, [VersionSpan(0, 0)])]
 
         provider.generate = always_cut
-        with pytest.raises(FleetrlError, match=f"cut by {fleet_module.MAX_CONTINUATIONS} publishes"):
+        with pytest.raises(FleetrlError, match=f"cut by {routing.MAX_CONTINUATIONS} publishes"):
             await fleet.generate(request(max_tokens=100, n=1))
 
     asyncio.run(scenario())
@@ -529,7 +529,7 @@ def test_no_worker_is_restarted_once_the_fleet_closes():
         provider.restart = restart
         await fleet.close()
         provider.engines["a"].alive = False  # its process stopped with the fleet
-        fleet._mark(fleet.workers["a"], WorkerState.DEAD, "gone")
+        fleet.roster.mark(fleet.workers["a"], WorkerState.DEAD, "gone")
         await asyncio.sleep(0)
         assert restarted == []
 
@@ -666,7 +666,7 @@ def test_a_fleet_whose_replacement_died_too_fails_at_once():
         provider.restart = restart
         provider.engines["a"].alive = False
         await fleet.refresh()
-        while fleet._restarts:
+        while fleet.lifecycle._restarts:
             await asyncio.sleep(0.01)
         assert fleet.restart_pending() and "a2" not in fleet.workers  # up, not yet discovered: waited for
         await fleet.refresh()
@@ -897,7 +897,8 @@ async def test_a_worker_that_announces_another_live_workers_instance_is_kept_out
 
 
 class Clock:
-    """fleet.py's clock, moved by hand: the claim checks read it, asyncio's own clock runs on."""
+    """The roster's clock (inference/fleet/roster.py), moved by hand: the claim checks read it,
+    asyncio's own clock runs on."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -920,7 +921,7 @@ async def test_the_runs_claim_on_its_workers_is_renewed_while_the_listing_fails(
     the worker, and another run could take and refit it (review of issue 36, items 6 and 9).
     Renewals now go on apart from discovery."""
     clock = Clock()
-    monkeypatch.setattr(fleet_module, "time", clock)
+    monkeypatch.setattr(roster, "time", clock)
     provider, logged = FakeProvider("a"), []
     fleet = Fleet(provider, discovery_interval_s=0.01, claim_trusted_s=10, log=logged.append)
     await fleet.start()
@@ -957,7 +958,7 @@ async def test_a_worker_whose_claim_may_have_lapsed_serves_nothing_until_verifie
     verified: refused while the other run holds it (stale, never restarted: not this run's), and
     refitted if its weights changed (review of issue 36, items 6 and 9)."""
     clock = Clock()
-    monkeypatch.setattr(fleet_module, "time", clock)
+    monkeypatch.setattr(roster, "time", clock)
     provider = FakeProvider("a", step_s=0.01)
     fleet = Fleet(provider, discovery_interval_s=3600, claim_trusted_s=10, max_restarts=1, log=lambda *_: None)
     await fleet.start()

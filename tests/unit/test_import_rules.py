@@ -46,6 +46,10 @@ ENGINE_USES_OF_WEIGHTS = {"receiver", "wire", "group", "buckets", "checksum", "m
 ROOT, ROOT_IMPORTERS = "fleetrl.app", {"fleetrl.cli"}
 # The config package: its section schemas and the loader that assembles them into one Config.
 CONFIG, CONFIG_LOADER = "fleetrl.config", "fleetrl.config.loader"
+# The fleet coordinator's parts, lowest first: each imports only those before it, and the rest
+# of fleetrl imports only the package itself (`Fleet` and the fence's records).
+FLEET_LAYERS = ["fleetrl.inference.fleet.roster", "fleetrl.inference.fleet.fence", "fleetrl.inference.fleet.lifecycle",
+                "fleetrl.inference.fleet.routing", "fleetrl.inference.fleet"]
 
 
 def module_name(path: Path) -> str:
@@ -131,6 +135,17 @@ def test_the_config_imports_only_leaves_and_the_loader_no_section():
            if name not in LEAVES and not name.startswith(CONFIG + ".")]
     bad += [f"{module} imports {name}" for module in package if module not in (CONFIG, CONFIG_LOADER)
             for name in edges[module] if name == CONFIG_LOADER]
+    assert not bad, "; ".join(bad)
+
+
+def test_the_fleets_parts_import_only_the_parts_below_them():
+    edges = graph()
+    package = FLEET_LAYERS[-1]
+    assert sorted(name for name in edges if name.startswith(package + ".")) == sorted(FLEET_LAYERS[:-1])
+    bad = [f"{module} imports {name}" for at, module in enumerate(FLEET_LAYERS) for name in edges[module]
+           if name in FLEET_LAYERS[at:]]
+    bad += [f"{importer} imports {name}" for importer, names in edges.items() if not importer.startswith(package)
+            for name in names if name.startswith(package + ".")]
     assert not bad, "; ".join(bad)
 
 

@@ -31,9 +31,9 @@ ABANDON_TIMEOUT_S = 10.0
 # Seconds between the readiness probes of a launch.
 READY_POLL_S = 1.0
 # True in the fleet's discovery task, whose rounds refit workers holding the publish fence
-# (Fleet._discovery_loop): each admin call is tried once, so a worker that does not answer holds a
-# waiting publish back for one timeout, not for admin_retries + 1 of them. It is refitted at a
-# later round instead.
+# (inference/fleet/lifecycle.py, `Lifecycle._discovery_loop`): each admin call is tried once, so
+# a worker that does not answer holds a waiting publish back for one timeout, not for
+# admin_retries + 1 of them. It is refitted at a later round instead.
 SINGLE_TRY: ContextVar[bool] = ContextVar("fleetrl_admin_single_try", default=False)
 
 

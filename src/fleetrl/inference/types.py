@@ -69,7 +69,7 @@ class UnversionedTokens(FleetrlError):
     """A worker produced tokens under a weight label that names no version of this run:
     "default" is a vLLM server started again at the same address with its base weights, before
     the fleet noticed; `v3@<other id>` is another run's v3 (two coordinators on one worker). The
-    worker needs a refit; the request is sent again (`Fleet._generate_once`)."""
+    worker needs a refit; the request is sent again (`Routing._generate_once`)."""
 
     def __init__(self, worker_id: str, request_id: str, label: object, run: str) -> None:
         parsed = parse_label(str(label))

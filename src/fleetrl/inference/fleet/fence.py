@@ -1,0 +1,372 @@
+"""The publish fence: weights onto a set of workers, verified, before any of them serves them.
+
+Neither vLLM nor Dynamo offers a fleet-wide atomic weight update, so the fence owns it:
+
+    publish(v):  pause the workers -> transfer -> every worker reports v and the sender's
+                 checksum -> resume them -> each scores the agreement probe.
+
+A worker that fails, times out or reports anything else is marked dead or stale and gets no
+traffic until it has been refitted. The same fence refits one worker that joins or went stale
+(`refit`) from the weights of the last publish (`source`), and keeps each refit's probe verdict,
+which decides whether tokens a request got across it are trained (`check_probed`). Today a
+publish fences every live worker at once; the steps run on whatever set `_publish_to` is given,
+so a publish in waves can hand it one wave at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+
+from fleetrl.errors import FleetrlError
+from fleetrl.inference.fleet.roster import Roster, describe
+from fleetrl.inference.provider import NamedTensors, PauseMode, WeightTransport
+from fleetrl.inference.types import GenerateResponse, WorkerInfo, WorkerRole, WorkerState
+from fleetrl.records import FenceEvent
+
+# Why a worker cannot be refitted between publishes of a CUDA trainer.
+UNKEPT_WEIGHTS = "the trainer streamed them from its GPUs during their publish and keeps no copy"
+
+
+class PublishError(FleetrlError):
+    pass
+
+
+@dataclass
+class PublishReport:
+    version: int
+    seconds: float
+    checksum: str
+    ready: list[str]  # workers verified at `version` and resumed
+    failed: dict[str, str] = field(default_factory=dict)  # worker id -> why it is dead or stale
+    # ready worker id -> seconds from the fence's start until it was verified (and passed the probe)
+    worker_seconds: dict[str, float] = field(default_factory=dict)
+    probe: dict[str, float] = field(default_factory=dict)  # worker id -> max |delta logprob| on the probe
+    # ready worker id -> the tensor bytes its ranks received (the most of any rank): what the
+    # publish moved onto it, a LoRA run's adapter alone or the whole model
+    received_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AgreementProbe:
+    """A token sequence and the trainer's logprobs of it under the weights being published.
+
+    A checksum proves which bytes a worker received; only its own scoring of the probe proves
+    the engine installed them as the trainer holds them (a reload that broke a tied embedding
+    passed every checksum)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class WeightSource:
+    """Weights a joining or stale worker is refitted to, those of `version`: what the last
+    publish sent, or, before any publish, the weights the run starts from where the workers are
+    attached (`Fleet.start`).
+
+    `named_tensors` is None when the weights were valid only during their publish (streamed
+    from a CUDA trainer's shards, which keeps no copy): such a worker is refitted by the next
+    publish, which includes every worker that is not dead."""
+
+    transport: WeightTransport
+    named_tensors: NamedTensors | None
+    checksum: str
+    probe: AgreementProbe | None
+    version: int
+
+
+class Fence:
+    def __init__(self, roster: Roster, pause_mode: PauseMode, probe_tolerance: float) -> None:
+        self.roster = roster
+        self.pause_mode = pause_mode
+        self.probe_tolerance = probe_tolerance
+        self.lock = asyncio.Lock()  # held by publish and by refits (a discovery round's included)
+        self.source: WeightSource | None = None
+        # Each worker's refits that score the agreement probe (a publish's or a discovery
+        # round's), counted: a request's tokens can only come from those after its dispatch.
+        self._refits: dict[str, int] = {}
+        # (worker id, refit) -> the version that refit installed, and the verdict of its agreement
+        # probe: None, it agreed; else why not. Pending from the worker's resume until it is
+        # scored; a failed one is kept, since a request held across that refit may still come
+        # back from it (even after a later refit at the same version agreed).
+        self._verdicts: dict[tuple[str, int], tuple[int, asyncio.Future[str | None]]] = {}
+
+    @property
+    def checksum(self) -> str | None:
+        """fleetrl checksum of the weights of the fleet's version; None at the base model of
+        workers the provider launched (they received none)."""
+        return self.source.checksum if self.source else None
+
+    # -- publish ---------------------------------------------------------------------------
+
+    async def publish(self, version: int, transport: WeightTransport, named_tensors: NamedTensors,
+                      probe: AgreementProbe | None, keep: bool) -> PublishReport:
+        """Fence every worker that is not dead (chosen under the lock, which discovery rounds
+        hold too) at `version`: see `_publish_to`."""
+        started = time.monotonic()  # the report's seconds include the wait for the lock
+        async with self.lock:
+            live = [w for w in self.roster.workers.values() if w.state != WorkerState.DEAD]
+            return await self._publish_to(live, version, transport, named_tensors, probe, keep, started)
+
+    async def _publish_to(self, targets: list[WorkerInfo], version: int, transport: WeightTransport,
+                          named_tensors: NamedTensors, probe: AgreementProbe | None, keep: bool,
+                          started: float) -> PublishReport:
+        """Fence `targets` (the lock held): pause -> transfer -> verify version + checksum ->
+        resume -> each scores the agreement probe (when given) before it takes traffic. Once one
+        is verified, `version` is the fleet's and the weights are its `source`.
+
+        `keep`: `named_tensors` stays valid after the publish, and refits workers that join or
+        go stale before the next one; False where it is valid only during this call (a stream
+        gathered from a CUDA trainer's shards).
+
+        Workers that fail are excluded (dead or stale, with the reason in the report) and the
+        others complete the publish; if none completes, PublishError and nothing resumes."""
+        roster = self.roster
+        failed: dict[str, str] = {}
+        done_s: dict[str, float] = {}  # worker id -> when, from the fence's start, it was verified (and probed)
+        received: dict[str, int] = {}
+
+        async def checked(worker: WorkerInfo, check: Awaitable[None]) -> None:
+            await check
+            done_s[worker.id] = time.monotonic() - started
+
+        async def verify(worker: WorkerInfo, checksum: str) -> None:
+            received[worker.id] = await self._verify(worker, version, checksum)
+
+        roster.on_event(FenceEvent(phase="start", version=version))
+        resumed: list[WorkerInfo] = []
+        agreed: set[str] = set()  # scored the probe within tolerance
+        try:
+            # One bounded health check first: a hung worker leaves the fence now, after one
+            # timeout, instead of holding every step of the publish for its admin timeouts.
+            targets = await roster.each(targets, roster.check_health, failed, WorkerState.DEAD)
+            for worker in targets:
+                roster.mark(worker, WorkerState.PAUSED)
+            await roster.notify()
+            admin = roster.provider.admin
+            paused = await roster.each(targets, lambda w: admin(w).pause(self.pause_mode), failed, WorkerState.DEAD)
+            for worker in paused:
+                roster.mark(worker, WorkerState.UPDATING)
+            checksum, updated = await self._transfer(paused, transport, named_tensors, version, failed)
+            verified = await roster.each(updated, lambda w: checked(w, verify(w, checksum)), failed,
+                                         WorkerState.STALE)
+            if not verified:
+                raise PublishError(f"publish v{version} completed on no worker: {describe(failed)}")
+            # From here on only workers verified at `version` take traffic: stale ones stay paused.
+            roster.version = version
+            self.source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
+            if probe is not None:
+                self._expect_verdicts(verified, version)
+            resumed = await roster.each(verified, roster.resume, failed, WorkerState.DEAD)
+            deltas: dict[str, float] = {}
+            if probe is not None:  # still UPDATING here: a worker that disagrees never takes a new request
+                prefills = [w for w in resumed if w.role == WorkerRole.PREFILL]
+                agree = await roster.each(resumed, lambda w: checked(w, self._agrees(w, probe, prefills, deltas)),
+                                          failed, WorkerState.STALE)
+                resumed = [w for w in resumed if w in agree]
+                agreed = {w.id for w in resumed}
+            for worker in resumed:
+                worker.version = version
+                roster.mark(worker, WorkerState.READY)
+        finally:
+            self._settle_verdicts(version, agreed, failed)
+            roster.on_event(FenceEvent(phase="end", version=version, ready=sorted(w.id for w in resumed)))
+        await roster.notify()
+        if failed:
+            roster.log(f"fleetrl: publish v{version} excluded {describe(failed)}")
+        return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed,
+                             probe=deltas, worker_seconds={w.id: done_s[w.id] for w in resumed},
+                             received_bytes={w.id: received[w.id] for w in resumed})
+
+    async def _transfer(self, workers: list[WorkerInfo], transport: WeightTransport,
+                        named_tensors: NamedTensors, version: int,
+                        failed: dict[str, str]) -> tuple[str, list[WorkerInfo]]:
+        """Transfer to `workers`; if some of them break it, drop those and retry once.
+
+        The error does not reliably name the worker at fault: in a collective, a peer's death
+        surfaces first as a survivor's "connection reset". So the workers that no longer pass
+        a health check are the culprits; only when all are healthy is the named one dropped.
+        """
+        retried = False
+        while True:
+            if not workers:
+                raise PublishError(f"publish v{version}: no live worker to publish to: {describe(failed)}")
+            try:
+                checksum = await transport.transfer([self.roster.provider.weight_sync(w) for w in workers],
+                                                    named_tensors, version)
+                return checksum, workers
+            except Exception as e:
+                culprits = [] if retried else await self._transfer_culprits(workers, e)
+                if culprits:
+                    retried = True
+                    for worker in culprits:
+                        failed[worker.id] = f"transfer of v{version} failed: {e}"
+                        self.roster.mark(worker, WorkerState.DEAD, failed[worker.id])
+                    workers = [w for w in workers if w not in culprits]
+                    continue
+                for worker in workers:
+                    failed[worker.id] = f"transfer of v{version} failed: {e}"
+                    self.roster.mark(worker, WorkerState.STALE, failed[worker.id])
+                raise PublishError(f"publish v{version} failed: {describe(failed)}") from e
+
+    async def _transfer_culprits(self, workers: list[WorkerInfo], error: Exception) -> list[WorkerInfo]:
+        health = await asyncio.gather(*(self.roster.healthy(w) for w in workers))
+        dead = [w for w, ok in zip(workers, health) if not ok]
+        named = [w for w in workers if w.id == getattr(error, "worker_id", None)]
+        return dead or named
+
+    async def wait_for_version(self, version: int) -> None:
+        """Return once the fleet serves `version` or newer (admission control waits here)."""
+        async with self.roster.changed:
+            await self.roster.changed.wait_for(lambda: self.roster.version >= version)
+
+    # -- refit -----------------------------------------------------------------------------
+
+    async def refit(self, worker: WorkerInfo) -> None:
+        """Give one worker the fleet's current version before it takes any request (the lock
+        held: a discovery round's)."""
+        roster, version = self.roster, self.roster.version
+        admin = roster.provider.admin(worker)
+        # Seen for the first time, or after this run's claim on it may have lapsed (another run may
+        # have refitted it meanwhile): what it holds is checked, and it is sent only what it lacks.
+        first_sight = worker.state == WorkerState.JOINING or worker.id in roster.lapsed
+        if not first_sight and self.source is not None and self.source.named_tensors is None:
+            # Nothing to send it: stale (out of routing) until the next publish includes it.
+            roster.mark(worker, WorkerState.STALE, f"refit to v{version} waits for the next publish: "
+                                                   f"{UNKEPT_WEIGHTS}")
+            return
+        roster.mark(worker, WorkerState.SYNCING)
+        try:
+            # A worker that cannot say what its ranks hold (Dynamo's own worker started as plain
+            # `python -m dynamo.vllm`) could never be verified: it is refused here, at every round,
+            # before it is paused or sent anything, rather than after a refit it then fails.
+            await admin.weight_state()
+            await admin.pause(self.pause_mode)
+            if self.source is None:
+                # The fleet's version is that of the model folder the provider's workers loaded at
+                # launch (`Lifecycle.start`'s launched_version): nothing was published since.
+                if worker.id in roster.lapsed:  # it must hold them still: no rank received anything since
+                    await admin.verify_weights(None)
+                await admin.set_version(version)
+                reported = await admin.version()
+                if reported != version:
+                    raise FleetrlError(f"reports version {reported} after being set to v{version}")
+            elif first_sight and (why := await self._unlike(worker, version, self.source.checksum)) is None:
+                pass  # it holds them already (an attached worker at the base, say); the probe still decides
+            elif self.source.named_tensors is None:
+                raise FleetrlError(f"it {why}; it waits for the next publish: {UNKEPT_WEIGHTS}")
+            else:
+                sync = roster.provider.weight_sync(worker)
+                if first_sight:
+                    roster.log(f"fleetrl: worker {worker.id} {why}: refitting it with the weights of v{version}")
+                    # A coordinator that died mid-publish (a run killed, then run again on the same
+                    # attached workers) may have left an update open: the worker would refuse a new one.
+                    await sync.abandon(version)
+                checksum = await self.source.transport.transfer([sync], self.source.named_tensors, version)
+                await self._verify(worker, version, checksum)
+            probe = self.source.probe if self.source is not None else None
+            if probe is not None:
+                self._expect_verdicts([worker], version)
+            await roster.resume(worker)
+            if probe is not None:
+                await self._agrees(worker, probe, roster.ready_prefill_workers())
+        except Exception as e:
+            self._settle_verdicts(version, set(), {worker.id: str(e)})
+            roster.mark(worker, WorkerState.STALE, f"refit to v{version} failed: {e}")
+            return
+        self._settle_verdicts(version, {worker.id}, {})
+        worker.version = version
+        roster.mark(worker, WorkerState.READY)
+        roster.log(f"fleetrl: worker {worker.id} ready at v{version}")
+
+    async def _unlike(self, worker: WorkerInfo, version: int, checksum: str) -> str | None:
+        """How the weights the worker reports differ from `version`'s; None if they do not. A
+        worker seen for the first time is only sent what it lacks."""
+        admin = self.roster.provider.admin(worker)
+        reported = await admin.version()
+        if reported is None:
+            return f"holds no version of this run (another run's, or none), not v{version}"
+        if reported != version:
+            return f"reports version {reported}, not v{version}"
+        try:
+            await admin.verify_weights(checksum)
+        except FleetrlError as e:
+            return f"holds other weights than v{version} ({e})"
+        return None
+
+    async def _verify(self, worker: WorkerInfo, version: int, checksum: str) -> int:
+        """The worker must report `version`, and every one of its ranks the sender's checksum.
+        Returns the most tensor bytes one of its ranks received."""
+        admin = self.roster.provider.admin(worker)
+        reported = await admin.version()
+        if reported != version:
+            raise FleetrlError(f"reports version {reported}, expected v{version}")
+        return max((rank.received_bytes or 0 for rank in await admin.verify_weights(checksum)), default=0)
+
+    # -- verdicts --------------------------------------------------------------------------
+
+    def _expect_verdicts(self, workers: list[WorkerInfo], version: int) -> None:
+        """Before `workers` resume at `version`: their tokens at it are trusted only once they
+        have agreed (`check_probed`)."""
+        loop = asyncio.get_running_loop()
+        for worker in workers:
+            refit = self._refits[worker.id] = self._refits.get(worker.id, 0) + 1
+            self._verdicts[(worker.id, refit)] = version, loop.create_future()
+
+    def _settle_verdicts(self, version: int, agreed: set[str], failed: dict[str, str]) -> None:
+        """Every verdict pending at `version`: agreed, or failed (why; a worker that never got as
+        far as its probe fails too). Agreed ones are dropped: no token of theirs waits on them."""
+        for key, (at, verdict) in list(self._verdicts.items()):
+            worker_id, _ = key
+            if at != version or verdict.done():
+                continue
+            if worker_id in agreed:
+                verdict.set_result(None)
+                del self._verdicts[key]
+            else:
+                verdict.set_result(failed.get(worker_id, "its publish failed before its probe"))
+
+    def refits_of(self, workers: list[WorkerInfo]) -> dict[str, int]:
+        """How many refits each of `workers` has had: taken at a request's dispatch."""
+        return {w.id: self._refits.get(w.id, 0) for w in workers}
+
+    async def check_probed(self, serving: list[WorkerInfo], response: GenerateResponse,
+                           dispatched: dict[str, int]) -> None:
+        """Tokens produced at a version whose agreement probe their worker (or its prefill
+        worker) then failed were not made by the trainer's weights: the response is flagged,
+        never trained. Only the refits after its dispatch (`dispatched`: `refits_of` then) can
+        have made its tokens: a worker dispatched to had agreed, and a failed refit is no
+        concern of a request sent after a later one agreed. One that comes back while the probe
+        is scored waits for its verdict: in keep mode a request held across a publish runs on
+        as soon as its worker resumes."""
+        versions = {span.version for span in response.spans}
+        returned = self.refits_of(serving)
+        for worker in serving:
+            for refit in range(dispatched[worker.id] + 1, returned[worker.id] + 1):
+                version, verdict = self._verdicts.get((worker.id, refit), (None, None))
+                if version not in versions:
+                    continue  # agreed (dropped), or it installed a version none of these tokens is of
+                why = await asyncio.shield(verdict)
+                if why is not None and response.version_error is None:
+                    response.version_error = (f"worker {worker.id} failed the agreement probe at v{version} ({why}): "
+                                              f"its tokens at v{version} are not trained")
+
+    async def _agrees(self, worker: WorkerInfo, probe: AgreementProbe, prefills: list[WorkerInfo],
+                      deltas: dict[str, float] | None = None) -> None:
+        """The worker scores the probe; more than `probe_tolerance` from the trainer's logprobs
+        raises. Prefill workers only prefill (their scoring is a decode worker's): they are
+        held to the checksum alone, and score through one of them where the fleet has some."""
+        if worker.role == WorkerRole.PREFILL:
+            return
+        served = await self.roster.provider.prompt_logprobs(worker, probe.token_ids,
+                                                            prefills[0] if prefills else None)
+        delta = max(abs(a - b) for a, b in zip(served, probe.logprobs, strict=True))
+        if deltas is not None:
+            deltas[worker.id] = delta
+        if not delta <= self.probe_tolerance:  # a NaN disagrees too
+            raise FleetrlError(f"agreement probe: logprobs differ from the trainer's by up to {delta:.3g} "
+                               f"> inference.probe_tolerance = {self.probe_tolerance:g} (weights received but "
+                               f"not installed as sent)")
