@@ -14,6 +14,7 @@ from fleetrl.inference.dynamo.attribution import FenceRecord, prefill_agrees, se
 from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers, parse_worker
 from fleetrl.inference.dynamo.launcher import why_not_serving
+from fleetrl.inference.dynamo.worker_kinds import DYNAMOS_OWN
 from fleetrl.inference.types import GenerateResponse, WorkerInfo, WorkerRole
 from fleetrl.versions import VersionSpan
 
@@ -97,8 +98,8 @@ async def test_keep_and_abort_pauses_need_per_token_versions(mode, monkeypatch):
                                                   run="r1"))
 
     async def dynamo_own_worker():
-        return False
-    monkeypatch.setattr(admin, "reports_token_versions", dynamo_own_worker)
+        return DYNAMOS_OWN
+    monkeypatch.setattr(admin, "worker_kind", dynamo_own_worker)
     with pytest.raises(FleetrlError, match="worker 7: pause .* reports no per-token versions"):
         await admin.pause(mode)
     assert admin.routes.fence == FenceRecord()  # nothing sent, nothing counted

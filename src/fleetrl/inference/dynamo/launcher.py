@@ -32,6 +32,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.cluster import ClusterServices, start_cluster_services
 from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers
+from fleetrl.inference.dynamo.worker_kinds import DYNAMOS_OWN
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole
 from fleetrl.lora import ADAPTER_DIR_ENV, AdapterSpec, write_zero_adapter
@@ -294,7 +295,7 @@ async def why_not_serving(data: DynamoDataClient, workers: list[WorkerInfo]) -> 
     for i in range(max(len(decode), len(prefill))):
         prefill_id = prefill[i % len(prefill)].id if prefill else None
         try:
-            await data.complete(decode[i % len(decode)].id, prefill_id, request, [], 0, token_versions=False)
+            await data.complete(decode[i % len(decode)].id, prefill_id, request, [], 0, DYNAMOS_OWN)  # versions unread
         except FleetrlError as e:
             return str(e)
     return None
