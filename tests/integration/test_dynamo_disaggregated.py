@@ -77,7 +77,7 @@ async def test_prefill_and_decode_workers_are_discovered_ready(pd_fleet):
         admin = pd_fleet.provider.admin(worker)
         assert worker.state == WorkerState.READY and worker.version == 0
         assert await admin.version() == 0
-        assert await admin.reports_token_versions()  # fleetrl's kind
+        assert (await admin.worker_kind()).token_versions  # fleetrl's kind
     assert pd_fleet.routable_workers() == [decode]  # requests are pinned to decode workers only
 
 

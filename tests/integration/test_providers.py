@@ -307,7 +307,7 @@ async def test_dynamos_own_worker_pauses_only_in_wait_mode_and_sets_versions(fle
     admin = fleet.provider.admin(worker)
     assert await admin.health()
     # Dynamo's own worker kind: no per-token versions, so only `wait` pauses keep them exact.
-    assert not await admin.reports_token_versions()
+    assert not (await admin.worker_kind()).token_versions
     for mode in ("keep", "abort"):
         with pytest.raises(FleetrlError, match="reports no per-token versions"):
             await admin.pause(mode)
@@ -332,7 +332,7 @@ async def test_dynamos_own_worker_pauses_only_in_wait_mode_and_sets_versions(fle
 @only("dynamo-fleetrl")
 async def test_fleetrls_worker_kind_reports_per_token_versions_and_takes_only_signed_admin_calls(fleet):
     (worker,) = fleet.workers.values()
-    assert await fleet.provider.admin(worker).reports_token_versions()
+    assert (await fleet.provider.admin(worker).worker_kind()).token_versions
     assert fleet.pause_mode == "keep"
     # Whoever reaches the system port without the run's token changes nothing (issue 27, item 5);
     # the fleet's own calls above and in every publish are signed, and proven.

@@ -15,6 +15,7 @@ import pytest
 from fleetrl.errors import FleetrlError
 from fleetrl.inference import answers
 from fleetrl.inference.dynamo.data import DynamoDataClient
+from fleetrl.inference.dynamo.worker_kinds import FLEETRLS
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.fleet.routing import BAD_ANSWERS_BEFORE_STALE
 from fleetrl.inference.types import GenerateRequest, SamplingParams, UnversionedTokens, WorkerState
@@ -101,7 +102,7 @@ async def answer(provider: str, n: int = 1, suffix: list[int] = (), **change):
     async with DynamoDataClient("http://f", "policy", timeout_s=1, run="r1", vocab_size=VOCAB) as client:
         await client._http.aclose()
         client._http = httpx.AsyncClient(base_url="http://f", transport=answering(dynamo_answer(**fields)))
-        return [await client.complete("7", None, request, list(suffix), 0, token_versions=True)]
+        return [await client.complete("7", None, request, list(suffix), 0, FLEETRLS)]
 
 
 @pytest.mark.parametrize("provider", ["vllm", "dynamo"])

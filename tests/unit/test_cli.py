@@ -7,6 +7,7 @@ import pytest
 
 from fleetrl.app.providers import PROVIDERS
 from fleetrl.cli import main
+from fleetrl.provider_capabilities import PROVIDER_CAPABILITIES
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
 from fleetrl.rundir import RunDir, verify_run
 
@@ -21,6 +22,13 @@ def no_tokens_in_the_environment(monkeypatch):
     """The token variables of whoever runs the tests must not leak into them."""
     monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
     monkeypatch.delenv(DATA_TOKEN_ENV, raising=False)
+
+
+def test_every_provider_the_config_takes_has_one_registry_entry():
+    """The config's choice of provider and its checks read provider_capabilities.py; the registry
+    builds each, with the same record (issue 38, item 3)."""
+    assert list(PROVIDERS) == list(PROVIDER_CAPABILITIES)
+    assert all(entry.capabilities is PROVIDER_CAPABILITIES[name] for name, entry in PROVIDERS.items())
 
 
 def run_cli(*args):

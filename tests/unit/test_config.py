@@ -266,6 +266,18 @@ def test_urls_with_dynamo_are_refused():
         load_config([], [("inference.provider", "dynamo"), ("inference.urls", '["http://h:1"]')])
 
 
+def test_another_providers_fields_are_refused_naming_it():
+    """Read from provider_capabilities.py: a field only Dynamo reads names Dynamo, though the
+    field also attaches it (issue 38, item 3)."""
+    with pytest.raises(ConfigError, match=r"^inference.dynamo.frontend_url is set but inference.provider is not "
+                                          r"'dynamo' \(from --inference"):
+        load_config([], [("inference.dynamo.frontend_url", "http://h:1"), ("inference.dynamo.rl_url", "http://h:2")])
+    attached = load_config([], [("inference.provider", "dynamo"), ("inference.dynamo.frontend_url", "http://h:1"),
+                                ("inference.dynamo.rl_url", "http://h:2")]).inference
+    assert attached.attaches() and not load_config([], []).inference.attaches()
+    assert load_config([], [("inference.urls", '["http://h:1"]')]).inference.attaches()
+
+
 def test_max_tokens_must_leave_room_for_a_prompt(tmp_path):
     f = tmp_path / "long.toml"
     f.write_text("[orchestrator]\nmax_tokens = 512\n[inference.vllm]\nmax_model_len = 512\n")

@@ -15,6 +15,7 @@ from fleetrl.engine.dynamo_worker import _answering_checksums
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo import launcher
 from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerControl
+from fleetrl.inference.dynamo.worker_kinds import FLEETRLS
 from fleetrl.rundir import RunDir
 
 
@@ -247,12 +248,12 @@ async def test_a_request_through_the_adapter_refused_by_a_pause_is_sent_again_on
         provider._data = NoData()
         admin = provider.admin(worker)
 
-        async def token_versions():
-            return True
-        admin.reports_token_versions = token_versions
+        async def fleetrls_kind():
+            return FLEETRLS
+        admin.worker_kind = fleetrls_kind
         return provider, admin.routes
 
-    async def refused_while_a_publish_pauses(data, worker_id, prefill_id, request, suffix, token_versions):
+    async def refused_while_a_publish_pauses(data, worker_id, prefill_id, request, suffix, kind):
         sent.append(routes.fence.paused)
         if len(sent) == 1:  # the publish pauses the worker as the request arrives, and resumes it later
             routes.fence = routes.fence.pausing()
@@ -299,7 +300,7 @@ async def test_a_lora_runs_worker_is_left_out_of_discovery_until_it_serves_the_a
             pass
 
     class Data:
-        async def complete(self, worker_id, prefill_id, request, suffix, sample, token_versions):
+        async def complete(self, worker_id, prefill_id, request, suffix, sample, kind):
             smokes.append(worker_id)
             if len(smokes) == 1:
                 raise FleetrlError("HTTP 404: model policy-lora not found")

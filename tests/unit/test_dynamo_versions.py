@@ -14,6 +14,7 @@ from fleetrl.inference.dynamo.attribution import FenceRecord, prefill_agrees, se
 from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers, parse_worker
 from fleetrl.inference.dynamo.launcher import why_not_serving
+from fleetrl.inference.dynamo.worker_kinds import DYNAMOS_OWN, FLEETRLS, kind_reporting
 from fleetrl.inference.types import GenerateResponse, WorkerInfo, WorkerRole
 from fleetrl.versions import VersionSpan
 
@@ -97,12 +98,33 @@ async def test_keep_and_abort_pauses_need_per_token_versions(mode, monkeypatch):
                                                   run="r1"))
 
     async def dynamo_own_worker():
-        return False
-    monkeypatch.setattr(admin, "reports_token_versions", dynamo_own_worker)
+        return DYNAMOS_OWN
+    monkeypatch.setattr(admin, "worker_kind", dynamo_own_worker)
     with pytest.raises(FleetrlError, match="worker 7: pause .* reports no per-token versions"):
         await admin.pause(mode)
     assert admin.routes.fence == FenceRecord()  # nothing sent, nothing counted
     await admin.close()
+
+
+def test_each_worker_kind_gives_a_completions_versions_its_own_way():
+    """Dynamo's own worker: the fence record's one version, none while paused or unversioned, and
+    none for a completion that straddled a publish; fleetrl's: the engine's spans, and its abort
+    told from a stop (issue 38, item 3: two strategies instead of a flag)."""
+    assert kind_reporting(False) is DYNAMOS_OWN and kind_reporting(True) is FLEETRLS
+    completion = GenerateResponse("r", [5, 6], [-1.0, -1.0], "length", "7", [])
+    assert DYNAMOS_OWN.dispatchable(READY_V3) and FLEETRLS.dispatchable(FenceRecord())
+    assert not DYNAMOS_OWN.dispatchable(FenceRecord()) and not DYNAMOS_OWN.dispatchable(replace(READY_V3, paused=True))
+    (attributed,) = DYNAMOS_OWN.attributed([completion], READY_V3, READY_V3)
+    assert attributed.spans == [VersionSpan(3, 0)]
+    straddled = replace(READY_V3, pauses=READY_V3.pauses + 1, resumes=READY_V3.resumes + 1)
+    assert DYNAMOS_OWN.attributed([completion], READY_V3, straddled) is None
+    assert FLEETRLS.attributed([completion], READY_V3, straddled) == [completion]
+    engine = {"weight_versions": ["v3@r1"], "engine_finish_reason": "abort"}
+    assert (FLEETRLS.finish_reason("stop", engine), DYNAMOS_OWN.finish_reason("stop", engine)) == ("abort", "stop")
+    assert (FLEETRLS.weight_versions(engine), DYNAMOS_OWN.weight_versions(engine)) == (["v3@r1"], None)
+    with pytest.raises(FleetrlError, match="returned no per-token versions.*is it fleetrl's worker kind"):
+        FLEETRLS.check_engine_data({}, "7", "r", "r1")
+    DYNAMOS_OWN.check_engine_data({}, "7", "r", "r1")
 
 
 def test_a_prefill_worker_must_provably_hold_the_completions_version():

@@ -38,10 +38,7 @@ def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
         raise ConfigError("fleetrl rl samples at orchestrator.temperature = 1 and orchestrator.top_p = 1 "
                           "(the trainer's importance ratio needs the distribution vLLM reports logprobs of)")
     if config.trainer.lora.enabled and config.inference.attaches():
-        # Imported here: the registry brings the providers and transports, which a --dry-run
-        # that passes this check never needs.
-        from fleetrl.app.providers import PROVIDERS
-        raise ConfigError(LORA_ON_ATTACHED.format(attached=PROVIDERS[config.inference.provider].attach_keys))
+        raise ConfigError(LORA_ON_ATTACHED.format(attached=config.inference.capabilities().attach_keys))
     if config.trainer.lora.enabled and config.inference.dynamo.prefill_workers:
         raise ConfigError(LORA_ON_PREFILL)
     run_dir = RunDir(config.run.dir)

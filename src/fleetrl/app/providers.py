@@ -1,10 +1,12 @@
 """Inference providers by name (`inference.provider`), the run's tokens, and the fleet
 coordinator on one.
 
-Each entry says how to build the provider and what a config needs to attach to a fleet that
-is already running (`fleetrl status` only queries; it never launches one). A run records its
-running fleet in its directory (`start_recorded`), so `fleetrl status RUN_DIR` attaches with
-nothing else given (`attached_to_run`).
+Each entry holds what its provider can do (provider_capabilities.py: how it attaches, its
+worker kinds, its pause modes with a LoRA adapter, the fields only it reads), how to build it,
+and what a config needs to attach to a fleet that is already running (`fleetrl status` only
+queries; it never launches one). A run records its running fleet in its directory
+(`start_recorded`), so `fleetrl status RUN_DIR` attaches with nothing else given
+(`attached_to_run`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fleetrl.inference.provider import InferenceProvider, WeightTransport
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.lora import AdapterSpec
 from fleetrl.model import resolve_model
+from fleetrl.provider_capabilities import PROVIDER_CAPABILITIES, ProviderCapabilities
 from fleetrl.rundir import RunDir
 from fleetrl.weights.checksum import checksum_of
 from fleetrl.weights.factory import make_transport
@@ -56,14 +59,14 @@ def resolve_tokens(inference: InferenceConfig, *, draw_missing: bool,
 
 @dataclass(frozen=True)
 class ProviderEntry:
+    # What it can do, as the config's checks read it too (InferenceConfig.capabilities).
+    capabilities: ProviderCapabilities
     # (config, run directory, model folder — None when only attaching —, tokens, whether the
     # provider is a run's: it labels and holds the workers under the run directory's run id;
     # else it only looks, the LoRA adapter its workers serve, None: the base model) -> provider
     build: Callable[[Config, RunDir, Path | None, Tokens, bool, AdapterSpec | None], InferenceProvider]
     # What the config lacks to attach to a running fleet, as "fleetrl status needs ..." ends; None: nothing.
     missing_to_attach: Callable[[InferenceConfig], str | None]
-    # The config keys that attach a run to workers started elsewhere, as a one-line error names them.
-    attach_keys: str
 
 
 def _vllm(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tokens, runs: bool,
@@ -88,15 +91,15 @@ def _dynamo(config: Config, run_dir: RunDir, model_dir: Path | None, tokens: Tok
     # would let the user think so. fleetrl's worker kind takes only calls signed with the admin
     # token (engine/dynamo_worker.py): launched workers get it by environment.
     inference = config.inference
-    fleetrl_kind = inference.dynamo.worker == "fleetrl"
+    signed_admin = inference.worker_kind().signed_admin
     given = [f"inference.{name}" for name in ("admin_token", "data_token")
-             if getattr(inference, name) and not (fleetrl_kind and name == "admin_token")]
+             if getattr(inference, name) and not (signed_admin and name == "admin_token")]
     if given:
         raise ConfigError(f"{' and '.join(given)} set with inference.provider = 'dynamo', whose "
-                          f"{'frontend takes' if fleetrl_kind else 'frontend and own worker kind take'} no token: unset "
+                          f"{'frontend takes' if signed_admin else 'frontend and own worker kind take'} no token: unset "
                           "it, and protect those ports with the network (docs/dynamo.md, \"Protecting the system "
                           "port\")")
-    if fleetrl_kind:
+    if signed_admin:
         inference = inference.model_copy(update={"admin_token": tokens.admin})
     return DynamoProvider(inference, model_dir, run_dir.root, run_dir.run_id() if runs else None,
                           adapter=adapter)
@@ -106,16 +109,15 @@ def _dynamo_missing(inference: InferenceConfig) -> str | None:
     if not inference.dynamo.frontend_url:
         return ("a run directory (fleetrl status RUN_DIR) or inference.dynamo.frontend_url and "
                 "inference.dynamo.rl_url (the deployment to query)")
-    if inference.dynamo.worker == "fleetrl" and resolve_tokens(inference, draw_missing=False).admin is None:
+    if inference.worker_kind().signed_admin and resolve_tokens(inference, draw_missing=False).admin is None:
         return (f"inference.admin_token or ${ADMIN_TOKEN_ENV}, the token fleetrl's worker kind was started with "
                 "(a run that fleetrl launched keeps it in RUN_DIR/tokens.json: fleetrl status RUN_DIR)")
     return None
 
 
 PROVIDERS: dict[str, ProviderEntry] = {
-    "vllm": ProviderEntry(build=_vllm, missing_to_attach=_vllm_missing, attach_keys="inference.urls"),
-    "dynamo": ProviderEntry(build=_dynamo, missing_to_attach=_dynamo_missing,
-                            attach_keys="inference.dynamo.frontend_url and inference.dynamo.rl_url"),
+    "vllm": ProviderEntry(PROVIDER_CAPABILITIES["vllm"], build=_vllm, missing_to_attach=_vllm_missing),
+    "dynamo": ProviderEntry(PROVIDER_CAPABILITIES["dynamo"], build=_dynamo, missing_to_attach=_dynamo_missing),
 }
 
 

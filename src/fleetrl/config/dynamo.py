@@ -8,12 +8,13 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from fleetrl.config.section import Section
+from fleetrl.provider_capabilities import PROVIDER_CAPABILITIES
 
 
 class DynamoConfig(Section):
     """The Dynamo deployment fleetrl launches or attaches to (read with inference.provider = dynamo)."""
 
-    worker: Literal["dynamo", "fleetrl"] = Field(
+    worker: Literal[tuple(PROVIDER_CAPABILITIES["dynamo"].worker_kinds)] = Field(
         "dynamo",
         description="Dynamo worker kind: dynamo (Dynamo's own vLLM worker: one exact version per "
         "completion, inference.pause_mode wait only) or fleetrl (the same worker reporting the "

@@ -6,8 +6,9 @@ server a URL names)."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -17,6 +18,7 @@ from fleetrl.config.dynamo import DynamoConfig
 from fleetrl.config.section import MAX_WAIT_S, Section
 from fleetrl.config.vllm import VllmConfig
 from fleetrl.config.weights import WeightsConfig
+from fleetrl.provider_capabilities import PROVIDER_CAPABILITIES, ProviderCapabilities, WorkerKind
 
 
 # A failed admin call is tried again after ADMIN_BACKOFF_S, then twice as long before each next
@@ -38,7 +40,7 @@ def admin_backoff_s(attempt: int) -> float:
 PauseMode = Literal["keep", "abort", "wait"]
 
 
-def pause_modes(token_versions: bool, disaggregated: bool, adapter_on_dynamo: bool = False) -> tuple[PauseMode, ...]:
+def pause_modes(token_versions: bool, disaggregated: bool, adapter_refuses_keep: bool = False) -> tuple[PauseMode, ...]:
     """The pause modes that keep the version of every token exact; the first is the default.
 
     The one statement of this rule: the config resolves and checks `inference.pause_mode` with
@@ -47,12 +49,13 @@ def pause_modes(token_versions: bool, disaggregated: bool, adapter_on_dynamo: bo
     request held across an update would mix versions with no record of where, and in `abort`
     mode Dynamo reports the cut request as finish_reason "stop", so it could not be told from
     a finished one and continued. With prefill workers apart from decode workers, a request
-    held or cut while its KV is between them would resume on KV of the old weights. A Dynamo
-    worker serving a LoRA adapter refuses a keep pause while requests through it run.
+    held or cut while its KV is between them would resume on KV of the old weights. Some
+    workers serving a LoRA adapter refuse a keep pause while requests through it run
+    (`ProviderCapabilities.adapter_refuses_keep`: Dynamo's).
     """
     if not token_versions or disaggregated:
         return ("wait",)
-    return ("abort", "wait") if adapter_on_dynamo else ("keep", "abort", "wait")
+    return ("abort", "wait") if adapter_refuses_keep else ("keep", "abort", "wait")
 
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -81,7 +84,7 @@ def server_address(url: str) -> tuple[str, str, int | None, str]:
 
 
 class InferenceConfig(Section):
-    provider: Literal["vllm", "dynamo"] = Field(
+    provider: Literal[tuple(PROVIDER_CAPABILITIES)] = Field(
         "vllm", description="Inference provider: native vLLM servers or an NVIDIA Dynamo deployment."
     )
     workers: int = Field(1, ge=1, description="Number of inference workers fleetrl launches (decode "
@@ -190,16 +193,20 @@ class InferenceConfig(Section):
         return urls
 
     @model_validator(mode="after")
-    def _dynamo_fields_need_dynamo(self) -> "InferenceConfig":
-        if self.provider == "dynamo":
-            if self.urls:
-                raise ValueError("inference.urls is set but inference.provider is 'dynamo': to attach to a "
-                                 "Dynamo deployment set inference.dynamo.frontend_url and inference.dynamo.rl_url")
-            return self
-        if self.dynamo.frontend_url:
-            raise ValueError("inference.dynamo.frontend_url is set but inference.provider is not 'dynamo'")
-        if self.dynamo.prefill_workers:
-            raise ValueError("inference.dynamo.prefill_workers is set but inference.provider is not 'dynamo'")
+    def _fields_fit_the_provider(self) -> "InferenceConfig":
+        # Another provider's fields are refused: its attach fields naming how this one attaches,
+        # the fields only it reads naming it (provider_capabilities.py declares both).
+        mine = self.capabilities()
+        for name, other in PROVIDER_CAPABILITIES.items():
+            if name == self.provider:
+                continue
+            for field in other.own_fields:
+                if self._value(field):
+                    raise ValueError(f"inference.{field} is set but inference.provider is not {name!r}")
+            for field in other.attach_fields:
+                if self._value(field):
+                    raise ValueError(f"inference.{field} is set but inference.provider is {self.provider!r}: to "
+                                     f"attach to {mine.attaches_to} set {mine.attach_keys}")
         return self
 
     @model_validator(mode="after")
@@ -229,8 +236,11 @@ class InferenceConfig(Section):
         if self.pause_mode is None or self.pause_mode in self._pause_modes():
             return self
         if not self.token_versions():
+            caps = self.capabilities()
+            reporting = [f"inference.{caps.worker_kind_field} = {name!r}"
+                         for name, kind in caps.worker_kinds.items() if kind.token_versions]
             raise ValueError(f"inference.pause_mode {self.pause_mode!r} needs per-token versions, which "
-                             "Dynamo's own worker does not report: set inference.dynamo.worker = 'fleetrl' "
+                             f"{self.worker_kind().label} does not report: set {' or '.join(reporting)} "
                              "or inference.pause_mode = 'wait'")
         raise ValueError("inference.dynamo.prefill_workers needs inference.pause_mode = 'wait' (a request "
                          "held or cut while its KV is between prefill and decode would resume on KV of "
@@ -243,10 +253,22 @@ class InferenceConfig(Section):
         """Whether the fleet attaches to workers someone else started (inference.urls, or a Dynamo
         deployment's frontend_url) rather than launching its own: every trainer rank then takes
         part in handing the fleet the base weights (trainer/loop.py)."""
-        return bool(self.dynamo.frontend_url) if self.provider == "dynamo" else bool(self.urls)
+        return any(self._value(field) for field in self.capabilities().attach_fields)
+
+    def capabilities(self) -> ProviderCapabilities:
+        """What the configured provider can do (provider_capabilities.py)."""
+        return PROVIDER_CAPABILITIES[self.provider]
+
+    def worker_kind(self) -> WorkerKind:
+        """The kind of worker the configured provider runs (for Dynamo: inference.dynamo.worker)."""
+        caps = self.capabilities()
+        if caps.worker_kind_field is None:
+            (kind,) = caps.worker_kinds.values()
+            return kind
+        return caps.worker_kinds[self._value(caps.worker_kind_field)]
 
     def token_versions(self) -> bool:
-        return self.provider == "vllm" or self.dynamo.worker == "fleetrl"
+        return self.worker_kind().token_versions
 
     def claim_trusted_s(self) -> float:
         """How long after a renewal of its claim on a worker was sent the run counts on it (Fleet)."""
@@ -255,6 +277,10 @@ class InferenceConfig(Section):
     def admin_call_bound_s(self) -> float:
         """The longest one admin call takes: every try to its timeout, and the waits between them."""
         return self.admin_timeout_s * (self.admin_retries + 1) + sum(map(admin_backoff_s, range(self.admin_retries)))
+
+    def _value(self, field: str) -> Any:
+        """The value of a field named below `inference.` (`dynamo.frontend_url`)."""
+        return functools.reduce(getattr, field.split("."), self)
 
     def _pause_modes(self) -> tuple[PauseMode, ...]:
         return pause_modes(self.token_versions(), disaggregated=self.dynamo.prefill_workers > 0)

