@@ -13,18 +13,18 @@ three modules later).
                                             samples are RolloutRecords, in eval/step_N.jsonl
     events.jsonl             WorkerEvent, FenceEvent, SampleEvent, TrainEvent: the timeline
 
-Each type's JSON is its fields by name (`to_dict`); `read(data, where)` is the one way back.
-Nested figures are records too (`Figures`, `EnvFigures`, `WorkerFigures`, `StepWorker`).
+Each type is a pydantic model (`Record`): its JSON is its fields by name (`to_dict`), and
+`read(data, where)` is the one way back. Nested figures are records too (`Figures`,
+`EnvFigures`, `WorkerFigures`, `StepWorker`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import types
 import typing
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fleetrl.errors import FleetrlError
 
@@ -33,75 +33,46 @@ class RecordError(FleetrlError):
     """A record file's line is not of its record type."""
 
 
-def _fields(cls) -> tuple[set[str], set[str]]:
-    """(every field, the fields without a default) of a record class."""
-    every = {f.name for f in dataclasses.fields(cls)}
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    return every, required
+class Record(BaseModel):
+    """A record: its fields are its JSON object's keys, each value of its field's type (strict:
+    no int read as a bool, no str as a number), no key unknown; it never changes once made."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    @classmethod
+    def read(cls, data: Any, where: str) -> typing.Self:
+        """`data` (decoded JSON) as this record, or a RecordError naming `where` and each key."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise RecordError(f"{where}: {_problems(cls, e)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as the JSON object its file holds."""
+        return self.model_dump(mode="json")
 
 
-def read(cls, data: Any, where: str):
-    """`data` (decoded JSON) as a `cls` record; nested records as theirs (the class's NESTED:
-    field -> record type, for a record, or a dict of them by name). Keys an older fleetrl wrote
-    and this one no longer does (the class's RETIRED) are dropped: its runs still verify."""
-    if not isinstance(data, dict):
-        raise RecordError(f"{where}: not an object but {type(data).__name__}")
-    data = {key: value for key, value in data.items() if key not in getattr(cls, "RETIRED", ())}
-    every, required = _fields(cls)
-    unknown, missing = sorted(set(data) - every), sorted(required - set(data))
-    if unknown or missing:
-        raise RecordError(f"{where}: not a {cls.__name__}: "
-                          + "; ".join(([f"unknown {', '.join(unknown)}"] if unknown else [])
-                                      + ([f"missing {', '.join(missing)}"] if missing else [])))
-    hints = typing.get_type_hints(cls)
-    for name, value in data.items():
-        if not _is_of(value, hints[name]):
-            raise RecordError(f"{where}: {name} is {value!r}, not {_type_name(hints[name])}")
-    values = dict(data)
-    for name, (kind, nested) in getattr(cls, "NESTED", {}).items():
-        value = values.get(name)
-        if value is None:
-            continue
-        if kind == "dict":
-            values[name] = {key: read(nested, item, f"{where}: {name}.{key}") for key, item in value.items()}
-        else:
-            values[name] = read(nested, value, f"{where}: {name}")
-    return cls(**values)
-
-
-def _is_of(value: Any, hint: Any) -> bool:
-    """Whether a JSON value can be of the type `hint`: a number of int (not a bool) or float,
-    a str, a bool, a list, an object (a dict, or a nested record), or None where allowed."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_is_of(value, arg) for arg in typing.get_args(hint))
-    kind = typing.get_origin(hint) or hint
-    if kind is type(None):
-        return value is None
-    if kind is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if dataclasses.is_dataclass(kind):
-        return isinstance(value, dict)
-    return isinstance(value, kind)
-
-
-def _type_name(hint: Any) -> str:
-    return " or ".join(getattr(arg, "__name__", str(arg)).replace("NoneType", "null")
-                       for arg in (typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType)
-                                   else (hint,)))
-
-
-def to_dict(record) -> dict[str, Any]:
-    """A record as the JSON object its file holds."""
-    return dataclasses.asdict(record)
+def _problems(cls: type[Record], error: ValidationError) -> str:
+    """A validation error in one line: the keys unknown and missing, then each value of another type."""
+    unknown, missing, wrong = [], [], []
+    for problem in error.errors(include_url=False):
+        where = ".".join(str(part) for part in problem["loc"])
+        if problem["type"] == "extra_forbidden":
+            unknown.append(where)
+        elif problem["type"] == "missing":
+            missing.append(where)
+        elif problem["type"] == "model_type" and not problem["loc"]:
+            return f"not an object but {type(problem['input']).__name__}"
+        else:  # pydantic says "Input should be a valid integer", and the like
+            expected = problem["msg"].removeprefix("Input should be ")
+            wrong.append(f"{where} is {problem['input']!r}, " + (f"not {expected}" if expected != problem["msg"] else expected))
+    keys = ([f"unknown {', '.join(unknown)}"] if unknown else []) + ([f"missing {', '.join(missing)}"] if missing else [])
+    return f"not a {cls.__name__}: " + "; ".join(keys + wrong)
 
 
 # -- figures nested in the records -----------------------------------------------------------
 
-@dataclass(frozen=True)
-class Figures:
+class Figures(Record):
     """Samples, their mean reward (of those scored) and mean completion length: of what was
     generated for a batch, or of what it trains on."""
 
@@ -110,8 +81,7 @@ class Figures:
     completion_tokens_mean: float | None
 
 
-@dataclass(frozen=True)
-class EnvFigures:
+class EnvFigures(Record):
     """One environment's part of a batch (orchestrator.envs)."""
 
     groups: int
@@ -121,8 +91,7 @@ class EnvFigures:
     trained_samples: int
 
 
-@dataclass(frozen=True)
-class WorkerFigures:
+class WorkerFigures(Record):
     """What one worker served for a batch."""
 
     completions: int
@@ -130,8 +99,7 @@ class WorkerFigures:
     tokens_per_s: float  # of the batch's sampling time
 
 
-@dataclass(frozen=True)
-class StepWorker:
+class StepWorker(Record):
     """One worker in a step's line: its version after the publish, what it served for the batch
     (None: nothing), its mismatch_kl, its time in the publish and the tensor bytes the publish
     moved onto it (None: not measured; a LoRA run's publish moves its adapter alone)."""
@@ -147,8 +115,7 @@ class StepWorker:
 
 # -- the records -----------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class RolloutRecord:
+class RolloutRecord(Record):
     """One sample generated for a batch: what it was, how it scored, where its tokens came from
     (spans: [version, start] pairs), and whether it was trained or why not (drop_reason)."""
 
@@ -178,19 +145,13 @@ class RolloutRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """A single completion's line has no episode keys."""
-        data = to_dict(self)
-        if self.turns is None:
-            for name in ("turns", "end", "episode_error", "messages"):
-                del data[name]
-        return data
+        episode = {"turns", "end", "episode_error", "messages"}
+        return self.model_dump(mode="json", exclude=episode if self.turns is None else None)
 
 
-@dataclass(frozen=True)
-class BatchMeta:
+class BatchMeta(Record):
     """How batch `step` was made; the figures of what it trains are those of its records."""
 
-    NESTED: ClassVar = {"generated": ("one", Figures), "trained": ("one", Figures),
-                        "envs": ("dict", EnvFigures), "workers": ("dict", WorkerFigures)}
     # Written until December 2026, never read: the admission wait's start, k (config.toml has it),
     # and two drop counts dropped_by holds.
     RETIRED: ClassVar = ("waited_from", "max_off_policy_steps", "tool_failed", "env_failed")
@@ -213,17 +174,17 @@ class BatchMeta:
     reward_failed: int
     empty: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired(cls, data: Any) -> Any:
+        """An older fleetrl's batch still reads: its runs resume and verify."""
+        return {k: v for k, v in data.items() if k not in cls.RETIRED} if isinstance(data, dict) else data
 
 
-@dataclass(frozen=True)
-class StepLine:
+class StepLine(Record):
     """One trained step, as metrics.jsonl, TensorBoard, W&B, the live view and the printed line
     have it (monitoring.StepSink). KL and loss figures are None where they were not finite or
     measured no token: JSON has no NaN."""
-
-    NESTED: ClassVar = {"envs": ("dict", EnvFigures), "workers": ("dict", StepWorker)}
 
     step: int
     # The batch (orchestrator/rollouts.py): rewards, off-policy distances (recomputed by the
@@ -278,12 +239,8 @@ class StepLine:
     train_started: float
     train_finished: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
 
-
-@dataclass(frozen=True)
-class SftLine:
+class SftLine(Record):
     """One step of `fleetrl sft` (trainer/sft.py), in its metrics.jsonl and wherever StepSink
     shows it; loss and grad_norm are None where they were not finite."""
 
@@ -300,12 +257,8 @@ class SftLine:
     train_started: float
     train_finished: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
 
-
-@dataclass(frozen=True)
-class EvalLine:
+class EvalLine(Record):
     """One evaluation of `version`: when it began, how long it took, and each environment's
     figures (prompts, samples, failed, reward_mean, reward_se, pass@1, pass@k)."""
 
@@ -314,14 +267,10 @@ class EvalLine:
     seconds: float
     envs: dict[str, dict]
 
-    def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
-
 
 # -- the timeline (events.jsonl) --------------------------------------------------------------
 
-@dataclass(frozen=True)
-class WorkerEvent:
+class WorkerEvent(Record):
     """A worker changed state (inference/fleet.py)."""
 
     KIND: ClassVar = "worker"
@@ -330,22 +279,20 @@ class WorkerEvent:
     state: str
     version: int | None
     error: str | None
-    t: float = field(default_factory=time.time)
+    t: float = Field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
-class FenceEvent:
+class FenceEvent(Record):
     """A publish's fence began (`start`) or ended (`end`, with the workers that came out ready)."""
 
     KIND: ClassVar = "fence"
     phase: str
     version: int
     ready: list[str] | None = None
-    t: float = field(default_factory=time.time)
+    t: float = Field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
-class SampleEvent:
+class SampleEvent(Record):
     """One sample's time on its worker, split at its spans (orchestrator/rollouts.py)."""
 
     KIND: ClassVar = "sample"
@@ -357,18 +304,17 @@ class SampleEvent:
     end: float
     tokens: int
     spans: list[list[int]]
-    t: float = field(default_factory=time.time)
+    t: float = Field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
-class TrainEvent:
+class TrainEvent(Record):
     """One trainer step's time."""
 
     KIND: ClassVar = "train"
     step: int
     start: float
     end: float
-    t: float = field(default_factory=time.time)
+    t: float = Field(default_factory=time.time)
 
 
 FleetEvent = WorkerEvent | FenceEvent | SampleEvent | TrainEvent
@@ -376,11 +322,11 @@ EVENTS: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(FleetEvent)}
 
 
 def event_to_dict(event: FleetEvent) -> dict[str, Any]:
-    return {"event": event.KIND, **to_dict(event)}
+    return {"event": event.KIND, **event.to_dict()}
 
 
 def read_event(data: Any, where: str) -> FleetEvent:
     kind = data.get("event") if isinstance(data, dict) else None
     if kind not in EVENTS:
         raise RecordError(f"{where}: not an event of the timeline (event: {kind!r}, not one of {sorted(EVENTS)})")
-    return read(EVENTS[kind], {k: v for k, v in data.items() if k != "event"}, where)
+    return EVENTS[kind].read({k: v for k, v in data.items() if k != "event"}, where)

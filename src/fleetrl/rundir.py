@@ -10,7 +10,6 @@ file is: docs/quickstart.md, section 3; the faults this guards against: docs/rel
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -27,7 +26,7 @@ from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import eval_plot, off_policy_plot, reward_plot, timeline_plot
-from fleetrl.records import EvalLine, FleetEvent, RolloutRecord, SftLine, StepLine, event_to_dict, read, read_event
+from fleetrl.records import EvalLine, FleetEvent, RolloutRecord, SftLine, StepLine, event_to_dict, read_event
 from fleetrl.versions import is_run_id, new_run_id, off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -426,16 +425,16 @@ class RunDir:
         return [read_record(data, f"{path}: record {i}") for i, data in enumerate(read_json_lines(path, self.log), 1)]
 
     def read_rollouts(self, step: int) -> list[RolloutRecord]:
-        return self._read_records(self.rollouts_path(step), functools.partial(read, RolloutRecord))
+        return self._read_records(self.rollouts_path(step), RolloutRecord.read)
 
     def read_eval_records(self, version: int) -> list[RolloutRecord]:
-        return self._read_records(self.eval_records_path(version), functools.partial(read, RolloutRecord))
+        return self._read_records(self.eval_records_path(version), RolloutRecord.read)
 
     def read_evals(self) -> list[EvalLine]:
-        return self._read_records(self.eval_path, functools.partial(read, EvalLine))
+        return self._read_records(self.eval_path, EvalLine.read)
 
     def read_metrics(self) -> list[StepLine] | list[SftLine]:
-        return self._read_records(self.metrics_path, functools.partial(read, self.lines))
+        return self._read_records(self.metrics_path, self.lines.read)
 
     def write_final(self, final: dict) -> Path:
         return atomic_write(self.final_path, json.dumps(final, indent=1))

@@ -1,7 +1,6 @@
 """Step lines (records.StepLine) for unit tests: one whole, plausible line, and a way to change
 what a test is about."""
 
-from dataclasses import replace
 
 from fleetrl.records import EnvFigures, StepLine, StepWorker
 
@@ -24,7 +23,8 @@ def step_line(step: int, **changes) -> StepLine:
     """LINE at `step`, its workers at that version unless `changes` says otherwise."""
     versions = changes.pop("worker_versions", {"w0": step})
     workers = {w: StepWorker(version=v) for w, v in versions.items()}
-    return replace(LINE, step=step, worker_versions=versions, workers=changes.pop("workers", workers), **changes)
+    return LINE.model_copy(update=dict(step=step, worker_versions=versions, workers=changes.pop("workers", workers),
+                                      **changes))
 
 
 def step_dict(step: int, **changes) -> dict:

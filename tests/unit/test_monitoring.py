@@ -1,7 +1,6 @@
 """The step sink: each step's line in metrics.jsonl, TensorBoard event files, an offline W&B run
 (real packages), the live view and the printed line, all from the one record."""
 
-from dataclasses import replace
 
 import psutil
 
@@ -23,13 +22,13 @@ def test_scalars_are_the_numbers_of_a_line_each_workers_and_each_environments():
 
 
 def test_the_printed_line_says_n_a_for_what_measured_nothing():
-    text = step_text(replace(LINE, mismatch_kl=None), 10, dynamic_sampling=False)
+    text = step_text(LINE.model_copy(update=dict(mismatch_kl=None)), 10, dynamic_sampling=False)
     assert text.startswith("step 1/10  reward 0.250±0.100  off-policy max 1 mean 0.50")
     assert "loss n/a" in text and "mismatch n/a" in text and "staleness 1.0e-02" in text
     assert "train 4.0s  publish 1.5s  workers at [1]" in text and "filtered" not in text
     assert "  dropped none  " in text
     assert "  dropped off_policy 2, tool_failed 1  " in step_text(
-        replace(LINE, dropped_by={"off_policy": 2, "tool_failed": 1}), 10, dynamic_sampling=False)
+        LINE.model_copy(update=dict(dropped_by={"off_policy": 2, "tool_failed": 1})), 10, dynamic_sampling=False)
     assert "filtered 0/2 groups" in step_text(LINE, 10, dynamic_sampling=True)
 
 
@@ -52,16 +51,16 @@ def test_one_write_reaches_metrics_tensorboard_wandb_offline_the_view_and_the_lo
     sink.write_eval(0, {"reverse": {"reward_mean": 0.5, "pass@1": 0.25}})
     sink.write(LINE)
     outlier = StepWorker(version=2, mismatch_kl=1e-2)
-    sink.write(replace(LINE, step=2, reward_mean=0.75, mismatch_outliers=["w1"],
-                       workers={**LINE.workers, "w1": outlier}))
+    second = LINE.model_copy(update=dict(step=2, reward_mean=0.75, mismatch_outliers=["w1"],
+                                         workers={**LINE.workers, "w1": outlier}))
+    sink.write(second)
     sink.close()
     sink.close()  # idempotent
 
-    assert run_dir.read_metrics() == [LINE, replace(LINE, step=2, reward_mean=0.75, mismatch_outliers=["w1"],
-                                                    workers={**LINE.workers, "w1": outlier})]
+    assert run_dir.read_metrics() == [LINE, second]
     assert shown == [(1, "reward 0.250"), (2, "reward 0.750")]
     assert [line for line in logged if line.startswith("step ")] == [
-        step_text(LINE, 2, False), step_text(replace(LINE, step=2, reward_mean=0.75), 2, False)]
+        step_text(LINE, 2, False), step_text(LINE.model_copy(update=dict(step=2, reward_mean=0.75)), 2, False)]
     assert any("worker w1's mismatch_kl 1.00e-02 stands out" in line for line in logged), logged
     events = EventAccumulator(str(run_dir.tensorboard_dir))
     events.Reload()

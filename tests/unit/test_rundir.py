@@ -506,17 +506,17 @@ def test_a_batch_an_older_fleetrl_wrote_still_reads_and_an_unknown_key_names_the
 
 
 @pytest.mark.parametrize("key, value, said", [
-    ("lr", "fast", "lr is 'fast', not float"),
-    ("reward_mean", None, "reward_mean is None, not float"),
-    ("distance_max", 1.5, "distance_max is 1.5, not int"),
-    ("skipped", 0, "skipped is 0, not bool"),
-    ("loss", "nan", "loss is 'nan', not float or null"),
-    ("workers", [], "workers is [], not dict"),
+    ("lr", "fast", "lr is 'fast', not a valid number"),
+    ("reward_mean", None, "reward_mean is None, not a valid number"),
+    ("distance_max", 1.5, "distance_max is 1.5, not a valid integer"),
+    ("skipped", 0, "skipped is 0, not a valid boolean"),
+    ("loss", "nan", "loss is 'nan', not a valid number"),
+    ("workers", [], "workers is [], not a valid dictionary"),
 ])
 def test_a_value_of_another_type_is_an_error_naming_the_record_and_the_key(tmp_path, key, value, said):
     run = RunDir(make_run(tmp_path))
     lines = [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
     lines[2][key] = value
     run.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in lines))
-    with pytest.raises(RecordError, match=rf"^{run.metrics_path}: record 3: {re.escape(said)}$"):
+    with pytest.raises(RecordError, match=rf"^{run.metrics_path}: record 3: not a StepLine: {re.escape(said)}$"):
         run.read_metrics()

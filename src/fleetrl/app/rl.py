@@ -52,7 +52,7 @@ from fleetrl.orchestrator.evaluation import Evaluator
 from fleetrl.processes import (KILL_WAIT_S, STOP_BOUND_S, STOP_GRACE_S, STOP_WAITS_S, ManagedProcess, at_forced_exit,
                                 cancel_at_forced_exit, free_port, install_signal_handlers, start_process, stop_all,
                                 stop_groups, stop_signal, stop_time_left)
-from fleetrl.records import StepLine, StepWorker, TrainEvent, to_dict
+from fleetrl.records import StepLine, StepWorker, TrainEvent
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 from fleetrl.trainer import checkpoint, distributed
@@ -384,7 +384,7 @@ class RLRun:
             worker_versions=versions,
             workers={worker: StepWorker(
                 version=versions.get(worker),
-                **(to_dict(served[worker]) if worker in served else {}),  # what it served for the batch
+                **(served[worker].to_dict() if worker in served else {}),  # what it served for the batch
                 mismatch_kl=finite_or_none(metrics.worker_mismatch_kl[worker]) if worker in metrics.worker_mismatch_kl else None,
                 publish_s=report.worker_seconds.get(worker),
                 publish_bytes=report.received_bytes.get(worker))
