@@ -23,13 +23,13 @@ DROPPED_COLOR = "#ff00aa"  # the outline of a sample more than k versions behind
 
 def reward_plot(metrics: list[StepLine]) -> bytes:
     return _plot([m.step for m in metrics], "trainer step", "mean reward",
-                 {"reward mean": [m.reward_mean for m in metrics]})
+                 {"reward mean": [m.batch.reward_mean for m in metrics]})
 
 
 def off_policy_plot(metrics: list[StepLine]) -> bytes:
     return _plot([m.step for m in metrics], "trainer step", "off-policy distance", {
-        "max": [m.distance_max for m in metrics],
-        "mean": [m.distance_mean for m in metrics],
+        "max": [m.update.max_off_policy for m in metrics],
+        "mean": [m.update.mean_off_policy for m in metrics],
     })
 
 

@@ -4,7 +4,11 @@ another type, is an error that names the file and the record, not a KeyError or 
 three modules later).
 
     metrics.jsonl            StepLine       one per trained step: written by app/rl.py through
-                                            monitoring.StepSink, read by status, plots, verify
+                                            monitoring.StepSink, read by status, plots, verify; it
+                                            holds the producers' own records: the batch's
+                                            BatchMeta, the trainer's StepMetrics, the fleet's
+                                            PublishReport
+                             FlatStepLine   the flat form written before December 2026, read only
                              SftLine        a `fleetrl sft` run's instead (app/sft.py)
     batches/step_N.json      BatchMeta      Batch.meta: how the orchestrator made batch N, and how
                                             what it trains differs from what it generated
@@ -15,7 +19,7 @@ three modules later).
 
 Each type is a pydantic model (`Record`): its JSON is its fields by name (`to_dict`), and
 `read(data, where)` is the one way back. Nested figures are records too (`Figures`,
-`EnvFigures`, `WorkerFigures`, `StepWorker`).
+`EnvFigures`, `WorkerFigures`).
 """
 
 from __future__ import annotations
@@ -99,20 +103,6 @@ class WorkerFigures(Record):
     tokens_per_s: float  # of the batch's sampling time
 
 
-class StepWorker(Record):
-    """One worker in a step's line: its version after the publish, what it served for the batch
-    (None: nothing), its mismatch_kl, its time in the publish and the tensor bytes the publish
-    moved onto it (None: not measured; a LoRA run's publish moves its adapter alone)."""
-
-    version: int | None
-    completions: int | None = None
-    completion_tokens: int | None = None
-    tokens_per_s: float | None = None
-    mismatch_kl: float | None = None
-    publish_s: float | None = None
-    publish_bytes: int | None = None
-
-
 # -- the records -----------------------------------------------------------------------------
 
 class RolloutRecord(Record):
@@ -181,10 +171,114 @@ class BatchMeta(Record):
         return {k: v for k, v in data.items() if k not in cls.RETIRED} if isinstance(data, dict) else data
 
 
+class StepMetrics(Record):
+    """What one trainer step measured (trainer/step.py). KL and loss figures are None where they
+    were not finite or measured no token: JSON has no NaN."""
+
+    skipped: bool  # the loss or the gradient norm was not finite: the update was not applied
+    loss: float | None
+    grad_norm: float | None  # before clipping
+    lr: float  # the rate this step's update was made with (the schedule's)
+    sampler_kl: float | None  # mean k3 KL(inference || trainer now) over completion tokens: what the ratio corrects
+    mismatch_kl: float | None  # mean k3 KL(worker at v || trainer at v), v each token's version (trainer/mismatch.py)
+    staleness_kl: float | None  # mean k3 KL(trainer at v || trainer now), over the same tokens
+    mismatch_tokens: int  # the tokens those two are measured on
+    worker_mismatch_kl: dict[str, float | None]  # mismatch_kl of each worker's tokens
+    mismatch_outliers: list[str]  # the workers whose mismatch_kl stands out (trainer/mismatch.py)
+    ratio_mean: float | None
+    clip_frac: float | None  # tokens whose gradient the PPO clip removed
+    truncated_frac: float | None  # tokens whose weight the TIS cap lowered
+    masked_frac: float | None  # tokens masked importance sampling dropped (trainer.mis_*)
+    entropy: float | None  # mean entropy of the policy being trained, over completion tokens
+    ref_kl: float | None  # mean k3 KL(trainer || reference model) (trainer.kl_coef; 0 when off)
+    # The batch's largest and mean off-policy distance, recomputed here from its spans: what
+    # `fleetrl verify` checks, not the orchestrator's bookkeeping.
+    max_off_policy: int
+    mean_off_policy: float
+    samples: int
+    completion_tokens: int  # the tokens the loss saw (of a multi-turn episode: the model's turns)
+    tokens: int  # prompt + completion tokens of the batch's samples (the forward takes a group's prompt once)
+    tokens_per_s: float
+
+
+class PublishReport(Record):
+    """How one version's publish went (inference/fleet.py): which workers came out ready at
+    `version`, which failed and why, and each ready one's time, bytes and probe."""
+
+    version: int
+    seconds: float
+    checksum: str
+    ready: list[str]  # workers verified at `version` and resumed
+    failed: dict[str, str] = Field(default_factory=dict)  # worker id -> why it is dead or stale
+    # ready worker id -> seconds from the fence's start until it was verified (and passed the probe)
+    worker_seconds: dict[str, float] = Field(default_factory=dict)
+    probe: dict[str, float] = Field(default_factory=dict)  # worker id -> max |delta logprob| on the probe
+    # ready worker id -> the tensor bytes its ranks received (the most of any rank): what the
+    # publish moved onto it, a LoRA run's adapter alone or the whole model
+    received_bytes: dict[str, int] = Field(default_factory=dict)
+
+
 class StepLine(Record):
     """One trained step, as metrics.jsonl, TensorBoard, W&B, the live view and the printed line
-    have it (monitoring.StepSink). KL and loss figures are None where they were not finite or
-    measured no token: JSON has no NaN."""
+    have it (monitoring.StepSink): each part is the record of the part of the run that made it."""
+
+    step: int
+    batch: BatchMeta  # the orchestrator's (orchestrator/rollouts.py), as batches/step_N.json has it
+    update: StepMetrics  # the trainer's (trainer/step.py)
+    publish: PublishReport  # the fleet's, of this step's version (inference/fleet.py)
+    eval: dict[str, dict] | None  # per evaluated environment, at an evaluated step
+    worker_versions: dict[str, int]  # each ready worker's version once the publish was done
+    train_started: float  # wall times of the trainer's step
+    train_finished: float
+
+
+class SftLine(Record):
+    """One step of `fleetrl sft` (trainer/sft.py), in its metrics.jsonl and wherever StepSink
+    shows it; loss and grad_norm are None where they were not finite."""
+
+    step: int
+    skipped: bool
+    loss: float | None  # mean NLL per assistant token
+    grad_norm: float | None
+    lr: float
+    sequences: int
+    loss_tokens: int
+    tokens: int
+    micro_batches: int
+    tokens_per_s: float
+    train_started: float
+    train_finished: float
+
+
+class EvalLine(Record):
+    """One evaluation of `version`: when it began, how long it took, and each environment's
+    figures (prompts, samples, failed, reward_mean, reward_se, pass@1, pass@k)."""
+
+    version: int
+    started: float
+    seconds: float
+    envs: dict[str, dict]
+
+
+# -- the flat form of metrics.jsonl, before December 2026 --------------------------------------
+
+class StepWorker(Record):
+    """One worker in a flat step line: its version after the publish, what it served for the batch
+    (None: nothing), its mismatch_kl, its time in the publish and the tensor bytes the publish
+    moved onto it (None: not measured; a LoRA run's publish moves its adapter alone)."""
+
+    version: int | None
+    completions: int | None = None
+    completion_tokens: int | None = None
+    tokens_per_s: float | None = None
+    mismatch_kl: float | None = None
+    publish_s: float | None = None
+    publish_bytes: int | None = None
+
+
+class FlatStepLine(Record):
+    """A metrics.jsonl line as fleetrl wrote it before December 2026, every figure at the top:
+    read (`read_step_line`), never written, so that older runs still verify and resume."""
 
     step: int
     # The batch (orchestrator/rollouts.py): rewards, off-policy distances (recomputed by the
@@ -240,32 +334,11 @@ class StepLine(Record):
     train_finished: float
 
 
-class SftLine(Record):
-    """One step of `fleetrl sft` (trainer/sft.py), in its metrics.jsonl and wherever StepSink
-    shows it; loss and grad_norm are None where they were not finite."""
-
-    step: int
-    skipped: bool
-    loss: float | None  # mean NLL per assistant token
-    grad_norm: float | None
-    lr: float
-    sequences: int
-    loss_tokens: int
-    tokens: int
-    micro_batches: int
-    tokens_per_s: float
-    train_started: float
-    train_finished: float
-
-
-class EvalLine(Record):
-    """One evaluation of `version`: when it began, how long it took, and each environment's
-    figures (prompts, samples, failed, reward_mean, reward_se, pass@1, pass@k)."""
-
-    version: int
-    started: float
-    seconds: float
-    envs: dict[str, dict]
+def read_step_line(data: Any, where: str) -> StepLine | FlatStepLine:
+    """An rl run's metrics.jsonl line: a StepLine, or the flat form an older fleetrl wrote (it has
+    no `update`)."""
+    flat = isinstance(data, dict) and "update" not in data and "reward_mean" in data
+    return (FlatStepLine if flat else StepLine).read(data, where)
 
 
 # -- the timeline (events.jsonl) --------------------------------------------------------------

@@ -23,6 +23,7 @@ from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.model import resolve_model
 from fleetrl.processes import stop_all
+from fleetrl.records import StepLine
 from fleetrl.rundir import RunDir
 from fleetrl.tripwire import ENV as TRIPWIRE_ENV
 
@@ -249,10 +250,9 @@ def check_adapter_folders_trained(folders: list[Path]) -> None:
         assert any(t.any() for name, t in tensors.items() if name.endswith("lora_B.weight")), folder
 
 
-def read_metrics(run_dir) -> list[dict]:
-    """A run's metrics lines so far ([] before its first step)."""
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def read_metrics(run_dir) -> list[StepLine]:
+    """An rl run's step lines so far ([] before its first step), read as `fleetrl verify` reads them."""
+    return RunDir(run_dir).read_metrics() if (run_dir / "metrics.jsonl").exists() else []
 
 
 @contextmanager

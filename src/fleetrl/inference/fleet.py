@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.http import SINGLE_TRY
@@ -26,7 +26,7 @@ from fleetrl.inference.provider import (ImpostorWorker, InferenceProvider, Named
 from fleetrl.inference.types import (GenerateRequest, GenerateResponse, UnversionedTokens, WorkerInfo, WorkerRole,
                                      WorkerState)
 from fleetrl.processes import stopping
-from fleetrl.records import FenceEvent, FleetEvent, WorkerEvent
+from fleetrl.records import FenceEvent, FleetEvent, PublishReport, WorkerEvent
 from fleetrl.versions import VersionSpan
 
 # How many sessions keep their worker. A session is a rollout group (its turns and samples
@@ -49,21 +49,6 @@ UNKEPT_WEIGHTS = "the trainer streamed them from its GPUs during their publish a
 
 class PublishError(FleetrlError):
     pass
-
-
-@dataclass
-class PublishReport:
-    version: int
-    seconds: float
-    checksum: str
-    ready: list[str]  # workers verified at `version` and resumed
-    failed: dict[str, str] = field(default_factory=dict)  # worker id -> why it is dead or stale
-    # ready worker id -> seconds from the fence's start until it was verified (and passed the probe)
-    worker_seconds: dict[str, float] = field(default_factory=dict)
-    probe: dict[str, float] = field(default_factory=dict)  # worker id -> max |delta logprob| on the probe
-    # ready worker id -> the tensor bytes its ranks received (the most of any rank): what the
-    # publish moved onto it, a LoRA run's adapter alone or the whole model
-    received_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -629,8 +614,9 @@ class Fleet:
         await self._notify()
         if failed:
             self.log(f"fleetrl: publish v{version} excluded {self._format(failed)}")
-        return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed,
-                             probe=deltas, worker_seconds={w.id: done_s[w.id] for w in resumed},
+        return PublishReport(version=version, seconds=time.monotonic() - started, checksum=checksum,
+                             ready=[w.id for w in resumed], failed=failed, probe=deltas,
+                             worker_seconds={w.id: done_s[w.id] for w in resumed},
                              received_bytes={w.id: received[w.id] for w in resumed})
 
     async def _transfer(self, workers: list[WorkerInfo], transport: WeightTransport,
