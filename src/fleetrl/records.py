@@ -232,20 +232,26 @@ class StepLine(Record):
     train_finished: float
 
 
-class SftLine(Record):
-    """One step of `fleetrl sft` (trainer/sft.py), in its metrics.jsonl and wherever StepSink
-    shows it; loss and grad_norm are None where they were not finite."""
+class SftMetrics(Record):
+    """What one step of `fleetrl sft` measured (trainer/sft.py); loss and grad_norm are None
+    where they were not finite."""
 
     step: int
-    skipped: bool
+    skipped: bool  # the loss or the gradient norm was not finite: the update was not applied
     loss: float | None  # mean NLL per assistant token
-    grad_norm: float | None
+    grad_norm: float | None  # before clipping
     lr: float
     sequences: int
-    loss_tokens: int
-    tokens: int
-    micro_batches: int
+    loss_tokens: int  # the assistant tokens the loss saw
+    tokens: int  # every token of the step's sequences
+    micro_batches: int  # the forwards of each rank
     tokens_per_s: float
+
+
+class SftLine(SftMetrics):
+    """One step of `fleetrl sft`, in its metrics.jsonl and wherever StepSink shows it: what the
+    step measured, at the top of the line as before, and its wall times."""
+
     train_started: float
     train_finished: float
 

@@ -20,7 +20,7 @@ from fleetrl import failpoints
 from fleetrl.batch import Batch
 from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
-from fleetrl.records import StepMetrics
+from fleetrl.records import SftMetrics, StepMetrics
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.distributed import World
@@ -132,7 +132,7 @@ def hand_start_weights(model: torch.nn.Module, world: World, version: int, probe
         hooks.start_weights(version, weights, probe_ids, reference)
 
 
-def nonfinite_step(metrics: StepMetrics) -> str:
+def nonfinite_step(metrics: StepMetrics | SftMetrics) -> str:
     """What made a skipped step skip, e.g. "loss is not finite"."""
     values = {"loss": metrics.loss, "grad norm": metrics.grad_norm}
     return ", ".join(f"{name} is not finite" for name, value in values.items() if value is None)
