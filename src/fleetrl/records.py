@@ -17,9 +17,9 @@ three modules later).
                                             samples are RolloutRecords, in eval/step_N.jsonl
     events.jsonl             WorkerEvent, FenceEvent, SampleEvent, TrainEvent: the timeline
 
-Each type is a pydantic model (`Record`): its JSON is its fields by name (`to_dict`), and
-`read(data, where)` is the one way back. Nested figures are records too (`Figures`,
-`EnvFigures`, `WorkerFigures`).
+Each type is a strict pydantic model (`Record`, fleetrl/strict.py): its JSON is its fields by
+name (`to_dict`), and `read(data, where)` is the one way back. Nested figures are records too
+(`Figures`, `EnvFigures`, `WorkerFigures`).
 """
 
 from __future__ import annotations
@@ -28,50 +28,13 @@ import time
 import typing
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from fleetrl.errors import FleetrlError
-
-
-class RecordError(FleetrlError):
-    """A record file's line is not of its record type."""
+from fleetrl.strict import RecordError, Strict
 
 
-class Record(BaseModel):
-    """A record: its fields are its JSON object's keys, each value of its field's type (strict:
-    no int read as a bool, no str as a number), no key unknown; it never changes once made."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-    @classmethod
-    def read(cls, data: Any, where: str) -> typing.Self:
-        """`data` (decoded JSON) as this record, or a RecordError naming `where` and each key."""
-        try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            raise RecordError(f"{where}: {_problems(cls, e)}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record as the JSON object its file holds."""
-        return self.model_dump(mode="json")
-
-
-def _problems(cls: type[Record], error: ValidationError) -> str:
-    """A validation error in one line: the keys unknown and missing, then each value of another type."""
-    unknown, missing, wrong = [], [], []
-    for problem in error.errors(include_url=False):
-        where = ".".join(str(part) for part in problem["loc"])
-        if problem["type"] == "extra_forbidden":
-            unknown.append(where)
-        elif problem["type"] == "missing":
-            missing.append(where)
-        elif problem["type"] == "model_type" and not problem["loc"]:
-            return f"not an object but {type(problem['input']).__name__}"
-        else:  # pydantic says "Input should be a valid integer", and the like
-            expected = problem["msg"].removeprefix("Input should be ")
-            wrong.append(f"{where} is {problem['input']!r}, " + (f"not {expected}" if expected != problem["msg"] else expected))
-    keys = ([f"unknown {', '.join(unknown)}"] if unknown else []) + ([f"missing {', '.join(missing)}"] if missing else [])
-    return f"not a {cls.__name__}: " + "; ".join(keys + wrong)
+class Record(Strict):
+    """A record of the run directory's files."""
 
 
 # -- figures nested in the records -----------------------------------------------------------
