@@ -48,7 +48,7 @@ class ShmTransport:
         path = self.folder / f"{self._prefix}-v{version}.bin"
         try:
             update_info, checksum = await asyncio.to_thread(self._write, path, named_tensors())
-            await fanout.update_in_phases(workers, ShmInit(self.target).to_dict(), update_info, version,
+            await fanout.update_in_phases(workers, ShmInit(target=self.target).to_dict(), update_info, version,
                                           self.timeout_s)
         finally:
             # The workers' mappings outlive the name: the memory is freed with the last of them.
