@@ -27,12 +27,12 @@ NOT_CHARTED = ("step", "version", "dispatch_version", "rollout_started", "rollou
 
 def scalars(line: dict, prefix: str = "") -> dict[str, float]:
     """The numbers of one step line (as metrics.jsonl has it), by chart name: their path in it
-    (None, booleans and text are left out)."""
+    (a boolean as 0 or 1; None and text are left out)."""
     out = {}
     for key, value in line.items():
         if isinstance(value, dict):
             out.update(scalars(value, f"{prefix}{key}/"))
-        elif key not in NOT_CHARTED and isinstance(value, int | float) and not isinstance(value, bool):
+        elif key not in NOT_CHARTED and isinstance(value, int | float):
             out[f"{prefix}{key}"] = float(value)
     return out
 
