@@ -2,7 +2,6 @@
 
 import copy
 import fcntl
-import json
 import os
 import pty
 import signal
@@ -221,9 +220,9 @@ def check_episodes(run_dir: Path, steps: int, max_turns: int) -> None:
     """Every sample of a multi-turn run is an episode: up to max_turns model turns, the loss on
     exactly those, a span opened by each; feedback after a wrong answer gave some a second turn."""
     run = RunDir(run_dir)
-    records = [json.loads(line) for step in range(1, steps + 1) for line in run.rollouts_path(step).read_text().splitlines()]
-    assert records and all(1 <= len(r["turns"]) <= max_turns and r["end"] in ("done", "max_turns") for r in records)
-    assert any(len(r["turns"]) == 2 for r in records), [r["messages"] for r in records]
+    records = [record for step in range(1, steps + 1) for record in run.read_rollouts(step)]
+    assert records and all(1 <= len(r.turns) <= max_turns and r.end in ("done", "max_turns") for r in records)
+    assert any(len(r.turns) == 2 for r in records), [r.messages for r in records]
     for sample in run.read_batch(1).samples:
         model = {i for start, end in sample.turns for i in range(start, end)}
         assert {i for i, m in enumerate(sample.loss_mask) if m} == model

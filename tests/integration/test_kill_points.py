@@ -312,9 +312,9 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
     assert done[0].update.ref_kl == pytest.approx(0.0, abs=1e-9)
     assert all(m.update.ref_kl > 0 for m in done[1:]) and done[0].update.grad_norm > 0, [m.update for m in done]
     # The resumed run refitted the workers to the checkpoint's version before any rollout.
-    batch5 = json.loads((run_dir / "batches" / "step_000005.json").read_text())
-    assert batch5["meta"]["dispatch_version"] == 4
-    assert all(span["version"] == 4 for s in batch5["samples"] for span in s["spans"])
+    batch5 = RunDir(run_dir).read_batch(5)
+    assert batch5.meta.dispatch_version == 4
+    assert all(span.version == 4 for s in batch5.samples for span in s.spans)
     final = json.loads((run_dir / "final.json").read_text())
     assert sorted(final["workers"]) == urls
     assert all(w["version"] == STEPS and w["checksum"] == done[-1].publish.checksum for w in final["workers"].values())

@@ -307,9 +307,9 @@ def test_the_resume_goes_on_from_the_checkpoint_at_its_version(resumed):
     before any rollout: the resumed step's samples are all of it."""
     checkpoint = resumed.steps - 1
     assert f"resuming after step {checkpoint}" in plain(resumed.out)
-    batch = json.loads((resumed.run_dir / "batches" / f"step_{resumed.steps:06d}.json").read_text())
-    assert batch["meta"]["dispatch_version"] == checkpoint
-    assert all(span["version"] == checkpoint for sample in batch["samples"] for span in sample["spans"])
+    batch = RunDir(resumed.run_dir).read_batch(resumed.steps)
+    assert batch.meta.dispatch_version == checkpoint
+    assert all(span.version == checkpoint for sample in batch.samples for span in sample.spans)
 
 
 def quickstart(command: str, run_dir: Path) -> subprocess.CompletedProcess:
