@@ -48,13 +48,11 @@ class Figures(Record):
     completion_tokens_mean: float | None
 
 
-class EnvFigures(Record):
-    """One environment's part of a batch (orchestrator.envs)."""
+class EnvFigures(Figures):
+    """One environment's part of a batch (orchestrator.envs): the figures of what it generated,
+    its groups, and how many of its samples were trained."""
 
     groups: int
-    samples: int
-    reward_mean: float | None
-    completion_tokens_mean: float | None
     trained_samples: int
 
 

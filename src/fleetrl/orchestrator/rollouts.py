@@ -366,9 +366,7 @@ def env_figures(records: list[RolloutRecord]) -> dict[str, EnvFigures]:
     out: dict[str, EnvFigures] = {}
     for name in sorted({r.env for r in records}):
         mine = [r for r in records if r.env == name]
-        figures = batch_figures(mine)
-        out[name] = EnvFigures(groups=len({r.group for r in mine}), samples=figures.samples,
-                               reward_mean=figures.reward_mean, completion_tokens_mean=figures.completion_tokens_mean,
+        out[name] = EnvFigures(**batch_figures(mine).model_dump(), groups=len({r.group for r in mine}),
                                trained_samples=sum(r.trained for r in mine))
     return out
 
