@@ -58,7 +58,6 @@ class Sample:
 class Batch:
     step: int
     samples: list[Sample]
-    dropped: int = 0  # samples discarded for exceeding max_off_policy_steps
     meta: BatchMeta | None = None  # the orchestrator's (None: a batch made by hand, in tests)
 
     def distances(self) -> list[int]:
@@ -73,4 +72,5 @@ class Batch:
         data = json.loads(text)
         samples = [Sample(**{**s, "spans": [VersionSpan(**sp) for sp in s["spans"]]}) for s in data["samples"]]
         meta = BatchMeta.read(data["meta"], f"{where}: meta") if data["meta"] is not None else None
-        return cls(step=data["step"], samples=samples, dropped=data["dropped"], meta=meta)
+        # A batch written until December 2026 also has "dropped", which meta.dropped_by holds.
+        return cls(step=data["step"], samples=samples, meta=meta)

@@ -104,8 +104,9 @@ class BatchMeta(Record):
     """How batch `step` was made; the figures of what it trains are those of its records."""
 
     # Written until December 2026, never read: the admission wait's start, k (config.toml has it),
-    # and two drop counts dropped_by holds.
-    RETIRED: ClassVar = ("waited_from", "max_off_policy_steps", "tool_failed", "env_failed")
+    # and five drop counts dropped_by holds.
+    RETIRED: ClassVar = ("waited_from", "max_off_policy_steps", "tool_failed", "env_failed", "misversioned",
+                         "reward_failed", "empty")
 
     sampled_prompts: int  # groups sampled (more than batch_prompts under dynamic sampling)
     filtered: int  # groups dynamic sampling dropped
@@ -121,9 +122,6 @@ class BatchMeta(Record):
     reward_std: float
     distance_max: int  # over the trained samples
     distance_mean: float
-    misversioned: int
-    reward_failed: int
-    empty: int
 
     @model_validator(mode="before")
     @classmethod

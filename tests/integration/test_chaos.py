@@ -142,7 +142,7 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
     assert proc.returncode != 0
     done = read_metrics(run_dir)
     assert [m.step for m in done] == list(range(1, len(done) + 1))
-    assert all(m.update.max_off_policy == 0 and m.batch.misversioned == 0 for m in done)
+    assert all(m.update.max_off_policy == 0 and "misversioned" not in m.batch.dropped_by for m in done)
     check_episodes(run_dir, len(done), max_turns=2)
     records = [r for step in range(1, len(done) + 1) for r in RunDir(run_dir).read_rollouts(step)]
     assert {r.env for r in records} == {"examples.my_envs.guess:Guess"}
@@ -184,7 +184,7 @@ def test_the_quickstarts_dynamo_run_then_sigkill_leaves_no_process(tmp_path):
     print(f"\nchaos: Dynamo frontend, worker and engine core gone {gone_after:.1f} s after SIGKILL of fleetrl rl")
     done = read_metrics(run_dir)
     assert [m.step for m in done[:1]] == [1] and "1 trainer rank(s), env reverse_text" in log_path.read_text()
-    assert all(m.update.max_off_policy <= 1 and m.batch.misversioned == 0 for m in done)
+    assert all(m.update.max_off_policy <= 1 and "misversioned" not in m.batch.dropped_by for m in done)
     assert list(done[0].worker_versions.values()) == [1]  # Dynamo's one worker, at v1 after step 1
 
 
@@ -215,7 +215,7 @@ def test_a_dynamo_lora_worker_killed_is_replaced_and_serves_the_trained_adapter(
                 pass
     done = read_metrics(run_dir)
     assert [m.step for m in done] == [1, 2, 3] and "2 trainer rank(s)" in log_path.read_text()
-    assert all(m.update.max_off_policy <= 1 and m.batch.misversioned == 0 for m in done)
+    assert all(m.update.max_off_policy <= 1 and "misversioned" not in m.batch.dropped_by for m in done)
     # Sampled through the adapter the trainer had at each version, the replacement's samples included.
     assert all(m.update.mismatch_kl <= 1e-6 for m in done), [m.update.mismatch_kl for m in done]
     first, last = done[0].worker_versions, done[-1].worker_versions

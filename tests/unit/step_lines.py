@@ -9,7 +9,7 @@ BATCH = BatchMeta(
     envs={"reverse": EnvFigures(groups=2, samples=8, reward_mean=0.25, completion_tokens_mean=12.0, trained_samples=8)},
     workers={"w0": WorkerFigures(completions=8, completion_tokens=96, tokens_per_s=12.0)},
     rollout_started=1e9, rollout_finished=1e9 + 5, dispatch_version=0, reward_mean=0.25, reward_std=0.1,
-    distance_max=1, distance_mean=0.5, misversioned=0, reward_failed=0, empty=0)
+    distance_max=1, distance_mean=0.5)
 UPDATE = StepMetrics(
     skipped=False, loss=None, grad_norm=1.5, lr=2e-5, sampler_kl=0.01, mismatch_kl=1e-10, staleness_kl=0.01,
     mismatch_tokens=96, worker_mismatch_kl={"w0": 1e-10}, mismatch_outliers=[], ratio_mean=1.0, clip_frac=0.0,

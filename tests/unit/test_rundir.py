@@ -486,7 +486,7 @@ def test_events_are_synced_off_the_thread_that_appends_them(tmp_path, monkeypatc
 
 
 def test_a_batch_an_older_fleetrl_wrote_still_reads_and_an_unknown_key_names_the_file(tmp_path):
-    """Batches written before BatchMeta carried four keys it no longer has: a run resumed or
+    """Batches written before BatchMeta carried seven keys it no longer has: a run resumed or
     verified across the upgrade reads them; a key no fleetrl wrote is an error naming the file."""
     from fleetrl.records import BatchMeta, Figures
 
@@ -494,10 +494,12 @@ def test_a_batch_an_older_fleetrl_wrote_still_reads_and_an_unknown_key_names_the
     figures = Figures(samples=1, reward_mean=1.0, completion_tokens_mean=3.0)
     meta = BatchMeta(sampled_prompts=1, filtered=0, generated=figures, trained=figures, dropped_by={}, envs={},
                      workers={}, rollout_started=1.0, rollout_finished=2.0, dispatch_version=0, reward_mean=1.0,
-                     reward_std=0.0, distance_max=0, distance_mean=0.0, misversioned=0, reward_failed=0, empty=0)
+                     reward_std=0.0, distance_max=0, distance_mean=0.0)
     run.write_batch(Batch(1, [sample([(0, 0)])], meta=meta))
     data = json.loads(run.batch_path(1).read_text())
-    data["meta"].update(waited_from=0.5, max_off_policy_steps=1, tool_failed=0, env_failed=0)
+    data["meta"].update(waited_from=0.5, max_off_policy_steps=1, tool_failed=0, env_failed=0, misversioned=0,
+                        reward_failed=0, empty=0)
+    data["dropped"] = 0
     run.batch_path(1).write_text(json.dumps(data))
     assert run.read_batch(1).meta == meta
     data["meta"]["kl"] = 0.1

@@ -166,11 +166,8 @@ class Orchestrator:
             reward_std=math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
             distance_max=max(distances),
             distance_mean=sum(distances) / len(distances),
-            misversioned=drops["misversioned"],
-            reward_failed=drops["reward_failed"],
-            empty=drops["empty"],
         )
-        return Batch(step=step, samples=samples, dropped=drops["off_policy"], meta=meta)
+        return Batch(step=step, samples=samples, meta=meta)
 
     async def _sample_groups(self, step: int, window: list[Drawn]) -> list[list[Scored]]:
         """The groups of batch `step`: its first batch_prompts tasks, and with dynamic sampling,
