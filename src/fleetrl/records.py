@@ -8,7 +8,8 @@ three modules later).
                                             holds the producers' own records: the batch's
                                             BatchMeta, the trainer's StepMetrics, the fleet's
                                             PublishReport
-                             FlatStepLine   the flat form written before December 2026, read only
+                             FlatStepLine   the flat form written before December 2026: read,
+                                            never written (`read_step_line`)
                              SftLine        a `fleetrl sft` run's instead (app/sft.py)
     batches/step_N.json      BatchMeta      Batch.meta: how the orchestrator made batch N, and how
                                             what it trains differs from what it generated
@@ -243,7 +244,8 @@ class StepWorker(Record):
 
 class FlatStepLine(Record):
     """A metrics.jsonl line as fleetrl wrote it before December 2026, every figure at the top:
-    read (`read_step_line`), never written, so that older runs still verify and resume."""
+    read (`read_step_line`), never written, so that older runs still verify, resume, show and
+    plot. What both forms are read for goes through `trained_distance` and `reward_mean`."""
 
     step: int
     # The batch (orchestrator/rollouts.py): rewards, off-policy distances (recomputed by the
@@ -304,6 +306,19 @@ def read_step_line(data: Any, where: str) -> StepLine | FlatStepLine:
     no `update`)."""
     flat = isinstance(data, dict) and "update" not in data and "reward_mean" in data
     return (FlatStepLine if flat else StepLine).read(data, where)
+
+
+def trained_distance(line: StepLine | FlatStepLine) -> tuple[int, float]:
+    """The largest and the mean off-policy distance step `line.step` trained at, as the trainer
+    read them from the spans."""
+    if isinstance(line, FlatStepLine):
+        return line.distance_max, line.distance_mean
+    return line.update.max_off_policy, line.update.mean_off_policy
+
+
+def reward_mean(line: StepLine | FlatStepLine) -> float:
+    """The mean reward of every scored sample generated for step `line.step`."""
+    return line.reward_mean if isinstance(line, FlatStepLine) else line.batch.reward_mean
 
 
 # -- the timeline (events.jsonl) --------------------------------------------------------------

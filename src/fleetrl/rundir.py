@@ -26,8 +26,8 @@ from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import eval_plot, off_policy_plot, reward_plot, timeline_plot
-from fleetrl.records import (EvalLine, FlatStepLine, FleetEvent, RecordError, RolloutRecord, SftLine, StepLine,
-                             event_to_dict, read_event, read_step_line)
+from fleetrl.records import (EvalLine, FlatStepLine, FleetEvent, RolloutRecord, SftLine, StepLine, event_to_dict,
+                             read_event, read_step_line, trained_distance)
 from fleetrl.versions import is_run_id, new_run_id, off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -253,7 +253,7 @@ class RunDir:
         try:
             self.check_kind()
             config_text = to_toml(config)  # read back as it was, or refused: before anything is removed
-            metrics = self.read_metrics(flat_too=True)  # a resume keeps an older fleetrl's lines
+            metrics = self.read_metrics()
             episodes = read_json_lines(self.verifiers_episodes_path, self.log)
             events = self.read_events()  # a torn last line is dropped, as from the metrics
             if not resume and metrics:
@@ -434,21 +434,10 @@ class RunDir:
     def read_evals(self) -> list[EvalLine]:
         return self._read_records(self.eval_path, EvalLine.read)
 
-    def read_metrics(self, flat_too: bool = False) -> list[StepLine] | list[SftLine]:
-        """`flat_too`: an rl run's lines in the flat form of a fleetrl before December 2026
-        (records.FlatStepLine) are read too, by those that need only `step` and what verify checks
-        (`trained_distance`, `worker_versions`); else they are refused in a line that says so."""
-        if self.lines is SftLine:
-            return self._read_records(self.metrics_path, SftLine.read)
-        return self._read_records(self.metrics_path, lambda data, where: self._step_line(data, where, flat_too))
-
-    @staticmethod
-    def _step_line(data: object, where: str, flat_too: bool) -> StepLine | FlatStepLine:
-        line = read_step_line(data, where)
-        if isinstance(line, FlatStepLine) and not flat_too:
-            raise RecordError(f"{where}: a step line in the flat form of a fleetrl before December 2026: "
-                              "`fleetrl verify` and `fleetrl status` read it, this command does not")
-        return line
+    def read_metrics(self) -> list[StepLine | FlatStepLine] | list[SftLine]:
+        """An rl run's lines may be in the flat form of a fleetrl before December 2026 (a run
+        resumed across the upgrade has both): records.read_step_line reads either."""
+        return self._read_records(self.metrics_path, SftLine.read if self.lines is SftLine else read_step_line)
 
     def write_final(self, final: dict) -> Path:
         return atomic_write(self.final_path, json.dumps(final, indent=1))
@@ -554,12 +543,12 @@ def verify_run(root: Path) -> str:
         return verify_sft_run(RunDir(root, kind="sft"), len(listed))
     orchestrator = load_config([run_dir.config_path], []).orchestrator
     k = orchestrator.max_off_policy_steps
-    metrics = run_dir.read_metrics(flat_too=True)
+    metrics = run_dir.read_metrics()
     if not metrics:
         raise VerifyError("metrics.jsonl has no step")
     for line in metrics:
-        if trained_distance(line) > k:
-            raise VerifyError(f"step {line.step}: off-policy distance {trained_distance(line)} > k = {k}")
+        if (distance := trained_distance(line)[0]) > k:
+            raise VerifyError(f"step {line.step}: off-policy distance {distance} > k = {k}")
     samples = 0
     for line in metrics:
         batch = run_dir.read_batch(line.step)
@@ -578,13 +567,8 @@ def verify_run(root: Path) -> str:
         if version != final.step:
             raise VerifyError(f"worker {worker} ended at version {version}, not the final version {final.step}")
     return (f"{run_dir.root}: {len(listed)} artifacts match the manifest; {len(metrics)} steps, {samples} trained "
-            f"samples, max off-policy distance {max(trained_distance(m) for m in metrics)} <= k = {k}; "
+            f"samples, max off-policy distance {max(trained_distance(m)[0] for m in metrics)} <= k = {k}; "
             f"{len(final.worker_versions)} worker(s) at the final version {final.step}")
-
-
-def trained_distance(line: StepLine | FlatStepLine) -> int:
-    """The largest off-policy distance step `line.step` trained at, as the trainer read the spans."""
-    return line.distance_max if isinstance(line, FlatStepLine) else line.update.max_off_policy
 
 
 def verify_sft_run(run_dir: RunDir, artifacts: int) -> str:

@@ -543,21 +543,18 @@ FLAT_LINE = {
     "train_started": 1e9 + 5, "train_finished": 1e9 + 9}
 
 
-def test_a_run_an_older_fleetrl_wrote_in_the_flat_form_still_verifies_and_resumes(tmp_path):
+def test_a_run_an_older_fleetrl_wrote_in_the_flat_form_still_verifies_resumes_and_plots(tmp_path):
     """Its lines are read by the one reader of the flat form (records.FlatStepLine); a resume
-    keeps them, and appends lines of today's form after them."""
+    keeps them, and appends lines of today's form after them, and both are plotted."""
     run = make_run(tmp_path, steps=3)
     lines = [{**FLAT_LINE, "step": step, "distance_max": 0 if step == 1 else 1,
               "worker_versions": {"vllm-0": step, "vllm-1": step}} for step in (1, 2, 3)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     RunDir(run).write_manifest()
     assert "3 steps, 3 trained samples, max off-policy distance 1 <= k = 1" in verify_run(run)
-    assert [line.step for line in RunDir(run).read_metrics(flat_too=True)] == [1, 2, 3]
-    with pytest.raises(RecordError, match=r"record 1: a step line in the flat form of a fleetrl before December 2026"):
-        RunDir(run).read_metrics()
     resumed = RunDir(run, log=lambda *_: None)
     resumed.start(load_config([resumed.config_path], []), resume=2)
     resumed.append_metrics(step_line(3))
-    assert [type(line).__name__ for line in resumed.read_metrics(flat_too=True)] == [
-        "FlatStepLine", "FlatStepLine", "StepLine"]
+    assert [type(line).__name__ for line in resumed.read_metrics()] == ["FlatStepLine", "FlatStepLine", "StepLine"]
+    assert all(path.stat().st_size > 0 for path in resumed.write_plots())
     resumed.close()

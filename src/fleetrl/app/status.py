@@ -130,7 +130,7 @@ def mark_stale(rows: list[WorkerRow]) -> None:
 
 
 def steps_done(run: RunDir) -> str:
-    steps = run.read_metrics(flat_too=True)  # only their steps
+    steps = run.read_metrics()
     max_steps = _max_steps(run)
     done = f"step {steps[-1].step} of {max_steps} done" if steps else f"no step done yet (of {max_steps})"
     return done + last_evaluation(run)
