@@ -53,6 +53,7 @@ def problems(cls: type[BaseModel], error: ValidationError) -> str:
             wrong.append(str(problem["ctx"]["error"]))
         else:  # pydantic says "Input should be a valid integer", and the like
             expected = problem["msg"].removeprefix("Input should be ")
-            wrong.append(f"{where} is {problem['input']!r}, " + (f"not {expected}" if expected != problem["msg"] else expected))
-    keys = ([f"unknown {', '.join(unknown)}"] if unknown else []) + ([f"missing {', '.join(missing)}"] if missing else [])
+            said = f"not {expected}" if expected != problem["msg"] else expected
+            wrong.append(f"{where} is {problem['input']!r}, {said}")
+    keys = [f"{what} {', '.join(names)}" for what, names in (("unknown", unknown), ("missing", missing)) if names]
     return f"not a {cls.__name__}: " + "; ".join(keys + wrong)

@@ -131,7 +131,8 @@ def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
     ({"transport": "carrier-pigeon"}, "not one of"),
     ({"transport": "broadcast", "master_address": "h"}, "needs master_address"),
     ({"transport": "filesystem", "colour": "red"}, "^init_info: not a FilesystemInit: unknown colour$"),
-    ({"transport": "filesystem", "target": "optimizer"}, "init_info: .*target is 'optimizer', not 'model' or 'adapter'"),
+    ({"transport": "filesystem", "target": "optimizer"},
+     "init_info: .*target is 'optimizer', not 'model' or 'adapter'"),
     ({"transport": "broadcast", "master_address": "h", "master_port": "29500", "group_name": "g", "world_size": 2},
      "init_info: not a BroadcastInit: master_port is '29500', not a valid integer"),
 ])

@@ -288,7 +288,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     per_completion_token = lambda value: finite_or_none(value.item() / num_tokens)  # noqa: E731
     # Samples that name no worker (None) count in the totals only.
     by_worker = {worker: kl / tokens for worker, kl, tokens in zip(
-        workers, measured.worker_mismatch_kl.tolist(), measured.worker_tokens.tolist()) if tokens and worker is not None}
+        workers, measured.worker_mismatch_kl.tolist(), measured.worker_tokens.tolist())
+        if tokens and worker is not None}
     return StepMetrics(
         skipped=skipped,
         loss=per_completion_token(total.loss),
