@@ -82,7 +82,7 @@ def spec(name: str) -> TransportSpec:
 
 
 def check_name(name: object, what: str) -> None:
-    if name not in TRANSPORTS:
+    if not isinstance(name, str) or name not in TRANSPORTS:
         raise ValueError(f"{what}: {name!r} is not one of {', '.join(TRANSPORTS)}")
 
 

@@ -62,7 +62,10 @@ checkpoint_interval = 2
 rank = 8
 
 [run]
-max_steps = 10
+# A bound, not the length: SIGTERM ends the run once the restarted worker serves. Steps whose
+# groups all score alike train nothing and take seconds, and 10 of them once ended the run while
+# the replacement was still starting, before the test could see it readmitted.
+max_steps = 200
 """
 
 

@@ -205,6 +205,17 @@ def test_the_weight_transport_is_a_name_of_the_registry():
         load_config([], [("inference.dynamo.prefill_workers", "1")])
 
 
+def test_the_shared_memory_transport_takes_workers_on_this_host_only():
+    shm = ("inference.weights.transport", "shm")
+    assert load_config([], [shm, ("inference.urls", '["http://127.0.0.1:8001", "localhost:8002"]')])
+    with pytest.raises(ConfigError, match=r"'shm' reaches workers on this host only, but inference.urls names "
+                                          r"'http://10.0.0.5:8000': use broadcast or filesystem"):
+        load_config([], [shm, ("inference.urls", '["http://127.0.0.1:8001", "http://10.0.0.5:8000"]')])
+    with pytest.raises(ConfigError, match=r"but inference.dynamo.frontend_url names 'http://frontend:8000'"):
+        load_config([], [shm, ("inference.provider", "dynamo"), ("inference.dynamo.frontend_url", "http://frontend:8000"),
+                         ("inference.dynamo.rl_url", "http://127.0.0.1:9000")])
+
+
 # -- bad input refused before anything starts (issue 10) -----------------------------------
 
 

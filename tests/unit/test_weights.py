@@ -5,6 +5,8 @@ against its receiver in a second process."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -465,6 +467,22 @@ class PipeWorker:
         return call
 
 
+@contextmanager
+def pipe_worker() -> Iterator[PipeWorker]:
+    """A PipeWorker whose rank runs in a spawned process for the block, stopped however it ends."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    rank = ctx.Process(target=_worker_rank, args=(child,), daemon=True)
+    rank.start()
+    try:
+        yield PipeWorker(conn)
+    finally:
+        conn.send(None)
+        rank.join(timeout=30)
+        if rank.is_alive():
+            rank.kill()
+
+
 @pytest.mark.parametrize("kind", TRANSPORTS)
 def test_each_transport_delivers_to_its_receiver_bit_exact(kind, tmp_path):
     """The sender's checksum is the receiving rank's, over the wire records both sides read; the
@@ -475,11 +493,6 @@ def test_each_transport_delivers_to_its_receiver_bit_exact(kind, tmp_path):
     from fleetrl.weights.factory import make_transport
 
     named = [(f"{i}.{n}", t) for i, (n, t) in enumerate(sample_tensors() * 3)]
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    rank = ctx.Process(target=_worker_rank, args=(child,), daemon=True)
-    rank.start()
-    worker = PipeWorker(conn)
 
     async def publish_twice() -> list[str]:
         transport = make_transport(kind, host="127.0.0.1", bucket_bytes=128, storage_dir=tmp_path, timeout_s=60)
@@ -488,13 +501,8 @@ def test_each_transport_delivers_to_its_receiver_bit_exact(kind, tmp_path):
         finally:
             await transport.close()
 
-    try:
+    with pipe_worker() as worker:
         sent = asyncio.run(publish_twice())
-    finally:
-        conn.send(None)
-        rank.join(timeout=30)
-        if rank.is_alive():
-            rank.kill()
     calls = [method for method, _ in worker.answers]
     assert sent == [checksum for method, checksum in worker.answers if method == "finish"] == [digest(named)] * 2
     if kind == "broadcast":

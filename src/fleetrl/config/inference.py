@@ -203,6 +203,17 @@ class InferenceConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _shared_memory_needs_this_host(self) -> "InferenceConfig":
+        # The shm transport's file is in this host's memory: a worker elsewhere would fail every publish.
+        if self.weights.transport == "shm":
+            for key, url in [("inference.urls", u) for u in self.urls] + [
+                    (f"inference.dynamo.{name}", getattr(self.dynamo, name)) for name in ("frontend_url", "rl_url")]:
+                if url and server_address(url)[1] != "localhost":
+                    raise ValueError(f"inference.weights.transport 'shm' reaches workers on this host only, but "
+                                     f"{key} names {url!r}: use broadcast or filesystem")
+        return self
+
+    @model_validator(mode="after")
     def _claim_outlasts_its_renewals(self) -> "InferenceConfig":
         renewal_s = self.discovery_interval_s + 2 * self.health_timeout_s
         if self.claim_trusted_s() < renewal_s:

@@ -17,11 +17,12 @@ class WeightsConfig(Section):
 
     transport: str = Field(
         "broadcast",
-        description="How weights reach workers: a transport of the registry (fleetrl/transports.py), e.g. "
-        "broadcast (torch.distributed, gloo/NCCL) or filesystem (safetensors shards on shared storage).",
+        description="How weights reach workers: a transport of the registry (fleetrl/transports.py): "
+        "broadcast (torch.distributed, gloo/NCCL), filesystem (safetensors shards on shared storage) or shm "
+        "(one file in this host's shared memory, for workers on the trainer's host only).",
     )
     bucket_mb: int = Field(
-        128, ge=1, description="Broadcast bucket size, or filesystem shard size, in MiB."
+        128, ge=1, description="Broadcast bucket size, filesystem shard size, or what shm packs at once, in MiB."
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto",

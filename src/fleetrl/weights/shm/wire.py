@@ -6,11 +6,20 @@
 
 from __future__ import annotations
 
+import re
+import tempfile
+from pathlib import Path
 from typing import Any, ClassVar
 
 from fleetrl.strict import Strict
 from fleetrl.weights.buckets import TensorMeta
 from fleetrl.weights.target import GrouplessInit
+
+# The host's shared memory where it has one (Linux); the temporary folder otherwise.
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+# fleetrl-weights-{writer's pid}-{a random id per version}-v{version}.bin: the pid lets a later
+# transport remove what a killed trainer left; the random id makes the name unguessable.
+FILE_NAME = re.compile(r"fleetrl-weights-(\d+)-[0-9a-f]{32}-v\d+\.bin")
 
 
 class ShmInit(GrouplessInit):
