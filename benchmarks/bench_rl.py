@@ -28,7 +28,6 @@ same seed).
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import psutil
 from bench_report import record
 
 from fleetrl.contract import NATIVE_SERVER_MODULE
+from fleetrl.rundir import RunDir
 
 SAMPLE_S = 0.5
 
@@ -87,21 +87,21 @@ def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int
         time.sleep(SAMPLE_S)
     if proc.returncode != 0:
         raise SystemExit(f"bench_rl: {' '.join(cmd)} failed ({proc.returncode})")
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = RunDir(run_dir).read_metrics()
     steady = metrics[1:]
     # From the end of step 1's training to the end of the last's, per step: at k = 1 a step's
     # rollouts start during the previous step's training, so a window opened at the first
     # steady rollout would hold more than its steps and charge k = 1 for its own overlap.
-    seconds = (steady[-1]["train_finished"] - metrics[0]["train_finished"]) / len(steady)
-    rollout = sum(m["rollout_finished"] - m["rollout_started"] for m in steady) / len(steady)
-    train = sum(m["train_finished"] - m["train_started"] for m in steady) / len(steady)
-    publish = sum(m["publish_s"] for m in steady) / len(steady)
+    seconds = (steady[-1].train_finished - metrics[0].train_finished) / len(steady)
+    rollout = sum(m.batch.rollout_finished - m.batch.rollout_started for m in steady) / len(steady)
+    train = sum(m.train_finished - m.train_started for m in steady) / len(steady)
+    publish = sum(m.publish.seconds for m in steady) / len(steady)
     workers = sorted(v for role, v in peak.items() if role.startswith("worker-"))
     return {"step_s": seconds, "rollout_s": rollout, "train_s": train, "publish_s": publish,
-            "distance_max": max(m["distance_max"] for m in metrics),
-            "reward_last3": sum(m["reward_mean"] for m in metrics[-3:]) / len(metrics[-3:]),
-            "first_rollout_s": metrics[0]["rollout_started"] - launched,
-            "first_step_s": metrics[0]["train_finished"] - launched,
+            "distance_max": max(m.update.max_off_policy for m in metrics),
+            "reward_last3": sum(m.batch.reward_mean for m in metrics[-3:]) / len(metrics[-3:]),
+            "first_rollout_s": metrics[0].batch.rollout_started - launched,
+            "first_step_s": metrics[0].train_finished - launched,
             "trainer_peak_gib": peak.get("trainer", 0) / 2**30, "worker_peak_gib": [w / 2**30 for w in workers]}
 
 

@@ -35,7 +35,6 @@ scoring runs after both.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from fleetrl.envs import get_environment
 from fleetrl.envs.base import Rollout, eval_stream, score
 from fleetrl.model import resolve_model
 from fleetrl.orchestrator.chat import render_prompt
+from fleetrl.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 3  # steps whose mean reward is compared with --reward-level
@@ -109,8 +109,8 @@ def run_fleetrl(args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "fleetrl", "rl", "@", str(ROOT / "configs" / "default.toml"), "--run.dir", str(out),
            "--run.max_steps", str(args.steps), "--trainer.checkpoint_interval", "0", "--run.live_view", "off"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"rewards": [m["reward_mean"] for m in metrics], "ends": [m["train_finished"] - launched for m in metrics],
+    metrics = RunDir(out).read_metrics()
+    return {"rewards": [m.batch.reward_mean for m in metrics], "ends": [m.train_finished - launched for m in metrics],
             "model": out / "final_model"}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from fleetrl.records import BatchMeta, read
+from fleetrl.records import BatchMeta
 from fleetrl.versions import VersionSpan, off_policy_distance, trained_spans
 
 
@@ -58,19 +58,19 @@ class Sample:
 class Batch:
     step: int
     samples: list[Sample]
-    dropped: int = 0  # samples discarded for exceeding max_off_policy_steps
     meta: BatchMeta | None = None  # the orchestrator's (None: a batch made by hand, in tests)
 
     def distances(self) -> list[int]:
         return [off_policy_distance(self.step, s.trained_spans()) for s in self.samples]
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({**asdict(self), "meta": self.meta.to_dict() if self.meta is not None else None})
 
     @classmethod
     def from_json(cls, text: str, where: str = "batch") -> Batch:
         """`where`: the file, for an error about its meta."""
         data = json.loads(text)
         samples = [Sample(**{**s, "spans": [VersionSpan(**sp) for sp in s["spans"]]}) for s in data["samples"]]
-        meta = read(BatchMeta, data["meta"], f"{where}: meta") if data["meta"] is not None else None
-        return cls(step=data["step"], samples=samples, dropped=data["dropped"], meta=meta)
+        meta = BatchMeta.read(data["meta"], f"{where}: meta") if data["meta"] is not None else None
+        # A batch written until December 2026 also has "dropped", which meta.dropped_by holds.
+        return cls(step=data["step"], samples=samples, meta=meta)

@@ -3,10 +3,11 @@ metrics.jsonl (the record `fleetrl verify` reads), TensorBoard event files in th
 (by default, offline), Weights & Biases when `run.wandb` is set (offline unless
 `run.wandb_mode` says otherwise), the live view on a terminal, and the printed step line.
 
-In TensorBoard and W&B every number of the line is charted under its own name at its step,
-each worker's numbers under `worker/<id>/<name>`, each environment's under
-`env/<name>/<name>`, and each evaluation's under `eval/<environment>/<name>` at the evaluated
-version. metrics.jsonl stays the record; these are views of it.
+In TensorBoard and W&B every number of the line is charted at its step under its path in the
+line, `/`-joined: `update/loss`, `batch/reward_mean`, `batch/envs/<name>/samples`,
+`batch/workers/<id>/tokens_per_s`, `publish/worker_seconds/<id>`; an evaluation's under
+`eval/<environment>/<name>`, at the evaluated version. metrics.jsonl stays the record; these are
+views of it.
 """
 
 from __future__ import annotations
@@ -19,19 +20,20 @@ from fleetrl.errors import FleetrlError
 from fleetrl.records import SftLine, StepLine
 from fleetrl.rundir import RunDir
 
-# Fields of a step line that are no measure to chart: wall-clock stamps and identities.
-NOT_CHARTED = ("step", "rollout_started", "rollout_finished", "train_started", "train_finished")
+# Figures of a step line that are no measure to chart: wall-clock stamps and identities.
+NOT_CHARTED = ("step", "version", "dispatch_version", "rollout_started", "rollout_finished", "train_started",
+               "train_finished")
 
 
-def scalars(line: dict) -> dict[str, float]:
-    """The numbers of one step line (as metrics.jsonl has it), by chart name (None and text are
-    left out)."""
-    out = {key: float(value) for key, value in line.items()
-           if key not in NOT_CHARTED and isinstance(value, int | float)}
-    for nested, prefix in (("workers", "worker"), ("envs", "env"), ("eval", "eval")):
-        for name, values in (line.get(nested) or {}).items():
-            out.update({f"{prefix}/{name}/{key}": float(value) for key, value in values.items()
-                        if isinstance(value, int | float)})
+def scalars(line: dict, prefix: str = "") -> dict[str, float]:
+    """The numbers of one step line (as metrics.jsonl has it), by chart name: their path in it
+    (a boolean as 0 or 1; None and text are left out)."""
+    out = {}
+    for key, value in line.items():
+        if isinstance(value, dict):
+            out.update(scalars(value, f"{prefix}{key}/"))
+        elif key not in NOT_CHARTED and isinstance(value, int | float):
+            out[f"{prefix}{key}"] = float(value)
     return out
 
 
@@ -49,26 +51,27 @@ def kl_text(kl: float | None) -> str:
 def dropped_text(line: StepLine) -> str:
     """Every sample not trained, by reason (off_policy, misversioned, bad_answer, reward_failed,
     empty, tool_failed, env_failed, filtered), or none."""
-    return ", ".join(f"{reason} {count}" for reason, count in line.dropped_by.items()) or "none"
+    return ", ".join(f"{reason} {count}" for reason, count in line.batch.dropped_by.items()) or "none"
 
 
 def step_text(line: StepLine, max_steps: int, dynamic_sampling: bool) -> str:
     """The printed step line."""
-    loss = f"{line.loss:+.4f}" if line.loss is not None else "n/a"
-    return (f"step {line.step}/{max_steps}  reward {line.reward_mean:.3f}±{line.reward_std:.3f}  "
-            f"off-policy max {line.distance_max} mean {line.distance_mean:.2f}  dropped {dropped_text(line)}  "
-            + (f"filtered {line.filtered}/{line.sampled_prompts} groups  " if dynamic_sampling else "")
-            + f"loss {loss}  mismatch {kl_text(line.mismatch_kl)}  staleness {kl_text(line.staleness_kl)}  "
-            f"lr {line.lr:.1e}  train {line.train_finished - line.train_started:.1f}s  publish {line.publish_s:.1f}s  "
-            f"workers at {sorted(set(line.worker_versions.values()))}")
+    batch, update = line.batch, line.update
+    loss = f"{update.loss:+.4f}" if update.loss is not None else "n/a"
+    return (f"step {line.step}/{max_steps}  reward {batch.reward_mean:.3f}±{batch.reward_std:.3f}  "
+            f"off-policy max {update.max_off_policy} mean {update.mean_off_policy:.2f}  dropped {dropped_text(line)}  "
+            + (f"filtered {batch.filtered}/{batch.sampled_prompts} groups  " if dynamic_sampling else "")
+            + f"loss {loss}  mismatch {kl_text(update.mismatch_kl)}  staleness {kl_text(update.staleness_kl)}  "
+            f"lr {update.lr:.1e}  train {line.train_finished - line.train_started:.1f}s  "
+            f"publish {line.publish.seconds:.1f}s  workers at {sorted(set(line.worker_versions.values()))}")
 
 
 def outlier_texts(line: StepLine) -> list[str]:
     """A line per worker whose mismatch_kl stands out from the others' (trainer/mismatch.py)."""
-    kl = {worker: w.mismatch_kl for worker, w in line.workers.items() if w.mismatch_kl is not None}
+    kl = {worker: value for worker, value in line.update.worker_mismatch_kl.items() if value is not None}
     return [f"fleetrl: step {line.step}: worker {worker}'s mismatch_kl {kl[worker]:.2e} stands out from the other "
             f"workers' ({', '.join(f'{v:.1e}' for w, v in kl.items() if w != worker)}): its engine disagrees with "
-            "the trainer at the same version" for worker in line.mismatch_outliers]
+            "the trainer at the same version" for worker in line.update.mismatch_outliers]
 
 
 class StepSink:
@@ -107,7 +110,7 @@ class StepSink:
         self.run_dir.append_metrics(line)
         self._chart(line.step, line.to_dict())
         if self.view is not None:
-            self.view.step_done(line.step, f"reward {line.reward_mean:.3f}")
+            self.view.step_done(line.step, f"reward {line.batch.reward_mean:.3f}")
         for text in outlier_texts(line):
             self.log(text)
         self.log(step_text(line, self.max_steps, self.dynamic_sampling))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import io
 
-from fleetrl.records import EvalLine, FenceEvent, FleetEvent, SampleEvent, StepLine, TrainEvent, WorkerEvent
+from fleetrl.records import (EvalLine, FenceEvent, FlatStepLine, FleetEvent, SampleEvent, StepLine, TrainEvent,
+                             WorkerEvent, reward_mean, trained_distance)
 from fleetrl.versions import VersionSpan, off_policy_distance
 
 # A worker serving ("ready") is drawn in its version's colour, full height; every other state
@@ -21,15 +22,15 @@ TRAIN_COLOR = "#37474f"  # a trainer step, from its batch to its optimizer step
 DROPPED_COLOR = "#ff00aa"  # the outline of a sample more than k versions behind
 
 
-def reward_plot(metrics: list[StepLine]) -> bytes:
+def reward_plot(metrics: list[StepLine | FlatStepLine]) -> bytes:
     return _plot([m.step for m in metrics], "trainer step", "mean reward",
-                 {"reward mean": [m.reward_mean for m in metrics]})
+                 {"reward mean": [reward_mean(m) for m in metrics]})
 
 
-def off_policy_plot(metrics: list[StepLine]) -> bytes:
+def off_policy_plot(metrics: list[StepLine | FlatStepLine]) -> bytes:
     return _plot([m.step for m in metrics], "trainer step", "off-policy distance", {
-        "max": [m.distance_max for m in metrics],
-        "mean": [m.distance_mean for m in metrics],
+        "max": [trained_distance(m)[0] for m in metrics],
+        "mean": [trained_distance(m)[1] for m in metrics],
     })
 
 

@@ -4,7 +4,12 @@ another type, is an error that names the file and the record, not a KeyError or 
 three modules later).
 
     metrics.jsonl            StepLine       one per trained step: written by app/rl.py through
-                                            monitoring.StepSink, read by status, plots, verify
+                                            monitoring.StepSink, read by status, plots, verify; it
+                                            holds the producers' own records: the batch's
+                                            BatchMeta, the trainer's StepMetrics, the fleet's
+                                            PublishReport
+                             FlatStepLine   the flat form written before December 2026: read,
+                                            never written (`read_step_line`)
                              SftLine        a `fleetrl sft` run's instead (app/sft.py)
     batches/step_N.json      BatchMeta      Batch.meta: how the orchestrator made batch N, and how
                                             what it trains differs from what it generated
@@ -13,95 +18,29 @@ three modules later).
                                             samples are RolloutRecords, in eval/step_N.jsonl
     events.jsonl             WorkerEvent, FenceEvent, SampleEvent, TrainEvent: the timeline
 
-Each type's JSON is its fields by name (`to_dict`); `read(data, where)` is the one way back.
-Nested figures are records too (`Figures`, `EnvFigures`, `WorkerFigures`, `StepWorker`).
+Each type is a strict pydantic model (`Record`, fleetrl/strict.py): its JSON is its fields by
+name (`to_dict`), and `read(data, where)` is the one way back. Nested figures are records too
+(`Figures`, `EnvFigures`, `WorkerFigures`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-import types
 import typing
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from fleetrl.errors import FleetrlError
+from pydantic import Field, model_validator
+
+from fleetrl.strict import RecordError, Strict
 
 
-class RecordError(FleetrlError):
-    """A record file's line is not of its record type."""
-
-
-def _fields(cls) -> tuple[set[str], set[str]]:
-    """(every field, the fields without a default) of a record class."""
-    every = {f.name for f in dataclasses.fields(cls)}
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    return every, required
-
-
-def read(cls, data: Any, where: str):
-    """`data` (decoded JSON) as a `cls` record; nested records as theirs (the class's NESTED:
-    field -> record type, for a record, or a dict of them by name). Keys an older fleetrl wrote
-    and this one no longer does (the class's RETIRED) are dropped: its runs still verify."""
-    if not isinstance(data, dict):
-        raise RecordError(f"{where}: not an object but {type(data).__name__}")
-    data = {key: value for key, value in data.items() if key not in getattr(cls, "RETIRED", ())}
-    every, required = _fields(cls)
-    unknown, missing = sorted(set(data) - every), sorted(required - set(data))
-    if unknown or missing:
-        raise RecordError(f"{where}: not a {cls.__name__}: "
-                          + "; ".join(([f"unknown {', '.join(unknown)}"] if unknown else [])
-                                      + ([f"missing {', '.join(missing)}"] if missing else [])))
-    hints = typing.get_type_hints(cls)
-    for name, value in data.items():
-        if not _is_of(value, hints[name]):
-            raise RecordError(f"{where}: {name} is {value!r}, not {_type_name(hints[name])}")
-    values = dict(data)
-    for name, (kind, nested) in getattr(cls, "NESTED", {}).items():
-        value = values.get(name)
-        if value is None:
-            continue
-        if kind == "dict":
-            values[name] = {key: read(nested, item, f"{where}: {name}.{key}") for key, item in value.items()}
-        else:
-            values[name] = read(nested, value, f"{where}: {name}")
-    return cls(**values)
-
-
-def _is_of(value: Any, hint: Any) -> bool:
-    """Whether a JSON value can be of the type `hint`: a number of int (not a bool) or float,
-    a str, a bool, a list, an object (a dict, or a nested record), or None where allowed."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_is_of(value, arg) for arg in typing.get_args(hint))
-    kind = typing.get_origin(hint) or hint
-    if kind is type(None):
-        return value is None
-    if kind is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if dataclasses.is_dataclass(kind):
-        return isinstance(value, dict)
-    return isinstance(value, kind)
-
-
-def _type_name(hint: Any) -> str:
-    return " or ".join(getattr(arg, "__name__", str(arg)).replace("NoneType", "null")
-                       for arg in (typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType)
-                                   else (hint,)))
-
-
-def to_dict(record) -> dict[str, Any]:
-    """A record as the JSON object its file holds."""
-    return dataclasses.asdict(record)
+class Record(Strict):
+    """A record of the run directory's files."""
 
 
 # -- figures nested in the records -----------------------------------------------------------
 
-@dataclass(frozen=True)
-class Figures:
+class Figures(Record):
     """Samples, their mean reward (of those scored) and mean completion length: of what was
     generated for a batch, or of what it trains on."""
 
@@ -110,19 +49,15 @@ class Figures:
     completion_tokens_mean: float | None
 
 
-@dataclass(frozen=True)
-class EnvFigures:
-    """One environment's part of a batch (orchestrator.envs)."""
+class EnvFigures(Figures):
+    """One environment's part of a batch (orchestrator.envs): the figures of what it generated,
+    its groups, and how many of its samples were trained."""
 
     groups: int
-    samples: int
-    reward_mean: float | None
-    completion_tokens_mean: float | None
     trained_samples: int
 
 
-@dataclass(frozen=True)
-class WorkerFigures:
+class WorkerFigures(Record):
     """What one worker served for a batch."""
 
     completions: int
@@ -130,25 +65,9 @@ class WorkerFigures:
     tokens_per_s: float  # of the batch's sampling time
 
 
-@dataclass(frozen=True)
-class StepWorker:
-    """One worker in a step's line: its version after the publish, what it served for the batch
-    (None: nothing), its mismatch_kl, its time in the publish and the tensor bytes the publish
-    moved onto it (None: not measured; a LoRA run's publish moves its adapter alone)."""
-
-    version: int | None
-    completions: int | None = None
-    completion_tokens: int | None = None
-    tokens_per_s: float | None = None
-    mismatch_kl: float | None = None
-    publish_s: float | None = None
-    publish_bytes: int | None = None
-
-
 # -- the records -----------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class RolloutRecord:
+class RolloutRecord(Record):
     """One sample generated for a batch: what it was, how it scored, where its tokens came from
     (spans: [version, start] pairs), and whether it was trained or why not (drop_reason)."""
 
@@ -178,22 +97,17 @@ class RolloutRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """A single completion's line has no episode keys."""
-        data = to_dict(self)
-        if self.turns is None:
-            for name in ("turns", "end", "episode_error", "messages"):
-                del data[name]
-        return data
+        episode = {"turns", "end", "episode_error", "messages"}
+        return self.model_dump(mode="json", exclude=episode if self.turns is None else None)
 
 
-@dataclass(frozen=True)
-class BatchMeta:
+class BatchMeta(Record):
     """How batch `step` was made; the figures of what it trains are those of its records."""
 
-    NESTED: ClassVar = {"generated": ("one", Figures), "trained": ("one", Figures),
-                        "envs": ("dict", EnvFigures), "workers": ("dict", WorkerFigures)}
     # Written until December 2026, never read: the admission wait's start, k (config.toml has it),
-    # and two drop counts dropped_by holds.
-    RETIRED: ClassVar = ("waited_from", "max_off_policy_steps", "tool_failed", "env_failed")
+    # and five drop counts dropped_by holds.
+    RETIRED: ClassVar = ("waited_from", "max_off_policy_steps", "tool_failed", "env_failed", "misversioned",
+                         "reward_failed", "empty")
 
     sampled_prompts: int  # groups sampled (more than batch_prompts under dynamic sampling)
     filtered: int  # groups dynamic sampling dropped
@@ -209,21 +123,129 @@ class BatchMeta:
     reward_std: float
     distance_max: int  # over the trained samples
     distance_mean: float
-    misversioned: int
-    reward_failed: int
-    empty: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired(cls, data: Any) -> Any:
+        """An older fleetrl's batch still reads: its runs resume and verify."""
+        return {k: v for k, v in data.items() if k not in cls.RETIRED} if isinstance(data, dict) else data
 
 
-@dataclass(frozen=True)
-class StepLine:
+class StepMetrics(Record):
+    """What one trainer step measured (trainer/step.py). KL and loss figures are None where they
+    were not finite or measured no token: JSON has no NaN."""
+
+    skipped: bool  # the loss or the gradient norm was not finite: the update was not applied
+    loss: float | None
+    grad_norm: float | None  # before clipping
+    lr: float  # the rate this step's update was made with (the schedule's)
+    sampler_kl: float | None  # mean k3 KL(inference || trainer now) over completion tokens: what the ratio corrects
+    mismatch_kl: float | None  # mean k3 KL(worker at v || trainer at v), v each token's version (trainer/mismatch.py)
+    staleness_kl: float | None  # mean k3 KL(trainer at v || trainer now), over the same tokens
+    mismatch_tokens: int  # the tokens those two are measured on
+    worker_mismatch_kl: dict[str, float | None]  # mismatch_kl of each worker's tokens
+    mismatch_outliers: list[str]  # the workers whose mismatch_kl stands out (trainer/mismatch.py)
+    ratio_mean: float | None
+    clip_frac: float | None  # tokens whose gradient the PPO clip removed
+    truncated_frac: float | None  # tokens whose weight the TIS cap lowered
+    masked_frac: float | None  # tokens masked importance sampling dropped (trainer.mis_*)
+    entropy: float | None  # mean entropy of the policy being trained, over completion tokens
+    ref_kl: float | None  # mean k3 KL(trainer || reference model) (trainer.kl_coef; 0 when off)
+    # The batch's largest and mean off-policy distance, recomputed here from its spans: what
+    # `fleetrl verify` checks, not the orchestrator's bookkeeping.
+    max_off_policy: int
+    mean_off_policy: float
+    samples: int
+    completion_tokens: int  # the tokens the loss saw (of a multi-turn episode: the model's turns)
+    tokens: int  # prompt + completion tokens of the batch's samples (the forward takes a group's prompt once)
+    tokens_per_s: float
+
+
+class PublishReport(Record):
+    """How one version's publish went (inference/fleet.py): which workers came out ready at
+    `version`, which failed and why, and each ready one's time, bytes and probe."""
+
+    version: int
+    seconds: float
+    checksum: str
+    ready: list[str]  # workers verified at `version` and resumed
+    failed: dict[str, str] = Field(default_factory=dict)  # worker id -> why it is dead or stale
+    # ready worker id -> seconds from the fence's start until it was verified (and passed the probe)
+    worker_seconds: dict[str, float] = Field(default_factory=dict)
+    probe: dict[str, float] = Field(default_factory=dict)  # worker id -> max |delta logprob| on the probe
+    # ready worker id -> the tensor bytes its ranks received (the most of any rank): what the
+    # publish moved onto it, a LoRA run's adapter alone or the whole model
+    received_bytes: dict[str, int] = Field(default_factory=dict)
+
+
+class StepLine(Record):
     """One trained step, as metrics.jsonl, TensorBoard, W&B, the live view and the printed line
-    have it (monitoring.StepSink). KL and loss figures are None where they were not finite or
-    measured no token: JSON has no NaN."""
+    have it (monitoring.StepSink): each part is the record of the part of the run that made it."""
 
-    NESTED: ClassVar = {"envs": ("dict", EnvFigures), "workers": ("dict", StepWorker)}
+    step: int
+    batch: BatchMeta  # the orchestrator's (orchestrator/rollouts.py), as batches/step_N.json has it
+    update: StepMetrics  # the trainer's (trainer/step.py)
+    publish: PublishReport  # the fleet's, of this step's version (inference/fleet.py)
+    eval: dict[str, dict] | None  # per evaluated environment, at an evaluated step
+    worker_versions: dict[str, int]  # each ready worker's version once the publish was done
+    train_started: float  # wall times of the trainer's step
+    train_finished: float
+
+
+class SftMetrics(Record):
+    """What one step of `fleetrl sft` measured (trainer/sft.py); loss and grad_norm are None
+    where they were not finite."""
+
+    step: int
+    skipped: bool  # the loss or the gradient norm was not finite: the update was not applied
+    loss: float | None  # mean NLL per assistant token
+    grad_norm: float | None  # before clipping
+    lr: float
+    sequences: int
+    loss_tokens: int  # the assistant tokens the loss saw
+    tokens: int  # every token of the step's sequences
+    micro_batches: int  # the forwards of each rank
+    tokens_per_s: float
+
+
+class SftLine(SftMetrics):
+    """One step of `fleetrl sft`, in its metrics.jsonl and wherever StepSink shows it: what the
+    step measured, at the top of the line as before, and its wall times."""
+
+    train_started: float
+    train_finished: float
+
+
+class EvalLine(Record):
+    """One evaluation of `version`: when it began, how long it took, and each environment's
+    figures (prompts, samples, failed, reward_mean, reward_se, pass@1, pass@k)."""
+
+    version: int
+    started: float
+    seconds: float
+    envs: dict[str, dict]
+
+
+# -- the flat form of metrics.jsonl, before December 2026 --------------------------------------
+
+class StepWorker(Record):
+    """One worker in a flat step line: its version after the publish, what it served for the batch
+    (None: nothing), its mismatch_kl, its time in the publish and the tensor bytes the publish
+    moved onto it (None: not measured; a LoRA run's publish moves its adapter alone)."""
+
+    version: int | None
+    completions: int | None = None
+    completion_tokens: int | None = None
+    tokens_per_s: float | None = None
+    mismatch_kl: float | None = None
+    publish_s: float | None = None
+    publish_bytes: int | None = None
+
+
+class FlatStepLine(Record):
+    """A metrics.jsonl line as fleetrl wrote it before December 2026, every figure at the top:
+    read (`read_step_line`), never written, so that older runs still verify, resume, show and
+    plot. What both forms are read for goes through `trained_distance` and `reward_mean`."""
 
     step: int
     # The batch (orchestrator/rollouts.py): rewards, off-policy distances (recomputed by the
@@ -278,50 +300,30 @@ class StepLine:
     train_started: float
     train_finished: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
+
+def read_step_line(data: Any, where: str) -> StepLine | FlatStepLine:
+    """An rl run's metrics.jsonl line: a StepLine, or the flat form an older fleetrl wrote (it has
+    no `update`)."""
+    flat = isinstance(data, dict) and "update" not in data and "reward_mean" in data
+    return (FlatStepLine if flat else StepLine).read(data, where)
 
 
-@dataclass(frozen=True)
-class SftLine:
-    """One step of `fleetrl sft` (trainer/sft.py), in its metrics.jsonl and wherever StepSink
-    shows it; loss and grad_norm are None where they were not finite."""
-
-    step: int
-    skipped: bool
-    loss: float | None  # mean NLL per assistant token
-    grad_norm: float | None
-    lr: float
-    sequences: int
-    loss_tokens: int
-    tokens: int
-    micro_batches: int
-    tokens_per_s: float
-    train_started: float
-    train_finished: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
+def trained_distance(line: StepLine | FlatStepLine) -> tuple[int, float]:
+    """The largest and the mean off-policy distance step `line.step` trained at, as the trainer
+    read them from the spans."""
+    if isinstance(line, FlatStepLine):
+        return line.distance_max, line.distance_mean
+    return line.update.max_off_policy, line.update.mean_off_policy
 
 
-@dataclass(frozen=True)
-class EvalLine:
-    """One evaluation of `version`: when it began, how long it took, and each environment's
-    figures (prompts, samples, failed, reward_mean, reward_se, pass@1, pass@k)."""
-
-    version: int
-    started: float
-    seconds: float
-    envs: dict[str, dict]
-
-    def to_dict(self) -> dict[str, Any]:
-        return to_dict(self)
+def reward_mean(line: StepLine | FlatStepLine) -> float:
+    """The mean reward of every scored sample generated for step `line.step`."""
+    return line.reward_mean if isinstance(line, FlatStepLine) else line.batch.reward_mean
 
 
 # -- the timeline (events.jsonl) --------------------------------------------------------------
 
-@dataclass(frozen=True)
-class WorkerEvent:
+class WorkerEvent(Record):
     """A worker changed state (inference/fleet/roster.py)."""
 
     KIND: ClassVar = "worker"
@@ -330,22 +332,20 @@ class WorkerEvent:
     state: str
     version: int | None
     error: str | None
-    t: float = field(default_factory=time.time)
+    t: float = Field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
-class FenceEvent:
+class FenceEvent(Record):
     """A publish's fence began (`start`) or ended (`end`, with the workers that came out ready)."""
 
     KIND: ClassVar = "fence"
     phase: str
     version: int
     ready: list[str] | None = None
-    t: float = field(default_factory=time.time)
+    t: float = Field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
-class SampleEvent:
+class SampleEvent(Record):
     """One sample's time on its worker, split at its spans (orchestrator/rollouts.py)."""
 
     KIND: ClassVar = "sample"
@@ -357,18 +357,17 @@ class SampleEvent:
     end: float
     tokens: int
     spans: list[list[int]]
-    t: float = field(default_factory=time.time)
+    t: float = Field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
-class TrainEvent:
+class TrainEvent(Record):
     """One trainer step's time."""
 
     KIND: ClassVar = "train"
     step: int
     start: float
     end: float
-    t: float = field(default_factory=time.time)
+    t: float = Field(default_factory=time.time)
 
 
 FleetEvent = WorkerEvent | FenceEvent | SampleEvent | TrainEvent
@@ -376,11 +375,11 @@ EVENTS: dict[str, type] = {cls.KIND: cls for cls in typing.get_args(FleetEvent)}
 
 
 def event_to_dict(event: FleetEvent) -> dict[str, Any]:
-    return {"event": event.KIND, **to_dict(event)}
+    return {"event": event.KIND, **event.to_dict()}
 
 
 def read_event(data: Any, where: str) -> FleetEvent:
     kind = data.get("event") if isinstance(data, dict) else None
     if kind not in EVENTS:
         raise RecordError(f"{where}: not an event of the timeline (event: {kind!r}, not one of {sorted(EVENTS)})")
-    return read(EVENTS[kind], {k: v for k, v in data.items() if k != "event"}, where)
+    return EVENTS[kind].read({k: v for k, v in data.items() if k != "event"}, where)

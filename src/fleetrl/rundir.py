@@ -10,7 +10,6 @@ file is: docs/quickstart.md, section 3; the faults this guards against: docs/rel
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -27,7 +26,8 @@ from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import eval_plot, off_policy_plot, reward_plot, timeline_plot
-from fleetrl.records import EvalLine, FleetEvent, RolloutRecord, SftLine, StepLine, event_to_dict, read, read_event
+from fleetrl.records import (EvalLine, FlatStepLine, FleetEvent, RolloutRecord, SftLine, StepLine, event_to_dict,
+                             read_event, read_step_line, trained_distance)
 from fleetrl.versions import is_run_id, new_run_id, off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -426,16 +426,18 @@ class RunDir:
         return [read_record(data, f"{path}: record {i}") for i, data in enumerate(read_json_lines(path, self.log), 1)]
 
     def read_rollouts(self, step: int) -> list[RolloutRecord]:
-        return self._read_records(self.rollouts_path(step), functools.partial(read, RolloutRecord))
+        return self._read_records(self.rollouts_path(step), RolloutRecord.read)
 
     def read_eval_records(self, version: int) -> list[RolloutRecord]:
-        return self._read_records(self.eval_records_path(version), functools.partial(read, RolloutRecord))
+        return self._read_records(self.eval_records_path(version), RolloutRecord.read)
 
     def read_evals(self) -> list[EvalLine]:
-        return self._read_records(self.eval_path, functools.partial(read, EvalLine))
+        return self._read_records(self.eval_path, EvalLine.read)
 
-    def read_metrics(self) -> list[StepLine] | list[SftLine]:
-        return self._read_records(self.metrics_path, functools.partial(read, self.lines))
+    def read_metrics(self) -> list[StepLine | FlatStepLine] | list[SftLine]:
+        """An rl run's lines may be in the flat form of a fleetrl before December 2026 (a run
+        resumed across the upgrade has both): records.read_step_line reads either."""
+        return self._read_records(self.metrics_path, SftLine.read if self.lines is SftLine else read_step_line)
 
     def write_final(self, final: dict) -> Path:
         return atomic_write(self.final_path, json.dumps(final, indent=1))
@@ -545,8 +547,8 @@ def verify_run(root: Path) -> str:
     if not metrics:
         raise VerifyError("metrics.jsonl has no step")
     for line in metrics:
-        if line.distance_max > k:
-            raise VerifyError(f"step {line.step}: off-policy distance {line.distance_max} > k = {k}")
+        if (distance := trained_distance(line)[0]) > k:
+            raise VerifyError(f"step {line.step}: off-policy distance {distance} > k = {k}")
     samples = 0
     for line in metrics:
         batch = run_dir.read_batch(line.step)
@@ -565,7 +567,7 @@ def verify_run(root: Path) -> str:
         if version != final.step:
             raise VerifyError(f"worker {worker} ended at version {version}, not the final version {final.step}")
     return (f"{run_dir.root}: {len(listed)} artifacts match the manifest; {len(metrics)} steps, {samples} trained "
-            f"samples, max off-policy distance {max(m.distance_max for m in metrics)} <= k = {k}; "
+            f"samples, max off-policy distance {max(trained_distance(m)[0] for m in metrics)} <= k = {k}; "
             f"{len(final.worker_versions)} worker(s) at the final version {final.step}")
 
 

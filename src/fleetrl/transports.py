@@ -63,7 +63,7 @@ class TransportSpec:
     only by the process that runs that side."""
 
     name: str
-    init: type  # the init record: a frozen dataclass with `transport` and `target`
+    init: type  # the init record: a strict record (fleetrl/strict.py) with `transport` and `target`
     update: type  # the update record
     sender: str  # a class with `from_settings(SenderSettings)`: the provider seam's WeightTransport
     receiver: str  # a class following `Receiver`

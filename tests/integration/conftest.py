@@ -2,7 +2,6 @@
 
 import copy
 import fcntl
-import json
 import os
 import pty
 import signal
@@ -23,6 +22,7 @@ from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.model import resolve_model
 from fleetrl.processes import stop_all
+from fleetrl.records import StepLine
 from fleetrl.rundir import RunDir
 from fleetrl.tripwire import ENV as TRIPWIRE_ENV
 
@@ -220,9 +220,9 @@ def check_episodes(run_dir: Path, steps: int, max_turns: int) -> None:
     """Every sample of a multi-turn run is an episode: up to max_turns model turns, the loss on
     exactly those, a span opened by each; feedback after a wrong answer gave some a second turn."""
     run = RunDir(run_dir)
-    records = [json.loads(line) for step in range(1, steps + 1) for line in run.rollouts_path(step).read_text().splitlines()]
-    assert records and all(1 <= len(r["turns"]) <= max_turns and r["end"] in ("done", "max_turns") for r in records)
-    assert any(len(r["turns"]) == 2 for r in records), [r["messages"] for r in records]
+    records = [record for step in range(1, steps + 1) for record in run.read_rollouts(step)]
+    assert records and all(1 <= len(r.turns) <= max_turns and r.end in ("done", "max_turns") for r in records)
+    assert any(len(r.turns) == 2 for r in records), [r.messages for r in records]
     for sample in run.read_batch(1).samples:
         model = {i for start, end in sample.turns for i in range(start, end)}
         assert {i for i, m in enumerate(sample.loss_mask) if m} == model
@@ -249,10 +249,9 @@ def check_adapter_folders_trained(folders: list[Path]) -> None:
         assert any(t.any() for name, t in tensors.items() if name.endswith("lora_B.weight")), folder
 
 
-def read_metrics(run_dir) -> list[dict]:
-    """A run's metrics lines so far ([] before its first step)."""
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def read_metrics(run_dir) -> list[StepLine]:
+    """An rl run's step lines so far ([] before its first step), read as `fleetrl verify` reads them."""
+    return RunDir(run_dir).read_metrics() if (run_dir / "metrics.jsonl").exists() else []
 
 
 @contextmanager

@@ -121,8 +121,8 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
         steps_before = len(read_metrics(run_dir))
         readmitted_at = wait_until(proc, "the restarted worker to be readmitted",
                                    lambda: len(read_metrics(run_dir)) > steps_before
-                                   and len(read_metrics(run_dir)[-1]["worker_versions"]) == 2, 600, log_path)
-        assert any(len(m["worker_versions"]) == 1 for m in read_metrics(run_dir)), read_metrics(run_dir)
+                                   and len(read_metrics(run_dir)[-1].worker_versions) == 2, 600, log_path)
+        assert any(len(m.worker_versions) == 1 for m in read_metrics(run_dir)), read_metrics(run_dir)
         assert not alive_in({hung})  # the hung process group was killed, not left stopped
         groups |= child_groups(proc.pid)
         proc.send_signal(signal.SIGTERM)
@@ -144,8 +144,8 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
           f"its restart; all processes gone {gone_after:.1f} s after SIGTERM")
     assert proc.returncode != 0
     done = read_metrics(run_dir)
-    assert [m["step"] for m in done] == list(range(1, len(done) + 1))
-    assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
+    assert [m.step for m in done] == list(range(1, len(done) + 1))
+    assert all(m.update.max_off_policy == 0 and "misversioned" not in m.batch.dropped_by for m in done)
     check_episodes(run_dir, len(done), max_turns=2)
     records = [r for step in range(1, len(done) + 1) for r in RunDir(run_dir).read_rollouts(step)]
     assert {r.env for r in records} == {"examples.my_envs.guess:Guess"}
@@ -153,7 +153,7 @@ def test_hung_worker_restarted_then_sigterm(tmp_path):
     # The readmitted worker was refitted with the adapter alone (verified on every rank, or it
     # would not be at the step's version), as every publish sends it. (Whether its adapter moved
     # off zero is not checked here: this task's tiny rollouts may score every group alike.)
-    assert [w["publish_bytes"] for w in done[-1]["workers"].values()] == [adapter_bytes(run_dir)] * 2
+    assert list(done[-1].publish.received_bytes.values()) == [adapter_bytes(run_dir)] * 2
 
 
 def test_the_quickstarts_dynamo_run_then_sigkill_leaves_no_process(tmp_path):
@@ -186,9 +186,9 @@ def test_the_quickstarts_dynamo_run_then_sigkill_leaves_no_process(tmp_path):
                 pass
     print(f"\nchaos: Dynamo frontend, worker and engine core gone {gone_after:.1f} s after SIGKILL of fleetrl rl")
     done = read_metrics(run_dir)
-    assert [m["step"] for m in done[:1]] == [1] and "1 trainer rank(s), env reverse_text" in log_path.read_text()
-    assert all(m["distance_max"] <= 1 and m["misversioned"] == 0 for m in done)
-    assert list(done[0]["worker_versions"].values()) == [1]  # Dynamo's one worker, at v1 after step 1
+    assert [m.step for m in done[:1]] == [1] and "1 trainer rank(s), env reverse_text" in log_path.read_text()
+    assert all(m.update.max_off_policy <= 1 and "misversioned" not in m.batch.dropped_by for m in done)
+    assert list(done[0].worker_versions.values()) == [1]  # Dynamo's one worker, at v1 after step 1
 
 
 def test_a_dynamo_lora_worker_killed_is_replaced_and_serves_the_trained_adapter(tmp_path):
@@ -217,14 +217,14 @@ def test_a_dynamo_lora_worker_killed_is_replaced_and_serves_the_trained_adapter(
             except ProcessLookupError:
                 pass
     done = read_metrics(run_dir)
-    assert [m["step"] for m in done] == [1, 2, 3] and "2 trainer rank(s)" in log_path.read_text()
-    assert all(m["distance_max"] <= 1 and m["misversioned"] == 0 for m in done)
+    assert [m.step for m in done] == [1, 2, 3] and "2 trainer rank(s)" in log_path.read_text()
+    assert all(m.update.max_off_policy <= 1 and "misversioned" not in m.batch.dropped_by for m in done)
     # Sampled through the adapter the trainer had at each version, the replacement's samples included.
-    assert all(m["mismatch_kl"] <= 1e-6 for m in done), [m["mismatch_kl"] for m in done]
-    first, last = done[0]["workers"], done[-1]["workers"]
+    assert all(m.update.mismatch_kl <= 1e-6 for m in done), [m.update.mismatch_kl for m in done]
+    first, last = done[0].worker_versions, done[-1].worker_versions
     assert len(first) == len(last) == 1 and first.keys() != last.keys()  # a new instance after the kill
-    assert [w["publish_bytes"] for w in last.values()] == [adapter_bytes(run_dir)]
-    assert [w["version"] for w in last.values()] == [3]
+    assert list(done[-1].publish.received_bytes.values()) == [adapter_bytes(run_dir)]
+    assert list(last.values()) == [3]
     folders = sorted(run_dir.rglob("dynamo-worker-*-adapter"))
     assert len(folders) == 2
     check_adapter_folders_trained(folders[1:])  # the replacement's

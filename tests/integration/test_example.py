@@ -120,8 +120,8 @@ def test_the_rl_run_evaluates_the_warm_start_and_its_last_version_on_both(exampl
         line = rf"fleetrl: evaluated v{e.version} in [\d.]+ s: sums{figures}, gym{figures}"
         assert re.search(line, rl.stdout + rl.stderr), rl.stdout[-3000:] + rl.stderr[-3000:]
     metrics = read_metrics(example.dir("rl"))
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    assert all(m["mismatch_kl"] is not None and m["mismatch_kl"] <= 1e-6 for m in metrics), metrics
+    assert [m.step for m in metrics] == list(range(1, STEPS + 1))
+    assert all(m.update.mismatch_kl is not None and m.update.mismatch_kl <= 1e-6 for m in metrics), metrics
 
 
 def test_the_rl_run_passes_verify(example):

@@ -52,6 +52,7 @@ from fleetrl.inference.http import prompt_logprobs_of
 from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.processes import free_port
+from fleetrl.records import RolloutRecord, StepLine
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint
 
@@ -217,7 +218,7 @@ def test_the_quickstarts_attached_run_as_written(operator_servers, tmp_path):
                           env={ADMIN_TOKEN_ENV: ADMIN, DATA_TOKEN_ENV: DATA}, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "1 trainer rank(s)" in done.stdout
-    assert [m["step"] for m in read_metrics(run_dir)] == [1]
+    assert [m.step for m in read_metrics(run_dir)] == [1]
     final = json.loads((run_dir / "final.json").read_text())
     assert sorted(final["workers"]) == sorted(operator_servers)
     assert all(w["version"] == 1 for w in final["workers"].values())
@@ -252,7 +253,7 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
         # Step 2's rollouts start once v1 is published, while step 1 is still being checkpointed.
         run.wait_for("checkpoint 1", lambda: latest_checkpoint(run_dir) == 1)
         gone["SIGKILL mid-rollout"] = run.signal(signal.SIGKILL)
-        assert [m["step"] for m in read_metrics(run_dir)] == [1] and latest_checkpoint(run_dir) == 1
+        assert [m.step for m in read_metrics(run_dir)] == [1] and latest_checkpoint(run_dir) == 1
         # The killed run left the worker at v1, the checkpoint's version: it is sent nothing.
         run = start("2-train", "train:3")
         run.hold_at("train:3")
@@ -260,18 +261,18 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
         assert "ready at v1" in run.out() and "refitting it" not in run.out(), run.out()
         gone["SIGINT mid-train"] = run.signal(signal.SIGINT)
         assert run.proc.returncode == 130 and "fleetrl: interrupted" in run.out(), run.out()[-2000:]
-        assert [m["step"] for m in read_metrics(run_dir)] == [1, 2] and latest_checkpoint(run_dir) == 2
+        assert [m.step for m in read_metrics(run_dir)] == [1, 2] and latest_checkpoint(run_dir) == 2
 
         run = start("3-publish", "publish:4")
         run.hold_at("publish:4")
         gone["SIGKILL mid-publish"] = run.signal(signal.SIGKILL)
-        assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3] and latest_checkpoint(run_dir) == 3
+        assert [m.step for m in read_metrics(run_dir)] == [1, 2, 3] and latest_checkpoint(run_dir) == 3
         # Left paused, the update of v4 open (it never finished: it still reports v3).
         assert asyncio.run(paused_and_versions(urls)) == [(True, 3)]
 
         run = start("4-checkpoint", "checkpoint:4")
         run.hold_at("checkpoint:4")
-        assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]  # the line before the checkpoint
+        assert [m.step for m in read_metrics(run_dir)] == [1, 2, 3, 4]  # the line before the checkpoint
         gone["SIGTERM mid-checkpoint"] = run.signal(signal.SIGTERM)
         assert run.proc.returncode != 0
         assert latest_checkpoint(run_dir) == 3  # step 4's checkpoint never completed
@@ -296,28 +297,27 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
     print("\nkill points: everything gone after " + ", ".join(f"{what} in {s:.1f} s" for what, s in gone.items()))
 
     done = read_metrics(run_dir)
-    assert [m["step"] for m in done] == list(range(1, STEPS + 1))  # none twice, none missing
+    assert [m.step for m in done] == list(range(1, STEPS + 1))  # none twice, none missing
     check_no_prompt_lost_or_repeated(run_dir, STEPS)  # the conformance suite's class (e)
     check_every_group_is_the_uninterrupted_streams(run_dir)
     check_dynamic_sampling(run_dir, done)
     # Both environments were sampled, each reported apart, and each sample says whose it is.
-    assert set().union(*(m["envs"] for m in done)) == {"reverse", "sums"}, [m["envs"] for m in done]
+    assert set().union(*(m.batch.envs for m in done)) == {"reverse", "sums"}, [m.batch.envs for m in done]
     for m in done:
-        assert sum(f["groups"] for f in m["envs"].values()) == m["sampled_prompts"]
-        batch = json.loads((run_dir / "batches" / f"step_{m['step']:06d}.json").read_text())
-        assert {s["env"] for s in batch["samples"]} <= set(m["envs"])
-    assert all(m["distance_max"] == 0 and m["misversioned"] == 0 for m in done)
+        assert sum(f.groups for f in m.batch.envs.values()) == m.batch.sampled_prompts
+        assert {s.env for s in RunDir(run_dir).read_batch(m.step).samples} <= set(m.batch.envs)
+    assert all(m.update.max_off_policy == 0 and "misversioned" not in m.batch.dropped_by for m in done)
     # The KL penalty's reference is the base model, through every resume: 0 at v0, and after that
     # as far as the policy moved (each step from 2 on is the first of a resumed run).
-    assert done[0]["ref_kl"] == pytest.approx(0.0, abs=1e-9)
-    assert all(m["ref_kl"] > 0 for m in done[1:]) and done[0]["grad_norm"] > 0, [m["ref_kl"] for m in done]
+    assert done[0].update.ref_kl == pytest.approx(0.0, abs=1e-9)
+    assert all(m.update.ref_kl > 0 for m in done[1:]) and done[0].update.grad_norm > 0, [m.update for m in done]
     # The resumed run refitted the workers to the checkpoint's version before any rollout.
-    batch5 = json.loads((run_dir / "batches" / "step_000005.json").read_text())
-    assert batch5["meta"]["dispatch_version"] == 4
-    assert all(span["version"] == 4 for s in batch5["samples"] for span in s["spans"])
+    batch5 = RunDir(run_dir).read_batch(5)
+    assert batch5.meta.dispatch_version == 4
+    assert all(span.version == 4 for s in batch5.samples for span in s.spans)
     final = json.loads((run_dir / "final.json").read_text())
     assert sorted(final["workers"]) == urls
-    assert all(w["version"] == STEPS and w["checksum"] == done[-1]["checksum"] for w in final["workers"].values())
+    assert all(w["version"] == STEPS and w["checksum"] == done[-1].publish.checksum for w in final["workers"].values())
     assert asyncio.run(paused_and_versions(urls)) == [(False, STEPS)]
     verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stderr
@@ -343,27 +343,27 @@ def check_every_group_is_the_uninterrupted_streams(run_dir) -> None:
     assert any(task.startswith("sums/row") for task in drawn), drawn
 
 
-def check_dynamic_sampling(run_dir, metrics: list[dict]) -> None:
+def check_dynamic_sampling(run_dir, metrics: list[StepLine]) -> None:
     """Dynamic sampling: each step sampled 2 prompts, and a third while one of them had no
     gradient; a group whose samples all scored alike was filtered (recorded, not trained) unless
     no group had a gradient; the step's figures of what was generated and what was trained are
     those of its records."""
     for m in metrics:
-        records = [json.loads(line) for line in RunDir(run_dir).rollouts_path(m["step"]).read_text().splitlines()]
-        groups: dict[int, list[dict]] = {}
+        records = RunDir(run_dir).read_rollouts(m.step)
+        groups: dict[int, list[RolloutRecord]] = {}
         for r in records:
-            groups.setdefault(r["group"], []).append(r)
+            groups.setdefault(r.group, []).append(r)
         # The rewards of each group's usable samples (those trained, or filtered as a group).
-        rewards = {g: {r["reward"] for r in rs if r["drop_reason"] in (None, "filtered")} for g, rs in groups.items()}
+        rewards = {g: {r.reward for r in rs if r.drop_reason in (None, "filtered")} for g, rs in groups.items()}
         flat = {g for g, rs in rewards.items() if len(rs) == 1}
         gradient = {g for g, rs in rewards.items() if len(rs) > 1}
-        filtered = {g for g, rs in groups.items() if all(r["drop_reason"] == "filtered" for r in rs)}
-        assert m["sampled_prompts"] == len(groups) and m["filtered"] == len(filtered), m
+        filtered = {g for g, rs in groups.items() if all(r.drop_reason == "filtered" for r in rs)}
+        assert m.batch.sampled_prompts == len(groups) and m.batch.filtered == len(filtered), m
         assert len(groups) == 2 + (not {0, 1} <= gradient), (m, rewards)
         assert filtered == (flat if gradient else set()), (rewards, filtered)
-        trained = [r for r in records if r["trained"]]
-        assert m["trained_reward_mean"] == pytest.approx(sum(r["reward"] for r in trained) / len(trained))
-        assert m["dropped_by"].get("filtered", 0) == sum(len(groups[g]) for g in filtered), m
+        trained = [r for r in records if r.trained]
+        assert m.batch.trained.reward_mean == pytest.approx(sum(r.reward for r in trained) / len(trained))
+        assert m.batch.dropped_by.get("filtered", 0) == sum(len(groups[g]) for g in filtered), m
 
 
 def check_the_final_model_serves_like_the_workers(run_dir, workers, tmp_path) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 from fleetrl.inference.http import prompt_logprobs_of
 from fleetrl.processes import free_port
+from fleetrl.records import StepLine
 from fleetrl.rundir import RunDir
 
 from tests.documented import documented, run_documented
@@ -69,7 +70,7 @@ class Finished:
     steps: int
     k: int
     workers: int
-    metrics: list[dict] = field(default_factory=list)
+    metrics: list[StepLine] = field(default_factory=list)
     final: dict = field(default_factory=dict)
     events: list[dict] = field(default_factory=list)
 
@@ -181,8 +182,9 @@ def last_run(request) -> Finished:
 
 
 def test_every_step_ran_once_within_k(run):
-    assert [m["step"] for m in run.metrics] == list(range(1, run.steps + 1))
-    assert all(m["distance_max"] <= run.k for m in run.metrics), [m["distance_max"] for m in run.metrics]
+    assert [m.step for m in run.metrics] == list(range(1, run.steps + 1))
+    distances = [m.update.max_off_policy for m in run.metrics]
+    assert all(distance <= run.k for distance in distances), distances
 
 
 def test_every_worker_ends_at_the_final_version_holding_what_the_trainer_sent(run):
@@ -190,7 +192,7 @@ def test_every_worker_ends_at_the_final_version_holding_what_the_trainer_sent(ru
     assert len(run.final["workers"]) == run.workers
     for worker in run.final["workers"].values():
         assert worker["version"] == run.steps
-        assert worker["checksum"] == run.metrics[-1]["checksum"]
+        assert worker["checksum"] == run.metrics[-1].publish.checksum
     assert len(run.final["tokens"]) == 16 and run.final["spans"] == [[run.steps, 0]]
 
 
@@ -207,7 +209,7 @@ def test_the_run_leaves_plots_a_checkpoint_and_passes_verify(last_run):
     assert (run_dir / "checkpoints" / f"step_{last_run.steps:06d}").is_dir()
     verify = verified(run_dir)
     assert verify.returncode == 0, verify.stderr
-    distance = max(m["distance_max"] for m in last_run.metrics)
+    distance = max(m.update.max_off_policy for m in last_run.metrics)
     assert f"max off-policy distance {distance} <= k = {last_run.k}" in verify.stdout
     assert "artifacts match the manifest" in verify.stdout
 
@@ -256,12 +258,13 @@ def test_every_token_agrees_with_the_trainer_at_its_own_version(run):
     version behind scored under that version) as at k = 0; every trained token is measured, and
     only tokens sampled a version behind are stale."""
     for m in run.metrics:
-        assert m["mismatch_tokens"] == m["completion_tokens"], m
-        assert m["mismatch_kl"] is not None and m["mismatch_kl"] <= 1e-6, m
-        assert all(w["mismatch_kl"] <= 1e-6 for w in m["workers"].values() if w["mismatch_kl"] is not None), m
-        assert not m["mismatch_outliers"], m
-        assert m["staleness_kl"] >= 0 and (m["distance_max"] > 0 or m["staleness_kl"] == 0), m
-    assert any(w["mismatch_kl"] is not None for m in run.metrics for w in m["workers"].values())
+        update = m.update
+        assert update.mismatch_tokens == update.completion_tokens, m
+        assert update.mismatch_kl is not None and update.mismatch_kl <= 1e-6, m
+        assert all(kl <= 1e-6 for kl in update.worker_mismatch_kl.values() if kl is not None), m
+        assert not update.mismatch_outliers, m
+        assert update.staleness_kl >= 0 and (update.max_off_policy > 0 or update.staleness_kl == 0), m
+    assert any(kl is not None for m in run.metrics for kl in m.update.worker_mismatch_kl.values())
 
 
 def test_no_process_is_left(run):
@@ -279,8 +282,8 @@ def test_make_run_is_the_default_one_worker_one_rank(first_run):
 def test_make_run_overlaps_rollouts_with_training(first_run):
     """k = 1: rollouts for step n+1 ran while step n trained (recorded timestamps)."""
     metrics = first_run.metrics
-    overlaps = [nxt["rollout_started"] < prev["train_finished"] for prev, nxt in zip(metrics, metrics[1:])]
-    assert any(overlaps), [(m["rollout_started"], m["train_started"], m["train_finished"]) for m in metrics]
+    overlaps = [nxt.batch.rollout_started < prev.train_finished for prev, nxt in zip(metrics, metrics[1:])]
+    assert any(overlaps), [(m.batch.rollout_started, m.train_started, m.train_finished) for m in metrics]
 
 
 def test_make_run_shows_the_live_view_and_its_log_lines(first_run):
@@ -304,9 +307,9 @@ def test_the_resume_goes_on_from_the_checkpoint_at_its_version(resumed):
     before any rollout: the resumed step's samples are all of it."""
     checkpoint = resumed.steps - 1
     assert f"resuming after step {checkpoint}" in plain(resumed.out)
-    batch = json.loads((resumed.run_dir / "batches" / f"step_{resumed.steps:06d}.json").read_text())
-    assert batch["meta"]["dispatch_version"] == checkpoint
-    assert all(span["version"] == checkpoint for sample in batch["samples"] for span in sample["spans"])
+    batch = RunDir(resumed.run_dir).read_batch(resumed.steps)
+    assert batch.meta.dispatch_version == checkpoint
+    assert all(span.version == checkpoint for sample in batch.samples for span in sample.spans)
 
 
 def quickstart(command: str, run_dir: Path) -> subprocess.CompletedProcess:
@@ -360,10 +363,10 @@ def test_a_lora_publish_moves_the_adapter_alone(lora, first_run):
     """Every publish moved onto the worker exactly the adapter's bytes (fp32), a few percent of
     what the same job's publishes move in full fine-tuning (make run's)."""
     expected = adapter_bytes(lora.run_dir)
-    (full,) = {w["publish_bytes"] for m in first_run.metrics for w in m["workers"].values()}
+    (full,) = {moved for m in first_run.metrics for moved in m.publish.received_bytes.values()}
     assert expected < full / 20
     for m in lora.metrics:
-        assert [w["publish_bytes"] for w in m["workers"].values()] == [expected], m["workers"]
+        assert list(m.publish.received_bytes.values()) == [expected], m.publish
     check_adapter_folders_trained(list(lora.run_dir.rglob("vllm-*-adapter")))
 
 
@@ -428,20 +431,20 @@ async def probe_among_sampled_requests(url: str, token_ids: list[int]) -> list[l
 def test_the_cluster_runs_a_rank_on_each_node_strictly_on_policy(cluster):
     """k = 0: sampling for batch n+1 starts only after step n has been published."""
     assert "2 trainer rank(s)" in cluster.out
-    assert all(m["distance_max"] == 0 for m in cluster.metrics)
+    assert all(m.update.max_off_policy == 0 for m in cluster.metrics)
     for prev, nxt in zip(cluster.metrics, cluster.metrics[1:]):
-        assert nxt["rollout_started"] >= prev["train_finished"]
+        assert nxt.batch.rollout_started >= prev.train_finished
 
 
 def test_the_clusters_learning_rate_decays_as_configured(cluster):
     """trainer.lr_decay = linear over the run's 2 steps, toward lr_min: the peak, then half way."""
-    assert [m["lr"] for m in cluster.metrics] == pytest.approx([1e-5, 5.5e-6])
+    assert [m.update.lr for m in cluster.metrics] == pytest.approx([1e-5, 5.5e-6])
 
 
 def test_the_clusters_loss_masks_by_the_geometric_mean_and_reports_entropy(cluster):
     """The geometric mask's band [0.5, 2] on two FSDP ranks drops nothing where sampler and
     trainer agree; the policy's entropy is reported, below log(vocab) = 10.8."""
-    assert all(m["masked_frac"] == 0 and 0 < m["entropy"] < 11 for m in cluster.metrics), cluster.metrics
+    assert all(m.update.masked_frac == 0 and 0 < m.update.entropy < 11 for m in cluster.metrics), cluster.metrics
 
 
 def test_the_cluster_evaluates_every_version_on_held_out_prompts_at_that_version(cluster):
@@ -457,7 +460,7 @@ def test_the_cluster_evaluates_every_version_on_held_out_prompts_at_that_version
                    RunDir(cluster.run_dir).eval_records_path(e.version).read_text().splitlines()]
         assert all({v for v, _ in r["spans"]} == {e.version} for r in records), records
         assert all(r["task"].startswith("arithmetic/") for r in records)
-    assert [m["eval"] for m in cluster.metrics] == [evals[1].envs, evals[2].envs]
+    assert [m.eval for m in cluster.metrics] == [evals[1].envs, evals[2].envs]
     assert "fleetrl: evaluated v2 in" in cluster.out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,9 +54,9 @@ def _rank_main(rank: int, model_dir, batches, out_dir) -> None:
     train_step(restored, restored_optimizer, batches[1], CFG)
     continued, continued_restored = full_weights(model), full_weights(restored)
     if rank == 0:
-        torch.save({"initial": initial, "first": asdict(first), "updated": updated,
+        torch.save({"initial": initial, "first": first.to_dict(), "updated": updated,
                     "loaded_step": loaded_step, "restored": restored_weights,
-                    "second": asdict(second), "continued": continued,
+                    "second": second.to_dict(), "continued": continued,
                     "continued_restored": continued_restored}, out_dir / "rank0.pt")
 
 
@@ -90,7 +90,7 @@ def one_rank(setup, tmp_path_factory):
     checkpoints = tmp_path_factory.mktemp("one-rank") / "checkpoints"
     checkpoint.save(checkpoints, 1, model, optimizer, keep=2)
     second = train_step(model, optimizer, batches[1], CFG, previous)
-    return {"initial": initial, "first": asdict(first), "updated": updated, "second": asdict(second),
+    return {"initial": initial, "first": first.to_dict(), "updated": updated, "second": second.to_dict(),
             "continued": full_weights(model), "checkpoints": checkpoints}
 
 

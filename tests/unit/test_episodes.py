@@ -130,7 +130,7 @@ async def test_an_episode_holds_every_turn_with_masks_logprobs_and_a_span_per_tu
     env = Retry()
     fleet, orch, _ = await make(env, max_turns=3)
     batch = await orch.make_batch(1)
-    assert len(batch.samples) == 4 and batch.dropped == 0
+    assert len(batch.samples) == 4 and "off_policy" not in batch.meta.dropped_by
     for sample in batch.samples:
         assert len(sample.turns) == 3
         model = [i for start, end in sample.turns for i in range(start, end)]
@@ -173,7 +173,7 @@ async def test_a_publish_between_turns_gives_the_later_turns_the_new_version():
     pending = asyncio.create_task(orch.make_batch(2))  # admitted at v0 with k = 1
     await publish_once_answers_wait(fleet, env, published, transport)
     batch = await pending
-    assert batch.dropped == 0 and batch.meta.distance_max == 1
+    assert "off_policy" not in batch.meta.dropped_by and batch.meta.distance_max == 1
     for sample in batch.samples:
         (first, _), (second, _) = sample.turns
         versions = {s.start: s.version for s in sample.spans}

@@ -1,7 +1,6 @@
 """The fleet coordinator against an in-process fake provider: states, routing, the fence."""
 
 import asyncio
-from dataclasses import replace
 
 import pytest
 
@@ -172,8 +171,8 @@ async def test_the_fleet_tells_of_every_state_change_and_fence():
     fleet.on_event = events.append
     transport.corrupt_worker = "b"
     report = await fleet.publish(1, transport, weights)
-    assert replace(events[0], t=0) == FenceEvent(phase="start", version=1, t=0)
-    assert replace(events[-1], t=0) == FenceEvent(phase="end", version=1, ready=["a"], t=0)
+    assert events[0].model_copy(update=dict(t=0)) == FenceEvent(phase="start", version=1, t=0)
+    assert events[-1].model_copy(update=dict(t=0)) == FenceEvent(phase="end", version=1, ready=["a"], t=0)
     states = {w: [(e.state, e.version) for e in events if isinstance(e, WorkerEvent) and e.worker == w]
               for w in ("a", "b")}
     assert states == {"a": [("paused", 0), ("updating", 0), ("ready", 1)], "b": [("paused", 0), ("updating", 0), ("stale", 0)]}
@@ -185,7 +184,7 @@ async def test_the_fleet_tells_of_every_state_change_and_fence():
     transport.corrupt_worker = "a"
     with pytest.raises(PublishError):  # a fence that fails still ends, with no worker ready
         await fleet.publish(1, transport, weights)
-    assert replace(events[-1], t=0) == FenceEvent(phase="end", version=1, ready=[], t=0)
+    assert events[-1].model_copy(update=dict(t=0)) == FenceEvent(phase="end", version=1, ready=[], t=0)
     await fleet.close()
 
 

@@ -18,7 +18,8 @@ PACKAGE = SRC / "fleetrl"
 # Leaves: the vocabulary and helpers everything may use; they use nothing of fleetrl but leaves.
 LEAVES = {"fleetrl.versions", "fleetrl.contract", "fleetrl.admin_signature", "fleetrl.files", "fleetrl.errors",
           "fleetrl.failpoints", "fleetrl.progress", "fleetrl.cores", "fleetrl.torchrun", "fleetrl.lora",
-          "fleetrl.tripwire", "fleetrl.transports", "fleetrl.provider_capabilities"}
+          "fleetrl.tripwire", "fleetrl.transports", "fleetrl.provider_capabilities",
+          "fleetrl.strict"}
 # (importer prefix, imported prefix, why it is forbidden)
 FORBIDDEN = [
     ("fleetrl.engine", "fleetrl.orchestrator", "worker-process code knows nothing of the orchestrator"),

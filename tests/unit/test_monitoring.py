@@ -1,35 +1,35 @@
 """The step sink: each step's line in metrics.jsonl, TensorBoard event files, an offline W&B run
 (real packages), the live view and the printed line, all from the one record."""
 
-from dataclasses import replace
 
 import psutil
 
 from fleetrl.config import Config
 from fleetrl.monitoring import StepSink, scalars, step_text
-from fleetrl.records import StepWorker
 from fleetrl.rundir import RunDir
 
-from .step_lines import LINE
+from .step_lines import LINE, changed
 
-def test_scalars_are_the_numbers_of_a_line_each_workers_and_each_environments():
+def test_scalars_are_the_numbers_of_a_line_by_their_path_in_it():
     values = scalars(LINE.to_dict())
-    assert values["reward_mean"] == 0.25 and values["dropped"] == 0.0 and values["lr"] == 2e-5
-    assert "loss" not in values and "checksum" not in values and "rollout_started" not in values
-    assert {k: v for k, v in values.items() if k.startswith("worker/")} == {
-        "worker/w0/version": 1.0, "worker/w0/completions": 8.0, "worker/w0/completion_tokens": 96.0,
-        "worker/w0/tokens_per_s": 12.0, "worker/w0/mismatch_kl": 1e-10, "worker/w0/publish_s": 0.5}
-    assert values["env/reverse/trained_samples"] == 8.0
+    assert values["batch/reward_mean"] == 0.25 and values["update/clip_frac"] == 0.0 and values["update/lr"] == 2e-5
+    assert "update/loss" not in values and values["update/skipped"] == 0.0 and "publish/checksum" not in values
+    assert "batch/rollout_started" not in values and "publish/version" not in values
+    assert {k: v for k, v in values.items() if "w0" in k} == {
+        "batch/workers/w0/completions": 8.0, "batch/workers/w0/completion_tokens": 96.0,
+        "batch/workers/w0/tokens_per_s": 12.0, "update/worker_mismatch_kl/w0": 1e-10,
+        "publish/worker_seconds/w0": 0.5, "publish/probe/w0": 0.0, "worker_versions/w0": 1.0}
+    assert values["batch/envs/reverse/trained_samples"] == 8.0
 
 
 def test_the_printed_line_says_n_a_for_what_measured_nothing():
-    text = step_text(replace(LINE, mismatch_kl=None), 10, dynamic_sampling=False)
+    text = step_text(changed(LINE, update={"mismatch_kl": None}), 10, dynamic_sampling=False)
     assert text.startswith("step 1/10  reward 0.250±0.100  off-policy max 1 mean 0.50")
     assert "loss n/a" in text and "mismatch n/a" in text and "staleness 1.0e-02" in text
     assert "train 4.0s  publish 1.5s  workers at [1]" in text and "filtered" not in text
     assert "  dropped none  " in text
     assert "  dropped off_policy 2, tool_failed 1  " in step_text(
-        replace(LINE, dropped_by={"off_policy": 2, "tool_failed": 1}), 10, dynamic_sampling=False)
+        changed(LINE, batch={"dropped_by": {"off_policy": 2, "tool_failed": 1}}), 10, dynamic_sampling=False)
     assert "filtered 0/2 groups" in step_text(LINE, 10, dynamic_sampling=True)
 
 
@@ -51,23 +51,22 @@ def test_one_write_reaches_metrics_tensorboard_wandb_offline_the_view_and_the_lo
     sink = StepSink(config, run_dir, View(), log=logged.append)
     sink.write_eval(0, {"reverse": {"reward_mean": 0.5, "pass@1": 0.25}})
     sink.write(LINE)
-    outlier = StepWorker(version=2, mismatch_kl=1e-2)
-    sink.write(replace(LINE, step=2, reward_mean=0.75, mismatch_outliers=["w1"],
-                       workers={**LINE.workers, "w1": outlier}))
+    second = changed(LINE, step=2, batch={"reward_mean": 0.75},
+                     update={"mismatch_outliers": ["w1"], "worker_mismatch_kl": {"w0": 1e-10, "w1": 1e-2}})
+    sink.write(second)
     sink.close()
     sink.close()  # idempotent
 
-    assert run_dir.read_metrics() == [LINE, replace(LINE, step=2, reward_mean=0.75, mismatch_outliers=["w1"],
-                                                    workers={**LINE.workers, "w1": outlier})]
+    assert run_dir.read_metrics() == [LINE, second]
     assert shown == [(1, "reward 0.250"), (2, "reward 0.750")]
     assert [line for line in logged if line.startswith("step ")] == [
-        step_text(LINE, 2, False), step_text(replace(LINE, step=2, reward_mean=0.75), 2, False)]
+        step_text(LINE, 2, False), step_text(second, 2, False)]
     assert any("worker w1's mismatch_kl 1.00e-02 stands out" in line for line in logged), logged
     events = EventAccumulator(str(run_dir.tensorboard_dir))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 0.25), (2, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("batch/reward_mean")] == [(1, 0.25), (2, 0.75)]
     assert [(e.step, e.value) for e in events.Scalars("eval/reverse/pass@1")] == [(0, 0.25)]
-    assert [e.value for e in events.Scalars("worker/w0/tokens_per_s")] == [12.0, 12.0]
+    assert [e.value for e in events.Scalars("batch/workers/w0/tokens_per_s")] == [12.0, 12.0]
     (run,) = (run_dir.wandb_dir / "wandb").glob("offline-run-*")
     assert list(run.glob("*.wandb")), list(run.iterdir())
     for path in run_dir.root.rglob("*"):

@@ -76,7 +76,7 @@ def weights():
 async def test_batch_has_groups_with_normalized_advantages():
     fleet, orch, _ = await make()
     batch = await orch.make_batch(1)
-    assert len(batch.samples) == 12 and batch.dropped == 0
+    assert len(batch.samples) == 12 and "off_policy" not in batch.meta.dropped_by
     assert sorted({s.group for s in batch.samples}) == [0, 1, 2]
     for g in range(3):
         advantages = [s.advantage for s in batch.samples if s.group == g]
@@ -104,7 +104,7 @@ async def test_publish_mid_rollout_stays_within_the_bound():
     await asyncio.sleep(0.02)
     await fleet.publish(2, transport, weights)
     batch = await pending
-    assert batch.dropped == 0 and batch.meta.distance_max == 1
+    assert "off_policy" not in batch.meta.dropped_by and batch.meta.distance_max == 1
     assert any(len(s.spans) == 2 for s in batch.samples)
     await fleet.close()
 
@@ -133,7 +133,7 @@ async def test_samples_from_a_worker_at_the_wrong_version_are_rejected_and_count
     rejected = [r for r in written if r["version_error"]]
     assert rejected and all(r["worker"] == "a" and not r["trained"] and r["drop_reason"] == "misversioned"
                             for r in rejected)
-    assert batch.meta.misversioned == len(rejected) and batch.dropped == 0
+    assert batch.meta.dropped_by["misversioned"] == len(rejected) and "off_policy" not in batch.meta.dropped_by
     assert len(batch.samples) == 12 - len(rejected) and all(s.spans[0].version == 0 for s in batch.samples)
     trained = [r for r in written if r["trained"]]
     assert {r["worker"] for r in trained} == {"b"} and len(trained) == len(batch.samples)
@@ -294,7 +294,7 @@ async def test_a_failed_reward_drops_its_sample_and_the_batch_goes_on(bad, error
     batch = await orch.make_batch(1)
     written = records(orch, 1)
     failed = [r for r in written if r["drop_reason"] == "reward_failed"]
-    assert len(failed) == 4 and batch.meta.reward_failed == 4 and len(batch.samples) == 8
+    assert len(failed) == 4 and batch.meta.dropped_by["reward_failed"] == 4 and len(batch.samples) == 8
     for r in failed:
         assert not r["trained"] and r["reward"] is None and r["advantage"] is None
         assert re.fullmatch(f"env fake: reward of task {r['task']} {error}", r["reward_error"])
@@ -314,7 +314,7 @@ async def test_rewards_that_keep_hanging_end_the_run_instead_of_piling_up_thread
     monkeypatch.setattr(threads, "_hung", {})  # none left by an earlier test's hung rewards
     fleet, orch, _ = await make(k=1, env=Env(every_third_sample(hang)), reward_timeout_s=2)  # k = 1: no publish
     batch = await orch.make_batch(1)  # its 4 hung rewards dropped, the batch goes on
-    assert batch.meta.reward_failed == 4 and len(threads._hung) == 4
+    assert batch.meta.dropped_by["reward_failed"] == 4 and len(threads._hung) == 4
     started = sum(t.name == "fleetrl-user-code" for t in threading.enumerate())
     with pytest.raises(threads.HungUserCode, match=r"^4 calls of user code still run past their time limits, each "
                                                    r"holding a thread that Python cannot stop \(the last given up "
@@ -414,7 +414,7 @@ async def test_an_empty_completion_is_dropped_and_counted(monkeypatch):
     monkeypatch.setattr(fleet, "generate", first_completion_empty)
     batch = await orch.make_batch(1)
     empty = [r for r in records(orch, 1) if r["drop_reason"] == "empty"]
-    assert len(empty) == 3 and batch.meta.empty == 3 and len(batch.samples) == 9
+    assert len(empty) == 3 and batch.meta.dropped_by["empty"] == 3 and len(batch.samples) == 9
     assert all(not r["trained"] and r["completion"] == "" and r["distance"] is None for r in empty)
     assert "fleetrl: batch 1: dropped 3 empty completion(s)" in logged
     await fleet.close()

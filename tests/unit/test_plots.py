@@ -56,8 +56,8 @@ def test_plot_draws_the_timeline_from_the_events_and_the_same_bytes_again(tmp_pa
     config.orchestrator.max_off_policy_steps = 1
     (run / "config.toml").write_text(to_toml(config))
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EVENTS))
-    (run / "metrics.jsonl").write_text(json.dumps(step_dict(1, reward_mean=0.5, distance_max=0,
-                                                            distance_mean=0.0)) + "\n")
+    (run / "metrics.jsonl").write_text(json.dumps(step_dict(1, batch={"reward_mean": 0.5}, update={
+        "max_off_policy": 0, "mean_off_policy": 0.0})) + "\n")
     assert main(["plot", str(run)]) == 0
     out = capsys.readouterr().out
     pngs = {name: (run / name).read_bytes() for name in ("reward.png", "off_policy.png", "timeline.png")}
@@ -77,8 +77,8 @@ def test_plot_draws_each_evaluated_environments_reward_and_pass_at_1_per_version
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.toml").write_text(to_toml(Config()))
-    (run / "metrics.jsonl").write_text(json.dumps(step_dict(1, reward_mean=0.5, distance_max=0,
-                                                            distance_mean=0.0)) + "\n")
+    (run / "metrics.jsonl").write_text(json.dumps(step_dict(1, batch={"reward_mean": 0.5}, update={
+        "max_off_policy": 0, "mean_off_policy": 0.0})) + "\n")
     figures = {"reward_mean": 0.3, "pass@1": 0.0}
     evals = [{"version": 0, "envs": {"reverse_text": figures}},
              {"version": 5, "envs": {"reverse_text": {"reward_mean": None, "pass@1": None}, "arithmetic": figures}},

@@ -44,7 +44,7 @@ def make_run(tmp_path, k=1, steps=3):
         oldest = max(0, step - 1 - k)
         RunDir(run).write_batch(Batch(step, [sample([(oldest, 0), (step - 1, 2)])]))
         RunDir(run).write_rollouts(step, [rollout(step, 0, trained=i == 0) for i in range(4)])
-        lines.append(step_dict(step, distance_max=(step - 1) - oldest,
+        lines.append(step_dict(step, update={"max_off_policy": (step - 1) - oldest},
                                worker_versions={"vllm-0": step, "vllm-1": step}))
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     (run / "logs").mkdir()
@@ -84,7 +84,7 @@ def test_unlisted_artifact(tmp_path):
 def test_step_over_the_bound(tmp_path):
     run = make_run(tmp_path)
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    lines[1]["distance_max"] = 2
+    lines[1]["update"]["max_off_policy"] = 2
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     RunDir(run).write_manifest()
     with pytest.raises(VerifyError, match="step 2: off-policy distance 2 > k = 1"):
@@ -415,10 +415,11 @@ def test_a_bad_metrics_line_before_the_last_is_an_error_naming_it(tmp_path):
 def test_a_metrics_line_that_is_no_step_line_is_an_error_naming_the_file_record_and_keys(tmp_path):
     run = RunDir(make_run(tmp_path))
     lines = [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
-    del lines[1]["lr"]
-    lines[1]["kl"] = 0.1  # a figure no StepLine has
+    del lines[1]["update"]["lr"]
+    lines[1]["update"]["kl"] = 0.1  # a figure no StepMetrics has
     run.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in lines))
-    with pytest.raises(RecordError, match=rf"^{run.metrics_path}: record 2: not a StepLine: unknown kl; missing lr$"):
+    with pytest.raises(RecordError, match=rf"^{run.metrics_path}: record 2: not a StepLine: unknown update.kl; "
+                                          r"missing update.lr$"):
         run.read_metrics()
 
 
@@ -485,7 +486,7 @@ def test_events_are_synced_off_the_thread_that_appends_them(tmp_path, monkeypatc
 
 
 def test_a_batch_an_older_fleetrl_wrote_still_reads_and_an_unknown_key_names_the_file(tmp_path):
-    """Batches written before BatchMeta carried four keys it no longer has: a run resumed or
+    """Batches written before BatchMeta carried seven keys it no longer has: a run resumed or
     verified across the upgrade reads them; a key no fleetrl wrote is an error naming the file."""
     from fleetrl.records import BatchMeta, Figures
 
@@ -493,10 +494,12 @@ def test_a_batch_an_older_fleetrl_wrote_still_reads_and_an_unknown_key_names_the
     figures = Figures(samples=1, reward_mean=1.0, completion_tokens_mean=3.0)
     meta = BatchMeta(sampled_prompts=1, filtered=0, generated=figures, trained=figures, dropped_by={}, envs={},
                      workers={}, rollout_started=1.0, rollout_finished=2.0, dispatch_version=0, reward_mean=1.0,
-                     reward_std=0.0, distance_max=0, distance_mean=0.0, misversioned=0, reward_failed=0, empty=0)
+                     reward_std=0.0, distance_max=0, distance_mean=0.0)
     run.write_batch(Batch(1, [sample([(0, 0)])], meta=meta))
     data = json.loads(run.batch_path(1).read_text())
-    data["meta"].update(waited_from=0.5, max_off_policy_steps=1, tool_failed=0, env_failed=0)
+    data["meta"].update(waited_from=0.5, max_off_policy_steps=1, tool_failed=0, env_failed=0, misversioned=0,
+                        reward_failed=0, empty=0)
+    data["dropped"] = 0
     run.batch_path(1).write_text(json.dumps(data))
     assert run.read_batch(1).meta == meta
     data["meta"]["kl"] = 0.1
@@ -505,18 +508,53 @@ def test_a_batch_an_older_fleetrl_wrote_still_reads_and_an_unknown_key_names_the
         run.read_batch(1)
 
 
-@pytest.mark.parametrize("key, value, said", [
-    ("lr", "fast", "lr is 'fast', not float"),
-    ("reward_mean", None, "reward_mean is None, not float"),
-    ("distance_max", 1.5, "distance_max is 1.5, not int"),
-    ("skipped", 0, "skipped is 0, not bool"),
-    ("loss", "nan", "loss is 'nan', not float or null"),
-    ("workers", [], "workers is [], not dict"),
+@pytest.mark.parametrize("part, key, value, said", [
+    ("update", "lr", "fast", "update.lr is 'fast', not a valid number"),
+    ("batch", "reward_mean", None, "batch.reward_mean is None, not a valid number"),
+    ("update", "max_off_policy", 1.5, "update.max_off_policy is 1.5, not a valid integer"),
+    ("update", "skipped", 0, "update.skipped is 0, not a valid boolean"),
+    ("update", "loss", "nan", "update.loss is 'nan', not a valid number"),
+    ("batch", "workers", [], "batch.workers is [], not a valid dictionary"),
 ])
-def test_a_value_of_another_type_is_an_error_naming_the_record_and_the_key(tmp_path, key, value, said):
+def test_a_value_of_another_type_is_an_error_naming_the_record_and_the_key(tmp_path, part, key, value, said):
     run = RunDir(make_run(tmp_path))
     lines = [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
-    lines[2][key] = value
+    lines[2][part][key] = value
     run.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in lines))
-    with pytest.raises(RecordError, match=rf"^{run.metrics_path}: record 3: {re.escape(said)}$"):
+    with pytest.raises(RecordError, match=rf"^{run.metrics_path}: record 3: not a StepLine: {re.escape(said)}$"):
         run.read_metrics()
+
+
+# A metrics.jsonl line as fleetrl wrote it before December 2026: every figure at the top.
+FLAT_LINE = {
+    "step": 1, "reward_mean": 0.25, "reward_std": 0.1, "distance_max": 1, "distance_mean": 0.5, "dropped": 0,
+    "sampled_prompts": 1, "filtered": 0, "generated_reward_mean": 0.25, "generated_completion_tokens_mean": 12.0,
+    "trained_reward_mean": 0.25, "trained_completion_tokens_mean": 12.0, "dropped_by": {},
+    "envs": {"reverse": {"groups": 1, "samples": 4, "reward_mean": 0.25, "completion_tokens_mean": 12.0,
+                         "trained_samples": 1}},
+    "eval": None, "misversioned": 0, "reward_failed": 0, "empty": 0, "skipped": False, "samples": 1,
+    "completion_tokens": 12, "tokens": 40, "loss": None, "grad_norm": 1.5, "sampler_kl": 0.01, "mismatch_kl": None,
+    "staleness_kl": 0.01, "ratio_mean": 1.0, "clip_frac": 0.0, "truncated_frac": 0.0, "masked_frac": 0.0,
+    "entropy": 2.0, "ref_kl": 0.0, "mismatch_tokens": 0, "mismatch_outliers": [], "lr": 2e-5, "tokens_per_s": 100.0,
+    "publish_s": 1.5, "checksum": "abc", "worker_versions": {"vllm-0": 1},
+    "workers": {"vllm-0": {"version": 1, "completions": 4, "completion_tokens": 48, "tokens_per_s": 12.0,
+                           "mismatch_kl": None, "publish_s": 0.5, "publish_bytes": None}},
+    "failed_workers": {}, "probe_max_abs_diff": {"vllm-0": 0.0}, "rollout_started": 1e9, "rollout_finished": 1e9 + 5,
+    "train_started": 1e9 + 5, "train_finished": 1e9 + 9}
+
+
+def test_a_run_an_older_fleetrl_wrote_in_the_flat_form_still_verifies_resumes_and_plots(tmp_path):
+    """Its lines are read by the one reader of the flat form (records.FlatStepLine); a resume
+    keeps them, and appends lines of today's form after them, and both are plotted."""
+    run = make_run(tmp_path, steps=3)
+    lines = [{**FLAT_LINE, "step": step, "distance_max": 0 if step == 1 else 1,
+              "worker_versions": {"vllm-0": step, "vllm-1": step}} for step in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    RunDir(run).write_manifest()
+    assert "3 steps, 3 trained samples, max off-policy distance 1 <= k = 1" in verify_run(run)
+    resumed = RunDir(run, log=lambda *_: None)
+    resumed.start(load_config([resumed.config_path], []), resume=2)
+    resumed.append_metrics(step_line(3))
+    assert [type(line).__name__ for line in resumed.read_metrics()] == ["FlatStepLine", "FlatStepLine", "StepLine"]
+    assert all(path.stat().st_size > 0 for path in resumed.write_plots())
+    resumed.close()

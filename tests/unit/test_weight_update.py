@@ -40,7 +40,7 @@ class RecordingEngine:
 
 def published(tmp_path) -> dict:
     manifest = write_version(tmp_path, 1, iter(sample_tensors()), 1 << 20)
-    return ManifestInfo(str(manifest.folder / MANIFEST)).to_dict()
+    return ManifestInfo(manifest=str(manifest.folder / MANIFEST)).to_dict()
 
 
 def test_an_update_loads_in_order_and_keeps_the_checksum(tmp_path):
@@ -71,4 +71,4 @@ def test_a_failed_load_closes_the_reload_and_clears_the_checksum(tmp_path):
 
 def test_an_adapter_update_needs_an_engine_serving_adapters():
     with pytest.raises(RuntimeError, match="adapter update needs"):
-        WeightUpdates(RecordingEngine()).init(FilesystemInit("adapter"), 0, serves_adapters=False)
+        WeightUpdates(RecordingEngine()).init(FilesystemInit(target="adapter"), 0, serves_adapters=False)

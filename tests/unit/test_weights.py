@@ -121,18 +121,22 @@ def test_wire_infos_survive_json_with_the_keys_the_receiver_reads():
                     "backend": "gloo", "rank_offset": 3, "world_size": 5, "timeout_s": 60.0, "target": "adapter"}
     assert parse_init(sent) == init
     assert FilesystemInit().to_dict() == {"transport": "filesystem", "target": "model"}
-    assert parse_init(FilesystemInit("adapter").to_dict()) == FilesystemInit("adapter")
+    assert parse_init(FilesystemInit(target="adapter").to_dict()) == FilesystemInit(target="adapter")
     _, metas = pack_bucket(sample_tensors())
     bucket = parse_update("broadcast", json.loads(json.dumps(BucketInfo.of(metas).to_dict())))
     assert bucket.metas() == metas
-    assert parse_update("filesystem", ManifestInfo("/w/v3/manifest.json").to_dict()).manifest == "/w/v3/manifest.json"
+    manifest = ManifestInfo(manifest="/w/v3/manifest.json")
+    assert parse_update("filesystem", manifest.to_dict()) == manifest
 
 
 @pytest.mark.parametrize("bad, match", [
     ({"transport": "carrier-pigeon"}, "not one of"),
     ({"transport": "broadcast", "master_address": "h"}, "needs master_address"),
-    ({"transport": "filesystem", "colour": "red"}, "init_info: .*colour"),
-    ({"transport": "filesystem", "target": "optimizer"}, "init_info.target: 'optimizer' is not one of"),
+    ({"transport": "filesystem", "colour": "red"}, "^init_info: not a FilesystemInit: unknown colour$"),
+    ({"transport": "filesystem", "target": "optimizer"},
+     "init_info: .*target is 'optimizer', not 'model' or 'adapter'"),
+    ({"transport": "broadcast", "master_address": "h", "master_port": "29500", "group_name": "g", "world_size": 2},
+     "init_info: not a BroadcastInit: master_port is '29500', not a valid integer"),
 ])
 def test_wire_init_info_refuses_what_the_receiver_cannot_use(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -43,7 +43,7 @@ from fleetrl.cores import plan_cores
 from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
 from fleetrl.files import sha256_file
-from fleetrl.inference.fleet import AgreementProbe, Fleet, PublishReport, WeightSource
+from fleetrl.inference.fleet import AgreementProbe, Fleet, WeightSource
 from fleetrl.inference.provider import NamedTensors, WeightTransport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
 from fleetrl.monitoring import StepSink
@@ -52,7 +52,7 @@ from fleetrl.orchestrator.evaluation import Evaluator
 from fleetrl.processes import (KILL_WAIT_S, STOP_BOUND_S, STOP_GRACE_S, STOP_WAITS_S, ManagedProcess, at_forced_exit,
                                 cancel_at_forced_exit, free_port, install_signal_handlers, start_process, stop_all,
                                 stop_groups, stop_signal, stop_time_left)
-from fleetrl.records import StepLine, StepWorker, TrainEvent, to_dict
+from fleetrl.records import PublishReport, StepLine, StepMetrics, TrainEvent
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 from fleetrl.trainer import checkpoint, distributed
@@ -60,8 +60,6 @@ from fleetrl.trainer.export import export_weights
 from fleetrl.trainer.gather import WeightGather
 from fleetrl.trainer.loop import Hooks, Snapshot, train, train_peer
 from fleetrl.trainer.lora import adapter_config
-from fleetrl.trainer.mismatch import outliers
-from fleetrl.trainer.step import StepMetrics, finite_or_none
 
 
 # A stop slower than SLOW_STOP_S says how long it took (its waits are bounded: `RLRun.stop`).
@@ -344,58 +342,11 @@ class RLRun:
 
     def on_step(self, batch: Batch, metrics: StepMetrics, report: PublishReport, started: float,
                 finished: float) -> None:
-        meta = batch.meta
-        versions = self.control.run(ready_versions(self.fleet))
-        served = meta.workers
         self.run_dir.append_event(TrainEvent(step=batch.step, start=started, end=finished))
-        self.sink.write(StepLine(
-            step=batch.step,
-            reward_mean=meta.reward_mean,
-            reward_std=meta.reward_std,
-            # The trainer's own reading of the spans, not the orchestrator's bookkeeping.
-            distance_max=metrics.max_off_policy,
-            distance_mean=metrics.mean_off_policy,
-            dropped=batch.dropped,
-            sampled_prompts=meta.sampled_prompts,
-            filtered=meta.filtered,
-            generated_reward_mean=meta.generated.reward_mean,
-            generated_completion_tokens_mean=meta.generated.completion_tokens_mean,
-            trained_reward_mean=meta.trained.reward_mean,
-            trained_completion_tokens_mean=meta.trained.completion_tokens_mean,
-            dropped_by=meta.dropped_by,
-            envs=meta.envs,
-            eval=self.evaluated.pop(batch.step, None),
-            misversioned=meta.misversioned,
-            reward_failed=meta.reward_failed,
-            empty=meta.empty,
-            skipped=metrics.skipped,
-            samples=metrics.samples,
-            completion_tokens=metrics.completion_tokens,
-            tokens=metrics.tokens,
-            **{key: finite_or_none(getattr(metrics, key)) for key in (
-                "loss", "grad_norm", "sampler_kl", "mismatch_kl", "staleness_kl", "ratio_mean", "clip_frac",
-                "truncated_frac", "masked_frac", "entropy", "ref_kl")},
-            mismatch_tokens=metrics.mismatch_tokens,
-            mismatch_outliers=outliers({w: kl for w, kl in metrics.worker_mismatch_kl.items() if w is not None}),
-            lr=metrics.lr,
-            tokens_per_s=metrics.tokens_per_s,
-            publish_s=report.seconds,
-            checksum=report.checksum,
-            worker_versions=versions,
-            workers={worker: StepWorker(
-                version=versions.get(worker),
-                **(to_dict(served[worker]) if worker in served else {}),  # what it served for the batch
-                mismatch_kl=finite_or_none(metrics.worker_mismatch_kl[worker]) if worker in metrics.worker_mismatch_kl else None,
-                publish_s=report.worker_seconds.get(worker),
-                publish_bytes=report.received_bytes.get(worker))
-                for worker in sorted(set(versions) | set(served))},
-            failed_workers=report.failed,
-            probe_max_abs_diff=report.probe,
-            rollout_started=meta.rollout_started,
-            rollout_finished=meta.rollout_finished,
-            train_started=started,
-            train_finished=finished,
-        ))
+        self.sink.write(StepLine(step=batch.step, batch=batch.meta, update=metrics, publish=report,
+                                 eval=self.evaluated.pop(batch.step, None),
+                                 worker_versions=self.control.run(ready_versions(self.fleet)),
+                                 train_started=started, train_finished=finished))
         self.phase(f"step {batch.step} published")
 
     # -- failures of the other parts -------------------------------------------------------

@@ -9,7 +9,6 @@ the training loop on its main thread.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -22,12 +21,11 @@ from fleetrl.errors import FleetrlError
 from fleetrl.model import resolve_model
 from fleetrl.monitoring import StepSink
 from fleetrl.processes import ManagedProcess, install_signal_handlers, stop_groups
-from fleetrl.records import SftLine
+from fleetrl.records import SftLine, SftMetrics
 from fleetrl.rundir import RunDir
 from fleetrl.sft_data import SftData
 from fleetrl.trainer import distributed
-from fleetrl.trainer.sft import NamedTensors, SftMetrics, train_sft, train_sft_peer
-from fleetrl.trainer.step import finite_or_none
+from fleetrl.trainer.sft import NamedTensors, train_sft, train_sft_peer
 
 
 def check_sft(config: Config, log=print) -> tuple[Path, SftData]:
@@ -91,9 +89,7 @@ class SftRun:
             self.stop()
 
     def on_step(self, metrics: SftMetrics, started: float, finished: float) -> None:
-        self.sink.write_sft(SftLine(**dataclasses.asdict(metrics) | {
-            "loss": finite_or_none(metrics.loss), "grad_norm": finite_or_none(metrics.grad_norm),
-            "train_started": started, "train_finished": finished}))
+        self.sink.write_sft(SftLine(**metrics.model_dump(), train_started=started, train_finished=finished))
 
     def write_final(self, named: NamedTensors) -> None:
         if self.view is not None:

@@ -76,8 +76,8 @@ class OrchestratorConfig(Section):
         description="Several environments in one run, instead of env and env_options: a list of tables (TOML: "
         "[[orchestrator.envs]] entries), each with `name` (unique: how the run reports it), `env` (as "
         "orchestrator.env names one; empty = the name), `options` and `weight` (> 0, default 1). Each prompt's environment is "
-        "drawn by weight; each environment's reward and counts are reported apart (metrics.jsonl `envs`, "
-        "TensorBoard `env/<name>/...`).")
+        "drawn by weight; each environment's reward and counts are reported apart (metrics.jsonl `batch.envs`, "
+        "TensorBoard `batch/envs/<name>/...`).")
     batch_prompts: int = Field(8, ge=1, description="Prompts per batch (one group of samples each).")
     group_size: int = Field(
         4, ge=1,
@@ -89,7 +89,7 @@ class OrchestratorConfig(Section):
         "and sample more prompts until the batch has batch_prompts groups, within dynamic_sampling_prompts. "
         "Pick it when many groups are all right or all wrong (binary rewards, a task too hard or too easy), "
         "where the batch's gradient would come from a few groups. What was filtered is in metrics.jsonl "
-        "(filtered, sampled_prompts).")
+        "(batch.filtered, batch.sampled_prompts).")
     dynamic_sampling_prompts: int = Field(
         0, ge=0,
         description="With dynamic_sampling: the most prompts one batch samples, first batch_prompts, then as many "

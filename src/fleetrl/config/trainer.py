@@ -96,7 +96,7 @@ class TrainerConfig(Section):
     world_size: int = Field(1, ge=1, description="Number of trainer ranks (torch.distributed) that `fleetrl rl` "
                             "starts on this machine. Under torchrun, WORLD_SIZE: leave it unset (docs/cluster.md).")
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate: the peak of the schedule (lr_warmup_steps, "
-                      "lr_decay); the rate of each step is in metrics.jsonl (`lr`).")
+                      "lr_decay); the rate of each step is in metrics.jsonl (`update.lr`).")
     lr_warmup_steps: int = Field(
         0, ge=0, description="Steps 1..N climb linearly to `lr`: the first batches' advantages are the noisiest and "
         "Adam's moments are not settled yet. 0 = none.")

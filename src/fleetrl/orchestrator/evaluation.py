@@ -113,7 +113,8 @@ class Evaluator:
             if reason is None and {span.version for span in s.completion.spans} != {version}:
                 reason = "misversioned"  # never, while the trainer waits: the check that it holds
             # Filed under the version it scores (eval/step_N.jsonl), and never trained.
-            out.append((s, replace(orchestrator.record(step, index, s, None, reason), step=version, trained=False)))
+            record = orchestrator.record(step, index, s, None, reason)
+            out.append((s, record.model_copy(update={"step": version, "trained": False})))
         return out
 
     def _figures(self, groups: list[list[tuple[Scored, RolloutRecord]]]) -> dict:

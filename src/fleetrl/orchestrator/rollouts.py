@@ -166,11 +166,8 @@ class Orchestrator:
             reward_std=math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
             distance_max=max(distances),
             distance_mean=sum(distances) / len(distances),
-            misversioned=drops["misversioned"],
-            reward_failed=drops["reward_failed"],
-            empty=drops["empty"],
         )
-        return Batch(step=step, samples=samples, dropped=drops["off_policy"], meta=meta)
+        return Batch(step=step, samples=samples, meta=meta)
 
     async def _sample_groups(self, step: int, window: list[Drawn]) -> list[list[Scored]]:
         """The groups of batch `step`: its first batch_prompts tasks, and with dynamic sampling,
@@ -366,9 +363,7 @@ def env_figures(records: list[RolloutRecord]) -> dict[str, EnvFigures]:
     out: dict[str, EnvFigures] = {}
     for name in sorted({r.env for r in records}):
         mine = [r for r in records if r.env == name]
-        figures = batch_figures(mine)
-        out[name] = EnvFigures(groups=len({r.group for r in mine}), samples=figures.samples,
-                               reward_mean=figures.reward_mean, completion_tokens_mean=figures.completion_tokens_mean,
+        out[name] = EnvFigures(**batch_figures(mine).model_dump(), groups=len({r.group for r in mine}),
                                trained_samples=sum(r.trained for r in mine))
     return out
 

@@ -9,7 +9,6 @@ what a step or weights that are not finite do, in docs/reliability.md, "Nothing 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from fleetrl import failpoints
 from fleetrl.batch import Batch
 from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
+from fleetrl.records import SftMetrics, StepMetrics
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.distributed import World
@@ -31,7 +31,7 @@ from fleetrl.trainer.lora import adapter_config
 from fleetrl.trainer.model import (agreement_probe, first_nonfinite, is_sharded, load_policy, local_shards,
                                    named_tensors, prompt_logprobs)
 from fleetrl.trainer.schedule import Schedule
-from fleetrl.trainer.step import StepConfig, StepMetrics, build_optimizer, train_step
+from fleetrl.trainer.step import StepConfig, build_optimizer, train_step
 
 Snapshot = dict[str, torch.Tensor]
 
@@ -132,10 +132,10 @@ def hand_start_weights(model: torch.nn.Module, world: World, version: int, probe
         hooks.start_weights(version, weights, probe_ids, reference)
 
 
-def nonfinite_step(metrics: StepMetrics) -> str:
-    """What made a skipped step skip, e.g. "loss is nan, grad norm is inf"."""
+def nonfinite_step(metrics: StepMetrics | SftMetrics) -> str:
+    """What made a skipped step skip, e.g. "loss is not finite"."""
     values = {"loss": metrics.loss, "grad norm": metrics.grad_norm}
-    return ", ".join(f"{name} is {value}" for name, value in values.items() if not math.isfinite(value))
+    return ", ".join(f"{name} is not finite" for name, value in values.items() if value is None)
 
 
 def train_peer(config: Config, run_dir: RunDir, model_dir: Path, world: World) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,32 +28,19 @@ from torch import nn
 from fleetrl.batch import Sample
 from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
+from fleetrl.records import SftMetrics
 from fleetrl.rundir import RunDir
 from fleetrl.sft_data import Sequence, SftData
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.gather import WeightGather, serve_gathers
-from fleetrl.trainer.loop import snapshot, step_config, streams_weights
+from fleetrl.trainer.loop import nonfinite_step, snapshot, step_config, streams_weights
 from fleetrl.trainer.lora import adapter_config
 from fleetrl.trainer.model import compute_precision, is_sharded, load_policy
-from fleetrl.trainer.step import (StepConfig, Unit, build_optimizer, clip_grad_norm, idle_forward, micro_batches, pack,
-                                  prompt_units, token_logprobs)
+from fleetrl.trainer.step import (StepConfig, Unit, build_optimizer, clip_grad_norm, finite_or_none, idle_forward,
+                                  micro_batches, pack, prompt_units, token_logprobs)
 
 NamedTensors = Callable[[], Iterator[tuple[str, torch.Tensor]]]
-
-
-@dataclass(frozen=True)
-class SftMetrics:
-    step: int
-    skipped: bool  # the loss or the gradient norm was not finite: the update was not applied
-    loss: float  # mean NLL per assistant token
-    grad_norm: float  # before clipping
-    lr: float
-    sequences: int
-    loss_tokens: int  # the assistant tokens the loss saw
-    tokens: int  # every token of the step's sequences
-    micro_batches: int  # the forwards of each rank
-    tokens_per_s: float
 
 
 def sequence_sample(sequence: Sequence) -> Sample:
@@ -113,8 +99,8 @@ def sft_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, sequ
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tokens = sum(len(s.token_ids) for s in sequences)
-    return SftMetrics(step=step, skipped=skipped, loss=mean_nll, grad_norm=grad_norm, lr=lr, sequences=len(sequences),
-                      loss_tokens=loss_tokens, tokens=tokens, micro_batches=forwards,
+    return SftMetrics(step=step, skipped=skipped, loss=finite_or_none(mean_nll), grad_norm=finite_or_none(grad_norm),
+                      lr=lr, sequences=len(sequences), loss_tokens=loss_tokens, tokens=tokens, micro_batches=forwards,
                       tokens_per_s=tokens / (time.perf_counter() - started))
 
 
@@ -145,7 +131,7 @@ def train_sft(config: Config, run_dir: RunDir, model_dir: Path, world: World,
         started = time.time()
         metrics = sft_step(model, optimizer, step, sequences(step), cfg)
         if metrics.skipped:
-            why = f"loss is {metrics.loss}, grad norm is {metrics.grad_norm}"
+            why = nonfinite_step(metrics)
             if config.trainer.on_nonfinite == "stop":
                 raise FleetrlError(f"step {step}: {why}; the update was not applied (to skip such steps and go on: "
                                    "trainer.on_nonfinite = skip)")

@@ -17,10 +17,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fleetrl.batch import Batch, Sample
+from fleetrl.records import StepMetrics
 from fleetrl.trainer import distributed
 from fleetrl.trainer.kept_weights import KeptWeights
 from fleetrl.trainer.loss import LossConfig, LossStats, policy_loss, token_entropy
-from fleetrl.trainer.mismatch import MismatchSums, mismatch_sums
+from fleetrl.trainer.mismatch import MismatchSums, mismatch_sums, outliers
 from fleetrl.trainer.model import compute_precision
 from fleetrl.trainer.schedule import Schedule
 from fleetrl.versions import span_ends
@@ -35,36 +36,6 @@ class StepConfig:
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 4096  # rows x padded length of one forward/backward (a row: one unit)
     loss: LossConfig = field(default_factory=LossConfig)
-
-
-@dataclass(frozen=True)
-class StepMetrics:
-    """The floats are what was measured, nan and inf included (see `finite_or_none`)."""
-
-    step: int
-    skipped: bool  # the loss or the gradient norm was not finite: the update was not applied
-    loss: float
-    grad_norm: float  # before clipping
-    lr: float  # the rate this step's update was made with (the schedule's)
-    sampler_kl: float  # mean k3 KL(inference || trainer now) over completion tokens: what the ratio corrects
-    mismatch_kl: float  # mean k3 KL(worker at v || trainer at v), v each token's version (trainer/mismatch.py)
-    staleness_kl: float  # mean k3 KL(trainer at v || trainer now), over the same tokens
-    mismatch_tokens: int  # the tokens those two are measured on
-    worker_mismatch_kl: dict[str | None, float]  # mismatch_kl of each worker's tokens (None: samples that name none)
-    ratio_mean: float
-    clip_frac: float
-    truncated_frac: float
-    masked_frac: float  # tokens masked importance sampling dropped (trainer.mis_*)
-    entropy: float  # mean entropy of the policy being trained, over completion tokens
-    ref_kl: float  # mean k3 KL(trainer || reference model) (trainer.kl_coef; 0 when off)
-    # The batch's largest and mean off-policy distance, recomputed here from its spans: the step
-    # line reports these, not the orchestrator's bookkeeping.
-    max_off_policy: int
-    mean_off_policy: float
-    samples: int
-    completion_tokens: int  # the tokens the loss saw (of a multi-turn episode: the model's turns)
-    tokens: int  # prompt + completion tokens of the batch's samples (the forward takes a group's prompt once)
-    tokens_per_s: float
 
 
 def finite_or_none(value: float) -> float | None:
@@ -314,24 +285,28 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
     all_tokens = sum(_length(s) for s in batch.samples)
     elapsed = time.perf_counter() - started
     per_token = lambda value: value.item() / measured.tokens.item() if measured.tokens.item() else math.nan  # noqa: E731
+    per_completion_token = lambda value: finite_or_none(value.item() / num_tokens)  # noqa: E731
+    # Samples that name no worker (None) count in the totals only.
+    by_worker = {worker: kl / tokens for worker, kl, tokens in zip(
+        workers, measured.worker_mismatch_kl.tolist(), measured.worker_tokens.tolist())
+        if tokens and worker is not None}
     return StepMetrics(
-        step=batch.step,
         skipped=skipped,
-        loss=total.loss.item() / num_tokens,
-        grad_norm=grad_norm,
+        loss=per_completion_token(total.loss),
+        grad_norm=finite_or_none(grad_norm),
         lr=lr,
-        sampler_kl=total.sampler_kl.item() / num_tokens,
-        mismatch_kl=per_token(measured.mismatch_kl),
-        staleness_kl=per_token(measured.staleness_kl),
+        sampler_kl=per_completion_token(total.sampler_kl),
+        mismatch_kl=finite_or_none(per_token(measured.mismatch_kl)),
+        staleness_kl=finite_or_none(per_token(measured.staleness_kl)),
         mismatch_tokens=int(measured.tokens.item()),
-        worker_mismatch_kl={worker: kl / tokens for worker, kl, tokens in zip(
-            workers, measured.worker_mismatch_kl.tolist(), measured.worker_tokens.tolist()) if tokens},
-        ratio_mean=total.ratio.item() / num_tokens,
-        clip_frac=total.clipped.item() / num_tokens,
-        truncated_frac=total.truncated.item() / num_tokens,
-        masked_frac=total.masked.item() / num_tokens,
-        entropy=total.entropy.item() / num_tokens,
-        ref_kl=total.ref_kl.item() / num_tokens,
+        worker_mismatch_kl={worker: finite_or_none(kl) for worker, kl in by_worker.items()},
+        mismatch_outliers=outliers(by_worker),
+        ratio_mean=per_completion_token(total.ratio),
+        clip_frac=per_completion_token(total.clipped),
+        truncated_frac=per_completion_token(total.truncated),
+        masked_frac=per_completion_token(total.masked),
+        entropy=per_completion_token(total.entropy),
+        ref_kl=per_completion_token(total.ref_kl),
         max_off_policy=max(distances := batch.distances()),
         mean_off_policy=sum(distances) / len(distances),
         samples=len(batch.samples),

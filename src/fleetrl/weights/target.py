@@ -8,21 +8,14 @@ A transport sends one kind for its life: a LoRA run publishes only its adapter.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
+
+from fleetrl.strict import Strict
 
 UpdateTarget = Literal["model", "adapter"]
-TARGETS = get_args(UpdateTarget)
 
 
-def check_target(target: str) -> None:
-    if target not in TARGETS:
-        raise ValueError(f"init_info.target: {target!r} is not one of {TARGETS}")
-
-
-@dataclass(frozen=True)
-class GrouplessInit:
+class GrouplessInit(Strict):
     """The init record of a transport with no group to join (each version is written where the
     workers read it): the target alone. A transport's subclass names it in `transport`."""
 
@@ -30,11 +23,8 @@ class GrouplessInit:
 
     target: UpdateTarget = "model"
 
-    def __post_init__(self) -> None:
-        check_target(self.target)
-
     def to_dict(self) -> dict[str, Any]:
-        return {"transport": self.transport, **dataclasses.asdict(self)}
+        return {"transport": self.transport, **super().to_dict()}
 
 
 class GrouplessReceiver:

@@ -9,9 +9,10 @@ Dynamo's RL routes:
     init_info    /init_weight_transfer_engine: {"transport": name, ...the transport's init record}
     update_info  /update_weights, read as the update record of the transport the init named
 
-Each transport's spec names its two records (fleetrl/transports.py). Read strictly: a key
-missing or unknown is refused with the record it belongs to named. No vLLM here: the sender
-runs in the trainer, which has none.
+Each transport's spec names its two records (fleetrl/transports.py), strict records read as the
+run's records are (fleetrl/strict.py): a key missing or unknown, or a value of another type, is
+refused with the record it belongs to named. No vLLM here: the sender runs in the trainer,
+which has none.
 """
 
 from __future__ import annotations
@@ -39,16 +40,9 @@ def parse_init(data: dict[str, Any]) -> InitInfo:
     transport = data.get("transport")
     check_name(transport, "init_info.transport")
     fields = {key: value for key, value in data.items() if key != "transport"}
-    return _read(spec(transport).init, fields, "init_info")
+    return spec(transport).init.read(fields, "init_info")
 
 
 def parse_update(transport: str, data: dict[str, Any]) -> UpdateInfo:
     """An update record of `transport`, the one the worker was initialised for."""
-    return _read(spec(transport).update, data, f"update_info for the fleetrl {transport} transport")
-
-
-def _read(cls, data: dict[str, Any], what: str):
-    try:
-        return cls(**data)
-    except TypeError as e:  # a missing or an unknown key
-        raise ValueError(f"{what}: {e}") from None
+    return spec(transport).update.read(data, f"update_info for the fleetrl {transport} transport")

@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet.roster import Roster, describe
 from fleetrl.inference.provider import NamedTensors, PauseMode, WeightTransport
 from fleetrl.inference.types import GenerateResponse, WorkerInfo, WorkerRole, WorkerState
-from fleetrl.records import FenceEvent
+from fleetrl.records import FenceEvent, PublishReport
 
 # Why a worker cannot be refitted between publishes of a CUDA trainer.
 UNKEPT_WEIGHTS = "the trainer streamed them from its GPUs during their publish and keeps no copy"
@@ -32,21 +32,6 @@ UNKEPT_WEIGHTS = "the trainer streamed them from its GPUs during their publish a
 
 class PublishError(FleetrlError):
     pass
-
-
-@dataclass
-class PublishReport:
-    version: int
-    seconds: float
-    checksum: str
-    ready: list[str]  # workers verified at `version` and resumed
-    failed: dict[str, str] = field(default_factory=dict)  # worker id -> why it is dead or stale
-    # ready worker id -> seconds from the fence's start until it was verified (and passed the probe)
-    worker_seconds: dict[str, float] = field(default_factory=dict)
-    probe: dict[str, float] = field(default_factory=dict)  # worker id -> max |delta logprob| on the probe
-    # ready worker id -> the tensor bytes its ranks received (the most of any rank): what the
-    # publish moved onto it, a LoRA run's adapter alone or the whole model
-    received_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -177,8 +162,9 @@ class Fence:
         await roster.notify()
         if failed:
             roster.log(f"fleetrl: publish v{version} excluded {describe(failed)}")
-        return PublishReport(version, time.monotonic() - started, checksum, [w.id for w in resumed], failed,
-                             probe=deltas, worker_seconds={w.id: done_s[w.id] for w in resumed},
+        return PublishReport(version=version, seconds=time.monotonic() - started, checksum=checksum,
+                             ready=[w.id for w in resumed], failed=failed, probe=deltas,
+                             worker_seconds={w.id: done_s[w.id] for w in resumed},
                              received_bytes={w.id: received[w.id] for w in resumed})
 
     async def _transfer(self, workers: list[WorkerInfo], transport: WeightTransport,

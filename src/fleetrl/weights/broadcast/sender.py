@@ -25,7 +25,6 @@ not in it (a worker restarted) or after a failure.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 import uuid
@@ -114,7 +113,7 @@ class BroadcastTransport:
         # Each call returns only once the whole group has formed, the sender included.
         inits = [
             asyncio.ensure_future(worker.init(
-                dataclasses.replace(init_info, rank_offset=offset).to_dict(), self.timeout_s))
+                init_info.model_copy(update={"rank_offset": offset}).to_dict(), self.timeout_s))
             for worker, offset in zip(workers, itertools.accumulate([1, *ranks[:-1]]))
         ]
         try:

@@ -6,16 +6,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pydantic import model_validator
+
+from fleetrl.strict import Strict
 from fleetrl.weights.buckets import TensorMeta
-from fleetrl.weights.target import UpdateTarget, check_target
+from fleetrl.weights.target import UpdateTarget
 
 
-@dataclass(frozen=True)
-class BroadcastInit:
+class BroadcastInit(Strict):
     transport: ClassVar[str] = "broadcast"
 
     master_address: str = ""
@@ -27,22 +27,22 @@ class BroadcastInit:
     timeout_s: float = 300.0
     target: UpdateTarget = "model"
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _joinable(self) -> BroadcastInit:
         # Defaults rather than required fields, so that a missing key is refused by this one
         # message, which names everything the receiver needs.
         if not (self.master_address and self.master_port and self.group_name and self.world_size > 1):
-            raise ValueError("init_info: the broadcast transport needs master_address, master_port, "
-                             "group_name and world_size > 1")
+            raise ValueError("the broadcast transport needs master_address, master_port, group_name and "
+                             "world_size > 1")
         if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"init_info.backend: {self.backend!r} is not gloo or nccl")
-        check_target(self.target)
+            raise ValueError(f"backend: {self.backend!r} is not gloo or nccl")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
-        return {"transport": self.transport, **dataclasses.asdict(self)}
+        return {"transport": self.transport, **super().to_dict()}
 
 
-@dataclass(frozen=True)
-class BucketInfo:
+class BucketInfo(Strict):
     """One broadcast bucket: the tensors packed in it, in order (buckets.py computes the
     offsets from these, so only they travel beside the bytes)."""
 
@@ -52,13 +52,11 @@ class BucketInfo:
 
     @classmethod
     def of(cls, metas: list[TensorMeta]) -> BucketInfo:
-        return cls([m.name for m in metas], [m.dtype for m in metas], [list(m.shape) for m in metas])
+        return cls(names=[m.name for m in metas], dtypes=[m.dtype for m in metas],
+                   shapes=[list(m.shape) for m in metas])
 
     def metas(self) -> list[TensorMeta]:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise ValueError(f"update_info: {len(self.names)} names, {len(self.dtypes)} dtypes and "
                              f"{len(self.shapes)} shapes")
         return [TensorMeta(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)

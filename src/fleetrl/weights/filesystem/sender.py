@@ -41,8 +41,8 @@ class FilesystemTransport:
                        version: int) -> str:
         manifest = await asyncio.to_thread(
             write_version, self.storage_dir, version, named_tensors(), self.shard_bytes)
-        update_info = ManifestInfo(str((manifest.folder / MANIFEST).resolve())).to_dict()
-        await fanout.update_in_phases(workers, FilesystemInit(self.target).to_dict(), update_info, version,
+        update_info = ManifestInfo(manifest=str((manifest.folder / MANIFEST).resolve())).to_dict()
+        await fanout.update_in_phases(workers, FilesystemInit(target=self.target).to_dict(), update_info, version,
                                       self.timeout_s)
         await asyncio.to_thread(collect_garbage, self.storage_dir, KEEP_VERSIONS)
         return manifest.checksum

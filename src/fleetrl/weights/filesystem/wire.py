@@ -6,23 +6,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from fleetrl.strict import Strict
 from fleetrl.weights.target import GrouplessInit
 
 
-@dataclass(frozen=True)
 class FilesystemInit(GrouplessInit):
     transport: ClassVar[str] = "filesystem"
 
 
-@dataclass(frozen=True)
-class ManifestInfo:
+class ManifestInfo(Strict):
     """A whole version on shared storage: the path of its manifest.json, as every worker sees it."""
 
     manifest: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)

@@ -47,7 +47,7 @@ class ShmTransport:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             update_info, checksum = await asyncio.to_thread(self._write, fd, path, named_tensors())
-            await fanout.update_in_phases(workers, ShmInit(self.target).to_dict(), update_info, version,
+            await fanout.update_in_phases(workers, ShmInit(target=self.target).to_dict(), update_info, version,
                                           self.timeout_s)
         finally:
             # Each worker rank loaded its own copy, or the update failed: the file is done with.

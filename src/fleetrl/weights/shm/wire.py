@@ -6,13 +6,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from fleetrl.strict import Strict
 from fleetrl.weights.buckets import TensorMeta
 from fleetrl.weights.target import GrouplessInit
 
@@ -23,13 +22,11 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gette
 FILE_NAME = re.compile(r"fleetrl-weights-(\d+)-[0-9a-f]{32}-v\d+\.bin")
 
 
-@dataclass(frozen=True)
 class ShmInit(GrouplessInit):
     transport: ClassVar[str] = "shm"
 
 
-@dataclass(frozen=True)
-class ShmVersion:
+class ShmVersion(Strict):
     """A version packed in one file, laid out as one bucket (weights/buckets.py) of
     `tensors`, in send order."""
 
@@ -39,10 +36,7 @@ class ShmVersion:
 
     @classmethod
     def of(cls, path: str, sha256: str, metas: list[TensorMeta]) -> ShmVersion:
-        return cls(path, sha256, [[m.name, m.dtype, list(m.shape)] for m in metas])
+        return cls(path=path, sha256=sha256, tensors=[[m.name, m.dtype, list(m.shape)] for m in metas])
 
     def metas(self) -> list[TensorMeta]:
         return [TensorMeta(name, dtype, tuple(shape)) for name, dtype, shape in self.tensors]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
