@@ -59,15 +59,7 @@ RUN_DEFINING = {"rl": (
     "orchestrator.dynamic_sampling_prompts",  # the same
     "orchestrator.normalize_advantages_std",  # the advantage itself (GRPO or Dr. GRPO)
     "orchestrator.max_off_policy_steps",  # k: `fleetrl verify` checks every step against config.toml's
-    "trainer.clip_low",  # the loss
-    "trainer.clip_high",  # the loss
-    "trainer.tis_cap",  # the loss
-    "trainer.ratio_level",  # the loss
-    "trainer.tis_level",  # the loss
-    "trainer.mis_low",  # the loss
-    "trainer.mis_high",  # the loss
-    "trainer.mis_level",  # the loss
-    "trainer.kl_coef",  # the loss
+    "trainer.loss",  # the gradient each batch gives (a refusal names the field that changed)
     "trainer.lora",  # what is trained (adapter or all weights) and what the checkpoints hold
     "run.seed",  # the task stream the resume continues
 ), "sft": (

@@ -350,10 +350,10 @@ def contents(root):
     ("orchestrator.env", "arithmetic", "orchestrator.env 'arithmetic' but the run was started with 'reverse_text'"),
     ("orchestrator.env_options", "{max_len = 8}", "orchestrator.env_options {'max_len': 8} but the run was started with {}"),
     ("run.seed", "7", "run.seed 7 but the run was started with 0"),
-    ("trainer.clip_high", "0.5", "trainer.clip_high 0.5 but the run was started with 0.28"),
     ("orchestrator.max_off_policy_steps", "0", "orchestrator.max_off_policy_steps 0 but the run was started with 1"),
     ("model.path", "/models/other", "model.path '/models/other' but the run was started with None"),
     # a section: its field that changed
+    ("trainer.loss.clip_high", "0.5", "trainer.loss.clip_high 0.5 but the run was started with 0.28"),
     ("trainer.lora.rank", "8", "trainer.lora.rank 8 but the run was started with 0"),
 ])
 def test_a_resume_that_changes_what_the_run_means_is_refused_and_changes_nothing(tmp_path, field, value, message):
