@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from fleetrl.config import Config, ConfigError, field_docs, load_config, to_toml
+from fleetrl.config import Config, ConfigError, LossConfig, field_docs, load_config, to_toml
 
 
 def test_defaults_validate_and_keep_public_names():
@@ -264,6 +264,28 @@ def test_inf_switches_a_bound_off_but_nan_is_refused():
 def test_loss_options_are_refused_naming_the_key(flags, message):
     with pytest.raises(ConfigError, match=message):
         load_config([], flags)
+
+
+def test_a_loss_option_under_its_old_name_is_refused_naming_its_place_now(tmp_path):
+    """The loss options were [trainer] keys before they became [trainer.loss] (issue 38)."""
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[trainer]\nkl_coef = 0.01\n")
+    with pytest.raises(ConfigError, match=rf"^trainer.kl_coef is now trainer.loss.kl_coef \(from {re.escape(str(mine))}\)$"):
+        load_config([mine], [])
+    with pytest.raises(ConfigError, match=r"^trainer.clip_low is now trainer.loss.clip_low \(from --trainer.clip_low\)"):
+        load_config([], [("trainer.clip_low", "0.1")])
+
+
+def test_a_saved_config_reads_the_loss_options_where_an_older_fleetrl_wrote_them(tmp_path):
+    """A run directory's config.toml from before [trainer.loss] still loads (verify, resume,
+    eval), its options in their places now, under the user's own files and flags."""
+    saved = tmp_path / "config.toml"
+    saved.write_text("[trainer]\nlr = 1e-5\nclip_high = inf\nmis_low = 0.5\nkl_coef = 0.01\n\n"
+                     "[trainer.lora]\nrank = 8\n")
+    config = load_config([], [("trainer.loss.mis_low", "0.25")], saved=[saved])
+    assert config.trainer.loss == LossConfig(clip_high=float("inf"), mis_low=0.25, kl_coef=0.01)
+    assert (config.trainer.lr, config.trainer.lora.rank) == (1e-5, 8)
+    assert load_config([], [], saved=[saved]).trainer.loss.mis_low == 0.5
 
 
 def test_a_group_of_one_is_refused():
