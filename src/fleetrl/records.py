@@ -150,7 +150,7 @@ class StepMetrics(Record):
     truncated_frac: float | None  # tokens whose weight the TIS cap lowered
     masked_frac: float | None  # tokens masked importance sampling dropped (trainer.mis_*)
     entropy: float | None  # mean entropy of the policy being trained, over completion tokens
-    ref_kl: float | None  # mean k3 KL(trainer || reference model) (trainer.kl_coef; 0 when off)
+    ref_kl: float | None  # mean k3 KL(trainer || reference model) (trainer.loss.kl_coef; 0 when off)
     # The batch's largest and mean off-policy distance, recomputed here from its spans: what
     # `fleetrl verify` checks, not the orchestrator's bookkeeping.
     max_off_policy: int

@@ -89,6 +89,8 @@ admin_retries = 1
 world_size = 2
 lr = 1e-5
 checkpoint_interval = 1
+
+[trainer.loss]
 kl_coef = 0.01
 
 [run]

@@ -46,10 +46,12 @@ max_tokens = 16
 lr = 1e-5
 lr_decay = "linear"
 lr_min = 1e-6
+checkpoint_interval = 5
+
+[trainer.loss]
 mis_level = "geometric"
 mis_low = 0.5
 mis_high = 2.0
-checkpoint_interval = 5
 
 # Evaluation at v0, v1 and v2 on held-out arithmetic prompts (the taskset has no held-out split).
 [eval]

@@ -205,6 +205,16 @@ def test_the_dry_run_prints_the_runs_config_under_the_command_lines(tmp_path, fa
     assert not (tmp_path / "run-eval-v2").exists() and not fake_fleet
 
 
+def test_a_run_whose_config_an_older_fleetrl_wrote_is_read_with_its_loss_options_in_trainer_loss(
+        tmp_path, fake_fleet, capsys):
+    """Before [trainer.loss] (issue 38) the loss options were [trainer] keys of config.toml."""
+    run = finished_run(tmp_path / "run", 2)
+    saved = (run / "config.toml").read_text().replace("kl_coef = 0.0\n", "")
+    (run / "config.toml").write_text(saved.replace("[trainer]\n", "[trainer]\nkl_coef = 0.01\n"))
+    assert main(["eval", str(run), "--dry-run"]) == 0
+    assert "kl_coef = 0.01" in capsys.readouterr().out.split("[trainer.loss]")[1].split("[", 1)[0]
+
+
 @pytest.mark.parametrize("target, version, out", [
     ("runs/default", 5, "runs/default-eval-v5"),
     ("runs/default/final_model", 0, "runs/default-final_model-eval"),  # beside the run, not in it

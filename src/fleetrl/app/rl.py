@@ -38,7 +38,7 @@ from fleetrl.app.live import LiveView
 from fleetrl.app.orchestration import build_evaluator, build_orchestrator
 from fleetrl.app.providers import build_fleet, build_transport, start_recorded, start_source
 from fleetrl.batch import Batch
-from fleetrl.config import Config, load_config
+from fleetrl.config import Config
 from fleetrl.cores import plan_cores
 from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
@@ -448,7 +448,7 @@ def run_peer(config: Config, kind: str, train_rank: Callable) -> int:
         rank0 = distributed.broadcast_from_rank0(None)  # sent once rank 0 has started the run directory
         run_dir = RunDir(config.run.dir, kind=kind)
         model_dir = check_sees_rank0(run_dir, rank0, f"trainer rank {world.rank} on {socket.gethostname()}")
-        train_rank(load_config([run_dir.config_path], []), run_dir, model_dir, world)
+        train_rank(run_dir.read_config(), run_dir, model_dir, world)
     finally:
         distributed.destroy()
     return 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetrl.app.providers import PROVIDERS, attached_to_run, build_provider, resolve_tokens
-from fleetrl.config import Config, ConfigError, load_config
+from fleetrl.config import Config, ConfigError
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import WorkerControl
 from fleetrl.inference.types import WorkerInfo
@@ -166,4 +166,4 @@ def finished_run(run: RunDir) -> str:
 
 
 def _max_steps(run: RunDir) -> int | str:
-    return load_config([run.config_path], []).run.max_steps if run.config_path.exists() else "?"
+    return run.read_config().run.max_steps if run.config_path.exists() else "?"
