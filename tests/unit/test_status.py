@@ -9,6 +9,7 @@ from fleetrl.cli import main
 from fleetrl.config import Config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.types import RankWeights, WorkerInfo, WorkerRole
+from fleetrl.records import EvalFigures
 from fleetrl.rundir import eval_summary
 
 from .step_lines import step_dict
@@ -92,10 +93,12 @@ def test_status_of_a_finished_run_shows_how_it_left_its_workers(tmp_path, capsys
 def test_status_of_a_run_says_its_last_evaluation(tmp_path, capsys):
     run = finished_run(tmp_path, {})
     (run / "eval.jsonl").write_text("".join(json.dumps({"version": v, "started": 0.0, "seconds": 1.0, "envs": {"arith": {
-        "reward_mean": 0.1 * v, "reward_se": 0.015 * v, "pass@1": 0.05 * v}}}) + "\n" for v in (0, 2)))
+        "prompts": 4, "samples": 4, "failed": 0, "reward_mean": 0.1 * v, "reward_se": 0.015 * v, "pass@1": 0.05 * v}}})
+        + "\n" for v in (0, 2)))
     assert main(["status", str(run)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == (
         f"run {run}: finished at v2 (step 2 of 2 done; evaluated at v2: arith reward 0.200 ± 0.030 pass@1 0.100); "
         "its fleet has stopped: the workers as the run left them")
     # A line without a standard error (one prompt; a run older than it) shows the mean alone.
-    assert eval_summary({"arith": {"reward_mean": 0.2, "pass@1": 0.1}}) == "arith reward 0.200 pass@1 0.100"
+    older = EvalFigures.read({"prompts": 1, "samples": 1, "failed": 0, "reward_mean": 0.2, "pass@1": 0.1}, "a line")
+    assert eval_summary({"arith": older}) == "arith reward 0.200 pass@1 0.100"

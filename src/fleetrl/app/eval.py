@@ -26,6 +26,7 @@ from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
 from fleetrl.model import resolve_model
+from fleetrl.records import EvalFigures
 from fleetrl.rundir import RunDir
 from fleetrl.trainer.export import VERSION_FILE, export_hf, folder_version
 
@@ -146,7 +147,7 @@ def run_eval(config: Config, model_or_run: Path, step: int | None, out: Path | N
     return 0
 
 
-def score(config: Config, checked: EvalPlan) -> dict[str, dict]:
+def score(config: Config, checked: EvalPlan) -> dict[str, EvalFigures]:
     """Scores the model in OUT, locked for the command (a second `fleetrl eval` into it is
     refused), with the run directory it is of locked too (a running run is refused; no run
     started meanwhile replaces its final model or checkpoints): a checkpoint is exported into a
@@ -183,7 +184,7 @@ def export_checkpoint(config: Config, model: SavedModel, folder: Path) -> Path:
 
 
 async def evaluate(config: Config, fleet: Fleet, model_dir: Path, version: int, envs: list[RunEnv],
-                   out_dir: RunDir) -> dict[str, dict]:
+                   out_dir: RunDir) -> dict[str, EvalFigures]:
     """Brings the fleet's workers to the model in `model_dir` at `version` (launched ones load
     it; attached ones are held to its weights), evaluates it, and stops the fleet."""
     from transformers import AutoTokenizer
@@ -199,16 +200,15 @@ async def evaluate(config: Config, fleet: Fleet, model_dir: Path, version: int, 
         await fleet.close()
 
 
-def table(figures: dict[str, dict], k: int) -> str:
+def table(figures: dict[str, EvalFigures], k: int) -> str:
     """An evaluation's figures, an environment a row: the mean reward and its standard error
     (reward_se); pass@k for k = eval.samples_per_prompt when it is more than 1 (else it is
     pass@1). "-": nothing of it could be scored (reward_se: fewer than two prompts)."""
     def cell(value) -> str:
         return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
-    pass_at_k = [f"pass@{k}"] if k > 1 else []
-    header = ("environment", "prompts", "completions", "reward_mean", "reward_se", "pass@1", *pass_at_k, "failed")
-    rows = [(name, *(cell(f[key]) for key in ("prompts", "samples", "reward_mean", "reward_se", "pass@1", *pass_at_k,
-                                              "failed")))
+    ks = [1, k] if k > 1 else [1]
+    header = ("environment", "prompts", "completions", "reward_mean", "reward_se", *(f"pass@{n}" for n in ks), "failed")
+    rows = [(name, *map(cell, (f.prompts, f.samples, f.reward_mean, f.reward_se, *(f.pass_at[n] for n in ks), f.failed)))
             for name, f in figures.items()]
     return "\n".join(aligned([header, *rows]))

@@ -52,7 +52,7 @@ from fleetrl.orchestrator.evaluation import Evaluator
 from fleetrl.processes import (KILL_WAIT_S, STOP_BOUND_S, STOP_GRACE_S, STOP_WAITS_S, ManagedProcess, at_forced_exit,
                                 cancel_at_forced_exit, free_port, install_signal_handlers, start_process, stop_all,
                                 stop_groups, stop_signal, stop_time_left)
-from fleetrl.records import PublishReport, StepLine, StepMetrics, TrainEvent
+from fleetrl.records import EvalFigures, PublishReport, StepLine, StepMetrics, TrainEvent
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 from fleetrl.trainer import checkpoint, distributed
@@ -148,7 +148,7 @@ class RLRun:
         # The last version's probe, and its weights where they are kept (a CPU snapshot; on CUDA none
         # is: the final model was written while the ranks gathered the last version, see publish).
         self.published: tuple[Snapshot | None, AgreementProbe] | None = None
-        self.evaluated: dict[int, dict] = {}  # each evaluation's figures by version, until its step's line
+        self.evaluated: dict[int, dict[str, EvalFigures]] = {}  # each evaluation's figures by version, until its step's line
 
     def run(self) -> int:
         # Also with one rank, where every process starts on the control loop's thread: a SIGTERM
@@ -331,7 +331,7 @@ class RLRun:
             self.evaluated[step] = self.evaluate(step)
         return report
 
-    def evaluate(self, version: int) -> dict[str, dict]:
+    def evaluate(self, version: int) -> dict[str, EvalFigures]:
         """The evaluation of `version`, which the fleet serves: the trainer waits in its publish
         hook meanwhile, so no other version is published until it is done."""
         self.phase(f"evaluating v{version}")
