@@ -18,6 +18,8 @@ three modules later).
                                             EvalFigures per environment, as a step line's `eval`
                                             has them; its samples are RolloutRecords, in
                                             eval/step_N.jsonl
+    final.json               FinalRecord    how the run left its fleet: a greedy sample of the
+                                            final policy, each worker, the agreement probe
     events.jsonl             WorkerEvent, FenceEvent, SampleEvent, TrainEvent: the timeline
 
 Each type is a strict pydantic model (`Record`, fleetrl/strict.py): its JSON is its fields by
@@ -260,6 +262,35 @@ class EvalLine(Record):
     started: float
     seconds: float
     envs: dict[str, EvalFigures]
+
+
+class FinalWorker(Record):
+    """One worker as the run left it: its role, the version it served, and the checksum of the
+    weights every one of its ranks holds (None: the base model's, none received)."""
+
+    role: str
+    version: int | None
+    checksum: str | None
+
+
+class FinalProbe(Record):
+    """The agreement probe of the final version: its tokens and the trainer's logprobs of them,
+    which the final model, served anywhere, scores alike."""
+
+    token_ids: list[int]
+    trainer_logprobs: list[float]
+
+
+class FinalRecord(Record):
+    """final.json: how the run left its fleet (app/rl.py): its version, a 16-token greedy sample
+    of the final policy with its spans ([version, start] pairs), each worker, and the probe."""
+
+    version: int
+    tokens: list[int]
+    text: str
+    spans: list[list[int]]
+    workers: dict[str, FinalWorker]
+    probe: FinalProbe | None = None  # none in a run before December 2 2026
 
 
 # -- the flat form of metrics.jsonl, before December 2026 --------------------------------------

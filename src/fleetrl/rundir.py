@@ -26,8 +26,8 @@ from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import eval_plot, off_policy_plot, reward_plot, timeline_plot
-from fleetrl.records import (EvalFigures, EvalLine, FlatStepLine, FleetEvent, RolloutRecord, SftLine, StepLine, event_to_dict,
-                             read_event, read_step_line, trained_distance)
+from fleetrl.records import (EvalFigures, EvalLine, FinalRecord, FlatStepLine, FleetEvent, RolloutRecord, SftLine,
+                             StepLine, event_to_dict, read_event, read_step_line, trained_distance)
 from fleetrl.versions import is_run_id, new_run_id, off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -439,8 +439,11 @@ class RunDir:
         resumed across the upgrade has both): records.read_step_line reads either."""
         return self._read_records(self.metrics_path, SftLine.read if self.lines is SftLine else read_step_line)
 
-    def write_final(self, final: dict) -> Path:
-        return atomic_write(self.final_path, json.dumps(final, indent=1))
+    def write_final(self, final: FinalRecord) -> Path:
+        return atomic_write(self.final_path, json.dumps(final.to_dict(), indent=1))
+
+    def read_final(self) -> FinalRecord:
+        return FinalRecord.read(json.loads(self.final_path.read_text()), str(self.final_path))
 
     def append_event(self, event: FleetEvent) -> None:
         """One event of the timeline (events.jsonl), stamped with its wall time (`t`); written

@@ -74,7 +74,9 @@ def finished_run(tmp_path, workers: dict):
     config.run.max_steps = 2
     (run / "config.toml").write_text(to_toml(config))
     (run / "metrics.jsonl").write_text("".join(json.dumps(step_dict(s)) + "\n" for s in (1, 2)))
-    (run / "final.json").write_text(json.dumps({"version": 2, "workers": workers}))
+    # A run's final.json from before the agreement probe was kept (December 2026): it still reads.
+    (run / "final.json").write_text(json.dumps({"version": 2, "tokens": [1, 2], "text": "a b", "spans": [[2, 0]],
+                                                "workers": workers}))
     return run
 
 

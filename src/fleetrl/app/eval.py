@@ -209,6 +209,7 @@ def table(figures: dict[str, EvalFigures], k: int) -> str:
 
     ks = [1, k] if k > 1 else [1]
     header = ("environment", "prompts", "completions", "reward_mean", "reward_se", *(f"pass@{n}" for n in ks), "failed")
-    rows = [(name, *map(cell, (f.prompts, f.samples, f.reward_mean, f.reward_se, *(f.pass_at[n] for n in ks), f.failed)))
+    rows = [(name, *map(cell, (f.prompts, f.samples, f.reward_mean, f.reward_se, *(f.pass_at[n] for n in ks),
+                               f.failed)))
             for name, f in figures.items()]
     return "\n".join(aligned([header, *rows]))
