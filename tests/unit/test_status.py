@@ -8,7 +8,8 @@ from fleetrl.app.status import WorkerRow, mark_stale, worker_row
 from fleetrl.cli import main
 from fleetrl.config import Config, to_toml
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import RankWeights, WorkerInfo, WorkerRole
+from fleetrl.contract import RankWeights
+from fleetrl.inference.types import WorkerInfo, WorkerRole
 from fleetrl.records import EvalFigures
 from fleetrl.rundir import eval_summary
 
@@ -16,7 +17,7 @@ from .step_lines import step_dict
 
 
 class Admin:
-    def __init__(self, healthy=True, version=3, paused=False, ranks=(RankWeights("ab" * 32, 100.0, False),),
+    def __init__(self, healthy=True, version=3, paused=False, ranks=(RankWeights(checksum="ab" * 32, received_at=100.0),),
                  in_flight=2, error=None):
         self.healthy, self._version, self.paused, self.ranks = healthy, version, paused, list(ranks)
         self._in_flight, self.error = in_flight, error
@@ -45,9 +46,10 @@ WORKER = WorkerInfo("w0", "http://h:1", "http://h:1", role=WorkerRole.DECODE)
 @pytest.mark.parametrize("admin, state, checksum", [
     (Admin(), "ready", "ab" * 6),
     (Admin(paused=True), "paused", "ab" * 6),
-    (Admin(ranks=[RankWeights(None, None, True)]), "updating", "base"),
+    (Admin(ranks=[RankWeights(checksum=None, updating=True)]), "updating", "base"),
     (Admin(version=None), "stale", "ab" * 6),  # labelled incomplete-vN by a failed update
-    (Admin(ranks=[RankWeights("a" * 64, 1.0, False), RankWeights("b" * 64, 2.0, False)]), "stale", "mixed"),
+    (Admin(ranks=[RankWeights(checksum="a" * 64, received_at=1.0), RankWeights(checksum="b" * 64, received_at=2.0)]),
+     "stale", "mixed"),
     (Admin(healthy=False), "dead", "-"),
 ])
 async def test_a_workers_row_is_what_it_reports(admin, state, checksum):
