@@ -26,8 +26,8 @@ from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import eval_plot, off_policy_plot, reward_plot, timeline_plot
-from fleetrl.records import (EvalLine, FlatStepLine, FleetEvent, RolloutRecord, SftLine, StepLine, event_to_dict,
-                             read_event, read_step_line, trained_distance)
+from fleetrl.records import (EvalFigures, EvalLine, FinalRecord, FlatStepLine, FleetEvent, RolloutRecord, SftLine,
+                             StepLine, event_to_dict, read_event, read_step_line, trained_distance)
 from fleetrl.versions import is_run_id, new_run_id, off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -436,8 +436,11 @@ class RunDir:
         resumed across the upgrade has both): records.read_step_line reads either."""
         return self._read_records(self.metrics_path, SftLine.read if self.lines is SftLine else read_step_line)
 
-    def write_final(self, final: dict) -> Path:
-        return atomic_write(self.final_path, json.dumps(final, indent=1))
+    def write_final(self, final: FinalRecord) -> Path:
+        return atomic_write(self.final_path, json.dumps(final.to_dict(), indent=1))
+
+    def read_final(self) -> FinalRecord:
+        return FinalRecord.read(json.loads(self.final_path.read_text()), str(self.final_path))
 
     def append_event(self, event: FleetEvent) -> None:
         """One event of the timeline (events.jsonl), stamped with its wall time (`t`); written
@@ -580,14 +583,13 @@ def verify_sft_run(run_dir: RunDir, artifacts: int) -> str:
             f"{metrics[0].loss} at step 1, {metrics[-1].loss} at step {len(metrics)}; final_model/ written")
 
 
-def eval_summary(figures: dict[str, dict]) -> str:
+def eval_summary(figures: dict[str, EvalFigures]) -> str:
     """An evaluation's figures in a line: each environment's reward (± its standard error, where
     there is one: none of a single prompt, or in eval.jsonl lines older than it) and pass@1."""
-    def reward(f: dict) -> str:
-        se = f.get("reward_se")
-        return f"{f['reward_mean']:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+    def reward(f: EvalFigures) -> str:
+        return f"{f.reward_mean:.3f}" + (f" ± {f.reward_se:.3f}" if f.reward_se is not None else "")
 
-    return ", ".join(f"{name} reward {reward(f)} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
+    return ", ".join(f"{name} reward {reward(f)} pass@1 {f.pass_at[1]:.3f}" if f.reward_mean is not None
                      else f"{name} nothing scored" for name, f in figures.items())
 
 

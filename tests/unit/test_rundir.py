@@ -16,11 +16,15 @@ from fleetrl.batch import Batch, Sample
 from fleetrl.config import load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write
-from fleetrl.records import FenceEvent, RecordError, RolloutRecord, SampleEvent
+from fleetrl.app.rl import final_generation
+from fleetrl.inference.fleet import AgreementProbe, Fleet
+from fleetrl.records import FenceEvent, FinalProbe, FinalWorker, RecordError, RolloutRecord, SampleEvent
 from fleetrl.rundir import RunDir, VerifyError, step_name, step_of, verify_run
 from fleetrl.versions import VersionSpan
 
+from .fake_fleet import FakeProvider
 from .step_lines import step_dict, step_line
+from .test_orchestrator import Tokenizer
 
 
 def sample(spans):
@@ -430,6 +434,26 @@ def test_an_event_of_no_known_kind_is_an_error_naming_it(tmp_path):
     files.append_line(run.events_path, json.dumps({"t": 1.0, "event": "nap", "step": 1}))
     with pytest.raises(RecordError, match=r"record 1: not an event of the timeline \(event: 'nap'"):
         run.read_events()
+
+
+async def test_the_runs_final_json_reads_back_as_written_and_a_key_missing_names_the_file(tmp_path):
+    fleet = Fleet(FakeProvider("a", "b"), discovery_interval_s=3600, log=lambda *_: None)
+    await fleet.start()
+    try:
+        final = await final_generation(fleet, Tokenizer(), AgreementProbe([1, 2, 3], [-0.5, -1.25]))
+    finally:
+        await fleet.close()
+    assert final.version == 0 and len(final.tokens) == 16 and final.spans == [[0, 0]]
+    assert final.workers == {w: FinalWorker(role="aggregated", version=0, checksum=None) for w in ("a", "b")}
+    assert final.probe == FinalProbe(token_ids=[1, 2, 3], trainer_logprobs=[-0.5, -1.25])
+    run = RunDir(tmp_path)
+    run.write_final(final)
+    assert run.read_final() == final
+    data = json.loads(run.final_path.read_text())
+    del data["workers"]["a"]["checksum"]
+    run.final_path.write_text(json.dumps(data))
+    with pytest.raises(RecordError, match=r"final.json: not a FinalRecord: missing workers.a.checksum"):
+        run.read_final()
 
 
 def episode(step):

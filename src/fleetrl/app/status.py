@@ -15,7 +15,6 @@ the requests in flight from the engine's own gauges.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,14 +152,13 @@ def running(run: RunDir) -> str:
 def finished_run(run: RunDir) -> str:
     """What a run that has ended left: its last step, and each worker's version and checksum at
     the end, stamped with the end of the last publish fence."""
-    final = json.loads(run.final_path.read_text())
+    final = run.read_final()
     fences = [e for e in run.read_events() if isinstance(e, FenceEvent) and e.phase == "end"
-              and e.version == final["version"]]
+              and e.version == final.version]
     published = fences[-1].t if fences else None
-    rows = [WorkerRow(worker, w["role"], "stopped", w["version"],
-                      (w["checksum"] or "base")[:CHECKSUM_SHOWN], None, published)
-            for worker, w in sorted(final["workers"].items())]
-    head = (f"run {run.root}: finished at v{final['version']} ({steps_done(run)}); its fleet has "
+    rows = [WorkerRow(worker, w.role, "stopped", w.version, (w.checksum or "base")[:CHECKSUM_SHOWN], None, published)
+            for worker, w in sorted(final.workers.items())]
+    head = (f"run {run.root}: finished at v{final.version} ({steps_done(run)}); its fleet has "
             f"stopped: the workers as the run left them")
     return head + "\n" + table(rows, time.time())
 
