@@ -457,7 +457,7 @@ def test_the_cluster_evaluates_every_version_on_held_out_prompts_at_that_version
     assert [e.version for e in evals] == [0, 1, 2]
     for e in evals:
         figures = e.envs["arithmetic"]
-        assert figures["prompts"] == 2 and figures["samples"] == 2 and 0 <= figures["pass@1"] <= 1, e
+        assert figures.prompts == 2 and figures.samples == 2 and 0 <= figures.pass_at[1] <= 1, e
         records = [json.loads(line) for line in
                    RunDir(cluster.run_dir).eval_records_path(e.version).read_text().splitlines()]
         assert all({v for v, _ in r["spans"]} == {e.version} for r in records), records
