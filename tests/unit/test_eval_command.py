@@ -16,7 +16,6 @@ from fleetrl.app.providers import base_weights
 from fleetrl.cli import main
 from fleetrl.config import Config, ModelConfig, load_config, to_toml
 from fleetrl.inference.fleet import Fleet
-from fleetrl.model import resolve_model
 from fleetrl.records import EvalFigures
 from fleetrl.rundir import RunDir, check_eval
 from fleetrl.trainer.export import VERSION_FILE
@@ -38,10 +37,10 @@ def fake_fleet(monkeypatch):
     fleets = []
     load_tokenizer = AutoTokenizer.from_pretrained
 
-    def build_fleet(config, run_dir):
+    def build_fleet(config, run_dir, model_dir):
         assert run_dir.root == config.run.dir  # OUT's: its run id labels the workers
         fleets.append(Fleet(FakeProvider("w0"), discovery_interval_s=3600, log=lambda line: None))
-        return fleets[-1], resolve_model(config.model)
+        return fleets[-1]
 
     class FolderTokenizer(Tokenizer):
         def __init__(self, folder) -> None:

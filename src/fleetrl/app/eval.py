@@ -168,7 +168,8 @@ def score(config: Config, checked: EvalPlan) -> dict[str, EvalFigures]:
             print(f"fleetrl eval: {model.name} at v{model.version}: {config.eval.prompts} prompt(s) of "
                   f"{', '.join(e.name for e in checked.envs)}, {config.eval.samples_per_prompt} completion(s) each "
                   f"-> {out_dir.root}")
-            fleet, model_dir = build_fleet(config, out_dir)
+            model_dir = resolve_model(config.model)
+            fleet = build_fleet(config, out_dir, model_dir)
             return asyncio.run(evaluate(config, fleet, model_dir, model.version, checked.envs, out_dir))
     finally:
         out_dir.close()

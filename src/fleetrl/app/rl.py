@@ -46,6 +46,7 @@ from fleetrl.files import sha256_file
 from fleetrl.inference.fleet import AgreementProbe, Fleet, WeightSource
 from fleetrl.inference.provider import NamedTensors, WeightTransport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.model import resolve_model
 from fleetrl.monitoring import StepSink
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
@@ -166,7 +167,8 @@ class RLRun:
             if self.config.run.core_plan != "off":
                 apply_core_plan(self.config, self.log)
             # Labelled with this RunDir's run id: the one its start writes (a new run's is drawn here).
-            fleet, self.model_dir = build_fleet(self.config, self.run_dir, adapter=self.config.trainer.lora.spec)
+            self.model_dir = resolve_model(self.config.model)
+            fleet = build_fleet(self.config, self.run_dir, self.model_dir, adapter=self.config.trainer.lora.spec)
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
