@@ -82,10 +82,8 @@ async def run_status(config: Config, run_dir: Path | None = None) -> int:
     missing = PROVIDERS[config.inference.provider].missing_to_attach(config.inference)
     if missing:
         raise ConfigError(f"fleetrl status needs {missing}")
-    # Only tokens given to it: a fresh one would open nothing.
-    provider = build_provider(config, RunDir(config.run.dir), model_dir=None,
-                              tokens=resolve_tokens(config.inference, draw_missing=False),
-                              runs=False)
+    tokens = resolve_tokens(config.inference, draw_missing=False)  # only those given: a fresh one would open nothing
+    provider = build_provider(config, RunDir(config.run.dir), model_dir=None, tokens=tokens, runs=False)
     try:
         workers = await provider.discover()
         rows = await asyncio.gather(*(worker_row(w, provider.admin(w)) for w in workers))
