@@ -186,16 +186,19 @@ def export_checkpoint(config: Config, model: SavedModel, folder: Path) -> Path:
 
 async def evaluate(config: Config, fleet: Fleet, model_dir: Path, version: int, envs: list[RunEnv],
                    out_dir: RunDir) -> dict[str, EvalFigures]:
-    """Brings the fleet's workers to the model in `model_dir` at `version` (launched ones load
-    it; attached ones are held to its weights), evaluates it, and stops the fleet."""
+    """Builds the evaluator on the fleet, as `fleetrl rl` does before its fleet starts; brings
+    the fleet's workers to the model in `model_dir` at `version` (launched ones load it;
+    attached ones are held to its weights), evaluates it, and stops the fleet."""
     from transformers import AutoTokenizer
 
     transport = build_transport(config, out_dir)
     try:
-        await fleet.start(base_weights(fleet.provider, model_dir, transport, version), launched_version=version)
+        weights = base_weights(fleet.provider, model_dir, transport, version)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         orchestrator = build_orchestrator(config, fleet, envs, tokenizer, out_dir)
-        return await build_evaluator(config, orchestrator, envs, out_dir).evaluate(version)
+        evaluator = build_evaluator(config, orchestrator, envs, out_dir)
+        await fleet.start(weights, launched_version=version)
+        return await evaluator.evaluate(version)
     finally:
         await transport.close()
         await fleet.close()
