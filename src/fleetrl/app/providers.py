@@ -204,9 +204,10 @@ async def start_recorded(fleet: Fleet, run_dir: RunDir,
                          {k: v for k, v in settings.items() if k in secret and v})
 
 
-def attached_to_run(config: Config, run_dir: RunDir) -> Config:
-    """`config`, attached to the fleet that the run in `run_dir` recorded (`start_recorded`)."""
-    inference = InferenceConfig.model_validate(_merged(config.inference.model_dump(), run_dir.recorded_fleet()))
+def attached_to_run(config: Config, recorded: dict) -> Config:
+    """`config`, attached to the fleet a run recorded: `recorded` is what `start_recorded` wrote
+    (`RunDir.recorded_fleet`); its settings replace the config's, the rest stays."""
+    inference = InferenceConfig.model_validate(_merged(config.inference.model_dump(), recorded))
     return config.model_copy(update={"inference": inference})
 
 

@@ -77,7 +77,8 @@ async def run_status(config: Config, run_dir: Path | None = None) -> int:
         if not run.fleet_path.exists() and run.final_path.exists():
             print(finished_run(run))
             return 0
-        config = attached_to_run(config, run)
+        recorded = run.recorded_fleet()  # where its fleet runs, and its tokens
+        config = attached_to_run(config, recorded)
         print(f"run {run.root}: {running(run)}")
     missing = PROVIDERS[config.inference.provider].missing_to_attach(config.inference)
     if missing:
