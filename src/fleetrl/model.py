@@ -32,12 +32,9 @@ COMPLETE_RECORD = "fleetrl-complete.json"
 CONVERSION_REVISION = 1
 
 
-def cache_root(config: ModelConfig) -> Path:
-    return Path(config.cache_dir) if config.cache_dir is not None else fleetrl_cache()
-
-
 def resolve_model(config: ModelConfig, log=print) -> Path:
-    """The HF folder to serve and train: `model.path` if set, else the materialized default."""
+    """The HF folder to serve and train: `model.path` if set, else the default, materialized
+    under model.cache_dir (unset: fleetrl's cache)."""
     if config.path is not None:
         path = Path(config.path).expanduser()
         if not path.is_dir():
@@ -45,7 +42,7 @@ def resolve_model(config: ModelConfig, log=print) -> Path:
         if not (path / "config.json").is_file():
             raise FleetrlError(f"model.path: {path} is not a Hugging Face model folder (no config.json)")
         return path.resolve()
-    return materialize_embedded(cache_root(config), log=log)
+    return materialize_embedded(config.cache_dir or fleetrl_cache(), log=log)
 
 
 def embedded_gguf() -> Path:

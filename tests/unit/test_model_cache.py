@@ -91,10 +91,10 @@ def test_garbage_record_is_not_trusted(tmp_path, fake_convert):
     assert not model.is_complete(target)
 
 
-def test_env_var_picks_the_cache(tmp_path, monkeypatch):
+def test_env_var_picks_the_cache(tmp_path, monkeypatch, fake_convert):
     monkeypatch.setenv("FLEETRL_CACHE", str(tmp_path / "c"))
-    assert model.cache_root(ModelConfig()) == tmp_path / "c"
-    assert model.cache_root(ModelConfig(cache_dir=tmp_path / "d")) == tmp_path / "d"
+    assert model.resolve_model(ModelConfig(), log=lambda *_: None).parent == tmp_path / "c" / "models"
+    assert materialize(tmp_path / "d").parent == tmp_path / "d" / "models"  # model.cache_dir comes first
 
 
 def test_local_folder_is_used_as_is(tmp_path):
