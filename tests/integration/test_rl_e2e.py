@@ -348,7 +348,9 @@ def test_the_quickstarts_tensorboard_serves_the_runs_scalars(resumed):
                 pass
             time.sleep(1)
     (scalars,) = tags.json().values()  # one run: the event files of this run
-    assert {"reward_mean", "loss", "worker/vllm-0/tokens_per_s", "worker/vllm-0/publish_s"} <= set(scalars)
+    # Charted by their path in the step line (docs/quickstart.md).
+    assert {"batch/reward_mean", "update/loss", "batch/workers/vllm-0/tokens_per_s",
+            "publish/worker_seconds/vllm-0"} <= set(scalars), sorted(scalars)
 
 
 # -- LoRA (the quickstart's section 8) -----------------------------------------------------------
