@@ -1,5 +1,6 @@
-# The two commands of README.md: `make run` (the main job on the embedded default) and
-# `make test` (the whole test suite). Both create or reuse the project venv first.
+# The commands of README.md: `make run` (the main job on the embedded default), `make test` (the
+# whole test suite) and `make test-unit` (the unit tests alone). Each creates or reuses the
+# project venv first.
 VENV ?= .venv
 export HF_HUB_OFFLINE := 1
 

@@ -3,8 +3,8 @@
 # integration tests leave about a fifth of a 2-core machine idle (a vLLM server starts its
 # three processes one after another, on one core), and the unit tests fill it, so the suite
 # ends minutes sooner than one pytest running both in turn. The unit tests write to a log that
-# is shown when the integration tests end; the run fails when either part fails, and an
-# interrupted run stops both. Arguments go to both pytest commands.
+# is shown when the integration tests end (and kept only if they failed); the run fails when
+# either part fails, and an interrupted run stops both. Arguments go to both pytest commands.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -29,4 +29,5 @@ echo
 echo "=============== the unit tests, run beside the integration tests ($unit_log) ==============="
 cat "$unit_log"
 echo "make test: unit tests exit status $unit_status, integration tests exit status $integration_status"
+[ "$unit_status" -eq 0 ] && rm -f "$unit_log"
 [ "$unit_status" -eq 0 ] && [ "$integration_status" -eq 0 ]

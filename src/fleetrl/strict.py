@@ -56,4 +56,5 @@ def problems(cls: type[BaseModel], error: ValidationError) -> str:
             said = f"not {expected}" if expected != problem["msg"] else expected
             wrong.append(f"{where} is {problem['input']!r}, {said}")
     keys = [f"{what} {', '.join(names)}" for what, names in (("unknown", unknown), ("missing", missing)) if names]
-    return f"not a {cls.__name__}: " + "; ".join(keys + wrong)
+    article = "an" if cls.__name__[0] in "AEIOU" else "a"
+    return f"not {article} {cls.__name__}: " + "; ".join(keys + wrong)
