@@ -41,7 +41,7 @@ class _HeldBy:
 
 class Fleet:
     workers = _HeldBy("roster")  # worker id -> WorkerInfo
-    version = _HeldBy("roster")  # the fleet's version: what its ready workers hold
+    version = _HeldBy("roster")  # the fleet's version: the newest published (see Roster.version)
     on_event = _HeldBy("roster")
     health_timeout_s = _HeldBy("roster")
     checksum = _HeldBy("fence")
