@@ -104,6 +104,11 @@ def plan_waves(workers: list[WorkerInfo], size: int) -> list[list[WorkerInfo]]:
     return [prefill[i * len(prefill) // count:(i + 1) * len(prefill) // count] + chunks[i] for i in range(count)]
 
 
+def merged(reports: list[PublishReport], figure: str) -> dict:
+    """One per-worker figure of the reports of a rolling publish's waves, together."""
+    return {worker_id: value for report in reports for worker_id, value in getattr(report, figure).items()}
+
+
 class Fence:
     def __init__(self, roster: Roster, pause_mode: PauseMode, probe_tolerance: float,
                  publish: PublishKind = "fenced", wave_size: int = 1) -> None:
@@ -165,8 +170,7 @@ class Fence:
                 reports.append(await self._wave(Wave(number, True, planned.pop(0)), version, transport,
                                                 named_tensors, probe, keep, started))
             if not any(r.ready for r in reports):
-                failed = {k: v for r in reports for k, v in r.failed.items()}
-                raise PublishError(f"publish v{version} completed on no worker: {describe(failed)}")
+                raise PublishError(f"publish v{version} completed on no worker: {describe(merged(reports, 'failed'))}")
             rest = [Wave(number + i, False, wave) for i, wave in enumerate(planned, 1)]
             if everywhere:
                 for wave in rest:
@@ -178,10 +182,9 @@ class Fence:
             return PublishReport(
                 version=version, seconds=time.monotonic() - started,
                 checksum=next(r.checksum for r in reports if r.ready),
-                ready=[w for r in reports for w in r.ready], failed={k: v for r in reports for k, v in r.failed.items()},
-                probe={k: v for r in reports for k, v in r.probe.items()},
-                worker_seconds={k: v for r in reports for k, v in r.worker_seconds.items()},
-                received_bytes={k: v for r in reports for k, v in r.received_bytes.items()}, waves=waves)
+                ready=[w for r in reports for w in r.ready], failed=merged(reports, "failed"),
+                probe=merged(reports, "probe"), worker_seconds=merged(reports, "worker_seconds"),
+                received_bytes=merged(reports, "received_bytes"), waves=waves)
 
     async def _later_waves(self, waves: list[Wave], version: int, transport: WeightTransport,
                            named_tensors: NamedTensors, probe: AgreementProbe | None, keep: bool,
