@@ -38,7 +38,7 @@ from bench_report import record
 
 from fleetrl.app.rl import apply_core_plan
 from fleetrl.config import Config, InferenceConfig, ModelConfig, VllmConfig
-from fleetrl.contract import WEIGHT_STATE_METHOD, WEIGHT_UPDATE_PHASES, WEIGHT_UPDATE_SERIAL_PHASES
+from fleetrl.contract import WEIGHT_UPDATE_PHASES, WEIGHT_UPDATE_SERIAL_PHASES
 from fleetrl.inference.fleet import AgreementProbe, Fleet
 from fleetrl.inference.http import SERVED_MODEL_NAME
 from fleetrl.inference.provider import WeightTransport
@@ -120,9 +120,8 @@ async def interleaved_publishes(cases: dict[str, tuple[Fleet, WeightTransport, A
 async def receiver_phases(fleet: Fleet) -> dict[str, float]:
     """Where the workers' ranks spent the last update (contract.WEIGHT_UPDATE_PHASES), in
     seconds: the slowest rank's figure per phase, as the publish waits for the slowest."""
-    states = [s for w in fleet.ready_workers()
-              for s in await fleet.provider.admin(w).routes.collective_rpc(WEIGHT_STATE_METHOD)]
-    return {phase: max(s["phases"].get(phase, 0.0) for s in states) for phase in WEIGHT_UPDATE_PHASES}
+    ranks = [rank for w in fleet.ready_workers() for rank in await fleet.provider.admin(w).weight_state()]
+    return {phase: max(rank.phases.get(phase, 0.0) for rank in ranks) for phase in WEIGHT_UPDATE_PHASES}
 
 
 def print_profile(label: str, seconds: list[float], phases: list[dict[str, float]]) -> None:

@@ -86,7 +86,7 @@ def run_trl(args, out: Path) -> dict:
         gradient_accumulation_steps=orchestrator.batch_prompts * orchestrator.group_size // micro,
         num_generations=orchestrator.group_size, max_completion_length=orchestrator.max_tokens,
         temperature=orchestrator.temperature, top_p=orchestrator.top_p, learning_rate=trainer.lr,
-        beta=0.0, epsilon=trainer.clip_low, epsilon_high=trainer.clip_high, loss_type="dapo",
+        beta=0.0, epsilon=trainer.loss.clip_low, epsilon_high=trainer.loss.clip_high, loss_type="dapo",
         scale_rewards="group" if orchestrator.normalize_advantages_std else "none",
         max_grad_norm=trainer.max_grad_norm, weight_decay=trainer.weight_decay,
         lr_scheduler_type="constant", warmup_steps=0, use_cpu=True, bf16=False, logging_steps=1,

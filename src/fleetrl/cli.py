@@ -215,7 +215,7 @@ def run_command_line(argv: list[str] | None) -> int:
         # A dotted flag that is no config field still goes to the config loader, whose error
         # names the key; anything else is argparse's to reject.
         overrides += unknown_dotted_flags(unknown, command_parser(parser, args.command))
-        config = load_config(base_config_files(args) + files, overrides)
+        config = load_config(files, overrides, saved=base_config_files(args))
         for key in sorted({key for key, _ in overrides} & SECRET_FLAGS.keys()):
             print(f"fleetrl: warning: --{key} on the command line is readable by every local user (ps, "
                   f"/proc/PID/cmdline); export {SECRET_FLAGS[key]} instead", file=sys.stderr)

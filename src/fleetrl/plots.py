@@ -40,8 +40,11 @@ def eval_plot(evals: list[EvalLine]) -> bytes:
     a gap in its line: None (every completion failed), or an environment it did not evaluate (a
     resume may change eval.envs)."""
     names = list(dict.fromkeys(name for e in evals for name in e.envs))
-    series = {f"{name} {label}": [_number(e.envs.get(name, {}).get(figure)) for e in evals]
-              for name in names for figure, label in (("reward_mean", "reward mean"), ("pass@1", "pass@1"))}
+    series = {}
+    for name in names:
+        figures = [e.envs.get(name) for e in evals]
+        series[f"{name} reward mean"] = [_number(None if f is None else f.reward_mean) for f in figures]
+        series[f"{name} pass@1"] = [_number(None if f is None else f.pass_at.get(1)) for f in figures]
     return _plot([e.version for e in evals], "policy version (trainer steps done)", "held-out evaluation", series)
 
 

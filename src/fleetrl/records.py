@@ -14,13 +14,17 @@ three modules later).
     batches/step_N.json      BatchMeta      Batch.meta: how the orchestrator made batch N, and how
                                             what it trains differs from what it generated
     rollouts/step_N.jsonl    RolloutRecord  every sample generated for batch N, trained or not
-    eval.jsonl               EvalLine       one per evaluation (orchestrator/evaluation.py); its
-                                            samples are RolloutRecords, in eval/step_N.jsonl
+    eval.jsonl               EvalLine       one per evaluation (orchestrator/evaluation.py): an
+                                            EvalFigures per environment, as a step line's `eval`
+                                            has them; its samples are RolloutRecords, in
+                                            eval/step_N.jsonl
+    final.json               FinalRecord    how the run left its fleet: a greedy sample of the
+                                            final policy, each worker, the agreement probe
     events.jsonl             WorkerEvent, FenceEvent, SampleEvent, TrainEvent: the timeline
 
 Each type is a strict pydantic model (`Record`, fleetrl/strict.py): its JSON is its fields by
 name (`to_dict`), and `read(data, where)` is the one way back. Nested figures are records too
-(`Figures`, `EnvFigures`, `WorkerFigures`).
+(`Figures`, `EnvFigures`, `WorkerFigures`, `EvalFigures`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 import typing
 from typing import Any, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from fleetrl.strict import RecordError, Strict
 
@@ -150,7 +154,7 @@ class StepMetrics(Record):
     truncated_frac: float | None  # tokens whose weight the TIS cap lowered
     masked_frac: float | None  # tokens masked importance sampling dropped (trainer.mis_*)
     entropy: float | None  # mean entropy of the policy being trained, over completion tokens
-    ref_kl: float | None  # mean k3 KL(trainer || reference model) (trainer.kl_coef; 0 when off)
+    ref_kl: float | None  # mean k3 KL(trainer || reference model) (trainer.loss.kl_coef; 0 when off)
     # The batch's largest and mean off-policy distance, recomputed here from its spans: what
     # `fleetrl verify` checks, not the orchestrator's bookkeeping.
     max_off_policy: int
@@ -210,7 +214,7 @@ class StepLine(Record):
     batch: BatchMeta  # the orchestrator's (orchestrator/rollouts.py), as batches/step_N.json has it
     update: StepMetrics  # the trainer's (trainer/step.py)
     publish: PublishReport  # the fleet's, of this step's version (inference/fleet.py)
-    eval: dict[str, dict] | None  # per evaluated environment, at an evaluated step
+    eval: dict[str, EvalFigures] | None  # per evaluated environment, at an evaluated step
     worker_versions: dict[str, int]  # each ready worker's version once the publish was done
     train_started: float  # wall times of the trainer's step
     train_finished: float
@@ -240,14 +244,77 @@ class SftLine(SftMetrics):
     train_finished: float
 
 
+PASS_AT = "pass@"  # JSON's key of pass@k: pass@1, pass@4
+
+
+class EvalFigures(Record):
+    """One environment's figures of an evaluation (orchestrator/evaluation.py): its prompts, their
+    completions and how many of those failed, the mean reward of those scored and its standard
+    error over the prompts, and pass@k for k = 1 and eval.samples_per_prompt (when more). JSON
+    has each pass@k as a key of its own ("pass@1", "pass@4"), as a line has always had them."""
+
+    prompts: int
+    samples: int  # completions
+    failed: int  # completions not scored (a drop_reason)
+    reward_mean: float | None  # None: none scored
+    reward_se: float | None = None  # None: fewer than two prompts scored, or a line before December 5 2026
+    pass_at: dict[int, float | None]  # k -> pass@k; None: no prompt had k completions scored
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_pass_keys(cls, data: Any) -> Any:
+        """JSON's pass@k keys, into pass_at."""
+        pass_keys = {key for key in data if isinstance(key, str) and key.startswith(PASS_AT)
+                     and key.removeprefix(PASS_AT).isdigit()} if isinstance(data, dict) else None
+        if not pass_keys or "pass_at" in data:
+            return data  # pass_at as it is, missing, or beside pass@k keys: a RecordError
+        return {**{k: v for k, v in data.items() if k not in pass_keys},
+                "pass_at": {int(key.removeprefix(PASS_AT)): data[key] for key in sorted(pass_keys)}}
+
+    @model_serializer(mode="wrap")
+    def _write_pass_keys(self, write) -> dict[str, Any]:
+        data = write(self)
+        return {**{k: v for k, v in data.items() if k != "pass_at"},
+                **{f"{PASS_AT}{k}": value for k, value in data["pass_at"].items()}}
+
+
 class EvalLine(Record):
     """One evaluation of `version`: when it began, how long it took, and each environment's
-    figures (prompts, samples, failed, reward_mean, reward_se, pass@1, pass@k)."""
+    figures."""
 
     version: int
     started: float
     seconds: float
-    envs: dict[str, dict]
+    envs: dict[str, EvalFigures]
+
+
+class FinalWorker(Record):
+    """One worker as the run left it: its role, the version it served, and the checksum of the
+    weights every one of its ranks holds (None: the base model's, none received)."""
+
+    role: str
+    version: int | None
+    checksum: str | None
+
+
+class FinalProbe(Record):
+    """The agreement probe of the final version: its tokens and the trainer's logprobs of them,
+    which the final model, served anywhere, scores alike."""
+
+    token_ids: list[int]
+    trainer_logprobs: list[float]
+
+
+class FinalRecord(Record):
+    """final.json: how the run left its fleet (app/rl.py): its version, a 16-token greedy sample
+    of the final policy with its spans ([version, start] pairs), each worker, and the probe."""
+
+    version: int
+    tokens: list[int]
+    text: str
+    spans: list[list[int]]
+    workers: dict[str, FinalWorker]
+    probe: FinalProbe | None = None  # none in a run before December 2 2026
 
 
 # -- the flat form of metrics.jsonl, before December 2026 --------------------------------------
@@ -287,7 +354,7 @@ class FlatStepLine(Record):
     trained_completion_tokens_mean: float | None
     dropped_by: dict[str, int]
     envs: dict[str, EnvFigures]
-    eval: dict[str, dict] | None  # per evaluated environment, at an evaluated step
+    eval: dict[str, EvalFigures] | None  # per evaluated environment, at an evaluated step
     misversioned: int
     reward_failed: int
     empty: int

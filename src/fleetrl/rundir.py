@@ -26,8 +26,8 @@ from fleetrl.config import Config, ConfigError, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import LineWriter, append_line, atomic_write, fsync_dir, read_json_lines, sha256_file
 from fleetrl.plots import eval_plot, off_policy_plot, reward_plot, timeline_plot
-from fleetrl.records import (EvalLine, FlatStepLine, FleetEvent, RolloutRecord, SftLine, StepLine, event_to_dict,
-                             read_event, read_step_line, trained_distance)
+from fleetrl.records import (EvalFigures, EvalLine, FinalRecord, FlatStepLine, FleetEvent, RolloutRecord, SftLine,
+                             StepLine, event_to_dict, read_event, read_step_line, trained_distance)
 from fleetrl.versions import is_run_id, new_run_id, off_policy_distance
 
 MANIFEST = "manifest.json"
@@ -59,15 +59,7 @@ RUN_DEFINING = {"rl": (
     "orchestrator.dynamic_sampling_prompts",  # the same
     "orchestrator.normalize_advantages_std",  # the advantage itself (GRPO or Dr. GRPO)
     "orchestrator.max_off_policy_steps",  # k: `fleetrl verify` checks every step against config.toml's
-    "trainer.clip_low",  # the loss
-    "trainer.clip_high",  # the loss
-    "trainer.tis_cap",  # the loss
-    "trainer.ratio_level",  # the loss
-    "trainer.tis_level",  # the loss
-    "trainer.mis_low",  # the loss
-    "trainer.mis_high",  # the loss
-    "trainer.mis_level",  # the loss
-    "trainer.kl_coef",  # the loss
+    "trainer.loss",  # the gradient each batch gives (a refusal names the field that changed)
     "trainer.lora",  # what is trained (adapter or all weights) and what the checkpoints hold
     "run.seed",  # the task stream the resume continues
 ), "sft": (
@@ -228,6 +220,11 @@ class RunDir:
             raise FleetrlError(f"run.dir {self.root} holds a `fleetrl {held}` run; a `fleetrl {self.kind}` run "
                                f"needs a run.dir of its own (choose another run.dir)")
 
+    def read_config(self) -> Config:
+        """The run's config.toml, which an older fleetrl may have written: its keys that have
+        moved since are read in their places now (config.loader.MOVED_KEYS)."""
+        return load_config([], [], saved=[self.config_path])
+
     def batch_path(self, step: int) -> Path:
         return self.batches_dir / f"{step_name(step)}.json"
 
@@ -334,7 +331,7 @@ class RunDir:
         if not self.config_path.exists():
             return "no config.toml" if any(p.name != LOCK for p in self.root.iterdir()) else None
         try:
-            load_config([self.config_path], [])
+            self.read_config()
         except ConfigError as e:
             return f"its config.toml is not a fleetrl config: {e}"
         if not self.metrics_path.exists():  # every start writes it before its config.toml
@@ -387,7 +384,7 @@ class RunDir:
 
     def _check_resume_keeps_the_run(self, config: Config) -> None:
         now = config.model_dump(mode="json")
-        then = load_config([self.config_path], []).model_dump(mode="json")
+        then = self.read_config().model_dump(mode="json")
         for name in RUN_DEFINING[self.kind]:
             new, old = (reduce(dict.__getitem__, name.split("."), values) for values in (now, then))
             if new != old:
@@ -439,8 +436,11 @@ class RunDir:
         resumed across the upgrade has both): records.read_step_line reads either."""
         return self._read_records(self.metrics_path, SftLine.read if self.lines is SftLine else read_step_line)
 
-    def write_final(self, final: dict) -> Path:
-        return atomic_write(self.final_path, json.dumps(final, indent=1))
+    def write_final(self, final: FinalRecord) -> Path:
+        return atomic_write(self.final_path, json.dumps(final.to_dict(), indent=1))
+
+    def read_final(self) -> FinalRecord:
+        return FinalRecord.read(json.loads(self.final_path.read_text()), str(self.final_path))
 
     def append_event(self, event: FleetEvent) -> None:
         """One event of the timeline (events.jsonl), stamped with its wall time (`t`); written
@@ -455,7 +455,7 @@ class RunDir:
         """reward.png and off_policy.png from the metrics, timeline.png from the events, and
         eval.png from eval.jsonl once the run has evaluated."""
         metrics = self.read_metrics()
-        k = load_config([self.config_path], []).orchestrator.max_off_policy_steps
+        k = self.read_config().orchestrator.max_off_policy_steps
         written = [atomic_write(self.reward_plot_path, reward_plot(metrics)),
                    atomic_write(self.off_policy_plot_path, off_policy_plot(metrics)),
                    atomic_write(self.timeline_plot_path, timeline_plot(self.read_events(), k))]
@@ -541,7 +541,7 @@ def verify_run(root: Path) -> str:
 
     if run_dir.recorded_kind() == "sft":  # the kind file, which the manifest has just checked
         return verify_sft_run(RunDir(root, kind="sft"), len(listed))
-    orchestrator = load_config([run_dir.config_path], []).orchestrator
+    orchestrator = run_dir.read_config().orchestrator
     k = orchestrator.max_off_policy_steps
     metrics = run_dir.read_metrics()
     if not metrics:
@@ -583,14 +583,13 @@ def verify_sft_run(run_dir: RunDir, artifacts: int) -> str:
             f"{metrics[0].loss} at step 1, {metrics[-1].loss} at step {len(metrics)}; final_model/ written")
 
 
-def eval_summary(figures: dict[str, dict]) -> str:
+def eval_summary(figures: dict[str, EvalFigures]) -> str:
     """An evaluation's figures in a line: each environment's reward (± its standard error, where
     there is one: none of a single prompt, or in eval.jsonl lines older than it) and pass@1."""
-    def reward(f: dict) -> str:
-        se = f.get("reward_se")
-        return f"{f['reward_mean']:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+    def reward(f: EvalFigures) -> str:
+        return f"{f.reward_mean:.3f}" + (f" ± {f.reward_se:.3f}" if f.reward_se is not None else "")
 
-    return ", ".join(f"{name} reward {reward(f)} pass@1 {f['pass@1']:.3f}" if f["reward_mean"] is not None
+    return ", ".join(f"{name} reward {reward(f)} pass@1 {f.pass_at[1]:.3f}" if f.reward_mean is not None
                      else f"{name} nothing scored" for name, f in figures.items())
 
 

@@ -68,9 +68,9 @@ def test_the_base_model_is_scored_with_mean_and_standard_error(example):
     assert header == HEADER, done.stdout
     (line,) = RunDir(example.dir("base-eval")).read_evals()
     assert line.version == 0 and list(line.envs) == ENVS, line
-    assert all(f["prompts"] == EVAL_PROMPTS and f["reward_se"] is not None for f in line.envs.values()), line
-    assert rows == [[name, str(EVAL_PROMPTS), str(EVAL_PROMPTS), f"{f['reward_mean']:.3f}", f"{f['reward_se']:.3f}",
-                     f"{f['pass@1']:.3f}", str(f["failed"])] for name, f in line.envs.items()], done.stdout
+    assert all(f.prompts == EVAL_PROMPTS and f.reward_se is not None for f in line.envs.values()), line
+    assert rows == [[name, str(EVAL_PROMPTS), str(EVAL_PROMPTS), f"{f.reward_mean:.3f}", f"{f.reward_se:.3f}",
+                     f"{f.pass_at[1]:.3f}", str(f.failed)] for name, f in line.envs.items()], done.stdout
 
 
 def test_the_sft_runs_final_model_is_what_the_rl_runs_workers_sampled_at_v0(example, base_weights):
@@ -114,7 +114,7 @@ def test_the_rl_run_evaluates_the_warm_start_and_its_last_version_on_both(exampl
     for e in evals:
         assert list(e.envs) == ENVS, e
         for f in e.envs.values():
-            assert f["prompts"] == EVAL_PROMPTS and f["reward_mean"] is not None and f["reward_se"] is not None, e
+            assert f.prompts == EVAL_PROMPTS and f.reward_mean is not None and f.reward_se is not None, e
         # the log line: each environment's mean ± standard error
         figures = r" reward \d\.\d{3} ± \d\.\d{3} pass@1 \d\.\d{3}"
         line = rf"fleetrl: evaluated v{e.version} in [\d.]+ s: sums{figures}, gym{figures}"

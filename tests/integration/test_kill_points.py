@@ -22,7 +22,8 @@ Each run is the same command (two trainer ranks, FSDP2 over gloo) with a failpoi
 here, as an operator would, so it outlives each run: every run attaches to what the previous
 one left (at some version, or paused mid-update) and must recover it. After every signal
 fleetrl and everything it started are gone within 10 s; in the end every step ran exactly once
-(none twice, none missing), every sample was on-policy, and `fleetrl verify` passes.
+(none twice, none missing), every sample was on-policy, and `fleetrl verify` passes. The
+sequence is a module fixture; each check of what it left is a small test that reads it.
 """
 
 import asyncio
@@ -35,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -63,7 +65,8 @@ from .deployments import ADMIN, DATA, OPERATOR_SERVERS, serving
 from .runs import ATTACHED_RUN
 from .test_conformance import check_no_prompt_lost_or_repeated
 
-pytestmark = [pytest.mark.chaos, pytest.mark.deployment(OPERATOR_SERVERS)]
+# Six runs of `fleetrl rl` in the sequence fixture: about 5 minutes here, more on a busy machine.
+pytestmark = [pytest.mark.chaos, pytest.mark.deployment(OPERATOR_SERVERS), pytest.mark.timeout(1800)]
 
 STEPS = 5
 # Two environments, one run (orchestrator.envs): which one each prompt comes from is drawn by
@@ -86,6 +89,8 @@ admin_retries = 1
 world_size = 2
 lr = 1e-5
 checkpoint_interval = 1
+
+[trainer.loss]
 kl_coef = 0.01
 
 [run]
@@ -237,9 +242,26 @@ def test_the_readmes_status_of_any_fleet(operator_servers):
     assert row.split()[1:4] == ["aggregated", "ready", "v1"], done.stdout
 
 
-@pytest.mark.timeout(1800)  # six runs of `fleetrl rl`: about 10 minutes here, more on a busy machine
-def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
-    run_dir, urls = tmp_path / "run", operator_servers[:1]  # the first server; the attached run left it at v1
+@dataclass(frozen=True)
+class Sequence:
+    """What the kill sequence left: the run's directory, the one server its runs attached to,
+    and the seconds each signal took to leave no process."""
+
+    run_dir: Path
+    urls: list[str]
+    gone: dict[str, float]
+
+    def metrics(self) -> list[StepLine]:
+        return read_metrics(self.run_dir)
+
+
+@pytest.fixture(scope="module")
+def sequence(operator_servers, tmp_path_factory) -> Sequence:
+    """The six runs, each killed at its point (or left to finish), checked as they go: what a
+    run must have left before the next one starts is asserted here; what the whole run left, by
+    the tests below. Requested after the attached run above, which left the server at v1."""
+    tmp_path = tmp_path_factory.mktemp("kill-points")
+    run_dir, urls = tmp_path / "run", operator_servers[:1]
     gone: dict[str, float] = {}
     runs: list[Run] = []
 
@@ -295,34 +317,68 @@ def test_killed_at_each_point_then_run_again(operator_servers, tmp_path):
         for run in runs:
             run.stop()
     print("\nkill points: everything gone after " + ", ".join(f"{what} in {s:.1f} s" for what, s in gone.items()))
+    return Sequence(run_dir, urls, gone)
 
-    done = read_metrics(run_dir)
-    assert [m.step for m in done] == list(range(1, STEPS + 1))  # none twice, none missing
-    check_no_prompt_lost_or_repeated(run_dir, STEPS)  # the conformance suite's class (e)
-    check_every_group_is_the_uninterrupted_streams(run_dir)
-    check_dynamic_sampling(run_dir, done)
-    # Both environments were sampled, each reported apart, and each sample says whose it is.
+
+def test_every_step_ran_once_and_no_prompt_was_lost_or_repeated(sequence):
+    assert [m.step for m in sequence.metrics()] == list(range(1, STEPS + 1))  # none twice, none missing
+    check_no_prompt_lost_or_repeated(sequence.run_dir, STEPS)  # the conformance suite's class (e)
+
+
+def test_every_group_of_every_resume_is_the_uninterrupted_streams_task(sequence):
+    check_every_group_is_the_uninterrupted_streams(sequence.run_dir)
+
+
+def test_dynamic_sampling_drew_a_third_prompt_while_a_group_had_no_gradient(sequence):
+    check_dynamic_sampling(sequence.run_dir, sequence.metrics())
+
+
+def test_both_environments_were_sampled_and_reported_apart(sequence):
+    done = sequence.metrics()
     assert set().union(*(m.batch.envs for m in done)) == {"reverse", "sums"}, [m.batch.envs for m in done]
     for m in done:
         assert sum(f.groups for f in m.batch.envs.values()) == m.batch.sampled_prompts
-        assert {s.env for s in RunDir(run_dir).read_batch(m.step).samples} <= set(m.batch.envs)
-    assert all(m.update.max_off_policy == 0 and "misversioned" not in m.batch.dropped_by for m in done)
-    # The KL penalty's reference is the base model, through every resume: 0 at v0, and after that
-    # as far as the policy moved (each step from 2 on is the first of a resumed run).
+        assert {s.env for s in RunDir(sequence.run_dir).read_batch(m.step).samples} <= set(m.batch.envs)
+
+
+def test_every_trained_sample_was_on_policy(sequence):
+    assert all(m.update.max_off_policy == 0 and "misversioned" not in m.batch.dropped_by for m in sequence.metrics())
+
+
+def test_the_kl_penalty_is_to_the_base_model_through_every_resume(sequence):
+    """0 at v0, and after that as far as the policy moved (each step from 2 on is the first of a
+    resumed run)."""
+    done = sequence.metrics()
     assert done[0].update.ref_kl == pytest.approx(0.0, abs=1e-9)
     assert all(m.update.ref_kl > 0 for m in done[1:]) and done[0].update.grad_norm > 0, [m.update for m in done]
-    # The resumed run refitted the workers to the checkpoint's version before any rollout.
-    batch5 = RunDir(run_dir).read_batch(5)
+
+
+def test_the_last_resume_refitted_the_worker_to_the_checkpoints_version_first(sequence):
+    batch5 = RunDir(sequence.run_dir).read_batch(5)
     assert batch5.meta.dispatch_version == 4
     assert all(span.version == 4 for s in batch5.samples for span in s.spans)
-    final = json.loads((run_dir / "final.json").read_text())
-    assert sorted(final["workers"]) == urls
+
+
+def test_the_worker_is_left_serving_the_final_version(sequence):
+    done = sequence.metrics()
+    final = json.loads((sequence.run_dir / "final.json").read_text())
+    assert sorted(final["workers"]) == sequence.urls
     assert all(w["version"] == STEPS and w["checksum"] == done[-1].publish.checksum for w in final["workers"].values())
-    assert asyncio.run(paused_and_versions(urls)) == [(False, STEPS)]
-    verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(run_dir)], capture_output=True, text=True)
+    assert asyncio.run(paused_and_versions(sequence.urls)) == [(False, STEPS)]
+
+
+def test_fleetrl_verify_passes(sequence):
+    verify = subprocess.run([sys.executable, "-m", "fleetrl", "verify", str(sequence.run_dir)], capture_output=True,
+                            text=True)
     assert verify.returncode == 0, verify.stderr
-    check_the_final_model_serves_like_the_workers(run_dir, urls, tmp_path)
-    check_the_final_model_scores_on_the_runs_server(run_dir, urls)
+
+
+def test_the_final_model_serves_like_the_workers(sequence, tmp_path):
+    check_the_final_model_serves_like_the_workers(sequence.run_dir, sequence.urls, tmp_path)
+
+
+def test_the_final_model_scores_on_the_runs_server(sequence):
+    check_the_final_model_scores_on_the_runs_server(sequence.run_dir, sequence.urls)
 
 
 def check_every_group_is_the_uninterrupted_streams(run_dir) -> None:

@@ -46,10 +46,12 @@ max_tokens = 16
 lr = 1e-5
 lr_decay = "linear"
 lr_min = 1e-6
+checkpoint_interval = 5
+
+[trainer.loss]
 mis_level = "geometric"
 mis_low = 0.5
 mis_high = 2.0
-checkpoint_interval = 5
 
 # Evaluation at v0, v1 and v2 on held-out arithmetic prompts (the taskset has no held-out split).
 [eval]
@@ -346,7 +348,9 @@ def test_the_quickstarts_tensorboard_serves_the_runs_scalars(resumed):
                 pass
             time.sleep(1)
     (scalars,) = tags.json().values()  # one run: the event files of this run
-    assert {"reward_mean", "loss", "worker/vllm-0/tokens_per_s", "worker/vllm-0/publish_s"} <= set(scalars)
+    # Charted by their path in the step line (docs/quickstart.md).
+    assert {"batch/reward_mean", "update/loss", "batch/workers/vllm-0/tokens_per_s",
+            "publish/worker_seconds/vllm-0"} <= set(scalars), sorted(scalars)
 
 
 # -- LoRA (the quickstart's section 8) -----------------------------------------------------------
@@ -455,7 +459,7 @@ def test_the_cluster_evaluates_every_version_on_held_out_prompts_at_that_version
     assert [e.version for e in evals] == [0, 1, 2]
     for e in evals:
         figures = e.envs["arithmetic"]
-        assert figures["prompts"] == 2 and figures["samples"] == 2 and 0 <= figures["pass@1"] <= 1, e
+        assert figures.prompts == 2 and figures.samples == 2 and 0 <= figures.pass_at[1] <= 1, e
         records = [json.loads(line) for line in
                    RunDir(cluster.run_dir).eval_records_path(e.version).read_text().splitlines()]
         assert all({v for v, _ in r["spans"]} == {e.version} for r in records), records

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from fleetrl.contract import RankWeights
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import (GenerateRequest, GenerateResponse, RankWeights, UnversionedTokens, WorkerInfo,
+from fleetrl.inference.types import (GenerateRequest, GenerateResponse, UnversionedTokens, WorkerInfo,
                                      WorkerRole)
 from fleetrl.versions import VersionSpan
 
@@ -86,7 +87,7 @@ class FakeControl(FakeClient):
         self.engine.version = version
 
     async def weight_state(self) -> list[RankWeights]:
-        return [RankWeights(self.engine.checksum, None, False)]
+        return [RankWeights(checksum=self.engine.checksum)]
 
     async def in_flight(self) -> int | None:
         return None

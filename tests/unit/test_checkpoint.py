@@ -64,9 +64,13 @@ def test_latest_ignores_half_written_checkpoints_and_old_ones_are_pruned(model_d
     (tmp_path / "step_000006" / "complete.json").write_text('{"step": 2}')
     (tmp_path / "step_000007").mkdir()
     (tmp_path / "step_000007" / "complete.json").write_text('{"st')
+    # The record of a fleetrl before December 2026: no checksums to verify its files with.
+    (tmp_path / "step_000008").mkdir()
+    (tmp_path / "step_000008" / "complete.json").write_text('{"step": 8, "world_size": 1}')
     lines = []
     assert checkpoint.latest(tmp_path, log=lines.append) == (3, tmp_path / "step_000003")
-    assert [line.split()[2] for line in lines] == [str(tmp_path / f"step_00000{n}") for n in (7, 6, 5)]
+    assert [line.split()[2] for line in lines] == [str(tmp_path / f"step_00000{n}") for n in (8, 7, 6, 5)]
+    assert lines[0].endswith("skipped: complete.json lacks the checksums or the finite-weights mark that fleetrl writes")
     assert checkpoint.load(tmp_path, model, optimizer, log=lines.append) == 3
 
     checkpoint.save(tmp_path, 4, model, optimizer, keep=2)  # also clears the crashed temp folder

@@ -297,7 +297,8 @@ def test_inference_on_a_live_runs_directory_is_refused_before_anything_starts(tm
         async def start(self, base):
             started.append(base)
 
-    monkeypatch.setattr(inference, "build_fleet", lambda config, run_dir: (Unstarted(), tmp_path))
+    monkeypatch.setattr(inference, "resolve_model", lambda model: tmp_path)
+    monkeypatch.setattr(inference, "build_fleet", lambda config, run_dir, model_dir: Unstarted())
     live = RunDir(tmp_path / "run")
     live.lock()
     try:

@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from fleetrl.config import Config, ConfigError, field_docs, load_config, to_toml
+from fleetrl.config import Config, ConfigError, LossConfig, field_docs, load_config, to_toml
 
 
 def test_defaults_validate_and_keep_public_names():
@@ -67,7 +67,7 @@ def test_bad_toml_and_missing_file(tmp_path):
 def test_resolved_config_round_trips(tmp_path):
     config = load_config([], [("inference.workers", "2"), ("inference.vllm.extra_args", '["--seed", "1"]'),
                               ("orchestrator.env_options", '{max_len = 4, "odd key" = "x"}'),
-                              ("trainer.tis_cap", "inf")])
+                              ("trainer.loss.tis_cap", "inf")])
     out = tmp_path / "resolved.toml"
     out.write_text(to_toml(config))
     assert load_config([out], []) == config
@@ -240,31 +240,64 @@ def test_numbers_must_be_finite(key, value):
 
 
 def test_inf_switches_a_bound_off_but_nan_is_refused():
-    config = load_config([], [("trainer.tis_cap", "inf"), ("trainer.clip_high", "inf")])
-    assert config.trainer.tis_cap == float("inf") and config.trainer.clip_high == float("inf")
-    assert 'tis_cap = inf' in to_toml(config) and load_config([], [("trainer.tis_cap", "inf")]) == config.model_copy(
-        update={"trainer": config.trainer.model_copy(update={"clip_high": 0.28})})
-    for key in ("trainer.tis_cap", "trainer.clip_high", "trainer.mis_high"):
+    config = load_config([], [("trainer.loss.tis_cap", "inf"), ("trainer.loss.clip_high", "inf")])
+    loss = config.trainer.loss
+    assert loss.tis_cap == float("inf") and loss.clip_high == float("inf")
+    assert 'tis_cap = inf' in to_toml(config)
+    capped_only = load_config([], [("trainer.loss.tis_cap", "inf")]).trainer.loss
+    assert capped_only == loss.model_copy(update={"clip_high": 0.28})
+    for key in ("trainer.loss.tis_cap", "trainer.loss.clip_high", "trainer.loss.mis_high"):
         with pytest.raises(ConfigError, match=rf"config key '{key}'"):
             load_config([], [(key, "nan")])
-    assert load_config([], [("trainer.mis_high", "inf")]).trainer.mis_high == float("inf")  # the default: off
+    assert load_config([], [("trainer.loss.mis_high", "inf")]).trainer.loss.mis_high == float("inf")  # the default
 
 
 @pytest.mark.parametrize("flags, message", [
-    ([("trainer.mis_low", "1.0")], r"config key 'trainer.mis_low': Input should be less than 1"),
-    ([("trainer.mis_high", "0.9")], r"config key 'trainer.mis_high': Input should be greater than 1"),
-    ([("trainer.mis_level", "band")], r"config key 'trainer.mis_level': Input should be 'token', 'sequence' or "
-                                      r"'geometric'"),
-    ([("trainer.ratio_level", "group")], r"config key 'trainer.ratio_level'"),
-    ([("trainer.kl_coef", "-0.1")], r"config key 'trainer.kl_coef': Input should be greater than or equal to 0"),
-    ([("trainer.tis_level", "sequence"), ("trainer.ratio_level", "sequence")],
-     r"^trainer.tis_level = 'sequence' does not combine with trainer.ratio_level = 'sequence'"),
-    ([("trainer.tis_level", "sequence"), ("trainer.tis_cap", "inf")],
-     r"^trainer.tis_level = 'sequence' needs a finite trainer.tis_cap"),
+    ([("trainer.loss.clip_low", "1.5")], r"config key 'trainer.loss.clip_low': Input should be less than or equal "
+                                         r"to 1"),
+    ([("trainer.loss.clip_high", "-0.1")], r"config key 'trainer.loss.clip_high': Input should be greater than or "
+                                           r"equal to 0"),
+    ([("trainer.loss.tis_cap", "0.0")], r"config key 'trainer.loss.tis_cap': Input should be greater than 0"),
+    ([("trainer.loss.mis_low", "1.0")], r"config key 'trainer.loss.mis_low': Input should be less than 1"),
+    ([("trainer.loss.mis_low", "-0.1")], r"config key 'trainer.loss.mis_low': Input should be greater than or equal"),
+    ([("trainer.loss.mis_high", "0.9")], r"config key 'trainer.loss.mis_high': Input should be greater than 1"),
+    ([("trainer.loss.mis_level", "band")], r"config key 'trainer.loss.mis_level': Input should be 'token', "
+                                           r"'sequence' or 'geometric'"),
+    ([("trainer.loss.ratio_level", "group")], r"config key 'trainer.loss.ratio_level'"),
+    ([("trainer.loss.tis_level", "sample")], r"config key 'trainer.loss.tis_level'"),
+    ([("trainer.loss.kl_coef", "-0.1")], r"config key 'trainer.loss.kl_coef': Input should be greater than or equal "
+                                         r"to 0"),
+    ([("trainer.loss.kl_coef", "inf")], r"config key 'trainer.loss.kl_coef': Input should be a finite number"),
+    ([("trainer.loss.tis_level", "sequence"), ("trainer.loss.ratio_level", "sequence")],
+     r"^trainer.loss.tis_level = 'sequence' does not combine with trainer.loss.ratio_level = 'sequence'"),
+    ([("trainer.loss.tis_level", "sequence"), ("trainer.loss.tis_cap", "inf")],
+     r"^trainer.loss.tis_level = 'sequence' needs a finite trainer.loss.tis_cap"),
 ])
 def test_loss_options_are_refused_naming_the_key(flags, message):
     with pytest.raises(ConfigError, match=message):
         load_config([], flags)
+
+
+def test_a_loss_option_under_its_old_name_is_refused_naming_its_place_now(tmp_path):
+    """The loss options were [trainer] keys before they became [trainer.loss] (issue 38)."""
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[trainer]\nkl_coef = 0.01\n")
+    with pytest.raises(ConfigError, match=rf"^trainer.kl_coef is now trainer.loss.kl_coef \(from {re.escape(str(mine))}\)$"):
+        load_config([mine], [])
+    with pytest.raises(ConfigError, match=r"^trainer.clip_low is now trainer.loss.clip_low \(from --trainer.clip_low\)"):
+        load_config([], [("trainer.clip_low", "0.1")])
+
+
+def test_a_saved_config_reads_the_loss_options_where_an_older_fleetrl_wrote_them(tmp_path):
+    """A run directory's config.toml from before [trainer.loss] still loads (verify, resume,
+    eval), its options in their places now, under the user's own files and flags."""
+    saved = tmp_path / "config.toml"
+    saved.write_text("[trainer]\nlr = 1e-5\nclip_high = inf\nmis_low = 0.5\nkl_coef = 0.01\n\n"
+                     "[trainer.lora]\nrank = 8\n")
+    config = load_config([], [("trainer.loss.mis_low", "0.25")], saved=[saved])
+    assert config.trainer.loss == LossConfig(clip_high=float("inf"), mis_low=0.25, kl_coef=0.01)
+    assert (config.trainer.lr, config.trainer.lora.rank) == (1e-5, 8)
+    assert load_config([], [], saved=[saved]).trainer.loss.mis_low == 0.5
 
 
 def test_a_group_of_one_is_refused():

@@ -16,7 +16,7 @@ from fleetrl.app.providers import base_weights
 from fleetrl.cli import main
 from fleetrl.config import Config, ModelConfig, load_config, to_toml
 from fleetrl.inference.fleet import Fleet
-from fleetrl.model import resolve_model
+from fleetrl.records import EvalFigures
 from fleetrl.rundir import RunDir, check_eval
 from fleetrl.trainer.export import VERSION_FILE
 
@@ -37,10 +37,10 @@ def fake_fleet(monkeypatch):
     fleets = []
     load_tokenizer = AutoTokenizer.from_pretrained
 
-    def build_fleet(config, run_dir):
+    def build_fleet(config, run_dir, model_dir):
         assert run_dir.root == config.run.dir  # OUT's: its run id labels the workers
         fleets.append(Fleet(FakeProvider("w0"), discovery_interval_s=3600, log=lambda line: None))
-        return fleets[-1], resolve_model(config.model)
+        return fleets[-1]
 
     class FolderTokenizer(Tokenizer):
         def __init__(self, folder) -> None:
@@ -94,14 +94,14 @@ def test_a_runs_final_model_is_scored_at_the_runs_final_version_with_the_runs_co
     check_eval(RunDir(out_dir), 5)
     (line,) = RunDir(out_dir).read_evals()
     figures = line.envs["arithmetic"]
-    assert line.version == 5 and figures["prompts"] == 3 and figures["samples"] == 3
+    assert line.version == 5 and figures.prompts == 3 and figures.samples == 3
     table = printed_table(out)
     assert list(table) == ["arithmetic"]
-    assert table["arithmetic"] == {"prompts": "3", "completions": "3", "reward_mean": f"{figures['reward_mean']:.3f}",
-                                   "reward_se": f"{figures['reward_se']:.3f}", "pass@1": f"{figures['pass@1']:.3f}",
-                                   "failed": str(figures["failed"])}
-    assert figures["reward_mean"] == pytest.approx(sum(r["reward"] for r in scored) / 3)
-    assert figures["reward_se"] == pytest.approx(statistics.stdev(r["reward"] for r in scored) / math.sqrt(3))
+    assert table["arithmetic"] == {"prompts": "3", "completions": "3", "reward_mean": f"{figures.reward_mean:.3f}",
+                                   "reward_se": f"{figures.reward_se:.3f}", "pass@1": f"{figures.pass_at[1]:.3f}",
+                                   "failed": str(figures.failed)}
+    assert figures.reward_mean == pytest.approx(sum(r["reward"] for r in scored) / 3)
+    assert figures.reward_se == pytest.approx(statistics.stdev(r["reward"] for r in scored) / math.sqrt(3))
     # The run as it was, but for the lock it was held by while its model was scored.
     assert sorted(p.name for p in run.iterdir()) == [".lock", "config.toml", "final_model"]
     (fleet,) = fake_fleet
@@ -205,6 +205,16 @@ def test_the_dry_run_prints_the_runs_config_under_the_command_lines(tmp_path, fa
     assert not (tmp_path / "run-eval-v2").exists() and not fake_fleet
 
 
+def test_a_run_whose_config_an_older_fleetrl_wrote_is_read_with_its_loss_options_in_trainer_loss(
+        tmp_path, fake_fleet, capsys):
+    """Before [trainer.loss] (issue 38) the loss options were [trainer] keys of config.toml."""
+    run = finished_run(tmp_path / "run", 2)
+    saved = (run / "config.toml").read_text().replace("kl_coef = 0.0\n", "")
+    (run / "config.toml").write_text(saved.replace("[trainer]\n", "[trainer]\nkl_coef = 0.01\n"))
+    assert main(["eval", str(run), "--dry-run"]) == 0
+    assert "kl_coef = 0.01" in capsys.readouterr().out.split("[trainer.loss]")[1].split("[", 1)[0]
+
+
 @pytest.mark.parametrize("target, version, out", [
     ("runs/default", 5, "runs/default-eval-v5"),
     ("runs/default/final_model", 0, "runs/default-final_model-eval"),  # beside the run, not in it
@@ -224,6 +234,7 @@ def test_the_table_has_a_row_per_environment_and_a_dash_for_what_nothing_scored(
                            "pass@1": 0.25, "pass@4": 0.5},
                "arithmetic": {"prompts": 2, "samples": 8, "failed": 8, "reward_mean": None, "reward_se": None,
                               "pass@1": None, "pass@4": None}}
+    figures = {name: EvalFigures.read(f, name) for name, f in figures.items()}
     assert eval_command.table(figures, k=4).splitlines() == [
         "environment  prompts  completions  reward_mean  reward_se  pass@1  pass@4  failed",
         "reverse      2        8            0.438        0.062      0.250   0.500   0",

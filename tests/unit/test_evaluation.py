@@ -56,13 +56,13 @@ async def test_an_evaluation_scores_every_prompt_at_one_version_and_records_it()
     evaluator = Evaluator(orch, [RunEnv("fake", Env(lambda rollout: next(rewards)))], config, seed=0,
                           held_out_only=False, run_dir=orch.run_dir, last_step=3, log=lambda *_: None)
     figures = await evaluator.evaluate(fleet.version)
-    assert figures == {"fake": {"prompts": 3, "samples": 12, "failed": 0, "reward_mean": 0.25, "reward_se": 0.0,
+    assert {name: f.to_dict() for name, f in figures.items()} == {"fake": {"prompts": 3, "samples": 12, "failed": 0, "reward_mean": 0.25, "reward_se": 0.0,
                                 "pass@1": pytest.approx(0.25), "pass@4": 1.0}}
     records = [json.loads(line) for line in orch.run_dir.eval_records_path(0).read_text().splitlines()]
     assert len(records) == 12 and {r["task"] for r in records} == {"fake/t0-0", "fake/t0-1", "fake/t0-2"}
     assert all(r["spans"] == [[0, 0]] for r in records)
     (line,) = orch.run_dir.read_evals()
-    assert line.version == 0 and line.envs == json.loads(json.dumps(figures))
+    assert line.version == 0 and line.envs == figures
     check_eval(orch.run_dir, 0)
     # A token of another version in an evaluation's records is what `fleetrl verify` refuses.
     records[5]["spans"] = [[0, 0], [1, 3]]

@@ -83,9 +83,9 @@ def test_fleetrl_rl_changes_no_process_global_state_off_the_main_thread(env, att
     model_dir = tmp_path / "model"
     save_tiny_policy(model_dir)
     provider = RunProvider("w0", "w1", step_s=0.0, launches_workers=not attached)
-    monkeypatch.setattr(rl, "build_fleet", lambda config, run_dir, adapter: (Fleet(provider, probe_tolerance=1e9), model_dir))
+    monkeypatch.setattr(rl, "build_fleet", lambda config, run_dir, model_dir, adapter: Fleet(provider, probe_tolerance=1e9))
     monkeypatch.setattr(rl, "build_transport", lambda config, run_dir, target: FakeTransport(provider))
-    argv = ["rl", "--run.dir", str(tmp_path / "run"), "--run.max_steps", "2", "--run.live_view", "off",
+    argv = ["rl", "--model.path", str(model_dir), "--run.dir", str(tmp_path / "run"), "--run.max_steps", "2", "--run.live_view", "off",
             "--run.core_plan", "off", "--orchestrator.env", env, "--orchestrator.batch_prompts", "2",
             "--orchestrator.group_size", "2", "--orchestrator.max_tokens", "4", "--orchestrator.max_turns", "2",
             "--orchestrator.max_off_policy_steps", "1", "--inference.vllm.max_model_len", "256", "--debug"]

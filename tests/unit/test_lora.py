@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fleetrl.cli import main
-from fleetrl.config import Config, ConfigError, LoraConfig, ModelConfig, load_config, to_toml
+from fleetrl.config import Config, ConfigError, LoraConfig, LossConfig, ModelConfig, load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.lora import AdapterError, adapter_key, check_complete, vllm_max_lora_rank, write_adapter, zero_adapter
 from fleetrl.rundir import RUN_DEFINING
@@ -21,7 +21,6 @@ from fleetrl.trainer.export import export_hf, export_weights
 from fleetrl.trainer.kept_weights import KeptWeights
 from fleetrl.trainer.loop import Hooks
 from fleetrl.trainer.lora import adapter_config, adapter_params, base_key, base_params
-from fleetrl.trainer.loss import LossConfig
 from fleetrl.trainer.model import agreement_probe, load_policy, local_shards, named_tensors
 from fleetrl.trainer.step import build_optimizer, train_step
 from fleetrl.versions import VersionSpan
@@ -287,7 +286,7 @@ LOSS_MENU = [
 
 
 @pytest.mark.parametrize("loss", LOSS_MENU, ids=lambda loss: ",".join(
-    f"{name}={value}" for name, value in vars(loss).items() if value != getattr(LossConfig(), name)) or "default")
+    f"{name}={value}" for name, value in loss.model_dump(exclude_defaults=True).items()) or "default")
 def test_every_loss_option_trains_the_adapter_alone(model_dir, loss):
     """Two steps, the second scoring tokens one version behind under their own version (the k
     bound's `previous` weights) and, with kl_coef, under the reference (the fresh adapter)."""

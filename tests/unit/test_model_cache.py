@@ -11,6 +11,7 @@ import pytest
 from fleetrl import model
 from fleetrl.config import ModelConfig
 from fleetrl.errors import FleetrlError
+from fleetrl.files import sha256_file
 
 
 @pytest.fixture
@@ -31,11 +32,17 @@ def materialize(root):
     return model.resolve_model(ModelConfig(cache_dir=root), log=lambda *_: None)
 
 
+def hashes_match(folder) -> bool:
+    """Every file the completion record lists has the sha256 the record gives it."""
+    files = json.loads((folder / model.COMPLETE_RECORD).read_text())["files"]
+    return all(sha256_file(folder / name) == meta["sha256"] for name, meta in files.items())
+
+
 def test_converts_once_then_reuses(tmp_path, fake_convert):
     first = materialize(tmp_path)
     second = materialize(tmp_path)
     assert first == second and len(fake_convert) == 1
-    assert model.is_complete(first, check_hashes=True)
+    assert model.is_complete(first) and hashes_match(first)
     # Nothing but the finished folder and the lock is left in the cache.
     assert sorted(p.name for p in first.parent.iterdir()) == [".lock", first.name]
 
@@ -71,11 +78,11 @@ def test_truncated_weights_are_detected_and_rebuilt(tmp_path, fake_convert):
     assert weights.stat().st_size == 1000 and len(fake_convert) == 2
 
 
-def test_corrupt_bytes_are_caught_by_the_hash_check(tmp_path, fake_convert):
+def test_corrupt_bytes_of_the_same_size_are_told_by_the_records_hash(tmp_path, fake_convert):
     target = materialize(tmp_path)
     (target / "model.safetensors").write_bytes(b"x" * 1000)  # same size, other bytes
-    assert model.is_complete(target)  # the cheap check only looks at sizes
-    assert not model.is_complete(target, check_hashes=True)
+    assert model.is_complete(target)  # the check at each start only looks at sizes
+    assert not hashes_match(target)
 
 
 def test_garbage_record_is_not_trusted(tmp_path, fake_convert):
@@ -84,10 +91,10 @@ def test_garbage_record_is_not_trusted(tmp_path, fake_convert):
     assert not model.is_complete(target)
 
 
-def test_env_var_picks_the_cache(tmp_path, monkeypatch):
+def test_env_var_picks_the_cache(tmp_path, monkeypatch, fake_convert):
     monkeypatch.setenv("FLEETRL_CACHE", str(tmp_path / "c"))
-    assert model.cache_root(ModelConfig()) == tmp_path / "c"
-    assert model.cache_root(ModelConfig(cache_dir=tmp_path / "d")) == tmp_path / "d"
+    assert model.resolve_model(ModelConfig(), log=lambda *_: None).parent == tmp_path / "c" / "models"
+    assert materialize(tmp_path / "d").parent == tmp_path / "d" / "models"  # model.cache_dir comes first
 
 
 def test_local_folder_is_used_as_is(tmp_path):

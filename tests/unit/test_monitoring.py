@@ -6,7 +6,7 @@ import psutil
 
 from fleetrl.config import Config
 from fleetrl.monitoring import StepSink, scalars, step_text
-from fleetrl.records import WaveReport
+from fleetrl.records import EvalFigures, WaveReport
 from fleetrl.rundir import RunDir
 
 from .step_lines import LINE, changed
@@ -60,7 +60,7 @@ def test_one_write_reaches_metrics_tensorboard_wandb_offline_the_view_and_the_lo
             shown.append((step, detail))
 
     sink = StepSink(config, run_dir, View(), log=logged.append)
-    sink.write_eval(0, {"reverse": {"reward_mean": 0.5, "pass@1": 0.25}})
+    sink.write_eval(0, {"reverse": EvalFigures(prompts=1, samples=1, failed=0, reward_mean=0.5, pass_at={1: 0.25})})
     sink.write(LINE)
     second = changed(LINE, step=2, batch={"reward_mean": 0.75},
                      update={"mismatch_outliers": ["w1"], "worker_mismatch_kl": {"w0": 1e-10, "w1": 1e-2}})

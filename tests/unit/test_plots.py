@@ -91,10 +91,13 @@ def test_plot_draws_each_evaluated_environments_reward_and_pass_at_1_per_version
     (run / "config.toml").write_text(to_toml(Config()))
     (run / "metrics.jsonl").write_text(json.dumps(step_dict(1, batch={"reward_mean": 0.5}, update={
         "max_off_policy": 0, "mean_off_policy": 0.0})) + "\n")
-    figures = {"reward_mean": 0.3, "pass@1": 0.0}
+    counts = {"prompts": 2, "samples": 2, "failed": 0}
+    figures = {**counts, "reward_mean": 0.3, "pass@1": 0.0}
     evals = [{"version": 0, "envs": {"reverse_text": figures}},
-             {"version": 5, "envs": {"reverse_text": {"reward_mean": None, "pass@1": None}, "arithmetic": figures}},
-             {"version": 10, "envs": {"reverse_text": {"reward_mean": 0.6, "pass@1": 0.25}, "arithmetic": figures}}]
+             {"version": 5, "envs": {"reverse_text": {**counts, "reward_mean": None, "pass@1": None},
+                                     "arithmetic": figures}},
+             {"version": 10, "envs": {"reverse_text": {**counts, "reward_mean": 0.6, "pass@1": 0.25},
+                                      "arithmetic": figures}}]
     (run / "eval.jsonl").write_text("".join(json.dumps({"started": T, "seconds": 1.0, **e}) + "\n" for e in evals))
     assert main(["plot", str(run)]) == 0
     assert f"wrote {run / 'eval.png'}" in capsys.readouterr().out

@@ -5,20 +5,26 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from fleetrl import files
 from fleetrl.batch import Batch, Sample
 from fleetrl.config import load_config, to_toml
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write
-from fleetrl.records import FenceEvent, RecordError, RolloutRecord, SampleEvent
+from fleetrl.app.rl import final_generation
+from fleetrl.inference.fleet import AgreementProbe, Fleet
+from fleetrl.records import FenceEvent, FinalProbe, FinalWorker, RecordError, RolloutRecord, SampleEvent
 from fleetrl.rundir import RunDir, VerifyError, step_name, step_of, verify_run
 from fleetrl.versions import VersionSpan
 
+from .fake_fleet import FakeProvider
 from .step_lines import step_dict, step_line
+from .test_orchestrator import Tokenizer
 
 
 def sample(spans):
@@ -350,10 +356,10 @@ def contents(root):
     ("orchestrator.env", "arithmetic", "orchestrator.env 'arithmetic' but the run was started with 'reverse_text'"),
     ("orchestrator.env_options", "{max_len = 8}", "orchestrator.env_options {'max_len': 8} but the run was started with {}"),
     ("run.seed", "7", "run.seed 7 but the run was started with 0"),
-    ("trainer.clip_high", "0.5", "trainer.clip_high 0.5 but the run was started with 0.28"),
     ("orchestrator.max_off_policy_steps", "0", "orchestrator.max_off_policy_steps 0 but the run was started with 1"),
     ("model.path", "/models/other", "model.path '/models/other' but the run was started with None"),
     # a section: its field that changed
+    ("trainer.loss.clip_high", "0.5", "trainer.loss.clip_high 0.5 but the run was started with 0.28"),
     ("trainer.lora.rank", "8", "trainer.lora.rank 8 but the run was started with 0"),
 ])
 def test_a_resume_that_changes_what_the_run_means_is_refused_and_changes_nothing(tmp_path, field, value, message):
@@ -428,6 +434,26 @@ def test_an_event_of_no_known_kind_is_an_error_naming_it(tmp_path):
     files.append_line(run.events_path, json.dumps({"t": 1.0, "event": "nap", "step": 1}))
     with pytest.raises(RecordError, match=r"record 1: not an event of the timeline \(event: 'nap'"):
         run.read_events()
+
+
+async def test_the_runs_final_json_reads_back_as_written_and_a_key_missing_names_the_file(tmp_path):
+    fleet = Fleet(FakeProvider("a", "b"), discovery_interval_s=3600, log=lambda *_: None)
+    await fleet.start()
+    try:
+        final = await final_generation(fleet, Tokenizer(), AgreementProbe([1, 2, 3], [-0.5, -1.25]))
+    finally:
+        await fleet.close()
+    assert final.version == 0 and len(final.tokens) == 16 and final.spans == [[0, 0]]
+    assert final.workers == {w: FinalWorker(role="aggregated", version=0, checksum=None) for w in ("a", "b")}
+    assert final.probe == FinalProbe(token_ids=[1, 2, 3], trainer_logprobs=[-0.5, -1.25])
+    run = RunDir(tmp_path)
+    run.write_final(final)
+    assert run.read_final() == final
+    data = json.loads(run.final_path.read_text())
+    del data["workers"]["a"]["checksum"]
+    run.final_path.write_text(json.dumps(data))
+    with pytest.raises(RecordError, match=r"final.json: not a FinalRecord: missing workers.a.checksum"):
+        run.read_final()
 
 
 def episode(step):
@@ -558,3 +584,21 @@ def test_a_run_an_older_fleetrl_wrote_in_the_flat_form_still_verifies_resumes_an
     assert [type(line).__name__ for line in resumed.read_metrics()] == ["FlatStepLine", "FlatStepLine", "StepLine"]
     assert all(path.stat().st_size > 0 for path in resumed.write_plots())
     resumed.close()
+
+
+def test_a_run_whose_config_an_older_fleetrl_wrote_with_the_loss_options_in_trainer_verifies_and_resumes(tmp_path):
+    """Before [trainer.loss] (issue 38) the loss options were [trainer] keys: such a config.toml
+    still verifies, and a resume reads them where they are now and keeps them."""
+    run = RunDir(make_run(tmp_path), log=lambda *_: None)
+    old_form = tomllib.loads(to_toml(load_config([run.config_path], [("trainer.loss.clip_high", "0.5")])))
+    old_form["trainer"].update(old_form["trainer"].pop("loss"))
+    run.config_path.write_text(tomli_w.dumps(old_form))
+    run.write_manifest()
+    assert "3 steps, 3 trained samples" in verify_run(run.root)
+    assert run.read_config().trainer.loss.clip_high == 0.5
+    with pytest.raises(FleetrlError, match=r"resume with trainer.loss.clip_high 0.28 but the run was started with 0.5"):
+        run.start(load_config([], [("trainer.loss.clip_high", "0.28")], saved=[run.config_path]), resume=2)
+    run.start(run.read_config(), resume=2)
+    assert "clip_high" not in tomllib.loads(run.config_path.read_text())["trainer"]  # written in today's form
+    assert run.read_config().trainer.loss.clip_high == 0.5
+    run.close()

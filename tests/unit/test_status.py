@@ -8,14 +8,16 @@ from fleetrl.app.status import WorkerRow, mark_stale, worker_row
 from fleetrl.cli import main
 from fleetrl.config import Config, to_toml
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import RankWeights, WorkerInfo, WorkerRole
+from fleetrl.contract import RankWeights
+from fleetrl.inference.types import WorkerInfo, WorkerRole
+from fleetrl.records import EvalFigures
 from fleetrl.rundir import eval_summary
 
 from .step_lines import step_dict
 
 
 class Admin:
-    def __init__(self, healthy=True, version=3, paused=False, ranks=(RankWeights("ab" * 32, 100.0, False),),
+    def __init__(self, healthy=True, version=3, paused=False, ranks=(RankWeights(checksum="ab" * 32, received_at=100.0),),
                  in_flight=2, error=None):
         self.healthy, self._version, self.paused, self.ranks = healthy, version, paused, list(ranks)
         self._in_flight, self.error = in_flight, error
@@ -44,9 +46,10 @@ WORKER = WorkerInfo("w0", "http://h:1", "http://h:1", role=WorkerRole.DECODE)
 @pytest.mark.parametrize("admin, state, checksum", [
     (Admin(), "ready", "ab" * 6),
     (Admin(paused=True), "paused", "ab" * 6),
-    (Admin(ranks=[RankWeights(None, None, True)]), "updating", "base"),
+    (Admin(ranks=[RankWeights(checksum=None, updating=True)]), "updating", "base"),
     (Admin(version=None), "stale", "ab" * 6),  # labelled incomplete-vN by a failed update
-    (Admin(ranks=[RankWeights("a" * 64, 1.0, False), RankWeights("b" * 64, 2.0, False)]), "stale", "mixed"),
+    (Admin(ranks=[RankWeights(checksum="a" * 64, received_at=1.0), RankWeights(checksum="b" * 64, received_at=2.0)]),
+     "stale", "mixed"),
     (Admin(healthy=False), "dead", "-"),
 ])
 async def test_a_workers_row_is_what_it_reports(admin, state, checksum):
@@ -73,7 +76,9 @@ def finished_run(tmp_path, workers: dict):
     config.run.max_steps = 2
     (run / "config.toml").write_text(to_toml(config))
     (run / "metrics.jsonl").write_text("".join(json.dumps(step_dict(s)) + "\n" for s in (1, 2)))
-    (run / "final.json").write_text(json.dumps({"version": 2, "workers": workers}))
+    # A run's final.json from before the agreement probe was kept (December 2026): it still reads.
+    (run / "final.json").write_text(json.dumps({"version": 2, "tokens": [1, 2], "text": "a b", "spans": [[2, 0]],
+                                                "workers": workers}))
     return run
 
 
@@ -92,10 +97,12 @@ def test_status_of_a_finished_run_shows_how_it_left_its_workers(tmp_path, capsys
 def test_status_of_a_run_says_its_last_evaluation(tmp_path, capsys):
     run = finished_run(tmp_path, {})
     (run / "eval.jsonl").write_text("".join(json.dumps({"version": v, "started": 0.0, "seconds": 1.0, "envs": {"arith": {
-        "reward_mean": 0.1 * v, "reward_se": 0.015 * v, "pass@1": 0.05 * v}}}) + "\n" for v in (0, 2)))
+        "prompts": 4, "samples": 4, "failed": 0, "reward_mean": 0.1 * v, "reward_se": 0.015 * v, "pass@1": 0.05 * v}}})
+        + "\n" for v in (0, 2)))
     assert main(["status", str(run)]) == 0
     assert capsys.readouterr().out.splitlines()[0] == (
         f"run {run}: finished at v2 (step 2 of 2 done; evaluated at v2: arith reward 0.200 ± 0.030 pass@1 0.100); "
         "its fleet has stopped: the workers as the run left them")
     # A line without a standard error (one prompt; a run older than it) shows the mean alone.
-    assert eval_summary({"arith": {"reward_mean": 0.2, "pass@1": 0.1}}) == "arith reward 0.200 pass@1 0.100"
+    older = EvalFigures.read({"prompts": 1, "samples": 1, "failed": 0, "reward_mean": 0.2, "pass@1": 0.1}, "a line")
+    assert eval_summary({"arith": older}) == "arith reward 0.200 pass@1 0.100"

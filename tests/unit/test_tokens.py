@@ -539,7 +539,7 @@ def test_a_recorded_dynamo_deployment_is_attached_to_by_its_frontend(tmp_path):
     RunDir(tmp_path).record_fleet(where, {})
     assert not (tmp_path / "tokens.json").exists()  # Dynamo's own worker kind has no tokens
     config = Config(inference=InferenceConfig(admin_timeout_s=7, dynamo=DynamoConfig(worker="fleetrl")))
-    attached = attached_to_run(config, RunDir(tmp_path)).inference
+    attached = attached_to_run(config, RunDir(tmp_path).recorded_fleet()).inference
     assert (attached.provider, attached.dynamo.frontend_url, attached.dynamo.rl_url) == \
         ("dynamo", "http://f:1", "http://f:2")
     assert attached.admin_timeout_s == 7 and attached.dynamo.worker == "fleetrl"  # the rest stays the config's
@@ -551,5 +551,5 @@ def test_a_recorded_deployment_of_fleetrls_dynamo_kind_is_attached_to_with_its_a
     where = {"provider": "dynamo", "dynamo": {"frontend_url": "http://f:1", "rl_url": "http://f:2", "worker": "fleetrl"}}
     RunDir(tmp_path).record_fleet(where, {"admin_token": "the-admin-token"})
     assert "the-admin-token" not in (tmp_path / "fleet.json").read_text()
-    attached = attached_to_run(Config(), RunDir(tmp_path)).inference
+    attached = attached_to_run(Config(), RunDir(tmp_path).recorded_fleet()).inference
     assert (attached.dynamo.worker, attached.admin_token) == ("fleetrl", "the-admin-token")

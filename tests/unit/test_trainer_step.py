@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from fleetrl.batch import Batch, Sample
-from fleetrl.config import load_config
+from fleetrl.config import LossConfig, load_config
 from fleetrl.errors import FleetrlError
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, loop, step
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.loop import Hooks
-from fleetrl.trainer.loss import LossConfig, LossStats
+from fleetrl.trainer.loss import LossStats
 from fleetrl.trainer.kept_weights import KeptWeights
 from fleetrl.trainer.model import load_policy, named_tensors, prompt_logprobs
 from fleetrl.trainer.schedule import Schedule
@@ -275,7 +275,7 @@ def test_another_ranks_nan_loss_stops_this_ranks_update(model_dir, monkeypatch):
 
 
 def test_the_kl_penalty_scores_the_batch_under_the_reference_weights(model_dir):
-    """trainer.kl_coef: the reference is the base model, kept as the trainer loads; at v0 the
+    """trainer.loss.kl_coef: the reference is the base model, kept as the trainer loads; at v0 the
     policy is the reference (k3 = 0 on every token), after an update it is not."""
     cfg = replace(FAST, loss=LossConfig(kl_coef=0.1))
     model = load_policy(model_dir, CPU)

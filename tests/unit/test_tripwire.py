@@ -173,7 +173,7 @@ def test_a_trainer_rank_fleetrl_starts_runs_armed_like_fleetrl(monkeypatch, caps
         trained.append((run_dir.root, model_dir))
         on_thread(lambda: torch.set_default_dtype(torch.float32))
 
-    monkeypatch.setattr(trainer_rank, "load_config", lambda files, overrides: None)
+    monkeypatch.setattr(trainer_rank.RunDir, "read_config", lambda self: None)
     monkeypatch.setattr(trainer_rank.distributed, "collective_timeout_s", lambda config: 1.0)
     monkeypatch.setattr(trainer_rank.distributed, "init", lambda timeout_s: None)
     monkeypatch.setattr(trainer_rank.distributed, "destroy", lambda: None)

@@ -17,9 +17,9 @@ from fleetrl.processes import stop_all
 
 
 def base_config_files(args: argparse.Namespace) -> list[Path]:
-    """The config files a command starts from, under the command line's own (`@ file.toml`,
-    then flags): `fleetrl eval RUN_DIR` the run's config.toml; a bad argument is refused here,
-    before anything is loaded."""
+    """The saved config a command starts from, under the command line's own (`@ file.toml`, then
+    flags): `fleetrl eval RUN_DIR` the run's config.toml, which an older fleetrl may have written
+    (`load_config`'s `saved`); a bad argument is refused here, before anything is loaded."""
     if args.command == "eval":
         from fleetrl.app.eval import config_files
 

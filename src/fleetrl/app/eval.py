@@ -26,6 +26,7 @@ from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
 from fleetrl.model import resolve_model
+from fleetrl.records import EvalFigures
 from fleetrl.rundir import RunDir
 from fleetrl.trainer.export import VERSION_FILE, export_hf, folder_version
 
@@ -49,9 +50,9 @@ class EvalPlan:
     """Everything `fleetrl eval` checked before it starts anything."""
 
     model: SavedModel
-    out: Path
+    out: RunDir  # a new folder: the records' (as a run directory has them) and the launched workers' logs
     envs: list[RunEnv]
-    run: Path | None  # the run directory the model is of: held while it is scored, so no run replaces it
+    run: RunDir | None  # the run directory the model is of: held while it is scored, so no run replaces it
 
 
 def config_files(model_or_run: Path | None) -> list[Path]:
@@ -62,7 +63,7 @@ def config_files(model_or_run: Path | None) -> list[Path]:
         return []
     if is_model_folder(model_or_run):  # a run's final_model/, say, is scored as the run evaluates
         run = run_of(model_or_run.absolute().parent)
-        return [RunDir(run).config_path] if run is not None else []
+        return [run.config_path] if run is not None else []
     run = RunDir(model_or_run)
     if run.config_path.is_file():
         return [run.config_path]
@@ -93,15 +94,16 @@ def plan(config: Config, model_or_run: Path | None, step: int | None, out: Path 
     if out.exists():
         raise FleetrlError(f"--out {out} exists: fleetrl eval writes a new folder (remove it, or name another)")
     if (run := run_of(out.absolute().parent)) is not None:
-        raise FleetrlError(f"--out {out} is inside the run directory {run}: `fleetrl verify` refuses files its "
+        raise FleetrlError(f"--out {out} is inside the run directory {run.root}: `fleetrl verify` refuses files its "
                            "manifest does not list (name a folder outside it)")
-    return EvalPlan(model, out, eval_environments(config, RunDir(out), None, "fleetrl eval"),
+    out_dir = RunDir(out)
+    return EvalPlan(model, out_dir, eval_environments(config, out_dir, None, "fleetrl eval"),
                     run_of(model_or_run.absolute()))
 
 
-def run_of(path: Path) -> Path | None:
+def run_of(path: Path) -> RunDir | None:
     """The run directory `path` is, or lies inside; None if none."""
-    return next((folder for folder in (path, *path.parents) if RunDir(folder).config_path.is_file()), None)
+    return next((run for run in map(RunDir, (path, *path.parents)) if run.config_path.is_file()), None)
 
 
 def find_model(config: Config, model_or_run: Path, step: int | None, log=to_stderr) -> SavedModel:
@@ -130,7 +132,7 @@ def default_out(model_or_run: Path, version: int) -> Path:
     if not is_model_folder(source):
         return source.with_name(f"{source.name}-eval-v{version}")
     if (run := run_of(source.parent)) is not None:
-        return run.with_name(f"{run.name}-{source.name}-eval")
+        return run.root.with_name(f"{run.root.name}-{source.name}-eval")
     return source.with_name(f"{source.name}-eval")
 
 
@@ -141,18 +143,17 @@ def run_eval(config: Config, model_or_run: Path, step: int | None, out: Path | N
         checked = plan(config, model_or_run, step, out)
         figures = score(config, checked)
     print(table(figures, config.eval.samples_per_prompt))
-    out_dir = RunDir(checked.out)
-    to_stderr(f"fleetrl eval: records in {out_dir.eval_path} and {out_dir.eval_records_path(checked.model.version)}")
+    to_stderr(f"fleetrl eval: records in {checked.out.eval_path} and "
+              f"{checked.out.eval_records_path(checked.model.version)}")
     return 0
 
 
-def score(config: Config, checked: EvalPlan) -> dict[str, dict]:
+def score(config: Config, checked: EvalPlan) -> dict[str, EvalFigures]:
     """Scores the model in OUT, locked for the command (a second `fleetrl eval` into it is
     refused), with the run directory it is of locked too (a running run is refused; no run
     started meanwhile replaces its final model or checkpoints): a checkpoint is exported into a
     temporary folder in OUT first."""
-    model, out_dir = checked.model, RunDir(checked.out)
-    source = RunDir(checked.run) if checked.run is not None else None
+    model, out_dir, source = checked.model, checked.out, checked.run
     if source is not None:
         source.lock()
     try:
@@ -167,7 +168,8 @@ def score(config: Config, checked: EvalPlan) -> dict[str, dict]:
             print(f"fleetrl eval: {model.name} at v{model.version}: {config.eval.prompts} prompt(s) of "
                   f"{', '.join(e.name for e in checked.envs)}, {config.eval.samples_per_prompt} completion(s) each "
                   f"-> {out_dir.root}")
-            fleet, model_dir = build_fleet(config, out_dir)
+            model_dir = resolve_model(config.model)
+            fleet = build_fleet(config, out_dir, model_dir)
             return asyncio.run(evaluate(config, fleet, model_dir, model.version, checked.envs, out_dir))
     finally:
         out_dir.close()
@@ -183,32 +185,35 @@ def export_checkpoint(config: Config, model: SavedModel, folder: Path) -> Path:
 
 
 async def evaluate(config: Config, fleet: Fleet, model_dir: Path, version: int, envs: list[RunEnv],
-                   out_dir: RunDir) -> dict[str, dict]:
-    """Brings the fleet's workers to the model in `model_dir` at `version` (launched ones load
-    it; attached ones are held to its weights), evaluates it, and stops the fleet."""
+                   out_dir: RunDir) -> dict[str, EvalFigures]:
+    """Builds the evaluator on the fleet, as `fleetrl rl` does before its fleet starts; brings
+    the fleet's workers to the model in `model_dir` at `version` (launched ones load it;
+    attached ones are held to its weights), evaluates it, and stops the fleet."""
     from transformers import AutoTokenizer
 
     transport = build_transport(config, out_dir)
     try:
-        await fleet.start(base_weights(fleet.provider, model_dir, transport, version), launched_version=version)
+        weights = base_weights(fleet.provider, model_dir, transport, version)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         orchestrator = build_orchestrator(config, fleet, envs, tokenizer, out_dir)
-        return await build_evaluator(config, orchestrator, envs, out_dir).evaluate(version)
+        evaluator = build_evaluator(config, orchestrator, envs, out_dir)
+        await fleet.start(weights, launched_version=version)
+        return await evaluator.evaluate(version)
     finally:
         await transport.close()
         await fleet.close()
 
 
-def table(figures: dict[str, dict], k: int) -> str:
+def table(figures: dict[str, EvalFigures], k: int) -> str:
     """An evaluation's figures, an environment a row: the mean reward and its standard error
     (reward_se); pass@k for k = eval.samples_per_prompt when it is more than 1 (else it is
     pass@1). "-": nothing of it could be scored (reward_se: fewer than two prompts)."""
     def cell(value) -> str:
         return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
-    pass_at_k = [f"pass@{k}"] if k > 1 else []
-    header = ("environment", "prompts", "completions", "reward_mean", "reward_se", "pass@1", *pass_at_k, "failed")
-    rows = [(name, *(cell(f[key]) for key in ("prompts", "samples", "reward_mean", "reward_se", "pass@1", *pass_at_k,
-                                              "failed")))
+    ks = [1, k] if k > 1 else [1]
+    header = ("environment", "prompts", "completions", "reward_mean", "reward_se", *(f"pass@{n}" for n in ks), "failed")
+    rows = [(name, *map(cell, (f.prompts, f.samples, f.reward_mean, f.reward_se, *(f.pass_at[n] for n in ks),
+                               f.failed)))
             for name, f in figures.items()]
     return "\n".join(aligned([header, *rows]))

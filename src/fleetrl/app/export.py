@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleetrl.config import Config, load_config
+from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
 from fleetrl.model import resolve_model
 from fleetrl.rundir import RunDir
@@ -19,7 +19,7 @@ def run_export(run_dir: Path, out_dir: Path, step: int | None, adapter_only: boo
     run = RunDir(run_dir)
     if not run.config_path.exists():
         raise FleetrlError(f"{run_dir}: no config.toml (not a run directory)")
-    config = load_config([run.config_path], [])
+    config = run.read_config()
     if adapter_only and not config.trainer.lora.enabled:
         raise FleetrlError(f"fleetrl export --adapter: {run_dir} trained all the weights, no LoRA adapter "
                            "(trainer.lora.rank = 0); export it without --adapter")

@@ -9,6 +9,7 @@ from fleetrl.app.providers import base_weights, build_fleet, build_transport
 from fleetrl.config import Config
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.model import resolve_model
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.rundir import RunDir
 from fleetrl.versions import version_name
@@ -20,7 +21,8 @@ async def run_inference(config: Config, prompts: list[str]) -> int:
     # The run directory holds the workers' logs and the weights' storage: a live run's directory
     # (the default one of `make run`, say) is that run's alone, and this command is refused there.
     run_dir = RunDir(config.run.dir)
-    fleet, model_dir = build_fleet(config, run_dir)  # bad input is refused here, before the directory is touched
+    model_dir = resolve_model(config.model)
+    fleet = build_fleet(config, run_dir, model_dir)  # bad input is refused here, before the directory is touched
     run_dir.lock()
     try:
         return await _sample(config, prompts, fleet, model_dir, run_dir)
@@ -34,7 +36,8 @@ async def _sample(config: Config, prompts: list[str], fleet: Fleet, model_dir: P
     transport = build_transport(config, run_dir)
     try:
         # Attached workers are labelled v0 only once they hold the base weights.
-        await fleet.start(base_weights(fleet.provider, model_dir, transport))
+        weights = base_weights(fleet.provider, model_dir, transport)
+        await fleet.start(weights)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         sampling = SamplingParams(
             temperature=config.orchestrator.temperature,

@@ -24,7 +24,6 @@ from fleetrl.inference.fleet import AgreementProbe, Fleet, WeightSource
 from fleetrl.inference.provider import InferenceProvider, WeightTransport
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.lora import AdapterSpec
-from fleetrl.model import resolve_model
 from fleetrl.provider_capabilities import PROVIDER_CAPABILITIES, ProviderCapabilities
 from fleetrl.rundir import RunDir
 from fleetrl.weights.checksum import checksum_of
@@ -129,21 +128,21 @@ def build_provider(config: Config, run_dir: RunDir, model_dir: Path | None, toke
     return PROVIDERS[config.inference.provider].build(config, run_dir, model_dir, tokens, runs, adapter)
 
 
-def build_fleet(config: Config, run_dir: RunDir, adapter: AdapterSpec | None = None) -> tuple[Fleet, Path]:
-    """The fleet coordinator on the configured provider, and the model folder it serves;
-    `run_dir`: the run directory whose run id labels and holds the workers, the very RunDir
-    that then starts the run (a new run's id is drawn in it, and written by its start);
-    `adapter`: the LoRA adapter the workers serve through (`fleetrl rl` of a LoRA run)."""
-    model_dir = resolve_model(config.model)
-    tokens = resolve_tokens(config.inference, draw_missing=True)
+def build_fleet(config: Config, run_dir: RunDir, model_dir: Path, adapter: AdapterSpec | None = None) -> Fleet:
+    """The fleet coordinator on the configured provider, serving the model folder `model_dir`
+    (the command's `resolve_model`); `run_dir`: the run directory whose run id labels and holds
+    the workers, the very RunDir that then starts the run (a new run's id is drawn in it, and
+    written by its start); `adapter`: the LoRA adapter the workers serve through (`fleetrl rl`
+    of a LoRA run)."""
     inference = config.inference
-    fleet = Fleet(build_provider(config, run_dir, model_dir, tokens, adapter=adapter), pause_mode=inference.resolved_pause_mode(),
-                  discovery_interval_s=inference.discovery_interval_s, health_timeout_s=inference.health_timeout_s,
-                  no_worker_timeout_s=inference.no_worker_timeout_s, probe_tolerance=inference.probe_tolerance,
-                  max_restarts=inference.max_restarts, claim_trusted_s=inference.claim_trusted_s(),
-                  publish=inference.publish, publish_wave=inference.publish_wave,
-                  max_lag=config.orchestrator.max_off_policy_steps)
-    return fleet, model_dir
+    tokens = resolve_tokens(inference, draw_missing=True)
+    provider = build_provider(config, run_dir, model_dir, tokens, adapter=adapter)
+    return Fleet(provider, pause_mode=inference.resolved_pause_mode(),
+                 discovery_interval_s=inference.discovery_interval_s, health_timeout_s=inference.health_timeout_s,
+                 no_worker_timeout_s=inference.no_worker_timeout_s, probe_tolerance=inference.probe_tolerance,
+                 max_restarts=inference.max_restarts, claim_trusted_s=inference.claim_trusted_s(),
+                 publish=inference.publish, publish_wave=inference.publish_wave,
+                 max_lag=config.orchestrator.max_off_policy_steps)
 
 
 def build_transport(config: Config, run_dir: RunDir, target: UpdateTarget = "model") -> WeightTransport:
@@ -207,9 +206,10 @@ async def start_recorded(fleet: Fleet, run_dir: RunDir,
                          {k: v for k, v in settings.items() if k in secret and v})
 
 
-def attached_to_run(config: Config, run_dir: RunDir) -> Config:
-    """`config`, attached to the fleet that the run in `run_dir` recorded (`start_recorded`)."""
-    inference = InferenceConfig.model_validate(_merged(config.inference.model_dump(), run_dir.recorded_fleet()))
+def attached_to_run(config: Config, recorded: dict) -> Config:
+    """`config`, attached to the fleet a run recorded: `recorded` is what `start_recorded` wrote
+    (`RunDir.recorded_fleet`); its settings replace the config's, the rest stays."""
+    inference = InferenceConfig.model_validate(_merged(config.inference.model_dump(), recorded))
     return config.model_copy(update={"inference": inference})
 
 

@@ -38,7 +38,7 @@ from fleetrl.app.live import LiveView
 from fleetrl.app.orchestration import build_evaluator, build_orchestrator
 from fleetrl.app.providers import build_fleet, build_transport, start_recorded, start_source
 from fleetrl.batch import Batch
-from fleetrl.config import Config, load_config
+from fleetrl.config import Config
 from fleetrl.cores import plan_cores
 from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
@@ -46,13 +46,15 @@ from fleetrl.files import sha256_file
 from fleetrl.inference.fleet import AgreementProbe, Fleet, WeightSource
 from fleetrl.inference.provider import NamedTensors, WeightTransport
 from fleetrl.inference.types import GenerateRequest, SamplingParams
+from fleetrl.model import resolve_model
 from fleetrl.monitoring import StepSink
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
 from fleetrl.processes import (KILL_WAIT_S, STOP_BOUND_S, STOP_GRACE_S, STOP_WAITS_S, ManagedProcess, at_forced_exit,
                                 cancel_at_forced_exit, free_port, install_signal_handlers, start_process, stop_all,
                                 stop_groups, stop_signal, stop_time_left)
-from fleetrl.records import PublishReport, StepLine, StepMetrics, TrainEvent
+from fleetrl.records import (EvalFigures, FinalProbe, FinalRecord, FinalWorker, PublishReport, StepLine, StepMetrics,
+                             TrainEvent)
 from fleetrl.rundir import RunDir
 from fleetrl.torchrun import launched_rank
 from fleetrl.trainer import checkpoint, distributed
@@ -148,7 +150,8 @@ class RLRun:
         # The last version's probe, and its weights where they are kept (a CPU snapshot; on CUDA none
         # is: the final model was written while the ranks gathered the last version, see publish).
         self.published: tuple[Snapshot | None, AgreementProbe] | None = None
-        self.evaluated: dict[int, dict] = {}  # each evaluation's figures by version, until its step's line
+        # Each evaluation's figures by version, until its step's line.
+        self.evaluated: dict[int, dict[str, EvalFigures]] = {}
 
     def run(self) -> int:
         # Also with one rank, where every process starts on the control loop's thread: a SIGTERM
@@ -164,7 +167,8 @@ class RLRun:
             if self.config.run.core_plan != "off":
                 apply_core_plan(self.config, self.log)
             # Labelled with this RunDir's run id: the one its start writes (a new run's is drawn here).
-            fleet, self.model_dir = build_fleet(self.config, self.run_dir, adapter=self.config.trainer.lora.spec)
+            self.model_dir = resolve_model(self.config.model)
+            fleet = build_fleet(self.config, self.run_dir, self.model_dir, adapter=self.config.trainer.lora.spec)
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -231,8 +235,7 @@ class RLRun:
 
     def finish(self) -> None:
         weights, probe = self.published
-        final = self.control.run(final_generation(self.fleet, self.tokenizer))
-        self.run_dir.write_final({**final, "probe": {"token_ids": probe.token_ids, "trainer_logprobs": probe.logprobs}})
+        self.run_dir.write_final(self.control.run(final_generation(self.fleet, self.tokenizer, probe)))
         if weights is not None:
             self.write_final_model(lambda: iter(weights.items()))
         self.run_dir.write_plots()
@@ -336,7 +339,7 @@ class RLRun:
             self.evaluated[step] = self.evaluate(step)
         return report
 
-    def evaluate(self, version: int) -> dict[str, dict]:
+    def evaluate(self, version: int) -> dict[str, EvalFigures]:
         """The evaluation of `version`, which the fleet serves: the trainer waits in its publish
         hook meanwhile, so no other version is published until it is done."""
         self.phase(f"evaluating v{version}")
@@ -453,7 +456,7 @@ def run_peer(config: Config, kind: str, train_rank: Callable) -> int:
         rank0 = distributed.broadcast_from_rank0(None)  # sent once rank 0 has started the run directory
         run_dir = RunDir(config.run.dir, kind=kind)
         model_dir = check_sees_rank0(run_dir, rank0, f"trainer rank {world.rank} on {socket.gethostname()}")
-        train_rank(load_config([run_dir.config_path], []), run_dir, model_dir, world)
+        train_rank(run_dir.read_config(), run_dir, model_dir, world)
     finally:
         distributed.destroy()
     return 0
@@ -500,19 +503,20 @@ async def ready_versions(fleet: Fleet) -> dict[str, int]:
     return {w.id: w.version for w in fleet.ready_workers()}
 
 
-async def final_generation(fleet: Fleet, tokenizer) -> dict:
-    """A 16-token greedy sample from the final policy, and every worker's version; each
-    worker checks that all its ranks hold the weights of the trainer's last checksum (at the
-    base model of launched workers: that none has received any)."""
+async def final_generation(fleet: Fleet, tokenizer, probe: AgreementProbe) -> FinalRecord:
+    """final.json: a 16-token greedy sample from the final policy, every worker's version, and
+    `probe`, the final version's; each worker checks that all its ranks hold the weights of the
+    trainer's last checksum (at the base model of launched workers: that none has received any)."""
     prompt = render_prompt(tokenizer, [{"role": "user", "content": "Write one sentence about the sea."}])
     (out,) = await fleet.generate(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)))
     workers = {}
     for worker in fleet.ready_workers():
         admin = fleet.provider.admin(worker)
         await admin.verify_weights(fleet.checksum)
-        workers[worker.id] = {"role": worker.role.value, "version": await admin.version(), "checksum": fleet.checksum}
-    return {"version": fleet.version, "tokens": out.token_ids, "text": tokenizer.decode(out.token_ids),
-            "spans": [[s.version, s.start] for s in out.spans], "workers": workers}
+        workers[worker.id] = FinalWorker(role=worker.role.value, version=await admin.version(), checksum=fleet.checksum)
+    return FinalRecord(version=fleet.version, tokens=out.token_ids, text=tokenizer.decode(out.token_ids),
+                       spans=[[s.version, s.start] for s in out.spans], workers=workers,
+                       probe=FinalProbe(token_ids=probe.token_ids, trainer_logprobs=probe.logprobs))
 
 
 async def _close(fleet: Fleet, transport) -> None:

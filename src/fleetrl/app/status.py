@@ -15,13 +15,12 @@ the requests in flight from the engine's own gauges.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from fleetrl.app.providers import PROVIDERS, attached_to_run, build_provider, resolve_tokens
-from fleetrl.config import Config, ConfigError, load_config
+from fleetrl.config import Config, ConfigError
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import WorkerControl
 from fleetrl.inference.types import WorkerInfo
@@ -78,15 +77,14 @@ async def run_status(config: Config, run_dir: Path | None = None) -> int:
         if not run.fleet_path.exists() and run.final_path.exists():
             print(finished_run(run))
             return 0
-        config = attached_to_run(config, run)
+        recorded = run.recorded_fleet()  # where its fleet runs, and its tokens
+        config = attached_to_run(config, recorded)
         print(f"run {run.root}: {running(run)}")
     missing = PROVIDERS[config.inference.provider].missing_to_attach(config.inference)
     if missing:
         raise ConfigError(f"fleetrl status needs {missing}")
-    # Only tokens given to it: a fresh one would open nothing.
-    provider = build_provider(config, RunDir(config.run.dir), model_dir=None,
-                              tokens=resolve_tokens(config.inference, draw_missing=False),
-                              runs=False)
+    tokens = resolve_tokens(config.inference, draw_missing=False)  # only those given: a fresh one would open nothing
+    provider = build_provider(config, RunDir(config.run.dir), model_dir=None, tokens=tokens, runs=False)
     try:
         workers = await provider.discover()
         rows = await asyncio.gather(*(worker_row(w, provider.admin(w)) for w in workers))
@@ -153,17 +151,16 @@ def running(run: RunDir) -> str:
 def finished_run(run: RunDir) -> str:
     """What a run that has ended left: its last step, and each worker's version and checksum at
     the end, stamped with the end of the last publish fence."""
-    final = json.loads(run.final_path.read_text())
+    final = run.read_final()
     fences = [e for e in run.read_events() if isinstance(e, FenceEvent) and e.phase == "end"
-              and e.version == final["version"]]
+              and e.version == final.version]
     published = fences[-1].t if fences else None
-    rows = [WorkerRow(worker, w["role"], "stopped", w["version"],
-                      (w["checksum"] or "base")[:CHECKSUM_SHOWN], None, published)
-            for worker, w in sorted(final["workers"].items())]
-    head = (f"run {run.root}: finished at v{final['version']} ({steps_done(run)}); its fleet has "
+    rows = [WorkerRow(worker, w.role, "stopped", w.version, (w.checksum or "base")[:CHECKSUM_SHOWN], None, published)
+            for worker, w in sorted(final.workers.items())]
+    head = (f"run {run.root}: finished at v{final.version} ({steps_done(run)}); its fleet has "
             f"stopped: the workers as the run left them")
     return head + "\n" + table(rows, time.time())
 
 
 def _max_steps(run: RunDir) -> int | str:
-    return load_config([run.config_path], []).run.max_steps if run.config_path.exists() else "?"
+    return run.read_config().run.max_steps if run.config_path.exists() else "?"

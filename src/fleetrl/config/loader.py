@@ -9,6 +9,8 @@ to a default. Also the resolved config written back as TOML, secrets left out.""
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
+from functools import reduce
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -29,6 +31,13 @@ from fleetrl.errors import FleetrlError
 
 class ConfigError(FleetrlError):
     """A configuration problem, phrased as one line naming the key and its source."""
+
+
+# Keys an older fleetrl had elsewhere, each with its place now. A run directory's config.toml
+# that an older fleetrl wrote is read with them moved (`load_config`'s `saved`), so such a run
+# still verifies and resumes; a config of the user's that names one is refused, naming the new place.
+MOVED_KEYS = {f"trainer.{name}": f"trainer.loss.{name}" for name in (  # December 2026: [trainer.loss]
+    "clip_low", "clip_high", "tis_cap", "ratio_level", "tis_level", "mis_low", "mis_high", "mis_level", "kl_coef")}
 
 
 class Config(Section):
@@ -128,18 +137,22 @@ def _holds_only_text(path: tuple[str, ...]) -> bool:
         isinstance(v, str) for v in get_args(k)) for k in kinds)
 
 
-def load_config(files: list[Path], overrides: list[tuple[str, str]]) -> Config:
-    """Merge TOML files and dotted overrides onto the defaults and validate the result."""
+def load_config(files: list[Path], overrides: list[tuple[str, str]], saved: Sequence[Path] = ()) -> Config:
+    """Merge TOML files and dotted overrides onto the defaults and validate the result. `saved`:
+    run directories' config.toml files, merged first (under `files`), their keys that an older
+    fleetrl wrote elsewhere read in their places now (MOVED_KEYS)."""
     merged: dict[str, Any] = {}
     source: dict[tuple[str, ...], str] = {}  # key path -> where it was set, for error messages
 
-    for file in files:
+    for file in [*saved, *files]:
         try:
             data = tomllib.loads(Path(file).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {file}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{file}: invalid TOML: {e}") from None
+        if file in saved:
+            _move_old_keys(data)
         _merge(merged, data, (), source, str(file))
 
     for dotted, value in overrides:
@@ -156,6 +169,8 @@ def load_config(files: list[Path], overrides: list[tuple[str, str]]) -> Config:
         loc = tuple(str(p) for p in err["loc"])
         origin = _origin(loc, source)
         key = ".".join(loc)
+        if err["type"] == "extra_forbidden" and key in MOVED_KEYS:
+            raise ConfigError(f"{key} is now {MOVED_KEYS[key]} (from {origin})") from None
         if err["type"] == "extra_forbidden":
             raise ConfigError(f"unknown config key '{key}' (from {origin})") from None
         message = err["msg"].removeprefix("Value error, ")
@@ -163,6 +178,16 @@ def load_config(files: list[Path], overrides: list[tuple[str, str]]) -> Config:
             # A rule across fields (a section's or the whole config's): its message names them.
             raise ConfigError(f"{message} (from {origin})" if loc else message) from None
         raise ConfigError(f"config key '{key}': {message} (from {origin})") from None
+
+
+def _move_old_keys(data: dict[str, Any]) -> None:
+    """A saved config's keys of MOVED_KEYS, moved in place to where they are now."""
+    for old, new in MOVED_KEYS.items():
+        *old_tables, old_key = old.split(".")
+        table = reduce(lambda at, part: at.get(part) if isinstance(at, dict) else None, old_tables, data)
+        if isinstance(table, dict) and old_key in table:
+            *new_tables, new_key = new.split(".")
+            reduce(lambda at, part: at.setdefault(part, {}), new_tables, data)[new_key] = table.pop(old_key)
 
 
 def _is_leaf(loc: tuple[str, ...]) -> bool:

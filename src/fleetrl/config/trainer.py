@@ -1,28 +1,15 @@
-"""`[trainer]`: the trainer's ranks, optimizer and learning-rate schedule, the policy loss's options
-and the rule for which of them combine, checkpoints, and the `[trainer.lora]` adapter."""
+"""`[trainer]`: the trainer's ranks, optimizer and learning-rate schedule, checkpoints, and the
+`[trainer.lora]` adapter; its `[trainer.loss]` section is a module of its own (`loss.py`)."""
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from fleetrl.config.section import Section, check_cpu_lists, no_nan
+from fleetrl.config.loss import LossConfig
+from fleetrl.config.section import Section, check_cpu_lists
 from fleetrl.lora import LLAMA_LINEARS, VLLM_MAX_LORA_RANKS, AdapterSpec, vllm_max_lora_rank
-
-
-def loss_conflict(ratio_level: str, tis_level: str, tis_cap: float, prefix: str = "") -> str | None:
-    """Why these policy-loss options do not combine, or None: the one statement of the rule, which
-    the trainer's `LossConfig` (prefix "") and `TrainerConfig` (prefix "trainer.") both apply."""
-    if tis_level == "sequence" and ratio_level == "sequence":
-        return (f"{prefix}tis_level = 'sequence' does not combine with {prefix}ratio_level = 'sequence': GSPO's "
-                "ratio is already the sample's importance weight (length-normalized); cap it with "
-                f"{prefix}tis_level = 'token'")
-    if tis_level == "sequence" and math.isinf(tis_cap):
-        return (f"{prefix}tis_level = 'sequence' needs a finite {prefix}tis_cap: a sample's uncapped product of "
-                "ratios overflows")
-    return None
 
 
 class LoraConfig(Section):
@@ -91,7 +78,7 @@ class LoraConfig(Section):
 
 
 class TrainerConfig(Section):
-    """The trainer's ranks, optimizer and policy loss (the loss options' math: src/fleetrl/trainer/loss.py)."""
+    """The trainer's ranks, optimizer and checkpoints; the policy loss is `[trainer.loss]`, LoRA `[trainer.lora]`."""
 
     world_size: int = Field(1, ge=1, description="Number of trainer ranks (torch.distributed) that `fleetrl rl` "
                             "starts on this machine. Under torchrun, WORLD_SIZE: leave it unset (docs/cluster.md).")
@@ -117,55 +104,6 @@ class TrainerConfig(Section):
         description="Rows x padded length of one forward/backward, a row holding a group's prompt once and its "
         "completions: bounds activation memory.",
     )
-    clip_low: float = Field(
-        0.2, ge=0, le=1, description="PPO clip floor of the trainer/inference ratio, 1 - clip_low; 1 = off."
-    )
-    clip_high: float = Field(0.28, ge=0, allow_inf_nan=True,
-                             description="PPO clip ceiling of the ratio, 1 + clip_high; inf = off.")
-    tis_cap: float = Field(
-        2.0, gt=0, allow_inf_nan=True,
-        description="Truncated importance sampling: the most weight a token's ratio may carry; inf = off.",
-    )
-    ratio_level: Literal["token", "sequence"] = Field(
-        "token",
-        description="The ratio the PPO clip and the TIS cap act on: token = each token's own pi/mu; sequence = "
-        "GSPO, the sample's exp(mean log pi/mu) on each of its tokens, so a sample is clipped or kept whole. Pick "
-        "sequence for MoE models (routing noise in the token ratios averages out) or long sequences, with a far "
-        "narrower clip (GSPO's: clip_low = 3e-4, clip_high = 4e-4).",
-    )
-    tis_level: Literal["token", "sequence"] = Field(
-        "token",
-        description="What tis_cap caps: token = each token's ratio; sequence = the sample's product of ratios, "
-        "the whole sequence's importance weight, which then weighs each of its tokens (needs a finite tis_cap; not "
-        "with ratio_level = sequence). Pick sequence for long multi-turn samples, where the mismatch compounds "
-        "from turn to turn; the product varies more the longer the sample, so the cap does more.",
-    )
-    mis_low: float = Field(
-        0.0, ge=0, lt=1,
-        description="Masked importance sampling (MIS): the floor of the band of the ratio pi/mu outside which "
-        "mis_level drops tokens (they give no loss and no gradient, but still count in the divisor); in [0, 1), "
-        "0 = off. metrics: masked_frac.",
-    )
-    mis_high: float = Field(
-        math.inf, gt=1, allow_inf_nan=True,
-        description="The ceiling of the MIS band, above 1; inf = off. IcePop is token-level MIS with the band [0.5, 5] "
-        "and neither clip nor cap: configs/icepop.toml.",
-    )
-    mis_level: Literal["token", "sequence", "geometric"] = Field(
-        "token",
-        description="What the MIS band drops: token = each token outside it; sequence = a whole sample with any "
-        "token outside; geometric = a whole sample whose geometric-mean ratio exp(mean log pi/mu) is outside. "
-        "Pick masking over the TIS cap when a few tokens are far off (MoE routing, a kernel bug), which a cap "
-        "keeps at its weight: token for short samples, sequence for long multi-turn ones (one broken token "
-        "spoils what follows it), geometric when lengths vary (any-token rejects long samples more often).",
-    )
-    kl_coef: float = Field(
-        0.0, ge=0,
-        description="Weight of a KL penalty to the base model (the policy as the run started, kept through "
-        "resumes), per token the k3 estimate of KL(pi, base); 0 = off. Pick it when drift from the base must be "
-        "bounded (a reward that can be gamed, abilities to keep). Costs one more fp32 copy of each rank's share "
-        "of the parameters and a forward without gradient per step; metrics: ref_kl.",
-    )
     checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = never).")
     cpu_cores: list[str] = Field(
         default_factory=list,
@@ -178,22 +116,10 @@ class TrainerConfig(Section):
     def _cpu_lists(cls, value: list[str]) -> list[str]:
         return check_cpu_lists(value)
 
-    @field_validator("clip_high", "tis_cap", "mis_high")
-    @classmethod
-    def _inf_is_off_but_nan_is_nothing(cls, value: float) -> float:
-        return no_nan(value)
-
     @model_validator(mode="after")
     def _lr_min_below_the_peak(self) -> "TrainerConfig":
         if self.lr_min > self.lr:
             raise ValueError(f"trainer.lr_min ({self.lr_min:g}) must be at most trainer.lr ({self.lr:g})")
-        return self
-
-    @model_validator(mode="after")
-    def _loss_options_combine(self) -> "TrainerConfig":
-        conflict = loss_conflict(self.ratio_level, self.tis_level, self.tis_cap, prefix="trainer.")
-        if conflict:
-            raise ValueError(conflict)
         return self
 
     keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
@@ -203,4 +129,5 @@ class TrainerConfig(Section):
         "run ends with an error naming the step; skip = the step's update is skipped and counted "
         "(metrics: skipped), the version is still published.",
     )
+    loss: LossConfig = Field(default_factory=LossConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from fleetrl.contract import RankWeights
 from fleetrl.engine.cpu_lora import use_per_adapter_products
 from fleetrl.engine.weight_receiver import BACKEND, FleetrlWeightReceiver
 from fleetrl.engine.weight_update import WeightUpdates
@@ -39,17 +40,17 @@ class FleetrlWorkerExtension:
         return engine.updates if isinstance(engine, FleetrlWeightReceiver) else None
 
     def fleetrl_weight_state(self) -> dict:
-        """What this rank holds: the fleetrl checksum of the weights it last received in full,
-        computed by its receiver from the bytes it got (None if none), when that update finished,
-        how many tensor bytes it got,
-        whether one is open, and the seconds that update spent in each receiver phase. Named in
+        """What this rank holds (contract.RankWeights, as JSON): the fleetrl checksum of the
+        weights it last received in full, computed by its receiver from the bytes it got (None
+        if none), when that update finished, how many tensor bytes it got, whether one is open,
+        and the seconds that update spent in each receiver phase. Named in
         contract.WEIGHT_STATE_METHOD."""
         receiver = self._fleetrl_receiver()
         if receiver is None:
-            return {"checksum": None, "received_at": None, "received_bytes": None, "updating": False, "phases": {}}
-        return {"checksum": receiver.checksum, "received_at": receiver.received_at,
-                "received_bytes": receiver.received_bytes, "updating": receiver.updating,
-                "phases": receiver.phases}
+            return RankWeights(checksum=None).to_dict()
+        return RankWeights(checksum=receiver.checksum, received_at=receiver.received_at,
+                           received_bytes=receiver.received_bytes, updating=receiver.updating,
+                           phases=receiver.phases).to_dict()
 
     def fleetrl_broadcast_group(self) -> str:
         """Name of the broadcast group this rank has joined; "" if none. The sender re-forms

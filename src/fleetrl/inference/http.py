@@ -17,10 +17,9 @@ import httpx
 from fleetrl import admin_signature
 from fleetrl.config import admin_backoff_s
 from fleetrl.contract import (ADMIN_TOKEN_ENV, CLAIM_LEASE_HEADER, CLAIM_PATH, CLAIM_RUN_HEADER, DYNAMO_INSTANCE_ROUTE,
-                              DYNAMO_REFUSAL, INSTANCE_PATH, STALE_INSTANCE)
+                              DYNAMO_REFUSAL, INSTANCE_PATH, STALE_INSTANCE, RankWeights)
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.provider import ImpostorWorker, WorkerCallError, WorkerHeldByAnotherRun
-from fleetrl.inference.types import RankWeights
 from fleetrl.processes import ManagedProcess
 from fleetrl.progress import progress_bar
 

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from fleetrl.config import PauseMode
+from fleetrl.contract import RankWeights
 from fleetrl.errors import FleetrlError
-from fleetrl.inference.types import GenerateRequest, GenerateResponse, RankWeights, WorkerInfo
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, WorkerInfo
 
 if TYPE_CHECKING:
     import torch

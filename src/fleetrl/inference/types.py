@@ -107,26 +107,6 @@ def engine_spans(worker_id: str, request_id: str, items: list[dict], run: str, t
     return spans
 
 
-@dataclass(frozen=True)
-class RankWeights:
-    """What one rank of a worker reports it holds (contract.WEIGHT_STATE_METHOD)."""
-
-    checksum: str | None  # of the weights it last received in full, from the bytes it got; None: none
-    received_at: float | None  # when that update finished (Unix time)
-    updating: bool  # an update is open
-    received_bytes: int | None = None  # the tensor bytes of that update: what it moved onto the rank
-
-    @classmethod
-    def from_result(cls, worker_id: str, result: object) -> "RankWeights":
-        if not isinstance(result, dict) or "checksum" not in result:
-            raise FleetrlError(f"worker {worker_id}: a rank answered the weight check with {str(result)[:200]!r}, "
-                               "not its weight state (a worker of another fleetrl version?)")
-        checksum, received_at = result["checksum"], result.get("received_at")
-        received_bytes = result.get("received_bytes")
-        return cls(None if checksum is None else str(checksum), None if received_at is None else float(received_at),
-                   bool(result.get("updating")), None if received_bytes is None else int(received_bytes))
-
-
 class WorkerRole(str, enum.Enum):
     AGGREGATED = "aggregated"
     PREFILL = "prefill"

@@ -21,7 +21,7 @@ from fleetrl.inference.types import GenerateRequest
 from fleetrl.orchestrator.chat import ChatTokens
 from fleetrl.orchestrator.episodes import run_episode
 from fleetrl.orchestrator.rollouts import Orchestrator, Scored
-from fleetrl.records import EvalLine, RolloutRecord
+from fleetrl.records import EvalFigures, EvalLine, RolloutRecord
 from fleetrl.rundir import RunDir, eval_summary
 
 
@@ -71,7 +71,7 @@ class Evaluator:
         every = self.config.every_steps
         return version not in self.done and (start or version % every == 0 or version == self.last_step)
 
-    async def evaluate(self, version: int) -> dict[str, dict]:
+    async def evaluate(self, version: int) -> dict[str, EvalFigures]:
         """Samples and scores every prompt at `version`, which the fleet must serve and keep
         serving meanwhile; writes the records and eval.jsonl's line; returns the figures."""
         started = time.time()
@@ -117,21 +117,20 @@ class Evaluator:
             out.append((s, record.model_copy(update={"step": version, "trained": False})))
         return out
 
-    def _figures(self, groups: list[list[tuple[Scored, RolloutRecord]]]) -> dict:
+    def _figures(self, groups: list[list[tuple[Scored, RolloutRecord]]]) -> EvalFigures:
         k = self.config.samples_per_prompt
         per_prompt = [usable for group in groups
                       if (usable := [s.reward for s, record in group if record.drop_reason is None])]
         rewards = [r for usable in per_prompt for r in usable]
         passes = [(len(usable), sum(r >= self.config.pass_reward for r in usable)) for usable in per_prompt]
-        figures = {
-            "prompts": len(groups),
-            "samples": sum(len(group) for group in groups),
-            "failed": sum(record.drop_reason is not None for group in groups for _, record in group),
-            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "reward_se": standard_error([sum(usable) / len(usable) for usable in per_prompt]),
-            "pass@1": sum(pass_at_k(n, c, 1) for n, c in passes) / len(passes) if passes else None,
-        }
+        pass_at = {1: sum(pass_at_k(n, c, 1) for n, c in passes) / len(passes) if passes else None}
         if k > 1:
             full = [(n, c) for n, c in passes if n >= k]
-            figures[f"pass@{k}"] = sum(pass_at_k(n, c, k) for n, c in full) / len(full) if full else None
-        return figures
+            pass_at[k] = sum(pass_at_k(n, c, k) for n, c in full) / len(full) if full else None
+        return EvalFigures(
+            prompts=len(groups),
+            samples=sum(len(group) for group in groups),
+            failed=sum(record.drop_reason is not None for group in groups for _, record in group),
+            reward_mean=sum(rewards) / len(rewards) if rewards else None,
+            reward_se=standard_error([sum(usable) / len(usable) for usable in per_prompt]),
+            pass_at=pass_at)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from fleetrl import tripwire
-from fleetrl.config import load_config
 from fleetrl.rundir import KINDS, RunDir
 from fleetrl.trainer import distributed
 from fleetrl.trainer.loop import train_peer
@@ -26,7 +25,7 @@ def main(argv: list[str]) -> int:
 
 def train_rank(mode: str, root: Path, model_dir: Path) -> int:
     run_dir = RunDir(root, kind=mode)
-    config = load_config([run_dir.config_path], [])
+    config = run_dir.read_config()
     world = distributed.init(timeout_s=distributed.collective_timeout_s(config))
     try:
         (train_sft_peer if mode == "sft" else train_peer)(config, run_dir, model_dir, world)

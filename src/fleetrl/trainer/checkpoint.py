@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from pydantic import Field
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -29,6 +30,7 @@ from fleetrl import failpoints
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write, fsync_dir, sha256_file
 from fleetrl.rundir import STEP_PREFIX, step_name, step_of
+from fleetrl.strict import Strict
 from fleetrl.trainer import distributed
 from fleetrl.lora import ADAPTER_CONFIG_FILE
 from fleetrl.trainer.lora import has_adapter
@@ -38,6 +40,24 @@ COMPLETE = "complete.json"
 # Loading is not strict: the model's frozen parameters are missing from what is loaded by design
 # (`_trained`); `_check_holds` makes sure instead that the checkpoint has every key that is loaded.
 _LOADED = StateDictOptions(strict=False)
+
+
+class CheckpointFile(Strict):
+    """One file of a checkpoint, as its completion record lists it."""
+
+    size: int
+    sha256: str
+
+
+class CheckpointRecord(Strict):
+    """complete.json, written once every rank's files are on disk: the checkpoint's step and
+    world size, the mark that its weights were checked finite, and each file's size and sha256.
+    One from before December 2026 has neither the mark nor the files: it reads, and is skipped."""
+
+    step: int
+    world_size: int
+    finite: bool = False
+    files: dict[str, CheckpointFile] = Field(default_factory=dict)
 
 
 def _trained(model_state: dict, model: nn.Module) -> dict:
@@ -123,10 +143,10 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
         failpoints.hold("checkpoint", step)
         if adapter is not None:  # listed with its checksum below, as every file of the folder
             (tmp / ADAPTER_CONFIG_FILE).write_text(json.dumps(adapter, indent=1))
-        files = {path.relative_to(tmp).as_posix(): {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        files = {path.relative_to(tmp).as_posix(): CheckpointFile(size=path.stat().st_size, sha256=sha256_file(path))
                  for path in sorted(tmp.rglob("*")) if path.is_file()}
-        record = {"step": step, "world_size": distributed.world_size(), "finite": True, "files": files}
-        atomic_write(tmp / COMPLETE, json.dumps(record, indent=1), durable=True)
+        record = CheckpointRecord(step=step, world_size=distributed.world_size(), finite=True, files=files)
+        atomic_write(tmp / COMPLETE, json.dumps(record.to_dict(), indent=1), durable=True)
         fsync_dir(tmp)
         if final.exists():  # a step saved again (a resumed run): the new one replaces it
             stale = root / f".stale-{final.name}"
@@ -188,13 +208,14 @@ def _step_folders(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _record(folder: Path) -> dict | None:
+def _record(folder: Path) -> CheckpointRecord | None:
     """The completion record in `folder` when it is readable and for the folder's step."""
+    path = folder / COMPLETE
     try:
-        record = json.loads((folder / COMPLETE).read_text())
-    except (ValueError, OSError):
+        record = CheckpointRecord.read(json.loads(path.read_text()), str(path))
+    except (ValueError, OSError):  # torn JSON, or no CheckpointRecord (a RecordError)
         return None
-    return record if isinstance(record, dict) and record.get("step") == step_of(folder) else None
+    return record if record.step == step_of(folder) else None
 
 
 # Folders verified in this process, with the (record, sizes, modification times) they were
@@ -210,23 +231,22 @@ def _verify(folder: Path) -> str | None:
     record = _record(folder)
     if record is None:
         return f"no readable {COMPLETE} for its step (a save that never finished, or a torn copy)"
-    files = record.get("files")
-    if record.get("finite") is not True or not isinstance(files, dict) or not files:
+    if not record.finite or not record.files:
         return f"{COMPLETE} lacks the checksums or the finite-weights mark that fleetrl writes"
     seen = []
-    for name, expected in files.items():
+    for name, expected in record.files.items():
         try:
             stat = (folder / name).stat()
         except FileNotFoundError:
             return f"{name} is missing"
-        if stat.st_size != expected["size"]:
-            return f"{name} is {stat.st_size} bytes, {COMPLETE} records {expected['size']} (truncated?)"
+        if stat.st_size != expected.size:
+            return f"{name} is {stat.st_size} bytes, {COMPLETE} records {expected.size} (truncated?)"
         seen.append((name, stat.st_size, stat.st_mtime_ns))
-    state = (json.dumps(record, sort_keys=True), tuple(seen))
+    state = (record, tuple(seen))
     if _verified.get(folder) == state:
         return None
-    for name, expected in files.items():
-        if sha256_file(folder / name) != expected["sha256"]:
+    for name, expected in record.files.items():
+        if sha256_file(folder / name) != expected.sha256:
             return f"{name} does not match its sha256 in {COMPLETE} (corrupted)"
     _verified[folder] = state
     return None

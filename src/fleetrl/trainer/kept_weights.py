@@ -6,7 +6,7 @@ model (which FSDP would have to shard and gather on its own). Two are kept:
 
 - the previous version's, to score tokens sampled one version behind under their own version
   (`mismatch.py`), remembered right before each update;
-- the reference model's, for the KL penalty (`trainer.kl_coef`), remembered once from the base
+- the reference model's, for the KL penalty (`trainer.loss.kl_coef`), remembered once from the base
   model as it loads, before any checkpoint: a resumed run keeps the same reference (with LoRA
   the fresh adapter, whose B = 0: the base model exactly).
 

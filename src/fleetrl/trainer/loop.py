@@ -25,7 +25,6 @@ from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint, distributed
 from fleetrl.trainer.distributed import World
 from fleetrl.trainer.gather import WeightGather, serve_gathers
-from fleetrl.trainer.loss import LossConfig
 from fleetrl.trainer.kept_weights import KeptWeights
 from fleetrl.trainer.lora import adapter_config
 from fleetrl.trainer.model import (agreement_probe, first_nonfinite, is_sharded, load_policy, local_shards,
@@ -42,10 +41,7 @@ def step_config(config: Config) -> StepConfig:
         schedule=Schedule(lr=t.lr, warmup_steps=t.lr_warmup_steps, decay=t.lr_decay, decay_steps=t.lr_decay_steps,
                           lr_min=t.lr_min, max_steps=config.run.max_steps),
         weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-        micro_batch_tokens=t.micro_batch_tokens,
-        loss=LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap, ratio_level=t.ratio_level,
-                        tis_level=t.tis_level, mis_low=t.mis_low, mis_high=t.mis_high, mis_level=t.mis_level,
-                        kl_coef=t.kl_coef),
+        micro_batch_tokens=t.micro_batch_tokens, loss=t.loss,
     )
 
 

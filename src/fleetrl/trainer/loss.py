@@ -2,63 +2,23 @@
 weighted by its ratio pi/mu to the worker that sampled it, with the PPO clip and a TIS cap by
 default and a menu of other treatments of the ratio (sequence-level TIS, masked importance
 sampling, GSPO's sequence ratio, a k3 KL penalty), normalized by the batch's completion-token
-count so that any split into micro-batches and ranks gives the same gradient. The math and the
-reasons: docs/design/trainer.md, "The loss"; when to pick each option: docs/config.md."""
+count so that any split into micro-batches and ranks gives the same gradient. Its options are
+the `[trainer.loss]` section, read as it is. The math and the reasons: docs/design/trainer.md,
+"The loss"; when to pick each option: docs/config.md."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Literal
 
 import torch
 
-from fleetrl.config import loss_conflict
+from fleetrl.config import LossConfig
 
 # |log pi/mu| above this is a broken sample (a sampler mismatch of 10^8), not a policy that
 # moved: such a token's log-ratio is clamped, so it carries no gradient (the clamp's gradient
 # is 0), as a token past the PPO clip carries none. Far above any useful clip or cap.
 MAX_LOG_RATIO = 20.0
-
-LEVELS = ("token", "sequence")
-MIS_LEVELS = ("token", "sequence", "geometric")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Each treatment turns off at a value rather than at None, so a config survives a round
-    trip through TOML (which has no null but has `inf`)."""
-
-    clip_low: float = 0.2  # ratio floor 1 - clip_low; 1 turns it off (a ratio is never negative)
-    clip_high: float = 0.28  # ratio ceiling 1 + clip_high; inf turns it off
-    tis_cap: float = 2.0  # the largest weight a token's ratio may carry; inf turns it off
-    ratio_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's ratio
-    tis_level: Literal["token", "sequence"] = "token"  # what tis_cap caps: each ratio, or each sample's product
-    mis_low: float = 0.0  # MIS band floor; 0 turns it off
-    mis_high: float = math.inf  # MIS band ceiling; inf turns it off
-    mis_level: Literal["token", "sequence", "geometric"] = "token"  # what the band drops
-    kl_coef: float = 0.0  # weight of the k3 KL penalty to the reference model; 0 turns it off
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.clip_low <= 1:
-            raise ValueError(f"clip_low must be in [0, 1], got {self.clip_low}")
-        if not self.clip_high >= 0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
-        if not self.tis_cap > 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
-        for name, choices in (("ratio_level", LEVELS), ("tis_level", LEVELS), ("mis_level", MIS_LEVELS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        # The band must hold 1, the tokens where trainer and sampler agree.
-        if not 0 <= self.mis_low < 1:
-            raise ValueError(f"mis_low must be in [0, 1), got {self.mis_low}")
-        if not self.mis_high > 1:
-            raise ValueError(f"mis_high must be > 1, got {self.mis_high}")
-        if not 0 <= self.kl_coef < math.inf:
-            raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
-        conflict = loss_conflict(self.ratio_level, self.tis_level, self.tis_cap)
-        if conflict:
-            raise ValueError(conflict)
 
 
 @dataclass

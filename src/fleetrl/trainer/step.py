@@ -17,10 +17,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fleetrl.batch import Batch, Sample
+from fleetrl.config import LossConfig
 from fleetrl.records import StepMetrics
 from fleetrl.trainer import distributed
 from fleetrl.trainer.kept_weights import KeptWeights
-from fleetrl.trainer.loss import LossConfig, LossStats, policy_loss, token_entropy
+from fleetrl.trainer.loss import LossStats, policy_loss, token_entropy
 from fleetrl.trainer.mismatch import MismatchSums, mismatch_sums, outliers
 from fleetrl.trainer.model import compute_precision
 from fleetrl.trainer.schedule import Schedule

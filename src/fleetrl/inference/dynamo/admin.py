@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from fleetrl.config import pause_modes
-from fleetrl.contract import DYNAMO_CLAIM_FIELD, DYNAMO_CLAIM_RELEASE_ROUTE, DYNAMO_WORKER_MODULE, WEIGHT_STATE_METHOD
+from fleetrl.contract import (DYNAMO_CLAIM_FIELD, DYNAMO_CLAIM_RELEASE_ROUTE, DYNAMO_WORKER_MODULE, WEIGHT_STATE_METHOD,
+                              RankWeights)
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.attribution import FenceRecord
 from fleetrl.inference.dynamo.worker_kinds import DynamoWorkerKind, kind_reporting
 from fleetrl.inference.http import ABANDON_TIMEOUT_S, AdminHttp, check_rank_checksums, requests_in_engine
 from fleetrl.inference.provider import PauseMode, WorkerCallError, WorkerHeldByAnotherRun
-from fleetrl.inference.types import RankWeights
 from fleetrl.versions import incomplete_label, parse_label, version_label
 
 # What Dynamo's weight-update route answers on a worker that is not paused.

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetrl.contract import WEIGHT_STATE_METHOD
+from fleetrl.contract import WEIGHT_STATE_METHOD, RankWeights
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.http import AdminHttp, RunClaim, check_rank_checksums, requests_in_engine
-from fleetrl.inference.types import RankWeights
 from fleetrl.inference.provider import PauseMode
 from fleetrl.versions import parse_label, version_label
 
