@@ -4,6 +4,7 @@ every dispatch; the canary; a worker lost mid-wave; a worker that skips a versio
 
 import asyncio
 
+from fleetrl import failpoints
 from fleetrl.inference.fleet import AgreementProbe, Fleet
 from fleetrl.inference.fleet.fence import plan_waves
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole, WorkerState
@@ -141,6 +142,26 @@ async def test_a_canary_that_fails_its_probe_holds_the_version_until_it_is_refit
     assert transport.transfers == [(["a"], 1), (["a"], 1), (["b"], 1)]  # b only once a agreed
     assert sorted(report.ready) == ["a", "b"] and not report.failed
     assert [(w.wave, w.canary, w.ready, w.failed) for w in report.waves] == [(1, True, ["a"], {}), (2, False, ["b"], {})]
+    await fleet.close()
+
+
+async def test_the_probe_failpoint_fails_every_score_at_its_version_while_it_is_set(monkeypatch):
+    """What the real-process canary test (integration/test_providers.py) arms: each score at v1
+    fails until the test unsets the variable, here at the canary's first failed fence."""
+    fleet, provider, transport, _ = await rolling("a", "b")
+    monkeypatch.setenv(failpoints.ENV, "probe:1")
+
+    def disarm(event):
+        if isinstance(event, FenceEvent) and event.phase == "end":
+            monkeypatch.delenv(failpoints.ENV, raising=False)
+
+    fleet.on_event = disarm
+    report = await fleet.publish(1, transport, weights, PROBE, everywhere=True)
+    assert transport.transfers == [(["a"], 1), (["a"], 1), (["b"], 1)]  # b only once a agreed
+    assert sorted(report.ready) == ["a", "b"] and report.probe == {"a": 0.0, "b": 0.0}
+    monkeypatch.setenv(failpoints.ENV, "probe:1")  # armed for another version: a no-op
+    report = await fleet.publish(2, transport, weights, PROBE, everywhere=True)
+    assert sorted(report.ready) == ["a", "b"] and not report.failed
     await fleet.close()
 
 

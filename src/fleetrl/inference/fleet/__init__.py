@@ -47,6 +47,8 @@ class Fleet:
     checksum = _HeldBy("fence")
     pause_mode = _HeldBy("fence")
     probe_tolerance = _HeldBy("fence")
+    publish_kind = _HeldBy("fence")  # inference.publish: "fenced" or "rolling"
+    wave_size = _HeldBy("fence")  # inference.publish_wave
     max_lag = _HeldBy("routing")
     restarts_left = _HeldBy("lifecycle")
     bad_answers = _HeldBy("routing")

@@ -25,11 +25,13 @@ directly. A publish whose weights are not kept past the call, and one asked to r
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Literal
 
+from fleetrl import failpoints
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet.roster import Roster, describe
 from fleetrl.inference.provider import NamedTensors, PauseMode, WeightTransport
@@ -313,8 +315,9 @@ class Fence:
             deltas: dict[str, float] = {}
             if probe is not None:  # still UPDATING here: a worker that disagrees never takes a new request
                 prefills = [w for w in resumed if w.role == WorkerRole.PREFILL]
-                agree = await roster.each(resumed, lambda w: checked(w, self._agrees(w, probe, prefills, deltas)),
-                                          failed, WorkerState.STALE)
+                agree = await roster.each(
+                    resumed, lambda w: checked(w, self._agrees(w, version, probe, prefills, deltas)), failed,
+                    WorkerState.STALE)
                 resumed = [w for w in resumed if w in agree]
                 agreed = {w.id for w in resumed}
             for worker in resumed:
@@ -422,7 +425,7 @@ class Fence:
                 self._expect_verdicts([worker], version)
             await roster.resume(worker)
             if probe is not None:
-                await self._agrees(worker, probe, roster.ready_prefill_workers())
+                await self._agrees(worker, version, probe, roster.ready_prefill_workers())
         except Exception as e:
             self._settle_verdicts(version, set(), {worker.id: str(e)})
             roster.mark(worker, WorkerState.STALE, f"refit to v{version} failed: {e}")
@@ -504,16 +507,19 @@ class Fence:
                     response.version_error = (f"worker {worker.id} failed the agreement probe at v{version} ({why}): "
                                               f"its tokens at v{version} are not trained")
 
-    async def _agrees(self, worker: WorkerInfo, probe: AgreementProbe, prefills: list[WorkerInfo],
+    async def _agrees(self, worker: WorkerInfo, version: int, probe: AgreementProbe, prefills: list[WorkerInfo],
                       deltas: dict[str, float] | None = None) -> None:
-        """The worker scores the probe; more than `probe_tolerance` from the trainer's logprobs
-        raises. Prefill workers only prefill (their scoring is a decode worker's): they are
-        held to the checksum alone, and score through one of them where the fleet has some."""
+        """The worker, just given `version`, scores the probe; more than `probe_tolerance` from
+        the trainer's logprobs raises. Prefill workers only prefill (their scoring is a decode
+        worker's): they are held to the checksum alone, and score through one of them where the
+        fleet has some. The `probe` failpoint makes every score at its version fail."""
         if worker.role == WorkerRole.PREFILL:
             return
         served = await self.roster.provider.prompt_logprobs(worker, probe.token_ids,
                                                             prefills[0] if prefills else None)
         delta = max(abs(a - b) for a, b in zip(served, probe.logprobs, strict=True))
+        if failpoints.tripped("probe", version):
+            delta = math.inf
         if deltas is not None:
             deltas[worker.id] = delta
         if not delta <= self.probe_tolerance:  # a NaN disagrees too
