@@ -1,5 +1,6 @@
 """Regenerates docs/config.md from the config models: `.venv/bin/python scripts/config_docs.py`."""
 
+import inspect
 from pathlib import Path
 
 from fleetrl.config import Config, field_docs
@@ -22,7 +23,7 @@ def render() -> str:
     for name, description, default in field_docs():
         if name.rsplit(".", 1)[0] != table:
             table = name.rsplit(".", 1)[0]
-            summary = section_model(table).__doc__
+            summary = inspect.cleandoc(section_model(table).__doc__ or "")
             lines += ["", f"## `[{table}]`", *(["", summary] if summary else []), "",
                       "| key | default | description |", "|---|---|---|"]
         lines.append(f"| `{name}` | `{default!r}` | {description} |")

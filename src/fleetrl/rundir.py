@@ -254,8 +254,9 @@ class RunDir:
             episodes = read_json_lines(self.verifiers_episodes_path, self.log)
             events = self.read_events()  # a torn last line is dropped, as from the metrics
             if not resume and metrics:
-                raise FleetrlError(f"run.dir {self.root} holds a run without a checkpoint to resume from; "
-                                   f"choose another run.dir or remove it")
+                raise FleetrlError(f"run.dir {self.root} holds a run without a checkpoint to resume from "
+                                   "(trainer.checkpoint_interval sets when one is written; 0: never); choose "
+                                   "another run.dir or remove it")
             if not resume and not metrics and (why := self._not_a_run()):
                 raise FleetrlError(f"run.dir {self.root} is not empty and holds no fleetrl run ({why}); "
                                    f"choose an empty or new folder")

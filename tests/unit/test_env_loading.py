@@ -202,6 +202,8 @@ def test_two_packages_registering_one_name_are_named_both(site):
     ('[[orchestrator.envs]]\nname = "arithmetic"\n[[orchestrator.envs]]\nname = "quiet"\n'
      'env = "my_pkg.tasks:NoReward"\n', "orchestrator.envs[1]"),
     ('[eval]\nevery_steps = 2\n[[eval.envs]]\nname = "quiet"\nenv = "my_pkg.tasks:NoReward"\n', "eval.envs[0]"),
+    # Named with evaluation off (every_steps = 0, the default): still checked.
+    ('[[eval.envs]]\nname = "quiet"\nenv = "my_pkg.tasks:NoReward"\n', "eval.envs[0]"),
 ])
 def test_the_dry_run_refuses_a_broken_environment_naming_the_key_before_the_run_dir(workdir, capsys, config, key):
     (workdir / "rl.toml").write_text(config + '[run]\ndir = "run"\n')

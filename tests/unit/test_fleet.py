@@ -213,6 +213,22 @@ async def test_worker_that_fails_to_pause_is_dead_and_the_rest_complete():
     await fleet.close()
 
 
+async def test_a_worker_whose_fence_step_was_cancelled_under_it_is_left_out():
+    """gather(return_exceptions=True) hands back a step cancelled from inside as a CancelledError,
+    which is no Exception: it must fail the worker, never count as its pass."""
+    fleet, provider, transport = await started("a", "b")
+
+    async def step(worker) -> None:
+        if worker.id == "b":
+            raise asyncio.CancelledError  # as an inner task another party cancelled
+
+    failed: dict[str, str] = {}
+    ok = await fleet.roster.each(sorted(fleet.workers.values(), key=lambda w: w.id), step, failed, WorkerState.DEAD)
+    assert [w.id for w in ok] == ["a"] and failed == {"b": "CancelledError"}
+    assert fleet.workers["b"].state == WorkerState.DEAD
+    await fleet.close()
+
+
 async def test_worker_that_breaks_the_transfer_is_dropped_and_the_rest_retried():
     fleet, provider, transport = await started("a", "b")
     transport.fail_worker = "a"

@@ -44,6 +44,8 @@ def check_config(config: Config) -> tuple[list[RunEnv], list[RunEnv]]:
     run_dir = RunDir(config.run.dir)
     envs = run_environments(config, run_dir)
     if not config.eval.every_steps:
+        if config.eval.envs:  # named, so meant: a bad entry is refused now, not once evaluation is turned on
+            eval_environments(config, run_dir, envs, "eval.envs")
         return envs, []
     return envs, eval_environments(config, run_dir, envs, f"eval.every_steps = {config.eval.every_steps}")
 

@@ -104,7 +104,11 @@ class TrainerConfig(Section):
         description="Rows x padded length of one forward/backward, a row holding a group's prompt once and its "
         "completions: bounds activation memory.",
     )
-    checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every N steps (0 = never).")
+    checkpoint_interval: int = Field(
+        10, ge=0,
+        description="Save a checkpoint every N steps and at the last step (0 = never: the run can then be neither "
+        "resumed nor extended).",
+    )
     cpu_cores: list[str] = Field(
         default_factory=list,
         description="Per trainer rank (cycled), the CPUs it runs on, as a CPU list (\"1\", \"2-3\"), with one torch "

@@ -92,11 +92,13 @@ class Roster:
         results = await asyncio.gather(*(op(w) for w in workers), return_exceptions=True)
         ok = []
         for worker, result in zip(workers, results):
-            if isinstance(result, Exception):
-                failed[worker.id] = str(result)
+            # BaseException: a step cancelled under it (an inner task another party cancelled)
+            # comes back as a CancelledError, which is no Exception, and is no pass either.
+            if isinstance(result, BaseException):
+                failed[worker.id] = str(result) or type(result).__name__
                 # One another run holds is stale, never dead: not this run's to restart (`healthy`).
                 held = isinstance(result, WorkerHeldByAnotherRun)
-                self.mark(worker, WorkerState.STALE if held else state_on_error, str(result))
+                self.mark(worker, WorkerState.STALE if held else state_on_error, failed[worker.id])
             else:
                 ok.append(worker)
         return ok
