@@ -65,7 +65,8 @@ RUNS: dict[str, RunSpec] = {
         "fleetrl rl @ configs/default.toml @ rl.toml --inference.urls [one server] (2 trainer ranks, k = 0, two "
         "environments; six runs, each with a failpoint)",
         "killed at each point of a step (SIGKILL mid-rollout and mid-publish, SIGINT mid-train, SIGTERM "
-        "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same server; the "
+        "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same server, the last "
+        "two in rolling mode (inference.publish = 'rolling': each publish a canary wave); the "
         "final model exported and served by plain vLLM, then scored by the quickstart's `fleetrl eval` on the run's "
         "server (held to its weights at v5 first, 8 held-out prompts per environment, every token at v5, the table "
         "the records' figures); the KL penalty to the base model, its reference kept "
