@@ -832,7 +832,9 @@ async def test_a_tool_that_raises_or_hangs_ends_its_episode_with_the_reason(flee
 
 
 # -- rolling publishes (issue 39): waves of one worker, the first a canary -------------------------
-# A resume in rolling mode needs a real run: see the kill-points entry of runs.py.
+# Two versions served at once, on both providers' fleets; a failed canary and a canary killed
+# mid-wave on the native fleet (what they test is the fence's, which every provider shares). A
+# resume in rolling mode needs a real run: the kill-points entry of runs.py.
 
 
 class FenceLog:
@@ -942,7 +944,7 @@ async def test_a_rolling_publish_serves_two_versions_at_one_moment_never_past_k(
     assert all(k is None or lag <= k for lag, k, _ in dispatches), dispatches
 
 
-@only("vllm", "dynamo")
+@only("vllm")  # the fence's own logic, the same on every provider
 @pytest.mark.parametrize("failures", [1, 2])
 async def test_a_canary_whose_probe_fails_holds_the_version_back_from_the_others(fleet, base_weights, probe,
                                                                                tmp_path_factory, monkeypatch,
@@ -1092,7 +1094,7 @@ async def restart_the_dead(fleet: Fleet, request) -> None:
     dead = [w for w in fleet.workers.values() if w.state == WorkerState.DEAD]
     fleet.restarts_left = launched - (len(fleet.workers) - len(dead))
     for worker in dead:
-        await fleet.lifecycle._restart(worker)  # a Dynamo worker replaced before has no process left: a no-op
+        await fleet.lifecycle._restart(worker)
     deadline = time.monotonic() + 900
     await fleet.refresh()
     while len(fleet.ready_workers()) < launched:
@@ -1102,7 +1104,7 @@ async def restart_the_dead(fleet: Fleet, request) -> None:
     fleet.restarts_left = 0
 
 
-@only("vllm", "dynamo")
+@only("vllm")  # a Dynamo worker killed mid-publish: test_worker_killed_mid_publish_leaves_the_others_at_one_version
 async def test_a_canary_killed_mid_wave_hands_the_version_to_the_next_wave(fleet, base_weights, tokenizer,
                                                                          tmp_path_factory, request):
     """Rolling: the canary is killed in the middle of its wave's transfer. The version goes on
