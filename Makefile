@@ -11,9 +11,10 @@ setup:
 run: setup
 	$(VENV)/bin/fleetrl rl @ configs/default.toml $(ARGS)
 
-# pytest exits 5 when it collected no test: that fails here like any other non-zero exit.
+# The unit tests run beside the integration tests (scripts/test.sh says why). pytest exits 5
+# when it collected no test: that fails here like any other non-zero exit.
 test: setup
-	$(VENV)/bin/python -m pytest tests --durations=40
+	@VENV=$(VENV) bash scripts/test.sh
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest tests/unit

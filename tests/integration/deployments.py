@@ -11,28 +11,40 @@ run must recover anyway: a fleet attached by URL brings every worker back to the
 
 OPERATOR_SERVERS: two native vLLM servers started by the quickstart's own command, as an
 operator would (docs/quickstart.md, section 6), so no run of fleetrl owns them. Used by
-test_weight_transfer.py (its tests publish into the first and restore the base weights) and
-then test_kill_points.py (the quickstart's attached run on both, the kill-point sequence on
-the first, which kills nothing but fleetrl).
+test_weight_transfer.py (its tests publish into the first and restore the base weights),
+test_conformance.py, and then test_kill_points.py (the quickstart's attached run on both, the
+kill-point sequence on the first, which kills nothing but fleetrl).
+
+DYNAMO_ETCD: etcd, NATS, a Dynamo frontend and two of Dynamo's vLLM workers, started by
+deploy/dynamo/start_etcd_deployment.py as an operator would. Used by test_dynamo_etcd.py, whose
+last test stops it with the script's own stop command.
+
+The fleets that fleetrl itself launches (test_providers.py, test_dynamo_disaggregated.py, the
+runs of runs.py) are what those tests test, so each module starts its own; the pool stops the
+deployment alive before them, so none runs beside them either.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 
 from fleetrl.contract import ADMIN_TOKEN_ENV, DATA_TOKEN_ENV
-from fleetrl.processes import free_port
+from fleetrl.processes import free_port, listening_ports, running_groups
 
 from tests.documented import ROOT, documented
 
 OPERATOR_SERVERS = "operator-servers"
+DYNAMO_ETCD = "dynamo-etcd"
 
 # The tokens the operator started the servers with; a run attached to them must hold the same.
 ADMIN, DATA = "operator-admin-token", "operator-data-token"
@@ -44,6 +56,54 @@ SERVE = ("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vl
          "--middleware fleetrl.engine.admin_auth.AdminTokenMiddleware "
          "--worker-extension-cls fleetrl.engine.worker_extension.FleetrlWorkerExtension "
          "--weight-transfer-config '{\"backend\": \"fleetrl\"}'")
+
+
+# The Dynamo deployment's operator script, and the lease its workers register under (the
+# deployment's ETCD_LEASE_TTL; Dynamo's default is 30 s).
+DEPLOY_SCRIPT = ROOT / "deploy" / "dynamo" / "start_etcd_deployment.py"
+LEASE_TTL_S = 10
+
+
+def deploy(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """The Dynamo deployment's operator script, run with `args`."""
+    return subprocess.run([sys.executable, str(DEPLOY_SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@dataclass
+class DynamoDeployment:
+    """What start_etcd_deployment.py started in `root`."""
+
+    root: Path
+
+    @property
+    def record(self) -> dict:  # read anew: add-worker appends to it
+        return json.loads((self.root / "deployment.json").read_text())
+
+    def worker_group(self, admin_url: str) -> int:
+        """The process group (its leader's pid) of the worker whose system server is at `admin_url`."""
+        port = int(admin_url.rsplit(":", 1)[1])
+        (pid,) = [p["pid"] for p in self.record["processes"] if port in listening_ports(p["pid"])]
+        return pid
+
+
+@contextmanager
+def dynamo_deployment(root: Path, model_dir: Path):
+    """The operator script's deployment of two workers, stopped by its stop command however the
+    block ends (and any recorded group still alive then, killed)."""
+    try:
+        started = deploy("start", str(root), "--model", str(model_dir), "--workers", "2",
+                         "--lease-ttl", str(LEASE_TTL_S), "--max-model-len", "512")
+        assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+        assert "fleetrl attaches with: --inference.provider dynamo" in started.stdout
+        yield DynamoDeployment(root)
+    finally:
+        stopped = deploy("stop", str(root), timeout=120)
+        if (root / "deployment.json").exists():
+            for process in json.loads((root / "deployment.json").read_text())["processes"]:
+                if process["pid"] in running_groups():
+                    os.killpg(process["pid"], signal.SIGKILL)
+        assert stopped.returncode == 0, stopped.stderr
 
 
 def _term_with_parent() -> None:
@@ -105,6 +165,7 @@ class DeploymentPool:
         self.logs = logs
         self.name: str | None = None  # the deployment alive now
         self.urls: list[str] = []
+        self.dynamo: DynamoDeployment | None = None
         self._stack = ExitStack()
 
     def operator_servers(self) -> list[str]:
@@ -127,10 +188,18 @@ class DeploymentPool:
             self.name, self.urls = OPERATOR_SERVERS, urls
         return self.urls
 
+    def dynamo_etcd(self, model_dir: Path) -> DynamoDeployment:
+        """The operator's Dynamo deployment with etcd and NATS, started on first use."""
+        if self.name != DYNAMO_ETCD:
+            self.release()
+            self.dynamo = self._stack.enter_context(dynamo_deployment(self.logs / DYNAMO_ETCD, model_dir))
+            self.name = DYNAMO_ETCD
+        return self.dynamo
+
     def release(self) -> None:
         """Stop the deployment alive now, if any."""
         self._stack.close()
-        self.name, self.urls = None, []
+        self.name, self.urls, self.dynamo = None, [], None
 
 
 def deployment_of(item) -> str | None:

@@ -3,20 +3,17 @@ leases) and a NATS event plane.
 
 One deployment that fleetrl did not start — etcd, NATS, a frontend and two of Dynamo's vLLM
 workers behind fleetrl's worker entry, started by deploy/dynamo/start_etcd_deployment.py as an
-operator would — which fleetrl attaches to and finds through etcd; it lives for the module and is
-stopped however the module ends. fleetrl's own launch mode (it starts etcd and NATS itself) is
-driven end to end by the torchrun-dynamo run of runs.py (test_rl_e2e.py).
+operator would — which fleetrl attaches to and finds through etcd; it is the session pool's
+(deployments.py), stopped however the module ends. fleetrl's own launch mode (it starts etcd
+and NATS itself) is driven end to end by the torchrun-dynamo run of runs.py (test_rl_e2e.py).
 """
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,38 +25,18 @@ from fleetrl.inference.dynamo.cluster import find_binary
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
-from fleetrl.processes import listening_ports, running_groups
+from fleetrl.processes import running_groups
 from fleetrl.records import WorkerEvent
 from fleetrl.versions import VersionSpan, new_run_id
 from fleetrl.weights.factory import make_transport
 
-from .conftest import ROOT, chat_ids, model_with, perturbed
+from .conftest import chat_ids, model_with, perturbed
+from .deployments import DYNAMO_ETCD, LEASE_TTL_S, DynamoDeployment, deploy
 from .probes import probe_fleet
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.deployment(DYNAMO_ETCD), pytest.mark.asyncio(loop_scope="module")]
 
-SCRIPT = ROOT / "deploy" / "dynamo" / "start_etcd_deployment.py"
-LEASE_TTL_S = 10  # the deployment's ETCD_LEASE_TTL (Dynamo's default is 30 s)
 MAX_TOKENS = 8
-
-
-def deploy(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
-
-
-@dataclass
-class Deployment:
-    root: Path
-
-    @property
-    def record(self) -> dict:  # read anew: add-worker appends to it
-        return json.loads((self.root / "deployment.json").read_text())
-
-    def worker_group(self, admin_url: str) -> int:
-        """The process group (its leader's pid) of the worker whose system server is at `admin_url`."""
-        port = int(admin_url.rsplit(":", 1)[1])
-        (pid,) = [p["pid"] for p in self.record["processes"] if port in listening_ports(p["pid"])]
-        return pid
 
 
 def etcdctl(endpoint: str, *args: str) -> str:
@@ -92,23 +69,9 @@ async def eventually(condition, timeout_s: float, what: str, every_s: float = 0.
 
 
 @pytest.fixture(scope="module")
-def deployment(model_dir, tmp_path_factory):
-    """etcd, NATS, a frontend and two workers that fleetrl does not own; stopped by the script's
-    stop command however the module ends (and any recorded group still alive then, killed)."""
-    root = tmp_path_factory.mktemp("etcd-deployment")
-    try:
-        started = deploy("start", str(root), "--model", str(model_dir), "--workers", "2",
-                         "--lease-ttl", str(LEASE_TTL_S), "--max-model-len", "512")
-        assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
-        assert "fleetrl attaches with: --inference.provider dynamo" in started.stdout
-        yield Deployment(root)
-    finally:
-        stopped = deploy("stop", str(root), timeout=120)
-        if (root / "deployment.json").exists():
-            for process in json.loads((root / "deployment.json").read_text())["processes"]:
-                if process["pid"] in running_groups():
-                    os.killpg(process["pid"], signal.SIGKILL)
-        assert stopped.returncode == 0, stopped.stderr
+def deployment(deployments, model_dir) -> DynamoDeployment:
+    """etcd, NATS, a frontend and two workers that fleetrl does not own (deployments.py)."""
+    return deployments.dynamo_etcd(model_dir)
 
 
 @dataclass
