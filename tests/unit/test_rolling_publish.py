@@ -235,3 +235,78 @@ async def test_a_fenced_publish_names_no_wave():
     assert [set(e.to_dict()) for e in events if isinstance(e, FenceEvent)] == [{"phase", "version", "ready", "t"}] * 2
     assert PublishReport.read(report.to_dict(), "test") == report
     await fleet.close()
+
+
+async def test_a_discovery_round_between_a_failed_canarys_tries_refits_a_joiner_to_the_version_before():
+    """The canary a fails its probe at v1; a discovery round that runs between its two tries
+    refits the worker that joined meanwhile to v0: v1 goes no further until a canary agreed."""
+    fleet, provider, transport, _ = await rolling("a", "b")
+    provider.add("c")
+
+    async def score(worker, token_ids, prefill=None):
+        return [-3.0 if worker.id == "a" else -1.0]
+
+    provider.prompt_logprobs = score
+    refitted, refit, rounds = [], fleet.fence.refit, []
+
+    async def recorded(worker):
+        await refit(worker)
+        refitted.append((worker.id, worker.state, worker.version))
+
+    def discovery_after_the_first_failed_fence(event):
+        if isinstance(event, FenceEvent) and event.phase == "end" and not event.ready and not rounds:
+            rounds.append(asyncio.get_running_loop().create_task(fleet.refresh()))  # it waits for the lock
+
+    fleet.fence.refit = recorded
+    fleet.on_event = discovery_after_the_first_failed_fence
+    report = await fleet.publish(1, transport, weights, PROBE, everywhere=True)
+    await asyncio.gather(*rounds)
+    # a received v1's weights: it is not labelled v0 (nothing to send it before a canary agreed).
+    assert ("c", WorkerState.READY, 0) in refitted and ("a", WorkerState.STALE, 0) in refitted
+    assert report.ready and "a" in report.failed and fleet.workers["a"].state == WorkerState.STALE
+    assert all(fleet.workers[w].version == 1 for w in report.ready)
+    await fleet.close()
+
+
+async def test_a_refit_scores_the_probe_through_a_prefill_worker_at_its_own_version():
+    fleet, provider, transport, _ = await rolling("d1", "d2", prefill=("pz", "pa"))
+    await fleet.refresh()
+    scored = []
+
+    async def score(worker, token_ids, prefill=None):
+        scored.append((worker.id, prefill.id, prefill.version))
+        return [-1.0]
+
+    provider.prompt_logprobs = score
+    release = hold_health(provider, fleet, "d2")
+    await fleet.publish(1, transport, weights, PROBE)  # pa and d1 at v1; pz and d2 still at v0
+    provider.add("d3")
+    await fleet.refresh()
+    assert (fleet.workers["d3"].state, fleet.workers["d3"].version) == (WorkerState.READY, 1)
+    assert [s for s in scored if s[0] == "d3"] == [("d3", "pa", 1)]
+    release.set()
+    await waves_end(fleet)
+    await fleet.close()
+
+
+async def test_a_request_goes_to_no_worker_older_than_its_min_version():
+    """k = 1 and v1 on the canary only: a request that can use v0 goes to either worker; one of a
+    step whose tokens must be v1 or newer ((step - 1) - k) goes to the canary alone."""
+    fleet, provider, transport, _ = await rolling("a", "b", max_lag=1)
+    release = hold_health(provider, fleet, "b")
+    await fleet.publish(1, transport, weights, PROBE)
+    anywhere = await asyncio.gather(*(fleet.generate(request(max_tokens=3)) for _ in range(6)))
+    assert {o.worker_id for (o,) in anywhere} == {"a", "b"}
+    newer = await asyncio.gather(*(fleet.generate(request(max_tokens=3, min_version=1)) for _ in range(6)))
+    assert {o.worker_id for (o,) in newer} == {"a"} and all(o.spans == [VersionSpan(1, 0)] for (o,) in newer)
+    release.set()
+    await waves_end(fleet)
+    await fleet.close()
+
+
+def test_a_stale_worker_is_planned_last_and_is_never_the_canary_of_every_publish():
+    def worker(worker_id, version, state=WorkerState.READY):
+        return WorkerInfo(id=worker_id, data_url="", admin_url="", version=version, state=state)
+
+    workers = [worker("a", 0, WorkerState.STALE), worker("b", 1), worker("c", 1)]
+    assert [[w.id for w in wave] for wave in plan_waves(workers, 1)] == [["b"], ["c"], ["a"]]

@@ -324,7 +324,8 @@ class RLRun:
         probe = AgreementProbe(probe_ids, reference)
         gathered = isinstance(weights, WeightGather)
         named = weights.tensors if gathered else lambda: iter(weights.items())
-        evaluated = bool(self.evaluator and step > self.resume and self.evaluator.due(step))
+        # The resume's publish (step == resume) is evaluated too, at the start (start_rollouts).
+        evaluated = bool(self.evaluator and self.evaluator.due(step, start=step == self.resume))
         everywhere = step == self.config.run.max_steps or evaluated
         report = self.control.run(self.fleet.publish(step, self.transport, named, probe, keep=not gathered,
                                                      everywhere=everywhere))
@@ -520,5 +521,6 @@ async def final_generation(fleet: Fleet, tokenizer, probe: AgreementProbe) -> Fi
 
 
 async def _close(fleet: Fleet, transport) -> None:
-    await transport.close()
+    # The fleet first: a rolling publish's background wave still sends through the transport.
     await fleet.close()
+    await transport.close()

@@ -88,12 +88,13 @@ class Wave:
 
 def plan_waves(workers: list[WorkerInfo], size: int) -> list[list[WorkerInfo]]:
     """`workers` in waves of `size` decode (or aggregated) workers, those furthest behind first
-    (a worker with no version first of all), so the fleet's spread of versions stays small.
+    (a worker with no version first of all), so the fleet's spread of versions stays small; stale
+    ones last, so that a worker failing its refits is not the canary of every publish.
     Prefill workers are shared out over the waves, at least one each (so fewer waves where the
     fleet has fewer prefill workers than waves): a decode worker only takes prompts prefilled at
     its own version (`Routing`), and each wave can serve as soon as it is through."""
-    def behind(worker: WorkerInfo) -> tuple[int, str]:
-        return (-1 if worker.version is None else worker.version), worker.id
+    def behind(worker: WorkerInfo) -> tuple[bool, int, str]:
+        return worker.state == WorkerState.STALE, (-1 if worker.version is None else worker.version), worker.id
 
     decode = sorted((w for w in workers if w.role != WorkerRole.PREFILL), key=behind)
     prefill = sorted((w for w in workers if w.role == WorkerRole.PREFILL), key=behind)
@@ -214,8 +215,10 @@ class Fence:
         self._superseded = True
         if not supersede:
             task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        self._superseded = False
+        try:
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            self._superseded = False
 
     async def _wave(self, wave: Wave, version: int, transport: WeightTransport, named_tensors: NamedTensors,
                     probe: AgreementProbe | None, keep: bool, started: float) -> PublishReport:
@@ -223,7 +226,7 @@ class Fence:
         those of them that failed and are stale, not dead: a canary is refitted until it agrees,
         a worker that fails twice stays stale. Its report, `ready` empty where none came through."""
         began, began_wall = time.monotonic(), time.time()
-        targets = wave.workers
+        targets, fenced = wave.workers, []  # fenced: those alive when the wave began
         checksum, ready, failed = "", [], {}
         probed: dict[str, float] = {}
         worker_seconds: dict[str, float] = {}
@@ -233,6 +236,8 @@ class Fence:
                 targets = [w for w in targets if w.state != WorkerState.DEAD]
                 if not targets:
                     break
+                if attempt == 0:
+                    fenced = [w.id for w in targets]
                 try:
                     report = await self._publish_to(targets, version, transport, named_tensors, probe, keep,
                                                     started, wave)
@@ -250,7 +255,7 @@ class Fence:
                 self.roster.log(f"fleetrl: publish v{version} wave {wave.number}: refitting "
                                 f"{', '.join(w.id for w in targets)} once more")
         failed = {k: v for k, v in failed.items() if k not in ready}
-        done = WaveReport(version=version, wave=wave.number, canary=wave.canary, workers=[w.id for w in wave.workers],
+        done = WaveReport(version=version, wave=wave.number, canary=wave.canary, workers=fenced,
                           ready=ready, failed=failed, started=began_wall, seconds=time.monotonic() - began)
         self._unreported.append(done)
         self.roster.log(f"fleetrl: publish v{version} wave {wave.number}{' (canary)' if wave.canary else ''}: "
@@ -306,9 +311,11 @@ class Fence:
                                          WorkerState.STALE)
             if not verified:
                 raise PublishError(f"publish v{version} completed on no worker: {describe(failed)}")
-            # From here on only workers verified at `version` take traffic: stale ones stay paused.
-            roster.version = version
-            self.source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
+            source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
+            if wave is None:
+                # From here on only workers verified at `version` take traffic: stale ones stay
+                # paused, and a refit gives them these weights.
+                self._promote(source)
             if probe is not None:
                 self._expect_verdicts(verified, version)
             resumed = await roster.each(verified, roster.resume, failed, WorkerState.DEAD)
@@ -320,6 +327,10 @@ class Fence:
                     WorkerState.STALE)
                 resumed = [w for w in resumed if w in agree]
                 agreed = {w.id for w in resumed}
+            if wave is not None and resumed:
+                # A wave's version goes no further, not even to a discovery round's refits between
+                # its tries, until one of its workers agreed.
+                self._promote(source)
             for worker in resumed:
                 worker.version = version
                 roster.mark(worker, WorkerState.READY)
@@ -333,6 +344,10 @@ class Fence:
                              ready=[w.id for w in resumed], failed=failed, probe=deltas,
                              worker_seconds={w.id: done_s[w.id] for w in resumed},
                              received_bytes={w.id: received[w.id] for w in resumed})
+
+    def _promote(self, source: WeightSource) -> None:
+        """`source`'s version is the fleet's, and what a refit sends."""
+        self.roster.version, self.source = source.version, source
 
     async def _transfer(self, workers: list[WorkerInfo], transport: WeightTransport,
                         named_tensors: NamedTensors, version: int,
@@ -400,9 +415,10 @@ class Fence:
             await admin.pause(self.pause_mode)
             if self.source is None:
                 # The fleet's version is that of the model folder the provider's workers loaded at
-                # launch (`Lifecycle.start`'s launched_version): nothing was published since.
-                if worker.id in roster.lapsed:  # it must hold them still: no rank received anything since
-                    await admin.verify_weights(None)
+                # launch (`Lifecycle.start`'s launched_version): nothing was published since, so it
+                # must hold them still, no rank having received anything (a canary whose probe failed
+                # at the first version did: it is refitted only once a canary agreed).
+                await admin.verify_weights(None)
                 await admin.set_version(version)
                 reported = await admin.version()
                 if reported != version:
@@ -425,7 +441,11 @@ class Fence:
                 self._expect_verdicts([worker], version)
             await roster.resume(worker)
             if probe is not None:
-                await self._agrees(worker, version, probe, roster.ready_prefill_workers())
+                # Through a prefill worker at its own version: mid-rolling-publish, some hold an older one.
+                prefills = [p for p in roster.ready_prefill_workers() if p.version == version]
+                if roster.ready_prefill_workers() and not prefills and worker.role != WorkerRole.PREFILL:
+                    raise FleetrlError(f"no ready prefill worker at v{version} to score the agreement probe through")
+                await self._agrees(worker, version, probe, prefills)
         except Exception as e:
             self._settle_verdicts(version, set(), {worker.id: str(e)})
             roster.mark(worker, WorkerState.STALE, f"refit to v{version} failed: {e}")

@@ -77,7 +77,7 @@ class Routing:
         deaths_left, transient_left = 2, TRANSIENT_RETRIES
         failed_on: set[str] = set()
         while True:
-            worker, prefill = await self._acquire(request.session_id, avoid=failed_on)
+            worker, prefill = await self._acquire(request.session_id, request.min_version, avoid=failed_on)
             serving = [w for w in (worker, prefill) if w is not None]
             held = worker.version  # its tokens are of this version or newer
             refits = self.fence.refits_of(serving)  # those after this dispatch may have made its tokens
@@ -163,19 +163,21 @@ class Routing:
             continuation = GenerateRequest(
                 prompt_token_ids=request.prompt_token_ids, sampling=request.sampling, n=1,
                 session_id=request.session_id, request_id=f"{request.request_id}-{len(response.token_ids)}",
+                min_version=request.min_version,
             )
             (rest,) = await self._generate_once(continuation, response.token_ids)
             response = join_completions(response, rest)
         return response
 
-    async def _acquire(self, session_id: str | None,
+    async def _acquire(self, session_id: str | None, min_version: int | None = None,
                        avoid: set[str] = frozenset()) -> tuple[WorkerInfo, WorkerInfo | None]:
-        """A ready worker to pin the request to (not one in `avoid` if another is ready), and,
+        """An admitted worker (at `min_version` or newer, if given) to pin the request to (not
+        one in `avoid` if another is admitted), and,
         when the fleet has prefill workers, a ready prefill worker for its prompt: both chosen
         here, so that neither can be a worker that has not been brought to the fleet's version."""
         roster = self.roster
         async with roster.changed:
-            while not (ready := self._admitted()):
+            while not (ready := self._admitted(min_version)):
                 self._check_some_worker_may_serve()
                 try:
                     async with asyncio.timeout(self.lifecycle.discovery_interval_s):
@@ -216,17 +218,19 @@ class Routing:
             raise FleetrlError(f"no inference worker has been ready for {timeout_s:g} s "
                                f"(inference.no_worker_timeout_s): {self.roster.describe_failures()}")
 
-    def _admitted(self) -> list[WorkerInfo]:
+    def _admitted(self, min_version: int | None = None) -> list[WorkerInfo]:
         """The routable workers a request may go to now: at most `max_lag` versions behind the
-        newest published, and, where the fleet has prefill workers that live, with a ready one at
-        the same version (if all are dead, decode workers serve alone): one request's prefill and
-        decode never run at two versions."""
+        newest published and at `min_version` or newer (what the request's tokens must be of: in a
+        rolling publish the newest can run ahead of the batch being sampled), and, where the fleet
+        has prefill workers that live, with a ready one at the same version (if all are dead,
+        decode workers serve alone): one request's prefill and decode never run at two versions."""
         newest = self.roster.version
         prefills = [w for w in self.roster.workers.values() if w.role == WorkerRole.PREFILL]
         alone = all(w.state == WorkerState.DEAD for w in prefills)
         prefilled_at = {w.version for w in self.roster.ready_prefill_workers()}
         return [w for w in self.roster.routable_workers()
                 if (self.max_lag is None or newest - w.version <= self.max_lag)
+                and (min_version is None or w.version >= min_version)
                 and (alone or w.version in prefilled_at)]
 
     def in_flight(self, worker_id: str) -> int:
