@@ -5,6 +5,7 @@ and what each run costs before its first step and in memory.
                                             [--batch-prompts N]
     .venv/bin/python benchmarks/bench_rl.py --memory [--steps 2]
     .venv/bin/python benchmarks/bench_rl.py --lora [--steps 10]
+    .venv/bin/python benchmarks/bench_rl.py --publish [--steps 6] [--max-tokens 256] [--window-s 10]
 
 Runs the same job twice, back to back, differing only in `orchestrator.max_off_policy_steps`,
 and compares the wall time per step measured from the runs' own timestamps (from the end of
@@ -23,6 +24,13 @@ With --lora it runs k = 1 twice, full fine-tuning and `@ configs/lora.toml` (a r
 and compares step time, publish time, peak memory and the reward after the same steps (the
 mean training reward of the last three steps: the same prompts, as both runs draw them from the
 same seed).
+
+With --publish it runs a sampling-bound job (2 workers, k = 1, long completions) twice,
+`inference.publish = "fenced"` against `"rolling"` (waves of one worker), and compares the step
+time, `mismatch_kl` on every step, and the fleet's sampling throughput: the tokens/s of all
+workers (each sample's tokens spread evenly over its time on its worker, from events.jsonl) in
+the windows of --window-s seconds that hold a publish's fence, as a fraction of those that hold
+none; and the same during the fences alone.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import psutil
 from bench_report import record
 
 from fleetrl.contract import NATIVE_SERVER_MODULE
+from fleetrl.records import FenceEvent, SampleEvent
 from fleetrl.rundir import RunDir
 
 SAMPLE_S = 0.5
@@ -66,10 +75,10 @@ def _rss(proc: psutil.Process) -> int:
 
 
 def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int | None = None,
-        overlay: str | None = None) -> dict:
+        overlay: str | None = None, flags: tuple[str, ...] = (), label: str = "") -> dict:
     batch_prompts = args.batch_prompts if batch_prompts is None else batch_prompts
     workers = args.workers if workers is None else workers
-    run_dir = root / f"k{k}-b{batch_prompts}-w{workers}{'-' + Path(overlay).stem if overlay else ''}"
+    run_dir = root / f"k{k}-b{batch_prompts}-w{workers}{'-' + Path(overlay).stem if overlay else ''}{label}"
     cmd = [sys.executable, "-m", "fleetrl", "rl", "@", "configs/default.toml", *(["@", overlay] if overlay else []),
            "--run.dir", str(run_dir), "--run.max_steps", str(args.steps),
            "--orchestrator.max_off_policy_steps", str(k),
@@ -77,6 +86,7 @@ def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int
            "--trainer.checkpoint_interval", "0", "--run.core_plan", args.core_plan]
     if batch_prompts is not None:
         cmd += ["--orchestrator.batch_prompts", str(batch_prompts)]
+    cmd += flags
     launched = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     root = psutil.Process(proc.pid)
@@ -97,8 +107,9 @@ def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int
     train = sum(m.train_finished - m.train_started for m in steady) / len(steady)
     publish = sum(m.publish.seconds for m in steady) / len(steady)
     workers = sorted(v for role, v in peak.items() if role.startswith("worker-"))
-    return {"step_s": seconds, "rollout_s": rollout, "train_s": train, "publish_s": publish,
+    return {"run_dir": run_dir, "step_s": seconds, "rollout_s": rollout, "train_s": train, "publish_s": publish,
             "distance_max": max(m.update.max_off_policy for m in metrics),
+            "mismatch_kl": [m.update.mismatch_kl for m in metrics],
             "reward_last3": sum(m.batch.reward_mean for m in metrics[-3:]) / len(metrics[-3:]),
             "first_rollout_s": metrics[0].batch.rollout_started - launched,
             "first_step_s": metrics[0].train_finished - launched,
@@ -118,7 +129,14 @@ def main() -> None:
                         help="k = 1 only: as configured, with twice the batch, and with one worker more")
     parser.add_argument("--lora", action="store_true",
                         help="k = 1 only: full fine-tuning against configs/lora.toml's adapter")
+    parser.add_argument("--publish", action="store_true",
+                        help="k = 1, 2 workers, long completions: fenced publishes against rolling ones")
+    parser.add_argument("--max-tokens", type=int, default=256, help="--publish: orchestrator.max_tokens")
+    parser.add_argument("--window-s", type=float, default=10.0, help="--publish: the throughput windows' length")
     args = parser.parse_args()
+    if args.publish:
+        fenced_against_rolling(args)
+        return
     if args.memory:
         memory_growth(args)
         return
@@ -172,6 +190,73 @@ def lora_against_full(args) -> None:
     ]:
         print(f"{label}: {ratio:.2f} ({detail})")
         record(label, ratio, detail)
+
+
+def fenced_against_rolling(args) -> None:
+    """The same sampling-bound job, each publish fenced (every worker paused together) and rolling
+    (a wave of one worker at a time, the trainer waiting for the canary only), back to back."""
+    flags = ("--orchestrator.max_tokens", str(args.max_tokens))
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {kind: run(1, args, Path(tmp), workers=2, flags=(*flags, "--inference.publish", kind), label=kind)
+                   for kind in ("fenced", "rolling")}
+        for r in results.values():
+            r.update(sampling_throughput(r["run_dir"], args.window_s))
+    for kind, r in results.items():
+        kl = max(r["mismatch_kl"])
+        print(f"{kind}: {describe(r)}\n  sampling throughput {r['steady_tps']:.0f} tokens/s without a publish; "
+              f"windows of {args.window_s:g} s with a fence {r['publish_fraction']:.2f} of it "
+              f"({r['publish_windows']} of {r['windows']} windows), during the fences {r['fence_fraction']:.2f}; "
+              f"mismatch_kl at most {kl:.2e} over {len(r['mismatch_kl'])} steps"
+              + ("" if kl <= 1e-6 else " (ABOVE 1e-6)"))
+    fenced, rolling = results["fenced"], results["rolling"]
+    for label, ratio, detail in [
+        (f"sampling throughput in {args.window_s:g} s windows with a publish / without, fenced",
+         fenced["publish_fraction"], f"during the fences {fenced['fence_fraction']:.2f}"),
+        (f"sampling throughput in {args.window_s:g} s windows with a publish / without, rolling",
+         rolling["publish_fraction"], f"during the fences {rolling['fence_fraction']:.2f}"),
+        ("step time, rolling / fenced publishes (2 workers, k = 1)", rolling["step_s"] / fenced["step_s"],
+         f"{rolling['step_s']:.1f} vs {fenced['step_s']:.1f} s/step, {args.steps} steps, "
+         f"max_tokens {args.max_tokens}"),
+    ]:
+        print(f"{label}: {ratio:.2f} ({detail})")
+        record(label, ratio, detail)
+
+
+def sampling_throughput(run_dir: Path, window_s: float) -> dict:
+    """Tokens/s over all workers in the windows of `window_s` that hold a fence, as a fraction of
+    those that hold none, and during the fences themselves; from the first fence of v1 to the
+    last sample's end (the start-up and the run's last publish, after every rollout, left out)."""
+    events = RunDir(run_dir).read_events()
+    samples = [e for e in events if isinstance(e, SampleEvent) and e.end > e.start]
+    fences, opened = [], {}
+    for e in (e for e in events if isinstance(e, FenceEvent) and e.version >= 1):
+        key = (e.version, e.wave)
+        if e.phase == "start":
+            opened[key] = e.t
+        elif key in opened:
+            fences.append((opened.pop(key), e.t))
+
+    def tokens_in(a: float, b: float) -> float:
+        return sum(s.tokens * max(0.0, min(b, s.end) - max(a, s.start)) / (s.end - s.start) for s in samples)
+
+    begin, end = min(a for a, _ in fences), max(s.end for s in samples)
+    windows = [(a, a + window_s) for a in _steps(begin, end - window_s, window_s)]
+    with_fence = [w for w in windows if any(a < w[1] and b > w[0] for a, b in fences)]
+    without = [w for w in windows if w not in with_fence]
+    if not with_fence or not without:
+        raise SystemExit(f"bench_rl: of {len(windows)} windows of {window_s:g} s in {run_dir}, {len(with_fence)} "
+                         "hold a fence: change --window-s or --steps so that some do and some do not")
+    rate = lambda ws: sum(tokens_in(a, b) for a, b in ws) / sum(b - a for a, b in ws)  # noqa: E731
+    steady = rate(without)
+    return {"steady_tps": steady, "publish_fraction": rate(with_fence) / steady,
+            "fence_fraction": rate([(a, b) for a, b in fences if b <= end]) / steady,
+            "windows": len(windows), "publish_windows": len(with_fence)}
+
+
+def _steps(start: float, stop: float, step: float):
+    while start <= stop:
+        yield start
+        start += step
 
 
 def memory_growth(args) -> None:

@@ -9,6 +9,10 @@ until it is signalled. Without the variable every point is a no-op.
 Points: `rollout` (step STEP's samples are in, its batch not yet written), `train` (batch
 STEP read, not yet applied), `publish` (version STEP's first bucket sent: the workers are
 paused mid-update), `checkpoint` (step STEP's shards written, not yet marked complete).
+
+One point fails instead of waiting, for a test that runs the fleet coordinator in its own
+process and arms it there: `probe` (every agreement probe scored at version STEP reads as
+failed, while the variable is set: the test unsets it once it has seen the failures it needs).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import time
 
 ENV = "FLEETRL_FAILPOINT"
-POINTS = ("rollout", "train", "publish", "checkpoint")
+POINTS = ("rollout", "train", "publish", "checkpoint", "probe")
 
 
 def _armed(point: str, step: int) -> bool:
@@ -41,3 +45,8 @@ async def held(point: str, step: int) -> None:
     what fleetrl started when the signal comes."""
     if _armed(point, step):
         await asyncio.Event().wait()
+
+
+def tripped(point: str, step: int) -> bool:
+    """Whether a point that fails instead of waiting (`probe`) is armed for `step`."""
+    return _armed(point, step)

@@ -63,7 +63,15 @@ def step_text(line: StepLine, max_steps: int, dynamic_sampling: bool) -> str:
             + (f"filtered {batch.filtered}/{batch.sampled_prompts} groups  " if dynamic_sampling else "")
             + f"loss {loss}  mismatch {kl_text(update.mismatch_kl)}  staleness {kl_text(update.staleness_kl)}  "
             f"lr {update.lr:.1e}  train {line.train_finished - line.train_started:.1f}s  "
-            f"publish {line.publish.seconds:.1f}s  workers at {sorted(set(line.worker_versions.values()))}")
+            f"publish {line.publish.seconds:.1f}s  workers at {sorted(set(line.worker_versions.values()))}"
+            + (f"  waves {waves_text(line)}" if line.publish.waves else ""))
+
+
+def waves_text(line: StepLine) -> str:
+    """The waves of rolling publishes that ended since the last step's: v<version>/<wave> (a
+    canary starred), the workers it brought to the version and its seconds."""
+    return ", ".join(f"v{w.version}/{w.wave}{'*' if w.canary else ''} {'+'.join(w.ready) or 'none'} {w.seconds:.1f}s"
+                     for w in line.publish.waves or [])
 
 
 def outlier_texts(line: StepLine) -> list[str]:

@@ -50,7 +50,8 @@ def eval_plot(evals: list[EvalLine]) -> bytes:
 
 def timeline_plot(events: list[FleetEvent], k: int) -> bytes:
     """Each trainer step and each worker's state over wall time (serving at vN in vN's colour,
-    paused, updating, ...), publish fences as vertical bands, and below, one bar per sample from its start to its end,
+    paused, updating, ...), publish fences as vertical bands (a rolling publish's waves on their
+    own workers' rows), and below, one bar per sample from its start to its end,
     split where its tokens change version (at the token position, the bar read as the tokens in
     order) and coloured by version. A sample whose tokens lie more than `k` versions behind its
     step is outlined in magenta (the orchestrator dropped it)."""
@@ -67,10 +68,17 @@ def timeline_plot(events: list[FleetEvent], k: int) -> bytes:
 
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 2.5 + 0.35 * len(rows) + min(6.0, 0.06 * len(samples))),
                                       gridspec_kw={"height_ratios": [len(rows), max(2, min(12, len(samples) // 6))]})
-    for start, end, version in _fences(events, t_end):
-        for ax in (top, bottom):
-            ax.axvspan(start - t0, end - t0, color=FENCE_COLOR, zorder=0)
-        top.text(start - t0, len(rows) - 0.45, f"v{version}", fontsize=7, va="bottom")
+    for start, end, version, wave, fenced in _fences(events, t_end):
+        if wave is None:  # a fenced publish: the whole fleet
+            for ax in (top, bottom):
+                ax.axvspan(start - t0, end - t0, color=FENCE_COLOR, zorder=0)
+            top.text(start - t0, len(rows) - 0.45, f"v{version}", fontsize=7, va="bottom")
+            continue
+        # A wave of a rolling publish: its workers' rows alone, the rest of the fleet serving.
+        wave_rows = [workers.index(w) for w in fenced if w in workers]
+        for row in wave_rows:
+            top.barh(row, end - start, left=start - t0, height=1.0, color=FENCE_COLOR, zorder=0)
+        top.text(start - t0, max(wave_rows, default=0) + 0.3, f"v{version}/{wave}", fontsize=7, va="bottom")
     for row, worker in enumerate(workers):
         for start, end, state, version in _states(events, worker, t_end):
             if state == "ready" and version is not None:
@@ -128,16 +136,20 @@ def _version_colors(versions: list[int]) -> dict[int, str]:
     return {v: matplotlib.colors.to_hex(gradient(i / (len(versions) - 1))) for i, v in enumerate(versions)}
 
 
-def _fences(events: list[FleetEvent], t_end: float) -> list[tuple[float, float, int]]:
-    """(start, end, version) of each publish fence; one the run did not see end ends with the run."""
+def _fences(events: list[FleetEvent], t_end: float) -> list[tuple[float, float, int, int | None, list[str]]]:
+    """(start, end, version, wave, workers) of each publish fence: wave None and no workers for a
+    fenced publish (the whole fleet), else one wave of a rolling publish and the workers it
+    fenced. One the run did not see end ends with the run."""
     fences, open_at = [], {}
     for event in events:
         if isinstance(event, FenceEvent):
+            key = event.version, event.wave
             if event.phase == "start":
-                open_at[event.version] = event.t
-            elif event.version in open_at:
-                fences.append((open_at.pop(event.version), event.t, event.version))
-    return fences + [(start, t_end, version) for version, start in open_at.items()]
+                open_at[key] = event.t, event.workers or []
+            elif key in open_at:
+                start, workers = open_at.pop(key)
+                fences.append((start, event.t, *key, workers))
+    return fences + [(start, t_end, *key, workers) for key, (start, workers) in open_at.items()]
 
 
 def _states(events: list[FleetEvent], worker: str, t_end: float) -> list[tuple[float, float, str, int | None]]:

@@ -165,6 +165,26 @@ class StepMetrics(Record):
     tokens_per_s: float
 
 
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+class WaveReport(Record):
+    """One wave of a rolling publish (inference/fleet/fence.py): the workers it fenced at
+    `version`, which came out ready and which failed, when it began (wall time) and its seconds.
+    `canary`: no worker had agreed at `version` before it, so the version went no further until
+    one of it did."""
+
+    version: int
+    wave: int  # 1, 2, ... within the publish of `version`
+    canary: bool
+    workers: list[str]
+    ready: list[str]
+    failed: dict[str, str]
+    started: float
+    seconds: float
+
+
 class PublishReport(Record):
     """How one version's publish went (inference/fleet.py): which workers came out ready at
     `version`, which failed and why, and each ready one's time, bytes and probe."""
@@ -180,6 +200,10 @@ class PublishReport(Record):
     # ready worker id -> the tensor bytes its ranks received (the most of any rank): what the
     # publish moved onto it, a LoRA run's adapter alone or the whole model
     received_bytes: dict[str, int] = Field(default_factory=dict)
+    # A rolling publish's waves that ended since the last publish returned, its own first ones
+    # (until the canary agreed) and the rest of the one before (which went on after it returned);
+    # None in a fenced publish. `ready` and the figures above are those of the waves of `version`.
+    waves: list[WaveReport] | None = Field(None, exclude_if=_unset)
 
 
 class StepLine(Record):
@@ -403,12 +427,17 @@ class WorkerEvent(Record):
 
 
 class FenceEvent(Record):
-    """A publish's fence began (`start`) or ended (`end`, with the workers that came out ready)."""
+    """A publish's fence began (`start`) or ended (`end`, with the workers that came out ready);
+    in a rolling publish, one wave's fence, `wave` its number (None in a fenced publish), `canary`
+    whether it was the canary, `workers` those it fenced."""
 
     KIND: ClassVar = "fence"
     phase: str
     version: int
     ready: list[str] | None = None
+    wave: int | None = Field(None, exclude_if=_unset)
+    canary: bool | None = Field(None, exclude_if=_unset)
+    workers: list[str] | None = Field(None, exclude_if=_unset)
     t: float = Field(default_factory=time.time)
 
 

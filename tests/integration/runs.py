@@ -57,11 +57,16 @@ RUNS: dict[str, RunSpec] = {
         "the quickstart's section 6 as written (1 trainer rank) on two servers started by its own command: the "
         "base weights from the trainer's own copy, 1 step",
         "test_kill_points.py"),
+    # A resume in rolling mode (issue 39, item 3) would ride this sequence, not yet written: run
+    # on both operator servers with --inference.publish rolling, its mid-publish kill (failpoint
+    # publish:STEP) lands in the canary's wave while the other server still serves vSTEP-1, and
+    # the run after it must bring both to the checkpoint's version before either serves.
     "kill-points": RunSpec(
         "fleetrl rl @ configs/default.toml @ rl.toml --inference.urls [one server] (2 trainer ranks, k = 0, two "
         "environments; six runs, each with a failpoint)",
         "killed at each point of a step (SIGKILL mid-rollout and mid-publish, SIGINT mid-train, SIGTERM "
-        "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same server; the "
+        "mid-checkpoint, a dead trainer rank), each run resuming what the last left on the same server, the last "
+        "two in rolling mode (inference.publish = 'rolling': each publish a canary wave); the "
         "final model exported and served by plain vLLM, then scored by the quickstart's `fleetrl eval` on the run's "
         "server (held to its weights at v5 first, 8 held-out prompts per environment, every token at v5, the table "
         "the records' figures); the KL penalty to the base model, its reference kept "

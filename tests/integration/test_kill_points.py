@@ -11,6 +11,8 @@ items 8 and 13), packed into one sequence of runs on one vLLM server:
            then scored by the quickstart's `fleetrl eval` on the run's server (riding on the
            deployment: no vLLM started for it), every token at the final version
 
+Runs 5 and 6 resume in rolling mode (inference.publish = "rolling"): each publish is a wave.
+
 Before them, on two such servers, the quickstart's attached run exactly as written (one trainer
 rank, both servers), which the sequence's two ranks do not cover. The sequence attaches to the
 first of the two only: a publish to one worker takes half the time of a publish to two, and each
@@ -54,7 +56,7 @@ from fleetrl.inference.http import prompt_logprobs_of
 from fleetrl.inference.vllm.admin import VllmAdminRoutes, VllmWorkerControl
 from fleetrl.inference.vllm.data import VllmDataClient
 from fleetrl.processes import free_port
-from fleetrl.records import RolloutRecord, StepLine
+from fleetrl.records import FenceEvent, RolloutRecord, StepLine
 from fleetrl.rundir import RunDir
 from fleetrl.trainer import checkpoint
 
@@ -111,11 +113,16 @@ CHAT = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: app
         "\"max_tokens\": 16}'")
 
 
+# Runs 5 and 6 resume in rolling mode (issue 39): inference.publish is not run-defining, so a
+# run switches by flag; with one worker each publish is one wave, its canary.
+ROLLING = ("--inference.publish", "rolling")
+
+
 class Run:
     """One `fleetrl rl` of the sequence, its output in its own log: the attached run with this
     module's config (fleetrl itself is the process: the signals reach it)."""
 
-    def __init__(self, tmp_path, urls, name: str, failpoint: str | None = None) -> None:
+    def __init__(self, tmp_path, urls, name: str, failpoint: str | None = None, flags: tuple[str, ...] = ()) -> None:
         config = tmp_path / "rl.toml"
         config.write_text(CONFIG)
         self.log_path = tmp_path / f"{name}.log"
@@ -124,7 +131,7 @@ class Run:
         if failpoint:
             env[FAILPOINT_ENV] = failpoint
         argv = [str(ROOT / ".venv" / "bin" / "fleetrl"), "rl", "@", str(ROOT / "configs" / "default.toml"), "@",
-                str(config), "--inference.urls", json.dumps(urls), "--run.dir", str(tmp_path / "run")]
+                str(config), "--inference.urls", json.dumps(urls), "--run.dir", str(tmp_path / "run"), *flags]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
                                          env=env, preexec_fn=_term_with_parent)
@@ -265,8 +272,8 @@ def sequence(operator_servers, tmp_path_factory) -> Sequence:
     gone: dict[str, float] = {}
     runs: list[Run] = []
 
-    def start(name: str, failpoint: str | None = None) -> Run:
-        runs.append(Run(tmp_path, urls, name, failpoint))
+    def start(name: str, failpoint: str | None = None, flags: tuple[str, ...] = ()) -> Run:
+        runs.append(Run(tmp_path, urls, name, failpoint, flags))
         return runs[-1]
 
     try:
@@ -299,7 +306,7 @@ def sequence(operator_servers, tmp_path_factory) -> Sequence:
         assert run.proc.returncode != 0
         assert latest_checkpoint(run_dir) == 3  # step 4's checkpoint never completed
 
-        run = start("5-dead-rank")
+        run = start("5-dead-rank", flags=ROLLING)
         run.wait_for("checkpoint 4", lambda: latest_checkpoint(run_dir) == 4)
         assert "resuming after step 3" in run.out()
         rank1 = next(iter(run.groups))
@@ -310,7 +317,7 @@ def sequence(operator_servers, tmp_path_factory) -> Sequence:
         assert "Traceback" not in run.out()
         assert latest_checkpoint(run_dir) == 4
 
-        run = start("6-finish")
+        run = start("6-finish", flags=ROLLING)
         assert run.finish() == 0, run.out()[-3000:]
         assert "resuming after step 4" in run.out()
     finally:
@@ -351,6 +358,20 @@ def test_the_kl_penalty_is_to_the_base_model_through_every_resume(sequence):
     done = sequence.metrics()
     assert done[0].update.ref_kl == pytest.approx(0.0, abs=1e-9)
     assert all(m.update.ref_kl > 0 for m in done[1:]) and done[0].update.grad_norm > 0, [m.update for m in done]
+
+
+def test_the_runs_resumed_in_rolling_mode_published_in_canary_waves(sequence):
+    """Runs 1-4 fenced every publish; runs 5 and 6, resumed with inference.publish = "rolling",
+    published v4 and v5 (the run's last) each as one canary wave that the worker came out of
+    ready; `fleetrl verify` and the checks above hold across the switch."""
+    ends = [e for e in RunDir(sequence.run_dir).read_events() if isinstance(e, FenceEvent) and e.phase == "end"]
+    first, last = {}, {e.version: e for e in ends}
+    for e in ends:
+        first.setdefault(e.version, e)
+    assert all(first[v].wave is None for v in (1, 2, 3)), first
+    for version in (4, 5):
+        end = last[version]
+        assert (end.wave, end.canary, end.ready) == (1, True, [sequence.urls[0]]), end
 
 
 def test_the_last_resume_refitted_the_worker_to_the_checkpoints_version_first(sequence):

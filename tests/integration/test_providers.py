@@ -27,7 +27,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from fleetrl import admin_signature
+from fleetrl import admin_signature, failpoints
 from fleetrl.app.providers import Tokens, build_provider, start_recorded
 from fleetrl.app.providers import base_weights as base_weights_of
 from fleetrl.app.rl import apply_core_plan
@@ -40,11 +40,13 @@ from fleetrl.envs.tools import Tool
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.dynamo.launcher import wait_ready
 from fleetrl.inference.fleet import AgreementProbe, Fleet
+from fleetrl.inference.fleet.fence import plan_waves
 from fleetrl.inference.http import metric_total, sign, unproven
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import Episode, EpisodeLimits, run_episode
+from fleetrl.records import FenceEvent
 from fleetrl.rundir import RunDir, check_turns
 from fleetrl.trainer.model import prompt_logprobs
 from fleetrl.versions import VersionSpan, new_run_id, off_policy_distance
@@ -829,6 +831,167 @@ async def test_a_tool_that_raises_or_hangs_ends_its_episode_with_the_reason(flee
     }
 
 
+# -- rolling publishes (issue 39): waves of one worker, the first a canary -------------------------
+# Two versions served at once, on both providers' fleets; a failed canary and a canary killed
+# mid-wave on the native fleet (what they test is the fence's, which every provider shares). A
+# resume in rolling mode needs a real run: the kill-points entry of runs.py.
+
+
+class FenceLog:
+    """The fleet's fence events, each with every worker's (state, version) as it was emitted;
+    `then`, if set, is called with each event after it was logged."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet, self.entries, self.then = fleet, [], None
+
+    def __call__(self, event) -> None:
+        if isinstance(event, FenceEvent):
+            self.entries.append((event, {w.id: (w.state, w.version) for w in self.fleet.workers.values()}))
+            if self.then:
+                self.then(event)
+
+    def of(self, version: int) -> list[tuple]:
+        """(phase, wave, canary, the workers fenced or come out ready) of `version`'s fences."""
+        return [(e.phase, e.wave, e.canary, e.workers if e.phase == "start" else e.ready)
+                for e, _ in self.entries if e.version == version]
+
+
+@asynccontextmanager
+async def rolling_publishes(fleet: Fleet, base_weights, transport, max_lag: int | None = None):
+    """The module's fleet publishes in waves of one worker (inference.publish = "rolling"), with
+    the run's k = `max_lag`, its fence events logged, for the block. After it: the wave under way
+    ends, the fleet is fenced again, and every live worker is ready at the fleet's version, as
+    the module's other tests leave it (a fenced publish of the next version where one is not)."""
+    settings = fleet.publish_kind, fleet.wave_size, fleet.max_lag, fleet.on_event
+    fences = FenceLog(fleet)
+    fleet.publish_kind, fleet.wave_size, fleet.max_lag, fleet.on_event = "rolling", 1, max_lag, fences
+    try:
+        yield fences
+    finally:
+        await fleet.fence.stop_waves(supersede=True)
+        fleet.publish_kind, fleet.wave_size, fleet.max_lag, fleet.on_event = settings
+        live = [w for w in fleet.workers.values() if w.state != WorkerState.DEAD]
+        if any((w.state, w.version) != (WorkerState.READY, fleet.version) for w in live):
+            version = fleet.version + 1
+            await fleet.publish(version, transport, perturbed(base_weights, seed=version))
+
+
+@asynccontextmanager
+async def wave_held(fleet: Fleet, worker):
+    """The wave of `worker` waits at its first step, the health check that opens it, until the
+    block ends: the worker stays ready at the version it holds, and serves it."""
+    release, check = asyncio.Event(), fleet.roster.check_health
+
+    async def held(w) -> None:
+        if w.id == worker.id:
+            await release.wait()
+        await check(w)
+
+    fleet.roster.check_health = held
+    try:
+        yield
+    finally:
+        release.set()
+        del fleet.roster.check_health  # the method again
+
+
+@only("vllm", "dynamo")
+async def test_a_rolling_publish_serves_two_versions_at_one_moment_never_past_k(fleet, base_weights, tokenizer,
+                                                                              tmp_path_factory, monkeypatch):
+    """Once the canary wave took v+1, the other worker's wave is held and it serves v on. Two
+    requests sent together run one on each worker: each token's span names its worker's version
+    (v's greedy tokens on one, v+1's on the other). At k = 1 both take requests; at k = 0 none
+    goes to the worker one version behind; no dispatch at all went to a worker more than the k
+    then in force behind the newest version."""
+    old = fleet.version
+    prompt = chat_ids(tokenizer, "Write a long story about a lighthouse keeper.")
+    reference = await greedy(fleet, prompt, IN_FLIGHT_TOKENS)  # v's, on either worker
+    [canary], [behind] = plan_waves(fleet.ready_workers(), 1)
+    dispatches, generate = [], fleet.provider.generate
+
+    async def recorded(worker, *rest):
+        dispatches.append((fleet.version - worker.version, fleet.max_lag, worker.id))
+        return await generate(worker, *rest)
+
+    monkeypatch.setattr(fleet.provider, "generate", recorded)
+    transport = transport_for("broadcast", tmp_path_factory)
+    try:
+        async with rolling_publishes(fleet, base_weights, transport, max_lag=1) as fences:
+            async with wave_held(fleet, behind):
+                report = await fleet.publish(old + 1, transport, perturbed(base_weights, seed=old + 1))
+                assert report.ready == [canary.id] and fleet.version == old + 1, report
+                assert {w.id: (w.state, w.version) for w in fleet.ready_workers()} == {
+                    canary.id: (WorkerState.READY, old + 1), behind.id: (WorkerState.READY, old)}
+                # Sent together, the second goes where the first is not running: both serve at once.
+                both = await asyncio.gather(*(greedy_response(fleet, prompt, IN_FLIGHT_TOKENS) for _ in range(2)))
+                outs = {o.worker_id: o for o in both}
+                assert sorted(outs) == sorted([canary.id, behind.id]), both
+                assert outs[behind.id].spans == [VersionSpan(old, 0)] and outs[behind.id].token_ids == reference
+                assert outs[canary.id].spans == [VersionSpan(old + 1, 0)] and outs[canary.id].token_ids != reference
+                assert all(o.version_error is None for o in both)
+                fleet.max_lag = 0
+                at_k0 = await asyncio.gather(*(greedy_response(fleet, prompt, 8) for _ in range(4)))
+                assert all(o.worker_id == canary.id and o.spans == [VersionSpan(old + 1, 0)] for o in at_k0), at_k0
+        # The held wave went on when the block ended: both workers at v+1, the same weights.
+        assert fences.of(old + 1) == [("start", 1, True, [canary.id]), ("end", 1, True, [canary.id]),
+                                      ("start", 2, False, [behind.id]), ("end", 2, False, [behind.id])]
+        after = await asyncio.gather(*(greedy_response(fleet, prompt, IN_FLIGHT_TOKENS) for _ in range(2)))
+        assert {o.worker_id for o in after} == {canary.id, behind.id}
+        assert all(o.token_ids == outs[canary.id].token_ids and o.spans == [VersionSpan(old + 1, 0)] for o in after)
+    finally:
+        await transport.close()
+    assert (1, 1, behind.id) in dispatches  # a request went to the worker one behind, at k = 1
+    assert all(k is None or lag <= k for lag, k, _ in dispatches), dispatches
+
+
+@only("vllm")  # the fence's own logic, the same on every provider
+@pytest.mark.parametrize("failures", [1, 2])
+async def test_a_canary_whose_probe_fails_holds_the_version_back_from_the_others(fleet, base_weights, probe,
+                                                                               tmp_path_factory, monkeypatch,
+                                                                               failures):
+    """The canary's agreement probe at v+1 is made to fail (the `probe` failpoint, unset after
+    `failures` failed fences). Until the canary agrees the other worker is given nothing and
+    serves v. Failed once, the canary is refitted, agrees, and only then does the next wave take
+    v+1; failed twice, it is quarantined (stale) and the next wave is the canary."""
+    old = fleet.version
+    [canary], [other] = plan_waves(fleet.ready_workers(), 1)
+    ids = probe[0]
+    weights = perturbed(base_weights, seed=old + 1)
+    right = AgreementProbe(ids, prompt_logprobs(model_with(base_weights, weights), ids, CPU))
+    monkeypatch.setenv(failpoints.ENV, f"probe:{old + 1}")
+    failed_fences = []
+
+    def disarm(event) -> None:
+        if event.phase == "end" and event.version == old + 1 and not event.ready:
+            failed_fences.append(event)
+            if len(failed_fences) == failures:
+                monkeypatch.delenv(failpoints.ENV)
+
+    transport = transport_for("broadcast", tmp_path_factory)
+    try:
+        async with rolling_publishes(fleet, base_weights, transport) as fences:
+            fences.then = disarm
+            report = await fleet.publish(old + 1, transport, weights, right, everywhere=True)
+            quarantined = fleet.workers[canary.id].state
+    finally:
+        await transport.close()
+    canary_fences = [("start", 1, True, [canary.id]), ("end", 1, True, [])] * failures
+    if failures == 1:
+        assert fences.of(old + 1) == [*canary_fences, ("start", 1, True, [canary.id]), ("end", 1, True, [canary.id]),
+                                      ("start", 2, False, [other.id]), ("end", 2, False, [other.id])]
+        assert sorted(report.ready) == sorted([canary.id, other.id]) and not report.failed, report
+    else:
+        assert fences.of(old + 1) == [*canary_fences, ("start", 2, True, [other.id]), ("end", 2, True, [other.id])]
+        assert report.ready == [other.id] and "agreement probe" in report.failed[canary.id], report
+        assert quarantined == WorkerState.STALE
+    assert report.probe[other.id] < 2e-3 and (report.probe[canary.id] < 2e-3 if failures == 1
+                                              else report.probe[canary.id] == float("inf")), report.probe
+    # Until its own wave began, the other worker was given nothing, and served v.
+    entries = [(event, states) for event, states in fences.entries if event.version == old + 1]
+    opened = next(i for i, (event, _) in enumerate(entries) if event.workers == [other.id])
+    assert all(states[other.id] == (WorkerState.READY, old) for _, states in entries[:opened + 1]), entries
+
+
 # -- the tests below change the fleet's membership: they run last -------------------------------
 
 
@@ -920,5 +1083,60 @@ async def test_worker_killed_mid_publish_leaves_the_others_at_one_version(fleet,
         await fleet.provider.admin(worker).verify_weights(report.checksum)
     outs = await asyncio.gather(*(greedy_response(fleet, chat_ids(tokenizer, "Say hello."), 8) for _ in range(4)))
     assert all(o.spans == [VersionSpan(old + 1, 0)] and o.worker_id != victim.id for o in outs)
+    await fleet.refresh()
+    assert fleet.workers[victim.id].state == WorkerState.DEAD
+
+
+async def restart_the_dead(fleet: Fleet, request) -> None:
+    """The launched workers the tests above killed started again (inference.max_restarts), until
+    the fleet has as many live workers as it launched, each refitted at the fleet's version."""
+    launched = PROVIDERS[request.node.callspec.params["fleet"]]["workers"]
+    dead = [w for w in fleet.workers.values() if w.state == WorkerState.DEAD]
+    fleet.restarts_left = launched - (len(fleet.workers) - len(dead))
+    for worker in dead:
+        await fleet.lifecycle._restart(worker)
+    deadline = time.monotonic() + 900
+    await fleet.refresh()
+    while len(fleet.ready_workers()) < launched:
+        assert time.monotonic() < deadline, f"the restarted workers never became ready: {fleet.workers}"
+        await asyncio.sleep(1.0)
+        await fleet.refresh()
+    fleet.restarts_left = 0
+
+
+@only("vllm")  # a Dynamo worker killed mid-publish: test_worker_killed_mid_publish_leaves_the_others_at_one_version
+async def test_a_canary_killed_mid_wave_hands_the_version_to_the_next_wave(fleet, base_weights, tokenizer,
+                                                                         tmp_path_factory, request):
+    """Rolling: the canary is killed in the middle of its wave's transfer. The version goes on
+    without it: the next wave is the canary and takes it, verified, and the survivor serves it
+    alone. (Two live workers first: the one the test above killed is started again.)"""
+    await restart_the_dead(fleet, request)
+    old = fleet.version
+    [victim], [survivor] = plan_waves(fleet.ready_workers(), 1)
+    stop_victim = stop_now(fleet, victim)
+    weights = perturbed(base_weights, seed=old + 1)
+    sends = 0
+
+    def killing_weights():  # sent once a wave (and again to a wave retried): the canary's first
+        nonlocal sends
+        sends += 1
+        first = sends == 1
+        for i, item in enumerate(weights()):
+            if first and i == 20:  # mid-transfer
+                stop_victim()
+            yield item
+
+    transport = transport_for("broadcast", tmp_path_factory, bucket_bytes=4 << 20)
+    try:
+        async with rolling_publishes(fleet, base_weights, transport):
+            report = await fleet.publish(old + 1, transport, killing_weights, everywhere=True)
+    finally:
+        await transport.close()
+    assert report.ready == [survivor.id] and report.failed[victim.id], report
+    assert [(w.wave, w.canary, w.workers, w.ready) for w in report.waves if w.version == old + 1] == [
+        (1, True, [victim.id], []), (2, True, [survivor.id], [survivor.id])], report.waves
+    await fleet.provider.admin(survivor).verify_weights(report.checksum)
+    outs = await asyncio.gather(*(greedy_response(fleet, chat_ids(tokenizer, "Say hello."), 8) for _ in range(4)))
+    assert all(o.spans == [VersionSpan(old + 1, 0)] and o.worker_id == survivor.id for o in outs)
     await fleet.refresh()
     assert fleet.workers[victim.id].state == WorkerState.DEAD

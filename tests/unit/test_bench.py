@@ -31,7 +31,13 @@ def test_bench_runs_each_suite_prints_the_ratio_table_and_writes_the_json(tmp_pa
         record("broadcast publish time, Dynamo / native", 1.1)
         sys.exit(3)
         """)
-    write_script(scripts, "bench_rl.py", 'record("step time, k = 1 / k = 0", 0.9)\n')
+    write_script(scripts, "bench_rl.py", """
+        if "--publish" in sys.argv:  # the publish suite: its flag, then --quick's
+            assert sys.argv[1:] == ["--publish", "--steps", "4", "--max-tokens", "128"], sys.argv
+            record("step time, rolling / fenced publishes (2 workers, k = 1)", 0.8)
+        else:
+            record("step time, k = 1 / k = 0", 0.9)
+        """)
     write_script(scripts, "bench_trainer.py", 'record("trainer step, fleetrl / bare transformers (tokens/s)", 1.02)\n')
     write_script(scripts, "bench_cpu_lora.py", 'record("cpu lora expand at 2048 tokens, vLLM / fleetrl", 54.4)\n')
     monkeypatch.setattr(bench, "BENCHMARKS_DIR", scripts)
@@ -42,20 +48,24 @@ def test_bench_runs_each_suite_prints_the_ratio_table_and_writes_the_json(tmp_pa
     assert main(["bench", "--suite", "all", "--quick", "--out", str(out)]) == 1  # dynamo failed
     printed = capfd.readouterr().out
     assert "measuring ['--reps', '1', '--max-tokens', '16']" in printed  # --quick reaches the script
-    assert "[2/6] dynamo: FAILED" in printed
-    assert "[6/6] trl: skipped: it needs trl (pip install -e '.[bench]')" in printed
+    assert "[2/7] dynamo: FAILED" in printed
+    assert "[7/7] trl: skipped: it needs trl (pip install -e '.[bench]')" in printed
     table = printed[printed.index("suite  "):]
     assert re.search(r"\nfleet +broadcast publish / bare gloo broadcast +1\.25 +2 workers\n", table)
     assert re.search(r"\ndynamo +\(failed\)", table) and re.search(r"\nrl +step time, k = 1 / k = 0 +0\.90", table)
+    assert re.search(r"\npublish +step time, rolling / fenced publishes \(2 workers, k = 1\) +0\.80", table)
     assert re.search(r"\ntrl +\(skipped\) +- +needs trl", table)
     report = json.loads(out.read_text())
-    assert report["quick"] is True and list(report["suites"]) == ["fleet", "dynamo", "rl", "trainer", "cpu-lora", "trl"]
+    assert report["quick"] is True and list(report["suites"]) == ["fleet", "dynamo", "rl", "publish", "trainer", "cpu-lora",
+                                                         "trl"]
     assert report["suites"]["trl"] == {"skipped": "needs trl (pip install -e '.[bench]')", "figures": []}
     assert report["suites"]["fleet"]["figures"][1] == {"figure": "fence, 2 workers / 1 worker", "ratio": 1.5,
                                                         "detail": ""}
     assert report["suites"]["dynamo"]["returncode"] == 3
     assert report["suites"]["fleet"]["command"] == ["python", "benchmarks/bench_fleet.py", "--reps", "1",
                                                     "--max-tokens", "16"]
+    assert report["suites"]["publish"]["command"] == ["python", "benchmarks/bench_rl.py", "--publish", "--steps", "4",
+                                                      "--max-tokens", "128"]
 
     assert main(["bench", "--suite", "rl", "--out", str(out)]) == 0
     assert list(json.loads(out.read_text())["suites"]) == ["rl"]

@@ -153,6 +153,18 @@ def test_pause_mode_follows_the_worker_kind():
         load_config([], [dynamo, ("inference.dynamo.worker", "fleetrl"), prefill, ("inference.pause_mode", "keep")])
 
 
+def test_a_rolling_publish_and_its_waves():
+    assert load_config([], []).inference.publish == "fenced"
+    rolling = load_config([], [("inference.publish", "rolling"), ("inference.publish_wave", "2")]).inference
+    assert (rolling.publish, rolling.publish_wave) == ("rolling", 2)
+    with pytest.raises(ConfigError, match=r"'inference.publish': .*'fenced'.*'rolling'"):
+        load_config([], [("inference.publish", "staggered")])
+    with pytest.raises(ConfigError, match=r"'inference.publish_wave'"):
+        load_config([], [("inference.publish", "rolling"), ("inference.publish_wave", "0")])
+    with pytest.raises(ConfigError, match=r"inference.publish_wave \(3\) is set but inference.publish is 'fenced'"):
+        load_config([], [("inference.publish_wave", "3")])
+
+
 def test_dynamo_attach_and_discovery_fields():
     attach = [("inference.provider", "dynamo"), ("inference.dynamo.frontend_url", "http://fe:8000"),
               ("inference.dynamo.rl_url", "http://fe:8001")]

@@ -6,7 +6,7 @@ import psutil
 
 from fleetrl.config import Config
 from fleetrl.monitoring import StepSink, scalars, step_text
-from fleetrl.records import EvalFigures
+from fleetrl.records import EvalFigures, WaveReport
 from fleetrl.rundir import RunDir
 
 from .step_lines import LINE, changed
@@ -32,6 +32,16 @@ def test_the_printed_line_says_n_a_for_what_measured_nothing():
     assert "  dropped off_policy 2, tool_failed 1  " in step_text(
         changed(LINE, batch={"dropped_by": {"off_policy": 2, "tool_failed": 1}}), 10, dynamic_sampling=False)
     assert "filtered 0/2 groups" in step_text(LINE, 10, dynamic_sampling=True)
+    assert "waves" not in text  # a fenced publish has none
+
+
+def test_the_printed_line_names_the_waves_of_rolling_publishes():
+    waves = [WaveReport(version=1, wave=2, canary=False, workers=["w1"], ready=["w1"], failed={}, started=0.0,
+                        seconds=0.4),
+             WaveReport(version=2, wave=1, canary=True, workers=["w0"], ready=["w0"], failed={}, started=1.0,
+                        seconds=0.5)]
+    text = step_text(changed(LINE, publish={"waves": waves}), 10, dynamic_sampling=False)
+    assert text.endswith("workers at [1]  waves v1/2 w1 0.4s, v2/1* w0 0.5s")
 
 
 def test_one_write_reaches_metrics_tensorboard_wandb_offline_the_view_and_the_log_without_the_tokens(tmp_path):

@@ -118,6 +118,8 @@ async def test_samples_over_the_bound_are_dropped_even_if_admission_failed(monke
         return None
 
     monkeypatch.setattr(fleet, "wait_for_version", no_admission)
+    admitted = fleet.routing._admitted  # each request's own bound bypassed too
+    monkeypatch.setattr(fleet.routing, "_admitted", lambda min_version=None: admitted())
     with pytest.raises(FleetrlError, match="^batch 3 is empty: of 12 samples 12 exceeded orchestrator.max_off_policy_steps "
                                            "= 0, 0 were misversioned, 0 had a failed reward and 0 were empty$"):
         await orch.make_batch(3)

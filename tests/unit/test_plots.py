@@ -71,6 +71,18 @@ def test_plot_draws_the_timeline_from_the_events_and_the_same_bytes_again(tmp_pa
     assert not (run / "eval.png").exists()  # the run has not evaluated
 
 
+def test_the_timeline_draws_each_wave_of_a_rolling_publish_on_its_own_workers():
+    from fleetrl.plots import _fences, timeline_plot
+    from fleetrl.records import read_event
+
+    waves = [{"t": T + 1, "event": "fence", "phase": "start", "version": 1, "wave": 1, "canary": True, "workers": ["w0"]},
+             {"t": T + 2, "event": "fence", "phase": "end", "version": 1, "ready": ["w0"], "wave": 1, "canary": True},
+             {"t": T + 3, "event": "fence", "phase": "start", "version": 1, "wave": 2, "canary": False, "workers": ["w1"]}]
+    events = [read_event(e, "events.jsonl") for e in EVENTS[:4] + EVENTS[10:11] + waves]
+    assert _fences(events, T + 9) == [(T + 4, T + 6, 1, None, []), (T + 1, T + 2, 1, 1, ["w0"]), (T + 3, T + 9, 1, 2, ["w1"])]
+    assert rgb("#fff3b0") in colors_in(timeline_plot(events, k=1))
+
+
 def test_plot_draws_each_evaluated_environments_reward_and_pass_at_1_per_version(tmp_path, capsys):
     """eval.png: a line per figure and environment, over the evaluated versions; a figure an
     evaluation does not have (None, or an environment it did not evaluate) is a gap, not an error."""

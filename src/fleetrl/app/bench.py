@@ -8,7 +8,7 @@ This command only runs the scripts, streams their output, and gathers what they 
 scripts are part of the source checkout, not of the installed package: `fleetrl bench` runs from
 a checkout.
 
-    fleetrl bench [--suite fleet|dynamo|rl|trainer|trl|all] [--quick] [--out bench.json]
+    fleetrl bench [--suite fleet|dynamo|rl|publish|trainer|cpu-lora|trl|all] [--quick] [--out bench.json]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class Suite:
     quick: tuple[str, ...]  # the script's flags for --quick: fewer repetitions, shorter runs
     measures: str
     needs: str | None = None  # a module of an extra the suite needs; skipped (and said so) without it
+    flags: tuple[str, ...] = ()  # the script's flags that make this suite of it, always given
 
 
 SUITES = {
@@ -46,6 +47,9 @@ SUITES = {
                     "Dynamo against native: rollouts and publish"),
     "rl": Suite("bench_rl.py", ("--steps", "3"),
                 "fleetrl rl: step time at k = 1 against k = 0"),
+    "publish": Suite("bench_rl.py", ("--steps", "4", "--max-tokens", "128"),
+                     "fleetrl rl: sampling throughput around publishes and step time, rolling against fenced",
+                     flags=("--publish",)),
     "trainer": Suite("bench_trainer.py", ("--reps", "1"),
                      "trainer step against a bare transformers + torch step, and 2 ranks against 1"),
     "cpu-lora": Suite("bench_cpu_lora.py", ("--reps", "2"),
@@ -95,7 +99,7 @@ def installed(module: str) -> bool:
 
 def _run_suite(name: str, quick: bool, benchmarks_dir: Path, log) -> dict:
     suite = SUITES[name]
-    flags = list(suite.quick) if quick else []
+    flags = [*suite.flags, *(suite.quick if quick else ())]
     argv = [sys.executable, str(benchmarks_dir / suite.script), *flags]
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results.jsonl"

@@ -140,7 +140,9 @@ def build_fleet(config: Config, run_dir: RunDir, model_dir: Path, adapter: Adapt
     return Fleet(provider, pause_mode=inference.resolved_pause_mode(),
                  discovery_interval_s=inference.discovery_interval_s, health_timeout_s=inference.health_timeout_s,
                  no_worker_timeout_s=inference.no_worker_timeout_s, probe_tolerance=inference.probe_tolerance,
-                 max_restarts=inference.max_restarts, claim_trusted_s=inference.claim_trusted_s())
+                 max_restarts=inference.max_restarts, claim_trusted_s=inference.claim_trusted_s(),
+                 publish=inference.publish, publish_wave=inference.publish_wave,
+                 max_lag=config.orchestrator.max_off_policy_steps)
 
 
 def build_transport(config: Config, run_dir: RunDir, target: UpdateTarget = "model") -> WeightTransport:

@@ -316,13 +316,19 @@ class RLRun:
                 reference: list[float]) -> PublishReport:
         """A CPU snapshot is published and kept (refits, the final model). A gather (CUDA) is
         valid only during this call, while the other ranks serve it: the fleet keeps nothing to
-        refit from, and the last version's final model is written here, from one more gather."""
+        refit from, and the last version's final model is written here, from one more gather.
+        A rolling publish returns once its canary agreed, except the run's last and one to be
+        evaluated, which reach every worker first."""
         self.wait_fleet()
         self.phase(f"publishing v{step}")
         probe = AgreementProbe(probe_ids, reference)
         gathered = isinstance(weights, WeightGather)
         named = weights.tensors if gathered else lambda: iter(weights.items())
-        report = self.control.run(self.fleet.publish(step, self.transport, named, probe, keep=not gathered))
+        # The resume's publish (step == resume) is evaluated too, at the start (start_rollouts).
+        evaluated = bool(self.evaluator and self.evaluator.due(step, start=step == self.resume))
+        everywhere = step == self.config.run.max_steps or evaluated
+        report = self.control.run(self.fleet.publish(step, self.transport, named, probe, keep=not gathered,
+                                                     everywhere=everywhere))
         if not report.ready:
             raise FleetrlError(f"publish v{step} reached no worker")
         self.published = (None if gathered else weights), probe
@@ -330,7 +336,7 @@ class RLRun:
             self.write_final_model(weights.tensors)
         # A resumed run publishes its checkpoint's version again, for no step's line: start_rollouts
         # evaluates that one.
-        if self.evaluator and step > self.resume and self.evaluator.due(step):
+        if evaluated:
             self.evaluated[step] = self.evaluate(step)
         return report
 
@@ -515,5 +521,6 @@ async def final_generation(fleet: Fleet, tokenizer, probe: AgreementProbe) -> Fi
 
 
 async def _close(fleet: Fleet, transport) -> None:
-    await transport.close()
+    # The fleet first: a rolling publish's background wave still sends through the transport.
     await fleet.close()
+    await transport.close()

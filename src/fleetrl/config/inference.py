@@ -160,6 +160,18 @@ class InferenceConfig(Section):
         "inference.dynamo.prefill_workers > 0, or abort for fleetrl's Dynamo worker kind serving a LoRA "
         "adapter (trainer.lora), which refuses keep.",
     )
+    publish: Literal["fenced", "rolling"] = Field(
+        "fenced",
+        description="How a new version reaches the workers: fenced (every worker paused, refitted, verified and "
+        "probed together; the trainer waits for all of them) or rolling (in waves of inference.publish_wave "
+        "workers, the first a canary; the rest of the fleet keeps serving the version it holds, and the trainer "
+        "waits for the canary wave only). See docs/reliability.md, \"Rolling publishes\".",
+    )
+    publish_wave: int = Field(
+        1, ge=1,
+        description="Workers per wave of a rolling publish (inference.publish = 'rolling'); with Dynamo prefill "
+        "workers, decode workers per wave, each wave taking its share of the prefill workers.",
+    )
     discovery_interval_s: float = Field(
         5.0, gt=0, le=MAX_WAIT_S, description="How often the fleet re-discovers workers and checks their health."
     )
@@ -229,6 +241,13 @@ class InferenceConfig(Section):
                              f"({self.discovery_interval_s:g}) + 2 * inference.health_timeout_s "
                              f"({self.health_timeout_s:g})) / {CLAIM_TRUSTED_SHARE:g}, or the run's workers would "
                              "leave its routing between the health checks that renew its claim on them")
+        return self
+
+    @model_validator(mode="after")
+    def _waves_only_in_a_rolling_publish(self) -> "InferenceConfig":
+        if self.publish_wave != 1 and self.publish != "rolling":
+            raise ValueError(f"inference.publish_wave ({self.publish_wave}) is set but inference.publish is "
+                             f"{self.publish!r}: waves are those of inference.publish = 'rolling'")
         return self
 
     @model_validator(mode="after")

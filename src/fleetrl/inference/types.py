@@ -29,6 +29,10 @@ class GenerateRequest:
     n: int = 1  # samples of this prompt (a GRPO group)
     session_id: str | None = None  # requests with one session id go to one worker while it lives
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # The oldest version whose tokens the caller can use (a single-turn group of step s: (s - 1) - k):
+    # no worker holding an older one is sent it, mid-rolling-publish included. An episode's turns
+    # carry none: a partial episode keeps older turns as context, and the episode stops itself.
+    min_version: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -261,7 +261,7 @@ class Orchestrator:
                                                for i in range(self.config.group_size))))
         prompt_ids = await self.prompt_ids(drawn)
         request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=self.sampling, n=self.config.group_size,
-                                  session_id=session)
+                                  session_id=session, min_version=(step - 1) - self.config.max_off_policy_steps)
         started = time.time()
         completions = await self.fleet.generate(request)
         finished = time.time()

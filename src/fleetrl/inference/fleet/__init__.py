@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from fleetrl.inference.fleet.fence import AgreementProbe, Fence, PublishError, PublishReport, WeightSource
+from fleetrl.inference.fleet.fence import AgreementProbe, Fence, PublishError, PublishKind, PublishReport, WeightSource
 from fleetrl.inference.fleet.lifecycle import Lifecycle
 from fleetrl.inference.fleet.roster import Roster
 from fleetrl.inference.fleet.routing import Routing
@@ -41,12 +41,15 @@ class _HeldBy:
 
 class Fleet:
     workers = _HeldBy("roster")  # worker id -> WorkerInfo
-    version = _HeldBy("roster")  # the fleet's version: what its ready workers hold
+    version = _HeldBy("roster")  # the fleet's version: the newest published (see Roster.version)
     on_event = _HeldBy("roster")
     health_timeout_s = _HeldBy("roster")
     checksum = _HeldBy("fence")
     pause_mode = _HeldBy("fence")
     probe_tolerance = _HeldBy("fence")
+    publish_kind = _HeldBy("fence")  # inference.publish: "fenced" or "rolling"
+    wave_size = _HeldBy("fence")  # inference.publish_wave
+    max_lag = _HeldBy("routing")
     restarts_left = _HeldBy("lifecycle")
     bad_answers = _HeldBy("routing")
     transient_errors = _HeldBy("routing")
@@ -55,14 +58,16 @@ class Fleet:
                  discovery_interval_s: float = 5.0, health_timeout_s: float = 10.0,
                  no_worker_timeout_s: float = 600.0, probe_tolerance: float = 0.1, max_restarts: int = 0,
                  claim_trusted_s: float | None = None, log=print,
-                 on_event: Callable[[FleetEvent], None] = lambda event: None) -> None:
-        """`claim_trusted_s`: see `Roster`; the other settings are those of the part that
-        uses them (InferenceConfig documents each)."""
+                 on_event: Callable[[FleetEvent], None] = lambda event: None, publish: PublishKind = "fenced",
+                 publish_wave: int = 1, max_lag: int | None = None) -> None:
+        """`claim_trusted_s`: see `Roster`; `max_lag`: see `Routing` (the run's
+        orchestrator.max_off_policy_steps); the other settings are those of the part that uses
+        them (InferenceConfig documents each)."""
         self.provider = provider
         self.roster = Roster(provider, health_timeout_s, claim_trusted_s, log, on_event)
-        self.fence = Fence(self.roster, pause_mode, probe_tolerance)
+        self.fence = Fence(self.roster, pause_mode, probe_tolerance, publish, publish_wave)
         self.lifecycle = Lifecycle(self.roster, self.fence, discovery_interval_s, no_worker_timeout_s, max_restarts)
-        self.routing = Routing(self.roster, self.fence, self.lifecycle)
+        self.routing = Routing(self.roster, self.fence, self.lifecycle, max_lag)
         self.roster.on_mark = self.lifecycle.marked
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -88,6 +93,7 @@ class Fleet:
         await self.lifecycle.start(weights, launched_version)
 
     async def close(self) -> None:
+        await self.fence.stop_waves(supersede=False)
         await self.lifecycle.close()
 
     async def refresh(self) -> None:
@@ -101,13 +107,16 @@ class Fleet:
     # -- the fence -------------------------------------------------------------------------
 
     async def publish(self, version: int, transport: WeightTransport, named_tensors: NamedTensors,
-                      probe: AgreementProbe | None = None, keep: bool = True) -> PublishReport:
+                      probe: AgreementProbe | None = None, keep: bool = True,
+                      everywhere: bool = False) -> PublishReport:
         """Publish `version` to every worker that is not dead, through the fence (`Fence.publish`);
-        with every worker dead and one being started again, first wait for it."""
+        with every worker dead and one being started again, first wait for it. `everywhere`: a
+        rolling publish returns only once its last wave is through (the last of a run, one to be
+        evaluated); a fenced one always does."""
         if version <= self.version:
             raise PublishError(f"publish v{version}: the fleet is already at v{self.version}")
         await self.lifecycle.until_a_worker_lives()
-        return await self.fence.publish(version, transport, named_tensors, probe, keep)
+        return await self.fence.publish(version, transport, named_tensors, probe, keep, everywhere)
 
     async def wait_for_version(self, version: int) -> None:
         await self.fence.wait_for_version(version)

@@ -8,23 +8,37 @@ Neither vLLM nor Dynamo offers a fleet-wide atomic weight update, so the fence o
 A worker that fails, times out or reports anything else is marked dead or stale and gets no
 traffic until it has been refitted. The same fence refits one worker that joins or went stale
 (`refit`) from the weights of the last publish (`source`), and keeps each refit's probe verdict,
-which decides whether tokens a request got across it are trained (`check_probed`). Today a
-publish fences every live worker at once; the steps run on whatever set `_publish_to` is given,
-so a publish in waves can hand it one wave at a time.
+which decides whether tokens a request got across it are trained (`check_probed`).
+
+A fenced publish (`inference.publish = "fenced"`) fences every live worker at once. A rolling
+one fences them in waves of `wave_size`, oldest version first, while the others keep serving the
+version they hold (each token carries it). The first wave is the canary: until one of its workers
+has agreed at the version, no other wave takes it. Each wave gives a worker that failed (stale,
+not dead) one more try, then leaves it stale, quarantined as in a fenced publish. The publish
+returns once the canary has agreed; the other waves go on in the background, one at a time, each
+under the lock (discovery rounds take turns with them). A new publish waits for the wave under
+way and supersedes the rest: a worker that had not taken the older version takes the newer one
+directly. A publish whose weights are not kept past the call, and one asked to reach `everywhere`
+(the last of a run, one evaluated), returns only once every wave has taken it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Literal
 
+from fleetrl import failpoints
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet.roster import Roster, describe
 from fleetrl.inference.provider import NamedTensors, PauseMode, WeightTransport
 from fleetrl.inference.types import GenerateResponse, WorkerInfo, WorkerRole, WorkerState
-from fleetrl.records import FenceEvent, PublishReport
+from fleetrl.records import FenceEvent, PublishReport, WaveReport
+
+PublishKind = Literal["fenced", "rolling"]
 
 # Why a worker cannot be refitted between publishes of a CUDA trainer.
 UNKEPT_WEIGHTS = "the trainer streamed them from its GPUs during their publish and keeps no copy"
@@ -63,11 +77,53 @@ class WeightSource:
     version: int
 
 
+@dataclass(frozen=True)
+class Wave:
+    """Workers a rolling publish fences together: its number and whether it is the canary."""
+
+    number: int
+    canary: bool
+    workers: list[WorkerInfo]
+
+
+def plan_waves(workers: list[WorkerInfo], size: int) -> list[list[WorkerInfo]]:
+    """`workers` in waves of `size` decode (or aggregated) workers, those furthest behind first
+    (a worker with no version first of all), so the fleet's spread of versions stays small; stale
+    ones last, so that a worker failing its refits is not the canary of every publish.
+    Prefill workers are shared out over the waves, at least one each (so fewer waves where the
+    fleet has fewer prefill workers than waves): a decode worker only takes prompts prefilled at
+    its own version (`Routing`), and each wave can serve as soon as it is through."""
+    def behind(worker: WorkerInfo) -> tuple[bool, int, str]:
+        return worker.state == WorkerState.STALE, (-1 if worker.version is None else worker.version), worker.id
+
+    decode = sorted((w for w in workers if w.role != WorkerRole.PREFILL), key=behind)
+    prefill = sorted((w for w in workers if w.role == WorkerRole.PREFILL), key=behind)
+    count = max(1, -(-len(decode) // size))
+    if prefill and len(prefill) < count:
+        count = len(prefill)
+        chunks = [decode[i * len(decode) // count:(i + 1) * len(decode) // count] for i in range(count)]
+    else:
+        chunks = [decode[i * size:(i + 1) * size] for i in range(count)]
+    return [prefill[i * len(prefill) // count:(i + 1) * len(prefill) // count] + chunks[i] for i in range(count)]
+
+
+def merged(reports: list[PublishReport], figure: str) -> dict:
+    """One per-worker figure of the reports of a rolling publish's waves, together."""
+    return {worker_id: value for report in reports for worker_id, value in getattr(report, figure).items()}
+
+
 class Fence:
-    def __init__(self, roster: Roster, pause_mode: PauseMode, probe_tolerance: float) -> None:
+    def __init__(self, roster: Roster, pause_mode: PauseMode, probe_tolerance: float,
+                 publish: PublishKind = "fenced", wave_size: int = 1) -> None:
         self.roster = roster
         self.pause_mode = pause_mode
         self.probe_tolerance = probe_tolerance
+        self.publish_kind = publish
+        self.wave_size = wave_size
+        self._publishing = asyncio.Lock()  # one publish at a time; a rolling one until it has returned
+        self._rest: asyncio.Task | None = None  # the waves a rolling publish runs after it returned
+        self._superseded = False  # a newer publish waits: `_rest` stops after its wave under way
+        self._unreported: list[WaveReport] = []  # waves ended since the last publish returned
         self.lock = asyncio.Lock()  # held by publish and by refits (a discovery round's included)
         self.source: WeightSource | None = None
         # Each worker's refits that score the agreement probe (a publish's or a discovery
@@ -88,17 +144,129 @@ class Fence:
     # -- publish ---------------------------------------------------------------------------
 
     async def publish(self, version: int, transport: WeightTransport, named_tensors: NamedTensors,
-                      probe: AgreementProbe | None, keep: bool) -> PublishReport:
+                      probe: AgreementProbe | None, keep: bool, everywhere: bool = False) -> PublishReport:
         """Fence every worker that is not dead (chosen under the lock, which discovery rounds
-        hold too) at `version`: see `_publish_to`."""
+        hold too) at `version`: at once (see `_publish_to`), or in waves (`_publish_rolling`)."""
         started = time.monotonic()  # the report's seconds include the wait for the lock
+        if self.publish_kind == "rolling":
+            return await self._publish_rolling(version, transport, named_tensors, probe, keep,
+                                               everywhere or not keep, started)
         async with self.lock:
             live = [w for w in self.roster.workers.values() if w.state != WorkerState.DEAD]
             return await self._publish_to(live, version, transport, named_tensors, probe, keep, started)
 
+    async def _publish_rolling(self, version: int, transport: WeightTransport, named_tensors: NamedTensors,
+                               probe: AgreementProbe | None, keep: bool, everywhere: bool,
+                               started: float) -> PublishReport:
+        """Fence the live workers in waves (see the module's docstring); return once a canary
+        wave agreed (every wave where `everywhere`), the rest going on in `_rest`. PublishError
+        if no wave completed anywhere."""
+        async with self._publishing:
+            await self.stop_waves(supersede=True)
+            async with self.lock:
+                live = [w for w in self.roster.workers.values() if w.state != WorkerState.DEAD]
+            planned = plan_waves(live, self.wave_size)
+            reports: list[PublishReport] = []
+            number = 0
+            while planned and not any(r.ready for r in reports):  # the canary: until one agrees
+                number += 1
+                reports.append(await self._wave(Wave(number, True, planned.pop(0)), version, transport,
+                                                named_tensors, probe, keep, started))
+            if not any(r.ready for r in reports):
+                raise PublishError(f"publish v{version} completed on no worker: {describe(merged(reports, 'failed'))}")
+            rest = [Wave(number + i, False, wave) for i, wave in enumerate(planned, 1)]
+            if everywhere:
+                for wave in rest:
+                    reports.append(await self._wave(wave, version, transport, named_tensors, probe, keep, started))
+            elif rest:
+                self._rest = asyncio.create_task(self._later_waves(rest, version, transport, named_tensors,
+                                                                   probe, keep, started))
+            waves, self._unreported = self._unreported, []
+            return PublishReport(
+                version=version, seconds=time.monotonic() - started,
+                checksum=next(r.checksum for r in reports if r.ready),
+                ready=[w for r in reports for w in r.ready], failed=merged(reports, "failed"),
+                probe=merged(reports, "probe"), worker_seconds=merged(reports, "worker_seconds"),
+                received_bytes=merged(reports, "received_bytes"), waves=waves)
+
+    async def _later_waves(self, waves: list[Wave], version: int, transport: WeightTransport,
+                           named_tensors: NamedTensors, probe: AgreementProbe | None, keep: bool,
+                           started: float) -> None:
+        """The waves of a rolling publish after it returned, one at a time, until a newer
+        publish supersedes them. A failure is the wave's own (logged, its workers stale or dead),
+        never the run's: the discovery loop or the next publish refits them."""
+        for wave in waves:
+            if self._superseded:
+                self.roster.log(f"fleetrl: publish v{version}: waves {wave.number}.. superseded by a newer "
+                                f"version; their workers take it directly")
+                return
+            try:
+                await self._wave(wave, version, transport, named_tensors, probe, keep, started)
+            except Exception as e:  # not PublishError, which `_wave` reports: a bug, or the fleet closing
+                self.roster.log(f"fleetrl: publish v{version} wave {wave.number} failed: {e}")
+                return
+
+    async def stop_waves(self, supersede: bool) -> None:
+        """End the waves a rolling publish runs in the background: after the wave under way
+        (`supersede`: a newer publish takes over), or at once (the fleet closes)."""
+        task, self._rest = self._rest, None
+        if task is None:
+            return
+        self._superseded = True
+        if not supersede:
+            task.cancel()
+        try:
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            self._superseded = False
+
+    async def _wave(self, wave: Wave, version: int, transport: WeightTransport, named_tensors: NamedTensors,
+                    probe: AgreementProbe | None, keep: bool, started: float) -> PublishReport:
+        """Fence one wave's workers that still live (the lock held for it alone), then once more
+        those of them that failed and are stale, not dead: a canary is refitted until it agrees,
+        a worker that fails twice stays stale. Its report, `ready` empty where none came through."""
+        began, began_wall = time.monotonic(), time.time()
+        targets, fenced = wave.workers, []  # fenced: those alive when the wave began
+        checksum, ready, failed = "", [], {}
+        probed: dict[str, float] = {}
+        worker_seconds: dict[str, float] = {}
+        received: dict[str, int] = {}
+        for attempt in range(2):
+            async with self.lock:
+                targets = [w for w in targets if w.state != WorkerState.DEAD]
+                if not targets:
+                    break
+                if attempt == 0:
+                    fenced = [w.id for w in targets]
+                try:
+                    report = await self._publish_to(targets, version, transport, named_tensors, probe, keep,
+                                                    started, wave)
+                except PublishError as e:
+                    failed.update({w.id: w.error or str(e) for w in targets})
+                else:
+                    checksum = report.checksum
+                    ready += report.ready
+                    failed.update(report.failed)
+                    probed.update(report.probe)
+                    worker_seconds.update(report.worker_seconds)
+                    received.update(report.received_bytes)
+            targets = [w for w in targets if w.id in failed and w.id not in ready and w.state == WorkerState.STALE]
+            if attempt == 0 and targets:
+                self.roster.log(f"fleetrl: publish v{version} wave {wave.number}: refitting "
+                                f"{', '.join(w.id for w in targets)} once more")
+        failed = {k: v for k, v in failed.items() if k not in ready}
+        done = WaveReport(version=version, wave=wave.number, canary=wave.canary, workers=fenced,
+                          ready=ready, failed=failed, started=began_wall, seconds=time.monotonic() - began)
+        self._unreported.append(done)
+        self.roster.log(f"fleetrl: publish v{version} wave {wave.number}{' (canary)' if wave.canary else ''}: "
+                        f"{', '.join(ready) or 'no worker'} at v{version} in {done.seconds:.1f} s"
+                        + (f"; failed: {describe(failed)}" if failed else ""))
+        return PublishReport(version=version, seconds=time.monotonic() - started, checksum=checksum, ready=ready,
+                             failed=failed, worker_seconds=worker_seconds, probe=probed, received_bytes=received)
+
     async def _publish_to(self, targets: list[WorkerInfo], version: int, transport: WeightTransport,
                           named_tensors: NamedTensors, probe: AgreementProbe | None, keep: bool,
-                          started: float) -> PublishReport:
+                          started: float, wave: Wave | None = None) -> PublishReport:
         """Fence `targets` (the lock held): pause -> transfer -> verify version + checksum ->
         resume -> each scores the agreement probe (when given) before it takes traffic. Once one
         is verified, `version` is the fleet's and the weights are its `source`.
@@ -108,7 +276,8 @@ class Fence:
         gathered from a CUDA trainer's shards).
 
         Workers that fail are excluded (dead or stale, with the reason in the report) and the
-        others complete the publish; if none completes, PublishError and nothing resumes."""
+        others complete the publish; if none completes, PublishError and nothing resumes. `wave`:
+        the wave of a rolling publish `targets` are, named in its fence events."""
         roster = self.roster
         failed: dict[str, str] = {}
         done_s: dict[str, float] = {}  # worker id -> when, from the fence's start, it was verified (and probed)
@@ -121,7 +290,9 @@ class Fence:
         async def verify(worker: WorkerInfo, checksum: str) -> None:
             received[worker.id] = await self._verify(worker, version, checksum)
 
-        roster.on_event(FenceEvent(phase="start", version=version))
+        labels = {} if wave is None else {"wave": wave.number, "canary": wave.canary}
+        roster.on_event(FenceEvent(phase="start", version=version, **labels,
+                                   **({} if wave is None else {"workers": [w.id for w in targets]})))
         resumed: list[WorkerInfo] = []
         agreed: set[str] = set()  # scored the probe within tolerance
         try:
@@ -140,25 +311,32 @@ class Fence:
                                          WorkerState.STALE)
             if not verified:
                 raise PublishError(f"publish v{version} completed on no worker: {describe(failed)}")
-            # From here on only workers verified at `version` take traffic: stale ones stay paused.
-            roster.version = version
-            self.source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
+            source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
+            if wave is None:
+                # From here on only workers verified at `version` take traffic: stale ones stay
+                # paused, and a refit gives them these weights.
+                self._promote(source)
             if probe is not None:
                 self._expect_verdicts(verified, version)
             resumed = await roster.each(verified, roster.resume, failed, WorkerState.DEAD)
             deltas: dict[str, float] = {}
             if probe is not None:  # still UPDATING here: a worker that disagrees never takes a new request
                 prefills = [w for w in resumed if w.role == WorkerRole.PREFILL]
-                agree = await roster.each(resumed, lambda w: checked(w, self._agrees(w, probe, prefills, deltas)),
-                                          failed, WorkerState.STALE)
+                agree = await roster.each(
+                    resumed, lambda w: checked(w, self._agrees(w, version, probe, prefills, deltas)), failed,
+                    WorkerState.STALE)
                 resumed = [w for w in resumed if w in agree]
                 agreed = {w.id for w in resumed}
+            if wave is not None and resumed:
+                # A wave's version goes no further, not even to a discovery round's refits between
+                # its tries, until one of its workers agreed.
+                self._promote(source)
             for worker in resumed:
                 worker.version = version
                 roster.mark(worker, WorkerState.READY)
         finally:
             self._settle_verdicts(version, agreed, failed)
-            roster.on_event(FenceEvent(phase="end", version=version, ready=sorted(w.id for w in resumed)))
+            roster.on_event(FenceEvent(phase="end", version=version, ready=sorted(w.id for w in resumed), **labels))
         await roster.notify()
         if failed:
             roster.log(f"fleetrl: publish v{version} excluded {describe(failed)}")
@@ -166,6 +344,10 @@ class Fence:
                              ready=[w.id for w in resumed], failed=failed, probe=deltas,
                              worker_seconds={w.id: done_s[w.id] for w in resumed},
                              received_bytes={w.id: received[w.id] for w in resumed})
+
+    def _promote(self, source: WeightSource) -> None:
+        """`source`'s version is the fleet's, and what a refit sends."""
+        self.roster.version, self.source = source.version, source
 
     async def _transfer(self, workers: list[WorkerInfo], transport: WeightTransport,
                         named_tensors: NamedTensors, version: int,
@@ -233,9 +415,10 @@ class Fence:
             await admin.pause(self.pause_mode)
             if self.source is None:
                 # The fleet's version is that of the model folder the provider's workers loaded at
-                # launch (`Lifecycle.start`'s launched_version): nothing was published since.
-                if worker.id in roster.lapsed:  # it must hold them still: no rank received anything since
-                    await admin.verify_weights(None)
+                # launch (`Lifecycle.start`'s launched_version): nothing was published since, so it
+                # must hold them still, no rank having received anything (a canary whose probe failed
+                # at the first version did: it is refitted only once a canary agreed).
+                await admin.verify_weights(None)
                 await admin.set_version(version)
                 reported = await admin.version()
                 if reported != version:
@@ -258,7 +441,11 @@ class Fence:
                 self._expect_verdicts([worker], version)
             await roster.resume(worker)
             if probe is not None:
-                await self._agrees(worker, probe, roster.ready_prefill_workers())
+                # Through a prefill worker at its own version: mid-rolling-publish, some hold an older one.
+                prefills = [p for p in roster.ready_prefill_workers() if p.version == version]
+                if roster.ready_prefill_workers() and not prefills and worker.role != WorkerRole.PREFILL:
+                    raise FleetrlError(f"no ready prefill worker at v{version} to score the agreement probe through")
+                await self._agrees(worker, version, probe, prefills)
         except Exception as e:
             self._settle_verdicts(version, set(), {worker.id: str(e)})
             roster.mark(worker, WorkerState.STALE, f"refit to v{version} failed: {e}")
@@ -340,16 +527,19 @@ class Fence:
                     response.version_error = (f"worker {worker.id} failed the agreement probe at v{version} ({why}): "
                                               f"its tokens at v{version} are not trained")
 
-    async def _agrees(self, worker: WorkerInfo, probe: AgreementProbe, prefills: list[WorkerInfo],
+    async def _agrees(self, worker: WorkerInfo, version: int, probe: AgreementProbe, prefills: list[WorkerInfo],
                       deltas: dict[str, float] | None = None) -> None:
-        """The worker scores the probe; more than `probe_tolerance` from the trainer's logprobs
-        raises. Prefill workers only prefill (their scoring is a decode worker's): they are
-        held to the checksum alone, and score through one of them where the fleet has some."""
+        """The worker, just given `version`, scores the probe; more than `probe_tolerance` from
+        the trainer's logprobs raises. Prefill workers only prefill (their scoring is a decode
+        worker's): they are held to the checksum alone, and score through one of them where the
+        fleet has some. The `probe` failpoint makes every score at its version fail."""
         if worker.role == WorkerRole.PREFILL:
             return
         served = await self.roster.provider.prompt_logprobs(worker, probe.token_ids,
                                                             prefills[0] if prefills else None)
         delta = max(abs(a - b) for a, b in zip(served, probe.logprobs, strict=True))
+        if failpoints.tripped("probe", version):
+            delta = math.inf
         if deltas is not None:
             deltas[worker.id] = delta
         if not delta <= self.probe_tolerance:  # a NaN disagrees too

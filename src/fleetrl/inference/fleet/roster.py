@@ -37,6 +37,8 @@ class Roster:
         # Told of every state about to be set (worker, state, restart): the lifecycle restarts
         # the dead from here, whichever part of the fleet saw them die.
         self.on_mark: Callable[[WorkerInfo, WorkerState, bool], None] = lambda worker, state, restart: None
+        # The newest version published: what every ready worker holds after a fenced publish; in a
+        # rolling one, ready workers its waves have not reached yet hold an older one.
         self.version = 0
         self.workers: dict[str, WorkerInfo] = {}
         self.changed = asyncio.Condition()  # notified whenever routability may have changed
@@ -56,7 +58,8 @@ class Roster:
     # -- states ----------------------------------------------------------------------------
 
     def ready_workers(self) -> list[WorkerInfo]:
-        """Workers at the fleet's version that this run still holds (`check_claims` first)."""
+        """Workers verified at their version (the fleet's, or during a rolling publish one its
+        waves have not replaced yet) that this run still holds (`check_claims` first)."""
         self.check_claims()
         return [w for w in self.workers.values() if w.state == WorkerState.READY]
 

@@ -1,7 +1,10 @@
 """Routing: which ready worker serves a request, and what happens when it fails.
 
 Requests only go to READY workers, chosen here (least in-flight, or sticky per session), so a
-worker that appears in discovery serves nothing before it holds the fleet's current version. A
+worker that appears in discovery serves nothing before it holds the fleet's current version. In a
+rolling publish ready workers hold different versions: a request goes only to one at most
+`max_lag` versions behind the newest published, and its prompt only to a prefill worker at the
+same version as it. A
 request whose worker died is sent again elsewhere, as is one a healthy worker failed; one cut by
 an abort-mode publish is continued. Every response is checked against what the fleet published
 while it ran (its spans, its workers' probe verdicts and claims): one that fails is flagged, and
@@ -40,10 +43,14 @@ BAD_ANSWERS_BEFORE_STALE = 3
 
 
 class Routing:
-    def __init__(self, roster: Roster, fence: Fence, lifecycle: Lifecycle) -> None:
+    def __init__(self, roster: Roster, fence: Fence, lifecycle: Lifecycle, max_lag: int | None = None) -> None:
         self.roster = roster
         self.fence = fence
         self.lifecycle = lifecycle  # how long to wait for workers, and whether dead ones may return
+        # A worker more versions than this behind the newest published takes no request (the
+        # run's k, orchestrator.max_off_policy_steps); None: no bound (every ready worker of a
+        # fenced publish holds the newest).
+        self.max_lag = max_lag
         self.transient_errors = 0  # requests sent again after a healthy worker failed them
         # Worker id -> its samples that failed answers.py's checks (dropped by the orchestrator).
         self.bad_answers: Counter[str] = Counter()
@@ -70,9 +77,9 @@ class Routing:
         deaths_left, transient_left = 2, TRANSIENT_RETRIES
         failed_on: set[str] = set()
         while True:
-            worker, prefill = await self._acquire(request.session_id, avoid=failed_on)
+            worker, prefill = await self._acquire(request.session_id, request.min_version, avoid=failed_on)
             serving = [w for w in (worker, prefill) if w is not None]
-            fleet_version = roster.version
+            held = worker.version  # its tokens are of this version or newer
             refits = self.fence.refits_of(serving)  # those after this dispatch may have made its tokens
             lapses = {w.id: roster.lapses[w.id] for w in serving}
             try:
@@ -107,7 +114,7 @@ class Routing:
         else:
             self._bad_in_a_row.pop(worker.id, None)
         for response in responses:
-            self._check_versions(worker, response, fleet_version)
+            self._check_versions(worker, response, held)
             await self.fence.check_probed(serving, response, refits)
             roster.check_claimed(serving, response, lapses)
         return responses
@@ -134,7 +141,8 @@ class Routing:
 
     def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, dispatched_at: int) -> None:
         """Second line of defence: the engine's spans must lie within what the fleet published
-        while the request ran. A response outside is flagged (its sample must not be trained
+        while the request ran, from the version its worker held at dispatch (`dispatched_at`) to
+        the newest. A response outside is flagged (its sample must not be trained
         on) and the worker goes stale until the next discovery round refits it."""
         versions = {span.version for span in response.spans}
         version = self.roster.version
@@ -155,19 +163,21 @@ class Routing:
             continuation = GenerateRequest(
                 prompt_token_ids=request.prompt_token_ids, sampling=request.sampling, n=1,
                 session_id=request.session_id, request_id=f"{request.request_id}-{len(response.token_ids)}",
+                min_version=request.min_version,
             )
             (rest,) = await self._generate_once(continuation, response.token_ids)
             response = join_completions(response, rest)
         return response
 
-    async def _acquire(self, session_id: str | None,
+    async def _acquire(self, session_id: str | None, min_version: int | None = None,
                        avoid: set[str] = frozenset()) -> tuple[WorkerInfo, WorkerInfo | None]:
-        """A ready worker to pin the request to (not one in `avoid` if another is ready), and,
+        """An admitted worker (at `min_version` or newer, if given) to pin the request to (not
+        one in `avoid` if another is admitted), and,
         when the fleet has prefill workers, a ready prefill worker for its prompt: both chosen
         here, so that neither can be a worker that has not been brought to the fleet's version."""
         roster = self.roster
         async with roster.changed:
-            while not (ready := roster.routable_workers()) or not self._prefill_ready():
+            while not (ready := self._admitted(min_version)):
                 self._check_some_worker_may_serve()
                 try:
                     async with asyncio.timeout(self.lifecycle.discovery_interval_s):
@@ -177,14 +187,14 @@ class Routing:
             self._unready_since = None
             ready = [w for w in ready if w.id not in avoid] or ready
             worker = roster.workers.get(self._sticky.get(session_id, ""))
-            if worker is None or worker.state != WorkerState.READY or worker.id in avoid:
+            if worker is None or worker.id not in {w.id for w in ready} or worker.id in avoid:
                 worker = self._least_busy(ready)
             if session_id is not None:
                 self._sticky[session_id] = worker.id
                 self._sticky.move_to_end(session_id)
                 if len(self._sticky) > STICKY_SESSIONS:
                     self._sticky.popitem(last=False)
-            prefills = roster.ready_prefill_workers()
+            prefills = [p for p in roster.ready_prefill_workers() if p.version == worker.version]
             prefill = self._least_busy(prefills) if prefills else None
             for w in (worker, prefill):
                 if w is not None:
@@ -208,10 +218,20 @@ class Routing:
             raise FleetrlError(f"no inference worker has been ready for {timeout_s:g} s "
                                f"(inference.no_worker_timeout_s): {self.roster.describe_failures()}")
 
-    def _prefill_ready(self) -> bool:
-        """No prefill workers, or at least one ready (if all are dead, decode workers serve alone)."""
+    def _admitted(self, min_version: int | None = None) -> list[WorkerInfo]:
+        """The routable workers a request may go to now: at most `max_lag` versions behind the
+        newest published and at `min_version` or newer (what the request's tokens must be of: in a
+        rolling publish the newest can run ahead of the batch being sampled), and, where the fleet
+        has prefill workers that live, with a ready one at the same version (if all are dead,
+        decode workers serve alone): one request's prefill and decode never run at two versions."""
+        newest = self.roster.version
         prefills = [w for w in self.roster.workers.values() if w.role == WorkerRole.PREFILL]
-        return all(w.state == WorkerState.DEAD for w in prefills) or any(w.state == WorkerState.READY for w in prefills)
+        alone = all(w.state == WorkerState.DEAD for w in prefills)
+        prefilled_at = {w.version for w in self.roster.ready_prefill_workers()}
+        return [w for w in self.roster.routable_workers()
+                if (self.max_lag is None or newest - w.version <= self.max_lag)
+                and (min_version is None or w.version >= min_version)
+                and (alone or w.version in prefilled_at)]
 
     def in_flight(self, worker_id: str) -> int:
         """Requests this coordinator has sent the worker that have not come back yet."""
