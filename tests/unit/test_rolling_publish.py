@@ -310,3 +310,39 @@ def test_a_stale_worker_is_planned_last_and_is_never_the_canary_of_every_publish
 
     workers = [worker("a", 0, WorkerState.STALE), worker("b", 1), worker("c", 1)]
     assert [[w.id for w in wave] for wave in plan_waves(workers, 1)] == [["b"], ["c"], ["a"]]
+
+
+async def test_a_request_held_across_the_canarys_fence_keeps_its_tokens_while_the_probe_scores():
+    """Keep pauses: a request on the canary resumes at v1 while its probe still scores, before v1
+    is the fleet's; its tokens are v1's, within what the fleet installed, and not flagged."""
+    fleet, provider, transport, _ = await rolling("a", step_s=0.002)
+
+    async def slow_probe(worker, token_ids, prefill=None):
+        await asyncio.sleep(0.3)
+        return [-1.0]
+
+    provider.prompt_logprobs = slow_probe
+    in_flight = asyncio.create_task(fleet.generate(request(max_tokens=40)))
+    await asyncio.sleep(0.02)  # dispatched at v0, generating
+    publish = asyncio.create_task(fleet.publish(1, transport, weights, PROBE))
+    (out,) = await in_flight
+    assert [s.version for s in out.spans] == [0, 1] and out.version_error is None, out
+    await publish
+    await fleet.close()
+
+
+async def test_a_canary_wave_whose_decode_worker_fails_is_not_passed_by_its_prefill_worker():
+    """A prefill worker scores no probe: its checksum alone is no canary's agreement."""
+    fleet, provider, transport, _ = await rolling("a", "b", prefill=("p1", "p2"))
+    await fleet.refresh()
+
+    async def score(worker, token_ids, prefill=None):
+        return [-9.0 if worker.id == "a" else -1.0]
+
+    provider.prompt_logprobs = score
+    report = await fleet.publish(1, transport, weights, PROBE)
+    canaries = [(w.wave, w.canary, "a" in w.workers, "b" in w.workers) for w in report.waves]
+    assert canaries[-1][1:] == (True, False, True) and "a" in report.failed, report.waves
+    assert "b" in report.ready and fleet.version == 1
+    await waves_end(fleet)
+    await fleet.close()

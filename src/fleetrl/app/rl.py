@@ -324,9 +324,10 @@ class RLRun:
         probe = AgreementProbe(probe_ids, reference)
         gathered = isinstance(weights, WeightGather)
         named = weights.tensors if gathered else lambda: iter(weights.items())
-        # The resume's publish (step == resume) is evaluated too, at the start (start_rollouts).
-        evaluated = bool(self.evaluator and self.evaluator.due(step, start=step == self.resume))
-        everywhere = step == self.config.run.max_steps or evaluated
+        evaluated = bool(self.evaluator and step > self.resume and self.evaluator.due(step))
+        # The resume's publish reaches every worker too when start_rollouts evaluates its version.
+        starts_evaluated = bool(self.evaluator and step == self.resume and self.evaluator.due(step, start=True))
+        everywhere = step == self.config.run.max_steps or evaluated or starts_evaluated
         report = self.control.run(self.fleet.publish(step, self.transport, named, probe, keep=not gathered,
                                                      everywhere=everywhere))
         if not report.ready:
@@ -522,5 +523,7 @@ async def final_generation(fleet: Fleet, tokenizer, probe: AgreementProbe) -> Fi
 
 async def _close(fleet: Fleet, transport) -> None:
     # The fleet first: a rolling publish's background wave still sends through the transport.
-    await fleet.close()
-    await transport.close()
+    try:
+        await fleet.close()
+    finally:
+        await transport.close()

@@ -165,12 +165,14 @@ class InferenceConfig(Section):
         description="How a new version reaches the workers: fenced (every worker paused, refitted, verified and "
         "probed together; the trainer waits for all of them) or rolling (in waves of inference.publish_wave "
         "workers, the first a canary; the rest of the fleet keeps serving the version it holds, and the trainer "
-        "waits for the canary wave only). See docs/reliability.md, \"Rolling publishes\".",
+        "waits for the canary wave only, except at the run's last publish, one before an evaluation, and with a "
+        "CUDA trainer, which reach every wave). See docs/reliability.md, \"Rolling publishes\".",
     )
     publish_wave: int = Field(
         1, ge=1,
         description="Workers per wave of a rolling publish (inference.publish = 'rolling'); with Dynamo prefill "
-        "workers, decode workers per wave, each wave taking its share of the prefill workers.",
+        "workers, decode workers per wave, each wave taking its share of the prefill workers (with fewer prefill "
+        "workers than waves, fewer and larger waves). A wave as large as the fleet is one fenced publish.",
     )
     discovery_interval_s: float = Field(
         5.0, gt=0, le=MAX_WAIT_S, description="How often the fleet re-discovers workers and checks their health."

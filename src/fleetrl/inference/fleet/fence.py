@@ -126,6 +126,10 @@ class Fence:
         self._unreported: list[WaveReport] = []  # waves ended since the last publish returned
         self.lock = asyncio.Lock()  # held by publish and by refits (a discovery round's included)
         self.source: WeightSource | None = None
+        # The newest version a worker verified, agreed or not yet: what its tokens may carry.
+        self.installed = 0
+        # Workers sent weights before any version was the fleet's: they hold the launch's no more.
+        self._sent_before_promote: set[str] = set()
         # Each worker's refits that score the agreement probe (a publish's or a discovery
         # round's), counted: a request's tokens can only come from those after its dispatch.
         self._refits: dict[str, int] = {}
@@ -168,11 +172,11 @@ class Fence:
             planned = plan_waves(live, self.wave_size)
             reports: list[PublishReport] = []
             number = 0
-            while planned and not any(r.ready for r in reports):  # the canary: until one agrees
+            while planned and self.roster.version < version:  # the canary: until a worker agrees
                 number += 1
                 reports.append(await self._wave(Wave(number, True, planned.pop(0)), version, transport,
                                                 named_tensors, probe, keep, started))
-            if not any(r.ready for r in reports):
+            if self.roster.version < version:
                 raise PublishError(f"publish v{version} completed on no worker: {describe(merged(reports, 'failed'))}")
             rest = [Wave(number + i, False, wave) for i, wave in enumerate(planned, 1)]
             if everywhere:
@@ -306,12 +310,15 @@ class Fence:
             paused = await roster.each(targets, lambda w: admin(w).pause(self.pause_mode), failed, WorkerState.DEAD)
             for worker in paused:
                 roster.mark(worker, WorkerState.UPDATING)
+            if self.source is None:
+                self._sent_before_promote.update(w.id for w in paused)
             checksum, updated = await self._transfer(paused, transport, named_tensors, version, failed)
             verified = await roster.each(updated, lambda w: checked(w, verify(w, checksum)), failed,
                                          WorkerState.STALE)
             if not verified:
                 raise PublishError(f"publish v{version} completed on no worker: {describe(failed)}")
             source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
+            self.installed = max(self.installed, version)
             if wave is None:
                 # From here on only workers verified at `version` take traffic: stale ones stay
                 # paused, and a refit gives them these weights.
@@ -327,9 +334,9 @@ class Fence:
                     WorkerState.STALE)
                 resumed = [w for w in resumed if w in agree]
                 agreed = {w.id for w in resumed}
-            if wave is not None and resumed:
+            if wave is not None and any(w.role != WorkerRole.PREFILL for w in resumed):
                 # A wave's version goes no further, not even to a discovery round's refits between
-                # its tries, until one of its workers agreed.
+                # its tries, until one of its workers agreed (a prefill worker scores no probe).
                 self._promote(source)
             for worker in resumed:
                 worker.version = version
@@ -416,8 +423,11 @@ class Fence:
             if self.source is None:
                 # The fleet's version is that of the model folder the provider's workers loaded at
                 # launch (`Lifecycle.start`'s launched_version): nothing was published since, so it
-                # must hold them still, no rank having received anything (a canary whose probe failed
-                # at the first version did: it is refitted only once a canary agreed).
+                # must hold them still, no rank having received anything. A canary sent the first
+                # version (its probe failed, or its transfer broke off half-way) waits for a publish.
+                if worker.id in self._sent_before_promote:
+                    raise FleetrlError("it was sent weights of a version no canary agreed on; it waits for the "
+                                       "next publish")
                 await admin.verify_weights(None)
                 await admin.set_version(version)
                 reported = await admin.version()

@@ -145,7 +145,9 @@ class Routing:
         the newest. A response outside is flagged (its sample must not be trained
         on) and the worker goes stale until the next discovery round refits it."""
         versions = {span.version for span in response.spans}
-        version = self.roster.version
+        # A rolling wave's workers serve its version from their resume on, before their probe
+        # has made it the fleet's: those tokens wait for the probe's verdict (check_probed).
+        version = max(self.roster.version, self.fence.installed)
         if versions and (min(versions) < dispatched_at or max(versions) > version):
             response.version_error = (f"worker {worker.id} produced tokens at versions {sorted(versions)}, "
                                       f"outside the fleet's v{dispatched_at}..v{version}")
