@@ -92,11 +92,11 @@ RUNS: dict[str, RunSpec] = {
         "test_chaos.py"),
     "math-example": RunSpec(
         ".venv/bin/fleetrl rl @ examples/math/rl.toml --model.path runs/math-sft/final_model",
-        "docs/examples.md's worked example as written, 1 step of each training command: `fleetrl sft` (no "
+        "docs/examples.md's worked example as written, 1 step of each training command: `fleetrl eval` of the "
+        "base model (64 held-out prompts per environment, mean ± standard error) beside `fleetrl sft` (no "
         "worker), then GRPO from its final model (the workers' v0 logprobs are that model's) on a JSONL dataset "
         "with the math reward mixed with reasoning_gym:basic_arithmetic (step 1 trains samples of both), "
-        "evaluating v0 and its last version on both, beside `fleetrl eval` of the base model (64 held-out "
-        "prompts per environment, mean ± standard error); fleetrl verify",
+        "evaluating v0 and its last version on both; fleetrl verify",
         "test_example.py"),
     "dynamo": RunSpec(
         DYNAMO_RUN,

@@ -2,10 +2,9 @@
 training command: the base model scored by `fleetrl eval`, a supervised warm start (`fleetrl
 sft`, no inference worker), then GRPO from its final model on two environments, a JSONL dataset
 with the `math` reward and reasoning-gym's basic_arithmetic, which evaluates the version it
-starts from and its last on both; then `fleetrl verify`. RL reads the warm start's model, and
-the base model's evaluation depends on neither, so it runs beside the RL run (the longer of the
-two, with CPU its worker leaves idle); verify reads the RL run. They are one module fixture;
-each check is a small test that reads it."""
+starts from and its last on both; then `fleetrl verify`. The base model's evaluation and the
+warm start are independent, so they run side by side; RL reads the warm start's model, verify
+the RL run. They are one module fixture; each check is a small test that reads it."""
 
 from __future__ import annotations
 
@@ -51,13 +50,13 @@ class Example:
 def example(tmp_path_factory) -> Example:
     root = tmp_path_factory.mktemp("math-example")
     steps = ("--run.max_steps", str(STEPS))
-    sft = run_documented(SFT, "--run.dir", str(root / "sft"), *steps, timeout=600)
     with ThreadPoolExecutor(2) as pool:
         base_eval = pool.submit(run_documented, BASE_EVAL, replace={"runs/math-base-eval": str(root / "base-eval")},
-                                timeout=900)
-        rl = pool.submit(run_documented, RUNS["math-example"].command, "--run.dir", str(root / "rl"), *steps,
-                         replace={"runs/math-sft": str(root / "sft")}, timeout=900)
-        base_eval, rl = base_eval.result(), rl.result()
+                                timeout=600)
+        sft = pool.submit(run_documented, SFT, "--run.dir", str(root / "sft"), *steps, timeout=600)
+        base_eval, sft = base_eval.result(), sft.result()
+    rl = run_documented(RUNS["math-example"].command, "--run.dir", str(root / "rl"), *steps,
+                        replace={"runs/math-sft": str(root / "sft")}, timeout=900)
     verify = run_documented(VERIFY, replace={"runs/math-rl": str(root / "rl")})
     return Example(root, base_eval, sft, rl, verify)
 
