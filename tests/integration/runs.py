@@ -57,10 +57,6 @@ RUNS: dict[str, RunSpec] = {
         "the quickstart's section 6 as written (1 trainer rank) on two servers started by its own command: the "
         "base weights from the trainer's own copy, 1 step",
         "test_kill_points.py"),
-    # A resume in rolling mode (issue 39, item 3) would ride this sequence, not yet written: run
-    # on both operator servers with --inference.publish rolling, its mid-publish kill (failpoint
-    # publish:STEP) lands in the canary's wave while the other server still serves vSTEP-1, and
-    # the run after it must bring both to the checkpoint's version before either serves.
     "kill-points": RunSpec(
         "fleetrl rl @ configs/default.toml @ rl.toml --inference.urls [one server] (2 trainer ranks, k = 0, two "
         "environments; six runs, each with a failpoint)",
