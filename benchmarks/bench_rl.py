@@ -28,9 +28,10 @@ same seed).
 With --publish it runs a sampling-bound job (2 workers, k = 1, long completions) twice,
 `inference.publish = "fenced"` against `"rolling"` (waves of one worker), and compares the step
 time, `mismatch_kl` on every step, and the fleet's sampling throughput: the tokens/s of all
-workers (each sample's tokens spread evenly over its time on its worker, from events.jsonl) in
-the windows of --window-s seconds that hold a publish's fence, as a fraction of those that hold
-none; and the same during the fences alone.
+workers while sampling had work (each sample's tokens spread evenly over its time on its
+unfenced worker, from events.jsonl; `sampling_throughput` says how) in the windows of --window-s
+seconds that hold a publish's fence, as a fraction of those that hold none; and the same during
+the fences alone.
 """
 
 from __future__ import annotations
@@ -224,34 +225,80 @@ def fenced_against_rolling(args) -> None:
 
 
 def sampling_throughput(run_dir: Path, window_s: float) -> dict:
-    """Tokens/s over all workers in the windows of `window_s` that hold a fence, as a fraction of
-    those that hold none, and during the fences themselves; from the first fence of v1 to the
-    last sample's end (the start-up and the run's last publish, after every rollout, left out)."""
+    """Tokens/s over all workers while sampling had work, in the windows of `window_s` that hold
+    a fence, as a fraction of those that hold none, and during the fences themselves; from the
+    first fence of v1 to the last sample's end (the start-up and the run's last publish, after
+    every rollout, left out).
+
+    From events.jsonl: a sample's tokens are spread evenly over its time on its worker less the
+    time that worker was fenced (a paused worker makes no token: the keep and abort pauses), and
+    a window's rate divides its tokens by the time in it when at least one sample was waiting for
+    tokens. The time when no sample was (the k bound holding sampling back while the trainer
+    trains) says nothing about a publish, so it counts in neither side."""
     events = RunDir(run_dir).read_events()
     samples = [e for e in events if isinstance(e, SampleEvent) and e.end > e.start]
-    fences, opened = [], {}
+    fences, opened = [], {}  # (start, end, the workers fenced: None for all)
     for e in (e for e in events if isinstance(e, FenceEvent) and e.version >= 1):
         key = (e.version, e.wave)
         if e.phase == "start":
-            opened[key] = e.t
+            opened[key] = (e.t, None if e.workers is None else set(e.workers))
         elif key in opened:
-            fences.append((opened.pop(key), e.t))
+            began, workers = opened.pop(key)
+            fences.append((began, e.t, workers))
+    # Each sample's time on its worker while that worker was not fenced.
+    active = {id(s): _minus((s.start, s.end), [(a, b) for a, b, ws in fences if ws is None or s.worker in ws])
+              for s in samples}
+    waiting = _union([(s.start, s.end) for s in samples])
 
     def tokens_in(a: float, b: float) -> float:
-        return sum(s.tokens * max(0.0, min(b, s.end) - max(a, s.start)) / (s.end - s.start) for s in samples)
+        return sum(s.tokens * _overlap(active[id(s)], a, b) / _length(active[id(s)])
+                   for s in samples if _length(active[id(s)]) > 0)
 
-    begin, end = min(a for a, _ in fences), max(s.end for s in samples)
+    def rate(spans: list[tuple[float, float]]) -> float:
+        busy = sum(_overlap(waiting, a, b) for a, b in spans)
+        return sum(tokens_in(a, b) for a, b in spans) / busy if busy else float("nan")
+
+    begin, end = min(a for a, _, _ in fences), max(s.end for s in samples)
     windows = [(a, a + window_s) for a in _steps(begin, end - window_s, window_s)]
-    with_fence = [w for w in windows if any(a < w[1] and b > w[0] for a, b in fences)]
+    with_fence = [w for w in windows if any(a < w[1] and b > w[0] for a, b, _ in fences)]
     without = [w for w in windows if w not in with_fence]
     if not with_fence or not without:
         raise SystemExit(f"bench_rl: of {len(windows)} windows of {window_s:g} s in {run_dir}, {len(with_fence)} "
                          "hold a fence: change --window-s or --steps so that some do and some do not")
-    rate = lambda ws: sum(tokens_in(a, b) for a, b in ws) / sum(b - a for a, b in ws)  # noqa: E731
     steady = rate(without)
     return {"steady_tps": steady, "publish_fraction": rate(with_fence) / steady,
-            "fence_fraction": rate([(a, b) for a, b in fences if b <= end]) / steady,
+            "fence_fraction": rate([(a, b) for a, b, _ in fences if b <= end]) / steady,
             "windows": len(windows), "publish_windows": len(with_fence)}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _minus(span: tuple[float, float], holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """`span` less every hole in it."""
+    left, (a, b) = [], span
+    for h0, h1 in _union(holes):
+        if h0 > a:
+            left.append((a, min(b, h0)))
+        a = max(a, h1)
+        if a >= b:
+            break
+    return left + ([(a, b)] if a < b else [])
+
+
+def _overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans)
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(y - x for x, y in spans)
 
 
 def _steps(start: float, stop: float, step: float):
