@@ -382,6 +382,16 @@ def test_dynamic_sampling_bound_must_hold_a_batch():
     assert load_config([], [("orchestrator.dynamic_sampling", "true")]).orchestrator.prompts_per_step() == 24
 
 
+def test_a_rule_across_fields_names_every_file_and_flag_that_set_one_of_its_section(tmp_path):
+    """Any field of the rule may be the one at fault: the error named only the last source that
+    touched the section, here a flag the rule does not read."""
+    config = tmp_path / "rl.toml"
+    config.write_text("[inference]\nclaim_lease_s = 1\n")
+    with pytest.raises(ConfigError, match=r"^inference.claim_lease_s \(1\) must be at least .*"
+                                          rf"\(from {re.escape(str(config))}, --inference.workers\)$"):
+        load_config([config], [("inference.workers", "2")])
+
+
 def test_admin_retries_are_bounded_and_so_is_their_backoff():
     """A publish waits out an admin call's retries holding its fence: their number was unbounded,
     and the backoff between them doubled each time (issue 36, item 8)."""

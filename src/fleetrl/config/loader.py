@@ -175,8 +175,9 @@ def load_config(files: list[Path], overrides: list[tuple[str, str]], saved: Sequ
             raise ConfigError(f"unknown config key '{key}' (from {origin})") from None
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "value_error" and not _is_leaf(loc):
-            # A rule across fields (a section's or the whole config's): its message names them.
-            raise ConfigError(f"{message} (from {origin})" if loc else message) from None
+            # A rule across fields (a section's or the whole config's): its message names them,
+            # and any file or flag that set one of them may be at fault.
+            raise ConfigError(f"{message} (from {_origins_within(loc, source)})" if loc else message) from None
         raise ConfigError(f"config key '{key}': {message} (from {origin})") from None
 
 
@@ -204,7 +205,9 @@ def _is_leaf(loc: tuple[str, ...]) -> bool:
 def _merge(into: dict, data: dict, prefix: tuple[str, ...], source: dict, origin: str) -> None:
     for key, value in data.items():
         path = prefix + (key,)
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
+        if isinstance(value, dict):  # key by key, so that each one's origin is known
+            if not isinstance(into.get(key), dict):
+                into[key] = {}
             _merge(into[key], value, path, source, origin)
         else:
             into[key] = value
@@ -217,6 +220,12 @@ def _origin(loc: tuple[str, ...], source: dict) -> str:
         if loc[:n] in source:
             return source[loc[:n]]
     return "defaults"
+
+
+def _origins_within(loc: tuple[str, ...], source: dict) -> str:
+    """Every file or flag that set a key inside the section `loc`, in the order they were read."""
+    inside = dict.fromkeys(origin for path, origin in source.items() if len(path) > len(loc) and path[:len(loc)] == loc)
+    return ", ".join(inside) or _origin(loc, source)
 
 
 def to_toml(config: Config) -> str:
