@@ -45,6 +45,7 @@ from fleetrl.inference.http import metric_total, sign, unproven
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
 from fleetrl.orchestrator.chat import ChatTokens, render_prompt
+from fleetrl.orchestrator import episodes
 from fleetrl.orchestrator.episodes import Episode, EpisodeLimits, run_episode
 from fleetrl.records import FenceEvent
 from fleetrl.rundir import RunDir, check_turns
@@ -768,14 +769,18 @@ async def test_publishes_inside_a_turn_and_between_turns_give_each_turn_exact_sp
 
 @only("vllm")
 async def test_an_episode_past_k_is_stopped_or_goes_on_as_a_partial_episode(fleet, base_weights, tokenizer,
-                                                                            tmp_path_factory):
-    """For step v+2 at k = 0 (admission bypassed), a first turn sampled at v is too old: the
-    episode stops there and its environment is never asked; under partial_episodes it goes on,
-    its second turn at v+1 (published between the turns) is trained and its first is context."""
+                                                                            tmp_path_factory, monkeypatch):
+    """For step v+2 at k = 0 (admission and the turns' version floor bypassed: the defence behind
+    them), a first turn sampled at v is too old: the episode stops there and its environment is
+    never asked; under partial_episodes (no floor from k) it goes on, its second turn at v+1
+    (published between the turns) is trained and its first is context."""
     old = fleet.version
     sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     stopped_env = Answers()
-    stopped = await episode_of(fleet, tokenizer, stopped_env, "Count to ten.", sampling, old + 2, max_turns=3, k=0)
+    with monkeypatch.context() as bypassed:
+        bypassed.setattr(episodes, "turn_min_version", lambda *_: None)
+        stopped = await episode_of(fleet, tokenizer, stopped_env, "Count to ten.", sampling, old + 2, max_turns=3,
+                                   k=0)
     assert stopped.end == "off_policy" and len(stopped.turns) == 1 and not stopped_env.asked.is_set()
 
     env = Answers(opened=False)

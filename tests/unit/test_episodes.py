@@ -17,6 +17,7 @@ from fleetrl.envs.mix import RunEnv
 from fleetrl.envs.tools import Tool
 from fleetrl.errors import FleetrlError
 from fleetrl.inference.fleet import Fleet
+from fleetrl.orchestrator import episodes
 from fleetrl.orchestrator.chat import ChatTokens
 from fleetrl.orchestrator.rollouts import Orchestrator
 from fleetrl.rundir import RunDir, VerifyError, check_turns
@@ -184,8 +185,9 @@ async def test_a_publish_between_turns_gives_the_later_turns_the_new_version():
 
 
 async def test_an_episode_past_k_is_stopped_after_its_turn_and_dropped(monkeypatch):
-    """Admission bypassed: batch 3 at k = 0 sampled at v0 is 2 versions behind after its first
-    turn, so no second turn is sampled and every episode is dropped."""
+    """Admission and the turns' version floor bypassed (the defence behind them): batch 3 at
+    k = 0 sampled at v0 is 2 versions behind after its first turn, so no second turn is sampled
+    and every episode is dropped."""
     env = Retry()
     fleet, orch, _ = await make(env, k=0, max_turns=3)
 
@@ -193,6 +195,7 @@ async def test_an_episode_past_k_is_stopped_after_its_turn_and_dropped(monkeypat
         return None
 
     monkeypatch.setattr(fleet, "wait_for_version", no_admission)
+    monkeypatch.setattr(episodes, "turn_min_version", lambda *_: None)
     with pytest.raises(FleetrlError, match="^batch 3 is empty: of 4 samples 4 exceeded"):
         await orch.make_batch(3)
     assert [(r["end"], r["drop_reason"], len(r["turns"])) for r in records(orch, 3)] == [("off_policy", "off_policy", 1)] * 4

@@ -3,11 +3,13 @@ workers at two versions at once, each token carrying its worker's; the off-polic
 every dispatch; the canary; a worker lost mid-wave; a worker that skips a version."""
 
 import asyncio
+from dataclasses import replace
 
 from fleetrl import failpoints
 from fleetrl.inference.fleet import AgreementProbe, Fleet
 from fleetrl.inference.fleet.fence import plan_waves
-from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerInfo, WorkerRole, WorkerState
+from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerInfo, WorkerRole, WorkerState
+from fleetrl.orchestrator.episodes import Episode, EpisodeLimits, turn_min_version
 from fleetrl.records import FenceEvent, PublishReport
 from fleetrl.versions import VersionSpan
 
@@ -264,7 +266,28 @@ async def test_a_discovery_round_between_a_failed_canarys_tries_refits_a_joiner_
     # a received v1's weights: it is not labelled v0 (nothing to send it before a canary agreed).
     assert ("c", WorkerState.READY, 0) in refitted and ("a", WorkerState.STALE, 0) in refitted
     assert report.ready and "a" in report.failed and fleet.workers["a"].state == WorkerState.STALE
-    assert all(fleet.workers[w].version == 1 for w in report.ready)
+    # The joiner was in no planned wave: a wave of its own brings it to v1 too, so that the last
+    # publish of a run leaves no worker serving the version before (final.json, verify).
+    assert {w.id: w.version for w in fleet.ready_workers()} == {"b": 1, "c": 1}
+    assert [w.workers for w in report.waves][-1] == ["c"]
+    await fleet.close()
+
+
+async def test_a_joiner_refitted_while_the_publish_waited_for_the_lock_gets_a_wave():
+    """No failure at all: a discovery round queued on the lock behind the publish's plan runs
+    before the canary, and refits a worker that joined to v0; it is in no planned wave."""
+    fleet, provider, transport, _ = await rolling("a", "b")
+    provider.add("c")
+    await fleet.fence.lock.acquire()  # a round's refits hold it
+    publish = asyncio.create_task(fleet.publish(1, transport, weights, PROBE, everywhere=True))
+    await asyncio.sleep(0)  # the publish queues first ...
+    round_ = asyncio.create_task(fleet.refresh())  # ... then a discovery round
+    await asyncio.sleep(0)
+    fleet.fence.lock.release()
+    await publish
+    await round_
+    assert {w.id: (w.state, w.version) for w in fleet.workers.values()} == {
+        "a": (WorkerState.READY, 1), "b": (WorkerState.READY, 1), "c": (WorkerState.READY, 1)}
     await fleet.close()
 
 
@@ -286,6 +309,44 @@ async def test_a_refit_scores_the_probe_through_a_prefill_worker_at_its_own_vers
     assert [s for s in scored if s[0] == "d3"] == [("d3", "pa", 1)]
     release.set()
     await waves_end(fleet)
+    await fleet.close()
+
+
+async def test_a_later_turn_or_continuation_never_goes_to_a_worker_older_than_the_tokens_before_it():
+    """k = 1, v1 on the canary a alone. An episode's first turn ran on a at v1; a is lost, and
+    the next turn (or an abort-mode continuation) waits for a worker at v1 rather than going
+    to b at v0: spans that went back in version would fail `fleetrl verify`."""
+    fleet, provider, transport, _ = await rolling("a", "b", max_lag=1)
+    release = hold_health(provider, fleet, "b")
+    await fleet.publish(1, transport, weights, PROBE)
+    limits = EpisodeLimits(max_turns=2, max_context=4096, max_off_policy_steps=1, partial_episodes=False,
+                           user_code_timeout_s=1)
+    episode = Episode(task=None, prompt_ids=[1, 2, 3], messages=[], state={})
+    assert turn_min_version(episode, 2, limits) == 0  # (2 - 1) - k: the first turn may go to either
+    assert turn_min_version(episode, 3, limits) == 1
+    assert turn_min_version(episode, 3, replace(limits, partial_episodes=True)) is None
+    (first,) = await fleet.generate(request(max_tokens=3, min_version=1, session_id="ep"))
+    episode.add_model_turn(first)
+    assert first.worker_id == "a" and turn_min_version(episode, 2, limits) == 1  # its turn before: v1
+    provider.engines["a"].alive = False
+    second = asyncio.create_task(fleet.generate(request(max_tokens=3, min_version=1, session_id="ep")))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # b is at v0: the turn waits for b's wave
+    release.set()
+    ((out,),) = await asyncio.gather(second)
+    assert out.worker_id == "b" and out.spans == [VersionSpan(1, 0)]
+    # An abort-mode continuation is held to the version of the head it continues the same way.
+    seen, generate = [], provider.generate
+
+    async def cut_once(worker, req, suffix=(), prefill=None):
+        seen.append(req.min_version)
+        if len(seen) == 1:
+            return [GenerateResponse(req.request_id, [7], [-0.1], "abort", worker.id, [VersionSpan(1, 0)])]
+        return await generate(worker, req, suffix, prefill)
+
+    provider.generate = cut_once
+    await fleet.generate(request(max_tokens=3))
+    assert seen == [None, 1]
     await fleet.close()
 
 

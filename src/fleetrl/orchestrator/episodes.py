@@ -103,6 +103,17 @@ async def run_episode(fleet: Fleet, env: MultiTurnEnvironment, chat: ChatTokens,
     return episode
 
 
+def turn_min_version(episode: Episode, step: int, limits: EpisodeLimits) -> int | None:
+    """The oldest version the next turn may be sampled at: never older than a turn before it (in
+    a rolling publish the fleet serves two versions, and a turn moved off a lost worker could
+    land on one still at the version before), nor, unless partial episodes may go past k,
+    further than k behind the policy being trained."""
+    floors = [s.version for s in episode.spans]
+    if not limits.partial_episodes:
+        floors.append((step - 1) - limits.max_off_policy_steps)
+    return max(floors, default=None)
+
+
 async def _take_turns(episode: Episode, fleet: Fleet, env: MultiTurnEnvironment, chat: ChatTokens,
                       decode: Callable[[list[int]], str], sampling: SamplingParams, session_id: str, step: int,
                       limits: EpisodeLimits) -> None:
@@ -114,7 +125,8 @@ async def _take_turns(episode: Episode, fleet: Fleet, env: MultiTurnEnvironment,
             episode.end = "context"
             break
         (completion,) = await fleet.generate(GenerateRequest(prompt_token_ids=context, sampling=sampling, n=1,
-                                                             session_id=session_id))
+                                                             session_id=session_id,
+                                                             min_version=turn_min_version(episode, step, limits)))
         if completion.answer_error:  # no tokens to add: the episode ends on the turn before
             episode.end, episode.error = "bad_answer", completion.answer_error
             break

@@ -178,6 +178,7 @@ class Fence:
                                                 named_tensors, probe, keep, started))
             if self.roster.version < version:
                 raise PublishError(f"publish v{version} completed on no worker: {describe(merged(reports, 'failed'))}")
+            planned += await self._missed_by_the_plan(planned, reports, version)
             rest = [Wave(number + i, False, wave) for i, wave in enumerate(planned, 1)]
             if everywhere:
                 for wave in rest:
@@ -192,6 +193,20 @@ class Fence:
                 ready=[w for r in reports for w in r.ready], failed=merged(reports, "failed"),
                 probe=merged(reports, "probe"), worker_seconds=merged(reports, "worker_seconds"),
                 received_bytes=merged(reports, "received_bytes"), waves=waves)
+
+    async def _missed_by_the_plan(self, planned: list[list[WorkerInfo]], reports: list[PublishReport],
+                                  version: int) -> list[list[WorkerInfo]]:
+        """Waves for the live workers that no wave planned or ran holds: those that joined, or
+        were restarted, after the plan. Until a canary agreed, a discovery round refitted them to
+        the version before (the fleet's then), so without a wave they would serve it on."""
+        known = {w.id for wave in planned for w in wave} | {w for r in reports for w in (*r.ready, *r.failed)}
+        async with self.lock:
+            missed = [w for w in self.roster.workers.values()
+                      if w.state != WorkerState.DEAD and w.id not in known and w.version != version]
+        if missed:
+            self.roster.log(f"fleetrl: publish v{version}: {', '.join(w.id for w in missed)} joined or were "
+                            f"refitted during the canary; waves of their own follow")
+        return plan_waves(missed, self.wave_size) if missed else []
 
     async def _later_waves(self, waves: list[Wave], version: int, transport: WeightTransport,
                            named_tensors: NamedTensors, probe: AgreementProbe | None, keep: bool,
@@ -328,7 +343,11 @@ class Fence:
             resumed = await roster.each(verified, roster.resume, failed, WorkerState.DEAD)
             deltas: dict[str, float] = {}
             if probe is not None:  # still UPDATING here: a worker that disagrees never takes a new request
-                prefills = [w for w in resumed if w.role == WorkerRole.PREFILL]
+                # Through a prefill worker of this fence, or one that already serves `version` (a
+                # wave whose own prefill worker died, or which has none).
+                prefills = [w for w in resumed if w.role == WorkerRole.PREFILL] or [
+                    w for w in roster.workers.values()
+                    if w.role == WorkerRole.PREFILL and w.state == WorkerState.READY and w.version == version]
                 agree = await roster.each(
                     resumed, lambda w: checked(w, self._agrees(w, version, probe, prefills, deltas)), failed,
                     WorkerState.STALE)

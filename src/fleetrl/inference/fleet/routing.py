@@ -165,7 +165,9 @@ class Routing:
             continuation = GenerateRequest(
                 prompt_token_ids=request.prompt_token_ids, sampling=request.sampling, n=1,
                 session_id=request.session_id, request_id=f"{request.request_id}-{len(response.token_ids)}",
-                min_version=request.min_version,
+                # Never older than its head: in a rolling publish the fleet serves two versions.
+                min_version=max((v for v in (request.min_version, *(s.version for s in response.spans))
+                                 if v is not None), default=None),
             )
             (rest,) = await self._generate_once(continuation, response.token_ids)
             response = join_completions(response, rest)
