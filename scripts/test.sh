@@ -2,13 +2,9 @@
 # `make test`: the unit tests beside the integration tests, as two pytest processes. The
 # integration tests leave about a fifth of a 2-core machine idle (a vLLM server starts its
 # three processes one after another, on one core), and the unit tests fill it, so the suite
-# ends minutes sooner than one pytest running both in turn. The unit tests run at a lower
-# priority (nice 10) and with one OpenMP thread (their tensors are tiny, and a second thread
-# spin-waits on a busy core): they take what the integration tests leave instead of slowing
-# them (at the same priority they cost the fault tests beside them a minute and a half).
-# They write to a log that is shown when the integration tests end (and kept only if they
-# failed); the run fails when either part fails, and an interrupted run stops both.
-# Arguments go to both pytest commands.
+# ends minutes sooner than one pytest running both in turn. The unit tests write to a log that
+# is shown when the integration tests end (and kept only if they failed); the run fails when
+# either part fails, and an interrupted run stops both. Arguments go to both pytest commands.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -16,7 +12,7 @@ python="${VENV:-.venv}/bin/python"
 unit_log="$(mktemp -t fleetrl-unit-tests.XXXXXX)"
 
 # No cache plugin on this side: two sessions writing .pytest_cache at once would race.
-OMP_NUM_THREADS=1 nice -n 10 "$python" -m pytest tests/unit -p no:cacheprovider "$@" > "$unit_log" 2>&1 &
+"$python" -m pytest tests/unit -p no:cacheprovider "$@" > "$unit_log" 2>&1 &
 unit=$!
 trap 'kill -TERM "$unit" 2>/dev/null' EXIT
 trap 'exit 130' INT
