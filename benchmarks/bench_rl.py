@@ -5,7 +5,7 @@ and what each run costs before its first step and in memory.
                                             [--batch-prompts N]
     .venv/bin/python benchmarks/bench_rl.py --memory [--steps 2]
     .venv/bin/python benchmarks/bench_rl.py --lora [--steps 10]
-    .venv/bin/python benchmarks/bench_rl.py --publish [--steps 8] [--max-tokens 256] [--window-s 10]
+    .venv/bin/python benchmarks/bench_rl.py --publish [--steps 8] [--max-tokens 256] [--window-s 5]
 
 Runs the same job twice, back to back, differing only in `orchestrator.max_off_policy_steps`,
 and compares the wall time per step measured from the runs' own timestamps (from the end of
@@ -134,7 +134,7 @@ def main() -> None:
                         help="k = 1, 2 workers (--workers is not read), long completions: fenced publishes "
                              "against rolling ones")
     parser.add_argument("--max-tokens", type=int, default=256, help="--publish: orchestrator.max_tokens")
-    parser.add_argument("--window-s", type=float, default=10.0, help="--publish: the throughput windows' length")
+    parser.add_argument("--window-s", type=float, default=5.0, help="--publish: the throughput windows' length")
     args = parser.parse_args()
     if args.publish:
         fenced_against_rolling(args)
