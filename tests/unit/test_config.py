@@ -382,14 +382,20 @@ def test_dynamic_sampling_bound_must_hold_a_batch():
     assert load_config([], [("orchestrator.dynamic_sampling", "true")]).orchestrator.prompts_per_step() == 24
 
 
-def test_a_rule_across_fields_names_every_file_and_flag_that_set_one_of_its_section(tmp_path):
-    """Any field of the rule may be the one at fault: the error named only the last source that
-    touched the section, here a flag the rule does not read."""
+def test_a_rule_across_fields_names_the_files_and_flags_that_set_the_fields_it_names(tmp_path):
+    """The error named the last source that touched the section, here a flag the rule does not
+    read; it names those that set a field of its message, or, where it names none they set,
+    every source of the section."""
     config = tmp_path / "rl.toml"
     config.write_text("[inference]\nclaim_lease_s = 1\n")
     with pytest.raises(ConfigError, match=r"^inference.claim_lease_s \(1\) must be at least .*"
-                                          rf"\(from {re.escape(str(config))}, --inference.workers\)$"):
+                                          rf"\(from {re.escape(str(config))}\)$"):
         load_config([config], [("inference.workers", "2")])
+    with pytest.raises(ConfigError, match=r"must be at least .*\(from --inference.health_timeout_s\)$"):
+        load_config([], [("inference.health_timeout_s", "30"), ("inference.workers", "2")])
+    with pytest.raises(ConfigError, match=r"^inference.publish_wave \(2\) is set but inference.publish is 'fenced'.*"
+                                          r"\(from --inference.publish_wave\)$"):
+        load_config([], [("inference.publish_wave", "2"), ("inference.workers", "2")])
 
 
 def test_admin_retries_are_bounded_and_so_is_their_backoff():

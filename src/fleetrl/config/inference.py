@@ -172,7 +172,7 @@ class InferenceConfig(Section):
         1, ge=1,
         description="Workers per wave of a rolling publish (inference.publish = 'rolling'); with Dynamo prefill "
         "workers, decode workers per wave, each wave taking its share of the prefill workers (with fewer prefill "
-        "workers than waves, fewer and larger waves). A wave as large as the fleet is one fenced publish.",
+        "workers than waves, fewer and larger waves). A wave as large as the fleet, or larger, is one fenced publish.",
     )
     discovery_interval_s: float = Field(
         5.0, gt=0, le=MAX_WAIT_S, description="How often the fleet re-discovers workers and checks their health."

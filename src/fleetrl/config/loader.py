@@ -8,6 +8,7 @@ to a default. Also the resolved config written back as TOML, secrets left out.""
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Sequence
 from functools import reduce
@@ -177,7 +178,8 @@ def load_config(files: list[Path], overrides: list[tuple[str, str]], saved: Sequ
         if err["type"] == "value_error" and not _is_leaf(loc):
             # A rule across fields (a section's or the whole config's): its message names them,
             # and any file or flag that set one of them may be at fault.
-            raise ConfigError(f"{message} (from {_origins_within(loc, source)})" if loc else message) from None
+            raise ConfigError(f"{message} (from {_origins_of_named(loc, source, message)})" if loc else message) \
+                from None
         raise ConfigError(f"config key '{key}': {message} (from {origin})") from None
 
 
@@ -222,10 +224,12 @@ def _origin(loc: tuple[str, ...], source: dict) -> str:
     return "defaults"
 
 
-def _origins_within(loc: tuple[str, ...], source: dict) -> str:
-    """Every file or flag that set a key inside the section `loc`, in the order they were read."""
-    inside = dict.fromkeys(origin for path, origin in source.items() if len(path) > len(loc) and path[:len(loc)] == loc)
-    return ", ".join(inside) or _origin(loc, source)
+def _origins_of_named(loc: tuple[str, ...], source: dict, message: str) -> str:
+    """The files and flags that set a key of the section `loc` which `message` names, in the
+    order they were read; every one that set a key of it where the message names none."""
+    inside = [(path, origin) for path, origin in source.items() if len(path) > len(loc) and path[:len(loc)] == loc]
+    named = [origin for path, origin in inside if re.search(rf"\b{re.escape('.'.join(path))}\b", message)]
+    return ", ".join(dict.fromkeys(named or [origin for _, origin in inside])) or _origin(loc, source)
 
 
 def to_toml(config: Config) -> str:
