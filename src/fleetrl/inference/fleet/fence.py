@@ -178,7 +178,7 @@ class Fence:
                                                 named_tensors, probe, keep, started))
             if self.roster.version < version:
                 raise PublishError(f"publish v{version} completed on no worker: {describe(merged(reports, 'failed'))}")
-            planned += await self._missed_by_the_plan(planned, reports, version)
+            planned += await self._missed_by_the_plan(planned, version)
             rest = [Wave(number + i, False, wave) for i, wave in enumerate(planned, 1)]
             if everywhere:
                 for wave in rest:
@@ -194,15 +194,16 @@ class Fence:
                 probe=merged(reports, "probe"), worker_seconds=merged(reports, "worker_seconds"),
                 received_bytes=merged(reports, "received_bytes"), waves=waves)
 
-    async def _missed_by_the_plan(self, planned: list[list[WorkerInfo]], reports: list[PublishReport],
-                                  version: int) -> list[list[WorkerInfo]]:
-        """Waves for the live workers that no wave planned or ran holds: those that joined, or
-        were restarted, after the plan. Until a canary agreed, a discovery round refitted them to
-        the version before (the fleet's then), so without a wave they would serve it on."""
-        known = {w.id for wave in planned for w in wave} | {w for r in reports for w in (*r.ready, *r.failed)}
+    async def _missed_by_the_plan(self, planned: list[list[WorkerInfo]], version: int) -> list[list[WorkerInfo]]:
+        """Waves for the live workers that serve an older version and that no wave still to run
+        holds: those that joined, or were restarted (a canary's worker included), while the
+        canary ran, whom a discovery round refitted to the version before (the fleet's until a
+        canary agreed); without a wave they would serve it on. Stale ones are left to discovery,
+        which refits them to `version` now."""
+        waiting = {w.id for wave in planned for w in wave}
         async with self.lock:
-            missed = [w for w in self.roster.workers.values()
-                      if w.state != WorkerState.DEAD and w.id not in known and w.version != version]
+            missed = [w for w in self.roster.workers.values() if w.id not in waiting and w.version != version
+                      and w.state not in (WorkerState.DEAD, WorkerState.STALE)]
         if missed:
             self.roster.log(f"fleetrl: publish v{version}: {', '.join(w.id for w in missed)} joined or were "
                             f"refitted during the canary; waves of their own follow")
