@@ -245,14 +245,16 @@ def sampling_throughput(run_dir: Path, window_s: float) -> dict:
         elif key in opened:
             began, workers = opened.pop(key)
             fences.append((began, e.t, workers))
-    # Each sample's time on its worker while that worker was not fenced.
-    active = {id(s): _minus((s.start, s.end), [(a, b) for a, b, ws in fences if ws is None or s.worker in ws])
-              for s in samples}
+    # Each sample's time on its worker while that worker was not fenced, and its tokens per second of it.
+    active = []
+    for s in samples:
+        spans = _minus((s.start, s.end), [(a, b) for a, b, ws in fences if ws is None or s.worker in ws])
+        if (length := _length(spans)) > 0:
+            active.append((spans, s.tokens / length))
     waiting = _union([(s.start, s.end) for s in samples])
 
     def tokens_in(a: float, b: float) -> float:
-        return sum(s.tokens * _overlap(active[id(s)], a, b) / _length(active[id(s)])
-                   for s in samples if _length(active[id(s)]) > 0)
+        return sum(per_s * _overlap(spans, a, b) for spans, per_s in active)
 
     def rate(spans: list[tuple[float, float]]) -> float:
         busy = sum(_overlap(waiting, a, b) for a, b in spans)

@@ -44,8 +44,8 @@ from fleetrl.inference.fleet.fence import plan_waves
 from fleetrl.inference.http import metric_total, sign, unproven
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
 from fleetrl.inference.vllm.provider import VllmProvider
-from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator import episodes
+from fleetrl.orchestrator.chat import ChatTokens, render_prompt
 from fleetrl.orchestrator.episodes import Episode, EpisodeLimits, run_episode
 from fleetrl.records import FenceEvent
 from fleetrl.rundir import RunDir, check_turns
