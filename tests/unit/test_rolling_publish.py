@@ -5,9 +5,11 @@ every dispatch; the canary; a worker lost mid-wave; a worker that skips a versio
 import asyncio
 from dataclasses import replace
 
+import pytest
+
 from fleetrl import failpoints
 from fleetrl.inference.fleet import AgreementProbe, Fleet
-from fleetrl.inference.fleet.fence import plan_waves
+from fleetrl.inference.fleet.fence import PublishError, plan_waves
 from fleetrl.inference.types import GenerateRequest, GenerateResponse, SamplingParams, WorkerInfo, WorkerRole, WorkerState
 from fleetrl.orchestrator.episodes import Episode, EpisodeLimits, turn_min_version
 from fleetrl.records import FenceEvent, PublishReport
@@ -407,3 +409,19 @@ async def test_a_canary_wave_whose_decode_worker_fails_is_not_passed_by_its_pref
     assert "b" in report.ready and fleet.version == 1
     await waves_end(fleet)
     await fleet.close()
+
+
+async def test_a_fleet_closed_during_the_canary_starts_no_wave_after_it():
+    """The run closes while the canary's wave is under way: no later wave starts, in the
+    background or otherwise, and the publish says why."""
+    fleet, provider, transport, _ = await rolling("a", "b")
+    release = hold_health(provider, fleet, "a")  # the canary's wave waits on its health check
+    publish = asyncio.create_task(fleet.publish(1, transport, weights, PROBE))
+    await asyncio.sleep(0.05)
+    closing = asyncio.create_task(fleet.close())
+    await asyncio.sleep(0)
+    release.set()
+    with pytest.raises(PublishError, match="publish v1: the fleet closed during it"):
+        await publish
+    await closing
+    assert fleet.fence._rest is None and transport.transfers == [(["a"], 1)]  # b never fenced

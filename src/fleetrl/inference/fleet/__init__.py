@@ -93,7 +93,7 @@ class Fleet:
         await self.lifecycle.start(weights, launched_version)
 
     async def close(self) -> None:
-        await self.fence.stop_waves(supersede=False)
+        await self.fence.close()
         await self.lifecycle.close()
 
     async def refresh(self) -> None:

@@ -123,6 +123,7 @@ class Fence:
         self._publishing = asyncio.Lock()  # one publish at a time; a rolling one until it has returned
         self._rest: asyncio.Task | None = None  # the waves a rolling publish runs after it returned
         self._superseded = False  # a newer publish waits: `_rest` stops after its wave under way
+        self._closed = False  # the fleet closes: no wave starts any more
         self._unreported: list[WaveReport] = []  # waves ended since the last publish returned
         self.lock = asyncio.Lock()  # held by publish and by refits (a discovery round's included)
         self.source: WeightSource | None = None
@@ -173,6 +174,7 @@ class Fence:
             reports: list[PublishReport] = []
             number = 0
             while planned and self.roster.version < version:  # the canary: until a worker agrees
+                self._refuse_when_closed(version)
                 number += 1
                 reports.append(await self._wave(Wave(number, True, planned.pop(0)), version, transport,
                                                 named_tensors, probe, keep, started))
@@ -180,8 +182,10 @@ class Fence:
                 raise PublishError(f"publish v{version} completed on no worker: {describe(merged(reports, 'failed'))}")
             planned += await self._missed_by_the_plan(planned, version)
             rest = [Wave(number + i, False, wave) for i, wave in enumerate(planned, 1)]
+            self._refuse_when_closed(version)
             if everywhere:
                 for wave in rest:
+                    self._refuse_when_closed(version)
                     reports.append(await self._wave(wave, version, transport, named_tensors, probe, keep, started))
             elif rest:
                 self._rest = asyncio.create_task(self._later_waves(rest, version, transport, named_tensors,
@@ -225,6 +229,17 @@ class Fence:
             except Exception as e:  # not PublishError, which `_wave` reports: a bug, or the fleet closing
                 self.roster.log(f"fleetrl: publish v{version} wave {wave.number} failed: {e}")
                 return
+
+    def _refuse_when_closed(self, version: int) -> None:
+        """A publish under way when the fleet closed starts no wave after it: none would outlive
+        the run's close."""
+        if self._closed:
+            raise PublishError(f"publish v{version}: the fleet closed during it")
+
+    async def close(self) -> None:
+        """Start no wave from now on, and end those running in the background at once."""
+        self._closed = True
+        await self.stop_waves(supersede=False)
 
     async def stop_waves(self, supersede: bool) -> None:
         """End the waves a rolling publish runs in the background: after the wave under way
