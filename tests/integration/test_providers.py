@@ -470,7 +470,7 @@ async def test_attached_workers_a_previous_run_left_at_vn_are_refitted_with_the_
     await asyncio.sleep(CLAIM_LEASE_S + 0.5)  # the module fleet's claim lapses
     try:
         await attached.start(base_weights_of(provider, model_dir, transport))
-        assert sum(f"holds no version of this run (another run's, or none), not v0: refitting it" in line
+        assert sum("holds no version of this run (another run's, or none), not v0: refitting it" in line
                    for line in logs) == 2, logs
         for worker in attached.workers.values():
             assert worker.state == WorkerState.READY and worker.version == 0

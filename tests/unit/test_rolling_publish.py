@@ -227,6 +227,7 @@ def test_waves_take_the_workers_furthest_behind_first_and_share_out_prefill_work
     assert [[w.id for w in wave] for wave in plan_waves(workers, 3)] == [["c", "b", "a"], ["d"]]
     prefill = [worker("p", 0, WorkerRole.PREFILL), worker("q", 0, WorkerRole.PREFILL)]
     assert [[w.id for w in wave] for wave in plan_waves(workers + prefill, 1)] == [["p", "c", "b"], ["q", "a", "d"]]
+    assert [[w.id for w in wave] for wave in plan_waves(prefill, 1)] == [["p", "q"]] and plan_waves([], 1) == []
 
 
 async def test_a_fenced_publish_names_no_wave():

@@ -92,12 +92,15 @@ def plan_waves(workers: list[WorkerInfo], size: int) -> list[list[WorkerInfo]]:
     ones last, so that a worker failing its refits is not the canary of every publish.
     Prefill workers are shared out over the waves, at least one each (so fewer waves where the
     fleet has fewer prefill workers than waves): a decode worker only takes prompts prefilled at
-    its own version (`Routing`), and each wave can serve as soon as it is through."""
+    its own version (`Routing`), and each wave can serve as soon as it is through. No workers,
+    no wave."""
     def behind(worker: WorkerInfo) -> tuple[bool, int, str]:
         return worker.state == WorkerState.STALE, (-1 if worker.version is None else worker.version), worker.id
 
     decode = sorted((w for w in workers if w.role != WorkerRole.PREFILL), key=behind)
     prefill = sorted((w for w in workers if w.role == WorkerRole.PREFILL), key=behind)
+    if not workers:
+        return []
     count = max(1, -(-len(decode) // size))
     if prefill and len(prefill) < count:
         count = len(prefill)
@@ -211,7 +214,7 @@ class Fence:
         if missed:
             self.roster.log(f"fleetrl: publish v{version}: {', '.join(w.id for w in missed)} joined or were "
                             f"refitted during the canary; waves of their own follow")
-        return plan_waves(missed, self.wave_size) if missed else []
+        return plan_waves(missed, self.wave_size)
 
     async def _later_waves(self, waves: list[Wave], version: int, transport: WeightTransport,
                            named_tensors: NamedTensors, probe: AgreementProbe | None, keep: bool,
