@@ -97,10 +97,10 @@ def plan_waves(workers: list[WorkerInfo], size: int) -> list[list[WorkerInfo]]:
     def behind(worker: WorkerInfo) -> tuple[bool, int, str]:
         return worker.state == WorkerState.STALE, (-1 if worker.version is None else worker.version), worker.id
 
-    decode = sorted((w for w in workers if w.role != WorkerRole.PREFILL), key=behind)
-    prefill = sorted((w for w in workers if w.role == WorkerRole.PREFILL), key=behind)
     if not workers:
         return []
+    decode = sorted((w for w in workers if w.role != WorkerRole.PREFILL), key=behind)
+    prefill = sorted((w for w in workers if w.role == WorkerRole.PREFILL), key=behind)
     count = max(1, -(-len(decode) // size))
     if prefill and len(prefill) < count:
         count = len(prefill)
