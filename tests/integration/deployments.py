@@ -9,7 +9,7 @@ Sharing is sound because each user either restores what it changed or leaves wha
 run must recover anyway: a fleet attached by URL brings every worker back to the base weights
 (checksum, then the agreement probe) before it labels it v0.
 
-OPERATOR_SERVERS: two native vLLM servers started by the quickstart's own command, as an
+OPERATOR_SERVERS: two native vLLM servers started by the quickstart's own commands, as an
 operator would (docs/quickstart.md, section 6), so no run of fleetrl owns them. Used by
 test_weight_transfer.py (its tests publish into the first and restore the base weights),
 test_conformance.py, and then test_kill_points.py (the quickstart's attached run on both, the
@@ -49,10 +49,17 @@ DYNAMO_ETCD = "dynamo-etcd"
 # The tokens the operator started the servers with; a run attached to them must hold the same.
 ADMIN, DATA = "operator-admin-token", "operator-data-token"
 
-# The quickstart's server command (tests/documented.py: only its port is changed here).
-SERVE = ("VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server "
-         '--model "$(.venv/bin/fleetrl model)" --served-model-name policy '
+# The quickstart's two server commands, each on CPUs of its own (tests/documented.py: only
+# their ports are changed here).
+SERVE = ("VLLM_CPU_OMP_THREADS_BIND=0 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m "
+         'vllm.entrypoints.openai.api_server --model "$(.venv/bin/fleetrl model)" --served-model-name policy '
          "--host 127.0.0.1 --port 8001 --dtype float32 --max-model-len 512 --enforce-eager --enable-scale-out "
+         "--middleware fleetrl.engine.admin_auth.AdminTokenMiddleware "
+         "--worker-extension-cls fleetrl.engine.worker_extension.FleetrlWorkerExtension "
+         "--weight-transfer-config '{\"backend\": \"fleetrl\"}'",
+         "VLLM_CPU_OMP_THREADS_BIND=1 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m "
+         'vllm.entrypoints.openai.api_server --model "$(.venv/bin/fleetrl model)" --served-model-name policy '
+         "--host 127.0.0.1 --port 8002 --dtype float32 --max-model-len 512 --enforce-eager --enable-scale-out "
          "--middleware fleetrl.engine.admin_auth.AdminTokenMiddleware "
          "--worker-extension-cls fleetrl.engine.worker_extension.FleetrlWorkerExtension "
          "--weight-transfer-config '{\"backend\": \"fleetrl\"}'")
@@ -177,9 +184,9 @@ class DeploymentPool:
             urls = [f"http://127.0.0.1:{port}" for port in ports]
             try:
                 # Both start at once, as from an operator's two terminals, and are waited for after.
-                procs = [self._stack.enter_context(started(documented(SERVE, replace={"8001": str(port)}),
+                procs = [self._stack.enter_context(started(documented(serve, replace={f"800{i + 1}": str(port)}),
                                                            self.logs / f"server-{i}.log", tokens))
-                         for i, port in enumerate(ports)]
+                         for i, (serve, port) in enumerate(zip(SERVE, ports))]
                 for i, (proc, url) in enumerate(zip(procs, urls)):
                     wait_healthy(proc, url, self.logs / f"server-{i}.log")
             except BaseException:
