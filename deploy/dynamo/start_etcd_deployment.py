@@ -20,7 +20,9 @@ the frontend first, then NATS and etcd.
 
 The command lines and environments are the ones fleetrl's own launcher uses, built by the
 same functions (fleetrl.inference.dynamo.launcher and .cluster), so an attached deployment is
-the deployment fleetrl tests. Every listener binds --host (loopback by default): the system
+the deployment fleetrl tests. With two workers or more, each worker's engine threads are bound
+to CPUs of their own, as run.core_plan binds the workers fleetrl launches (an added worker
+takes the next share, cycled). Every listener binds --host (loopback by default): the system
 ports of Dynamo's own worker kind carry admin routes without authentication (docs/dynamo.md,
 "Protecting the system port"). `--worker-kind fleetrl` needs $FLEETRL_ADMIN_TOKEN, which its
 workers take in their environment and fleetrl attaches with.
@@ -38,6 +40,7 @@ from pathlib import Path
 
 from fleetrl.config import DynamoConfig, InferenceConfig, ModelConfig, VllmConfig
 from fleetrl.contract import ADMIN_TOKEN_ENV
+from fleetrl.cores import plan_cores
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write
 from fleetrl.inference.dynamo.cluster import ClusterServices, start_etcd, start_nats, wait_answering
@@ -79,8 +82,14 @@ class Deployment:
         env = {"NATS_SERVER": self.record["nats_server"]} if self.record.get("nats_server") else {}
         if s["lease_ttl"]:
             env["ETCD_LEASE_TTL"] = str(s["lease_ttl"])
+        # Two workers or more: each one's engine threads on CPUs of their own, as run.core_plan
+        # does. Left to itself, vLLM binds every worker to the first CPUs (two workers on one
+        # core, beside an idle one).
+        engines = s["workers"] + s["prefill_workers"]
+        cpus = plan_cores(sorted(os.sched_getaffinity(0)), engines, 0).workers if engines > 1 else []
         return InferenceConfig(
-            provider="dynamo", host=s["host"], workers=s["workers"], vllm=VllmConfig(max_model_len=s["max_model_len"]),
+            provider="dynamo", host=s["host"], workers=s["workers"],
+            vllm=VllmConfig(max_model_len=s["max_model_len"], omp_threads_bind=cpus),
             dynamo=DynamoConfig(worker=s["worker_kind"], namespace=s["namespace"], prefill_workers=s["prefill_workers"],
                                 discovery="etcd", etcd_endpoints=[self.record["etcd_endpoint"]] if
                                 "etcd_endpoint" in self.record else [],
@@ -100,10 +109,12 @@ class Deployment:
 
     def add_worker(self, prefill: bool) -> ManagedProcess:
         config = self.config()
-        name = f"{PREFILL_PREFIX if prefill else WORKER_PREFIX}{self.record['workers_started']}"
+        index = self.record["workers_started"]
+        name = f"{PREFILL_PREFIX if prefill else WORKER_PREFIX}{index}"
         self.record["workers_started"] += 1
         return self.start(name, worker_argv(Path(self.record["settings"]["model"]), config, self.root, prefill),
-                          DeploymentPaths(self.root).log(name), worker_env(config, DeploymentPaths(self.root).discovery))
+                          DeploymentPaths(self.root).log(name),
+                          {**worker_env(config, DeploymentPaths(self.root).discovery), **config.vllm.cpu_env(index)})
 
 
 async def start(root: Path, args: argparse.Namespace) -> Deployment:

@@ -16,12 +16,14 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import psutil
 import pytest
 import pytest_asyncio
 
 from fleetrl.app.providers import base_weights as base_weights_of
 from fleetrl.config import DynamoConfig, InferenceConfig
 from fleetrl.inference.dynamo.cluster import find_binary
+from fleetrl.inference.dynamo.launcher import WORKER_PREFIX
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
@@ -124,6 +126,13 @@ async def test_attached_through_etcd_the_workers_are_ready_at_v0(deployment, att
     assert await nats_clients(record["nats_monitor"]) >= 3
     outs = await sample(fleet, tokenizer, 4)
     assert all(o.spans == [VersionSpan(0, 0)] and 0 < len(o.token_ids) <= MAX_TOKENS for o in outs)
+
+
+async def test_the_operator_scripts_workers_run_on_cpus_of_their_own(deployment):
+    """Each worker's engine threads bound to CPUs of its own (vLLM alone binds both to the first)."""
+    workers = [p for p in deployment.record["processes"] if p["name"].startswith(WORKER_PREFIX)]
+    binds = [psutil.Process(p["pid"]).environ().get("VLLM_CPU_OMP_THREADS_BIND") for p in workers]
+    assert len(workers) == 2 and None not in binds and len(set(binds)) == 2, binds
 
 
 async def test_a_publish_reaches_every_worker_found_through_etcd(attached, base_weights, tokenizer):
