@@ -12,7 +12,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from fleetrl.config import DynamoConfig, InferenceConfig, VllmConfig
+from fleetrl.app.rl import apply_core_plan
+from fleetrl.config import Config, DynamoConfig, InferenceConfig, RunConfig, VllmConfig
 from fleetrl.inference.dynamo.provider import DynamoProvider
 from fleetrl.inference.fleet import Fleet
 from fleetrl.inference.types import GenerateRequest, SamplingParams, WorkerRole, WorkerState
@@ -30,11 +31,15 @@ MAX_TOKENS = 12
 async def pd_fleet(model_dir, tmp_path_factory):
     """One prefill + one decode worker of fleetrl's kind (spans from the decode engine)."""
     # fleetrl's kind takes only admin calls signed with the run's token, which its workers get by environment.
-    config = InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl", prefill_workers=1), workers=1,
-                             vllm=VllmConfig(max_model_len=768), admin_timeout_s=120, startup_timeout_s=900,
-                             admin_token="pd-admin-token")
-    provider = DynamoProvider(config, model_dir, tmp_path_factory.mktemp("dynamo-pd-run"), new_run_id())
-    async with running(Fleet(provider, pause_mode=config.resolved_pause_mode(), discovery_interval_s=3600)) as fleet:
+    inference = InferenceConfig(provider="dynamo", dynamo=DynamoConfig(worker="fleetrl", prefill_workers=1), workers=1,
+                                vllm=VllmConfig(max_model_len=768), admin_timeout_s=120, startup_timeout_s=900,
+                                admin_token="pd-admin-token")
+    run_dir = tmp_path_factory.mktemp("dynamo-pd-run")
+    config = Config(inference=inference, run=RunConfig(dir=run_dir))
+    apply_core_plan(config, log=lambda line: None)  # each worker on a CPU of its own, as `fleetrl rl` places them
+    provider = DynamoProvider(config.inference, model_dir, run_dir, new_run_id())
+    pause_mode = config.inference.resolved_pause_mode()
+    async with running(Fleet(provider, pause_mode=pause_mode, discovery_interval_s=3600)) as fleet:
         yield fleet
 
 
