@@ -12,7 +12,7 @@ setup:
 run: setup
 	$(VENV)/bin/fleetrl rl @ configs/default.toml $(ARGS)
 
-# The unit tests run beside the integration tests (scripts/test.sh says why). pytest exits 5
+# The unit tests and the light integration modules run beside the others (scripts/test.sh says why). pytest exits 5
 # when it collected no test: that fails here like any other non-zero exit.
 test: setup
 	@VENV=$(VENV) bash scripts/test.sh
