@@ -73,7 +73,7 @@ def deployments(request, tmp_path_factory) -> DeploymentPool:
 
 @pytest.fixture(scope="module")
 def operator_servers(deployments) -> list[str]:
-    """The URLs of two vLLM servers an operator started with the quickstart's command."""
+    """The URLs of two vLLM servers an operator started with the quickstart's commands."""
     return deployments.operator_servers()
 
 

@@ -54,7 +54,7 @@ RUNS: dict[str, RunSpec] = {
         "test_rl_e2e.py"),
     "attached": RunSpec(
         ATTACHED_RUN,
-        "the quickstart's section 6 as written (1 trainer rank) on two servers started by its own command: the "
+        "the quickstart's section 6 as written (1 trainer rank) on two servers started by its own commands: the "
         "base weights from the trainer's own copy, 1 step",
         "test_kill_points.py"),
     "kill-points": RunSpec(
