@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make test`: two pytest processes side by side. The integration tests leave about a third of a
+# `make test`: two pytest processes side by side. The integration tests leave a fifth or more of a
 # 2-core machine idle (a vLLM server starts its three processes one after another, on one core),
 # and the side fills it: the unit tests, then the integration modules light enough to share the
 # machine's memory with any other (SIDE_MODULES: a few GiB each, no shared deployment). The side
