@@ -19,7 +19,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   flavour=cpu
 fi
-echo "fleetrl setup: creating $VENV (vLLM flavour: $flavour); a fresh install takes about 1 minute" >&2
+echo "fleetrl setup: installing into $VENV (vLLM flavour: $flavour); a fresh install takes about 1 minute" >&2
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 # The package mirrors of some machines warn once per package about a missing local index.
