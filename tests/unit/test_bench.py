@@ -40,6 +40,7 @@ def test_bench_runs_each_suite_prints_the_ratio_table_and_writes_the_json(tmp_pa
         """)
     write_script(scripts, "bench_trainer.py", 'record("trainer step, fleetrl / bare transformers (tokens/s)", 1.02)\n')
     write_script(scripts, "bench_cpu_lora.py", 'record("cpu lora expand at 2048 tokens, vLLM / fleetrl", 54.4)\n')
+    write_script(scripts, "bench_engine_start.py", 'record("engine start, in the engine core / worker process", 0.65)\n')
     monkeypatch.setattr(bench, "BENCHMARKS_DIR", scripts)
     write_script(scripts, "bench_trl.py", 'raise SystemExit("never run: TRL is missing")\n')
     monkeypatch.setattr(bench, "installed", lambda module: False)  # TRL: the `bench` extra is not installed
@@ -48,8 +49,8 @@ def test_bench_runs_each_suite_prints_the_ratio_table_and_writes_the_json(tmp_pa
     assert main(["bench", "--suite", "all", "--quick", "--out", str(out)]) == 1  # dynamo failed
     printed = capfd.readouterr().out
     assert "measuring ['--reps', '1', '--max-tokens', '16']" in printed  # --quick reaches the script
-    assert "[2/7] dynamo: FAILED" in printed
-    assert "[7/7] trl: skipped: it needs trl (pip install -e '.[bench]')" in printed
+    assert "[2/8] dynamo: FAILED" in printed
+    assert "[8/8] trl: skipped: it needs trl (pip install -e '.[bench]')" in printed
     table = printed[printed.index("suite  "):]
     assert re.search(r"\nfleet +broadcast publish / bare gloo broadcast +1\.25 +2 workers\n", table)
     assert re.search(r"\ndynamo +\(failed\)", table) and re.search(r"\nrl +step time, k = 1 / k = 0 +0\.90", table)
@@ -57,7 +58,7 @@ def test_bench_runs_each_suite_prints_the_ratio_table_and_writes_the_json(tmp_pa
     assert re.search(r"\ntrl +\(skipped\) +- +needs trl", table)
     report = json.loads(out.read_text())
     assert report["quick"] is True and list(report["suites"]) == ["fleet", "dynamo", "rl", "publish", "trainer", "cpu-lora",
-                                                         "trl"]
+                                                         "engine-start", "trl"]
     assert report["suites"]["trl"] == {"skipped": "needs trl (pip install -e '.[bench]')", "figures": []}
     assert report["suites"]["fleet"]["figures"][1] == {"figure": "fence, 2 workers / 1 worker", "ratio": 1.5,
                                                         "detail": ""}

@@ -8,7 +8,7 @@ This command only runs the scripts, streams their output, and gathers what they 
 scripts are part of the source checkout, not of the installed package: `fleetrl bench` runs from
 a checkout.
 
-    fleetrl bench [--suite fleet|dynamo|rl|publish|trainer|cpu-lora|trl|all] [--quick] [--out bench.json]
+    fleetrl bench [--suite fleet|dynamo|rl|publish|trainer|cpu-lora|engine-start|trl|all] [--quick] [--out bench.json]
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ SUITES = {
                      "trainer step against a bare transformers + torch step, and 2 ranks against 1"),
     "cpu-lora": Suite("bench_cpu_lora.py", ("--reps", "2"),
                       "vLLM's CPU LoRA ops against fleetrl's per-adapter products, per call"),
+    "engine-start": Suite("bench_engine_start.py", ("--reps", "1"),
+                          "a launched vLLM CPU server's start: its model runner in the engine core against in a "
+                          "worker process of its own"),
     "trl": Suite("bench_trl.py", ("--steps", "3"),
                  "fleetrl against TRL's GRPOTrainer: time per step, time to a reward level, held-out "
                  "reward (the `bench` extra)", needs="trl"),
