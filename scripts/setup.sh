@@ -25,7 +25,7 @@ start=$(date +%s)
 # The package mirrors of some machines warn once per package about a missing local index.
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "uv==0.13.9" 2>&1 \
   | { grep -v "is ignored: it is neither a file nor a directory" || true; }
-# uv installs what pip would, resolved alike, downloading and unpacking in parallel (a quarter of
+# uv installs what pip would, resolved alike, downloading and unpacking in parallel (a third of
 # pip's time here, docs/install.md). It reads none of pip's settings, so a folder of local wheels
 # that pip is configured with (this machine's CPU torch) is handed on.
 links=${PIP_FIND_LINKS:-$("$VENV/bin/python" -m pip config get global.find-links 2>/dev/null || true)}
