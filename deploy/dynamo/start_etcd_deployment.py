@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -82,9 +83,7 @@ class Deployment:
         env = {"NATS_SERVER": self.record["nats_server"]} if self.record.get("nats_server") else {}
         if s["lease_ttl"]:
             env["ETCD_LEASE_TTL"] = str(s["lease_ttl"])
-        # Two workers or more: each one's engine threads on CPUs of their own, as run.core_plan
-        # does. Left to itself, vLLM binds every worker to the first CPUs (two workers on one
-        # core, beside an idle one).
+        # Two workers or more: each one on CPUs of its own, as run.core_plan does.
         engines = s["workers"] + s["prefill_workers"]
         cpus = plan_cores(sorted(os.sched_getaffinity(0)), engines, 0).workers if engines > 1 else []
         return InferenceConfig(
@@ -96,12 +95,15 @@ class Deployment:
                                 event_plane=s["event_plane"], env=env,
                                 allow_unauthenticated_admin=s["allow_unauthenticated_admin"]))
 
-    def start(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> ManagedProcess:
-        """`argv` in a session of its own, not a child that dies with this script; recorded."""
+    def start(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+              cpus: list[int] = ()) -> ManagedProcess:
+        """`argv` in a session of its own, not a child that dies with this script, on `cpus` where
+        given; recorded."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, start_new_session=True,
+                                     preexec_fn=functools.partial(os.sched_setaffinity, 0, cpus) if cpus else None)
         self.record["processes"].append({"name": name, "pid": popen.pid,
                                          "started_at": started_at(popen.pid)})
         self.save()
@@ -114,7 +116,8 @@ class Deployment:
         self.record["workers_started"] += 1
         return self.start(name, worker_argv(Path(self.record["settings"]["model"]), config, self.root, prefill),
                           DeploymentPaths(self.root).log(name),
-                          {**worker_env(config, DeploymentPaths(self.root).discovery), **config.vllm.cpu_env(index)})
+                          {**worker_env(config, DeploymentPaths(self.root).discovery), **config.vllm.engine_env(index)},
+                          config.vllm.engine_cpus(index))
 
 
 async def start(root: Path, args: argparse.Namespace) -> Deployment:

@@ -3,10 +3,11 @@
 "auto").
 
 On a CPU machine the inference workers and the trainer ranks compete for the same cores: left
-to themselves, vLLM binds every worker's OpenMP threads to the first cores it sees (two workers
+to itself, a vLLM server binds its OpenMP threads to the first cores it sees (two workers
 on one core, beside an idle one), and torch's threads spread over all of them. The plan gives
 the launched workers and the ranks cores of their own where there are enough, and spreads
-them round-robin where there are not. A leaf module: it knows nothing of the processes.
+them round-robin where there are not; a launched worker's share is its server's CPU affinity
+(`VllmConfig.engine_cpus`). A leaf module: it knows nothing of the processes.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -174,6 +175,15 @@ def _die_with_parent() -> None:
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _in_child(dies_with_parent: bool, cpus: tuple[int, ...]) -> None:
+    """Runs in the child between fork and exec: killed when fleetrl dies (unless it watches its
+    parent itself), and bound to `cpus` where given, which every process it starts inherits."""
+    if dies_with_parent:
+        _die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def listening_ports(pid: int) -> set[int]:
     """The TCP ports process `pid` listens on (read from /proc: a stopped process too)."""
     import psutil
@@ -192,11 +202,12 @@ def free_port(host: str) -> int:
 
 
 def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
-                  cwd: Path | None = None, watches_parent: bool = False) -> ManagedProcess:
+                  cwd: Path | None = None, watches_parent: bool = False, cpus: list[int] = ()) -> ManagedProcess:
     """Start `argv` in a new process group. Unless the program `watches_parent` itself (and
     then takes its own group down when fleetrl dies, children included), the kernel kills it
     when fleetrl dies. It gets fleetrl's environment without fleetrl's tokens, plus `env`: a
-    child that needs a token (a vLLM server's middleware) is given it there, by name."""
+    child that needs a token (a vLLM server's middleware) is given it there, by name. It runs on
+    `cpus` where given, its children too."""
     install_signal_handlers()
     if stopping():
         raise FleetrlError(f"not starting {name}: fleetrl is stopping")
@@ -211,7 +222,8 @@ def start_process(name: str, argv: list[str], log_path: Path, env: dict[str, str
             env={**{k: v for k, v in os.environ.items() if k not in SECRET_ENV}, **(env or {})},
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=None if watches_parent else _die_with_parent,
+            preexec_fn=None if watches_parent and not cpus else functools.partial(_in_child, not watches_parent,
+                                                                                  tuple(cpus)),
         )
     finally:
         log.close()

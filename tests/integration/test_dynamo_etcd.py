@@ -129,10 +129,15 @@ async def test_attached_through_etcd_the_workers_are_ready_at_v0(deployment, att
 
 
 async def test_the_operator_scripts_workers_run_on_cpus_of_their_own(deployment):
-    """Each worker's engine threads bound to CPUs of its own (vLLM alone binds both to the first)."""
-    workers = [p for p in deployment.record["processes"] if p["name"].startswith(WORKER_PREFIX)]
-    binds = [psutil.Process(p["pid"]).environ().get("VLLM_CPU_OMP_THREADS_BIND") for p in workers]
-    assert len(workers) == 2 and None not in binds and len(set(binds)) == 2, binds
+    """Each worker on CPUs of its own, its engine core included (its model runs there: no worker
+    process of its own), with one engine thread per CPU."""
+    workers = [psutil.Process(p["pid"]) for p in deployment.record["processes"] if p["name"].startswith(WORKER_PREFIX)]
+    cpus = [{tuple(p.cpu_affinity()) for p in (w, *w.children(recursive=True))} for w in workers]
+    assert len(workers) == 2 and all(len(each) == 1 for each in cpus) and len(set.union(*cpus)) == 2, cpus
+    names = [p.name() for w in workers for p in w.children(recursive=True)]
+    assert names.count("VLLM::EngineCore") == 2 and "VLLM::Worker" not in names, names
+    threads = [w.environ()["OMP_NUM_THREADS"] for w in workers]
+    assert threads == [str(len(c)) for (c,) in cpus], threads
 
 
 async def test_a_publish_reaches_every_worker_found_through_etcd(attached, base_weights, tokenizer):

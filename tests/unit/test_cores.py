@@ -33,9 +33,11 @@ def test_a_cpu_list_that_is_none_is_refused_naming_the_field():
         load_config([], [("trainer.cpu_cores", '["1", "x"]')])
     with pytest.raises(ConfigError, match="inference.vllm.omp_threads_bind"):
         load_config([], [("inference.vllm.omp_threads_bind", '["2-1"]')])
-    config = load_config([], [("inference.vllm.omp_threads_bind", '["0", "1"]')])
-    assert config.inference.vllm.cpu_env(3) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
-    assert load_config([], []).inference.vllm.cpu_env(0) == {}
+    config = load_config([], [("inference.vllm.omp_threads_bind", '["0", "1-3"]')])
+    assert config.inference.vllm.engine_cpus(3) == [1, 2, 3]  # cycled
+    assert config.inference.vllm.engine_env(3) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "3"}
+    unbound = load_config([], []).inference.vllm
+    assert unbound.engine_cpus(0) == [] and unbound.engine_env(0) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def test_the_run_fills_only_what_the_user_left_empty_and_says_so(monkeypatch):
@@ -62,7 +64,6 @@ def test_the_default_plan_spreads_two_launched_workers_and_leaves_one_worker_and
     two = load_config([], [("inference.workers", "2")])
     assert two.run.core_plan == "workers"
     rl.apply_core_plan(two, lines.append)
-    # vLLM's own choice would bind both to CPU 0 beside an idle CPU 1.
     assert two.inference.vllm.omp_threads_bind == ["0", "1"] and two.trainer.cpu_cores == []
     assert lines == ["fleetrl: core plan: worker 0 on CPU 0; worker 1 on CPU 1"]
     one = load_config([], [])

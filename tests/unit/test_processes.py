@@ -87,6 +87,19 @@ def test_children_get_fleetrls_tokens_only_where_they_are_given(tmp_path, monkey
     assert given_env[ADMIN_TOKEN_ENV] == "admin-secret" and DATA_TOKEN_ENV not in given_env
 
 
+def test_a_process_started_on_cpus_runs_there_and_so_do_the_processes_it_starts(tmp_path):
+    """A launched server's engine core is its child: binding the server binds the engine."""
+    cpu = max(os.sched_getaffinity(0))
+    show = "import os; print(sorted(os.sched_getaffinity(0)))"
+    script = (f"import os, subprocess, sys; {show}; "
+              f"subprocess.run([sys.executable, '-c', {show!r}], check=True)")
+    for watches_parent in (False, True):  # with and without the parent-death signal set beside it
+        log = tmp_path / f"bound-{watches_parent}.log"
+        start_process("vllm-0", [sys.executable, "-c", script], log, cpus=[cpu],
+                      watches_parent=watches_parent).popen.wait(timeout=60)
+        assert log.read_text().split("\n")[:2] == [f"[{cpu}]"] * 2, log.read_text()
+
+
 def test_a_group_id_another_process_took_is_never_signalled(tmp_path):
     """A group fleetrl started ends; its id is given to an unrelated process that leads a group
     of its own. Stopping the old one must not reach the new one, as a killpg by id once would."""

@@ -39,7 +39,7 @@ from fleetrl.app.orchestration import build_evaluator, build_orchestrator
 from fleetrl.app.providers import build_fleet, build_transport, start_recorded, start_source
 from fleetrl.batch import Batch
 from fleetrl.config import Config
-from fleetrl.cores import plan_cores
+from fleetrl.cores import format_cpus, plan_cores
 from fleetrl.envs.mix import RunEnv
 from fleetrl.errors import FleetrlError
 from fleetrl.files import sha256_file
@@ -487,7 +487,7 @@ def apply_core_plan(config: Config, log=print) -> None:
     launched = 0 if inference.attaches() else inference.workers + inference.dynamo.prefill_workers
     pin_ranks = config.run.core_plan == "auto"
     if not pin_ranks and launched < 2:
-        return  # one worker: vLLM's own binding gives it the first cores, and nothing shares them
+        return  # one worker: the OS places it beside the ranks, as it would two
     torchrun = launched_rank()
     local_ranks = torchrun.local_world_size if torchrun else config.trainer.world_size
     plan = plan_cores(sorted(os.sched_getaffinity(0)), launched, local_ranks)
@@ -495,7 +495,7 @@ def apply_core_plan(config: Config, log=print) -> None:
     if pin_ranks:
         config.trainer.cpu_cores = config.trainer.cpu_cores or plan.ranks
     log("fleetrl: core plan: " + "; ".join(
-        [*(f"worker {i} on CPU {inference.vllm.cpu_env(i)['VLLM_CPU_OMP_THREADS_BIND']}" for i in range(launched)),
+        [*(f"worker {i} on CPU {format_cpus(inference.vllm.engine_cpus(i))}" for i in range(launched)),
          *(f"trainer rank {r} on CPU {config.trainer.cpu_cores[r % len(config.trainer.cpu_cores)]}"
            for r in range(config.trainer.world_size) if config.trainer.cpu_cores)]))
 

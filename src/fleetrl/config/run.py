@@ -17,10 +17,10 @@ class RunConfig(Section):
     seed: int = Field(0, description="Seed for sampling and training.")
     core_plan: Literal["workers", "auto", "off"] = Field(
         "workers", description="workers: when `fleetrl rl` launches two inference workers or more, each gets CPUs "
-        "of its own where inference.vllm.omp_threads_bind is empty (vLLM's own choice puts them all on the same "
-        "first cores); one worker keeps vLLM's choice, and the trainer ranks go where the OS puts them. auto: "
+        "of its own where inference.vllm.omp_threads_bind is empty; one worker, and the trainer ranks, go where the "
+        "OS puts them. auto: "
         "the launched workers and the trainer ranks all get CPUs of their own, where trainer.cpu_cores is empty "
-        "too (not under torchrun). off: vLLM and the OS place everything. The plan is printed at the start.")
+        "too (not under torchrun). off: the OS places everything. The plan is printed at the start.")
     live_view: Literal["auto", "off"] = Field(
         "auto", description="auto: on a terminal, `fleetrl rl` shows a live view (steps with ETA, rollouts, the "
         "trainer's phase, the workers) and progress bars; off: plain lines only, as when output is not a terminal.")

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 
 from fleetrl.config.section import Section, check_cpu_lists
 from fleetrl.contract import ENGINE_ARGS, TOKEN_VERSIONS_FLAG
+from fleetrl.cores import parse_cpus
 
 
 # The arguments of a launched engine that fleetrl sets itself, which inference.vllm.extra_args
@@ -76,9 +77,9 @@ class VllmConfig(Section):
     )
     omp_threads_bind: list[str] = Field(
         default_factory=list,
-        description="Per launched worker (in launch order, cycled), the CPUs its engine's threads are bound to, "
-        "as a CPU list (\"0\", \"2-3\"): vLLM's VLLM_CPU_OMP_THREADS_BIND. Empty: vLLM's own choice (which "
-        "puts every worker on the same first cores). Filled by run.core_plan for two workers or more.",
+        description="Per launched worker (in launch order, cycled), the CPUs it runs on, as a CPU list (\"0\", "
+        "\"2-3\"): its processes' CPU affinity, and one OpenMP thread per CPU for its engine. Empty: where the OS "
+        "puts it, with one engine thread (vLLM's serving default). Filled by run.core_plan for two workers or more.",
     )
 
     @field_validator("omp_threads_bind")
@@ -117,7 +118,14 @@ class VllmConfig(Section):
                                  "logprobs they report, unseen by fleetrl, which labels their weights v0; remove it")
         return value
 
-    def cpu_env(self, index: int) -> dict[str, str]:
-        """The environment that binds the `index`-th launched engine to its CPUs, if any are set."""
-        return {"VLLM_CPU_OMP_THREADS_BIND": self.omp_threads_bind[index % len(self.omp_threads_bind)]} \
-            if self.omp_threads_bind else {}
+    def engine_cpus(self, index: int) -> list[int]:
+        """The CPUs the `index`-th launched engine runs on; empty where none are set."""
+        return parse_cpus(self.omp_threads_bind[index % len(self.omp_threads_bind)]) if self.omp_threads_bind else []
+
+    def engine_env(self, index: int) -> dict[str, str]:
+        """The environment of the `index`-th launched engine. Its model runs in the engine-core
+        process: on a CPU vLLM would start a worker process for it, a third interpreter importing
+        vLLM (8 s more to serve, docs/benchmarks.md), and bind that one itself, where fleetrl binds
+        the whole server (`engine_cpus`). One OpenMP thread per CPU it is bound to."""
+        cpus = self.engine_cpus(index)
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **({"OMP_NUM_THREADS": str(len(cpus))} if cpus else {})}

@@ -80,8 +80,8 @@ class DynamoDeployment:
                            "DYN_LORA_ENABLED": "true"}
         worker = start_process(name, argv, paths.log(name),
                                env={**worker_env(self.config, paths.discovery, self.cluster.env()), **adapter_env,
-                                    **self.config.vllm.cpu_env(place), DIES_WITH_PARENT_ENV: "1"},
-                               watches_parent=True)
+                                    **self.config.vllm.engine_env(place), DIES_WITH_PARENT_ENV: "1"},
+                               watches_parent=True, cpus=self.config.vllm.engine_cpus(place))
         self.workers.append(worker)
         self.places[name] = place
         return worker

@@ -91,8 +91,8 @@ def start_server(model_dir: Path, config: InferenceConfig, name: str, index: int
         name, server_argv(model_dir, config, port, launched), log_dir / f"{name}.log",
         # The name fleetrl calls it by (inference.host need not be the socket's address: 0.0.0.0, a host name).
         env={**server_env(config, admin_token, data_token, launched), ADMIN_AUTHORITIES_ENV: f"{config.host}:{port}",
-             **config.vllm.cpu_env(index)},
-        watches_parent=True,
+             **config.vllm.engine_env(index)},
+        watches_parent=True, cpus=config.vllm.engine_cpus(index),
     )
 
 
