@@ -460,7 +460,7 @@ def test_one_token_for_both_planes_is_refused():
 async def test_launched_servers_get_the_tokens_by_environment_never_on_the_command_line(monkeypatch, tmp_path):
     started = {}
 
-    def start_process(name, argv, log_path, env=None, watches_parent=False):
+    def start_process(name, argv, log_path, env=None, watches_parent=False, cpus=()):
         started.update(argv=argv, env=env)
         raise RuntimeError("stop here")
 
