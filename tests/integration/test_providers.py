@@ -173,6 +173,18 @@ async def test_workers_are_discovered_ready_at_v0(fleet, request):
     assert sorted(w.id for w in await fleet.provider.discover()) == sorted(w.id for w in workers)
 
 
+@only("vllm")
+async def test_a_launched_servers_forked_engine_core_holds_none_of_its_tcp_sockets(fleet):
+    """Each launched server forks its engine core (engine/engine_core_fork.py), which closes the
+    TCP sockets it inherited: the server's port is the server's alone."""
+    for server in fleet.provider.launched:
+        port = int(server.url.rsplit(":", 1)[1])
+        root = psutil.Process(server.process.popen.pid)
+        (core,) = [p for p in root.children(recursive=True) if p.name() == "VLLM::EngineCore"]
+        assert any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in root.net_connections("tcp"))
+        assert not [c for c in core.net_connections("tcp") if c.laddr.port == port], server.name
+
+
 async def test_generation_spreads_over_workers_with_v0_spans(fleet, tokenizer):
     prompt = chat_ids(tokenizer, "Tell me a fact about the sea.")
     requests = [GenerateRequest(prompt, SamplingParams(max_tokens=8, seed=i), n=2) for i in range(6)]

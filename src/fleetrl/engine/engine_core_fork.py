@@ -1,0 +1,50 @@
+"""A launched server's engine core started by fork on CPUs, not spawn: imports are paid once.
+
+vLLM's CPU platform starts every child by spawn (vllm/platforms/cpu.py), so the engine core of a
+server is a new interpreter that imports torch, transformers and vLLM again: 9 s of a core, a
+third of a launched server's start (benchmarks/bench_engine_start.py). Forked, it inherits the
+modules the server has already imported. Nothing that fork breaks is there: a CPU has no device
+context, and with VLLM_ENABLE_V1_MULTIPROCESSING=0 (config/vllm.py) the engine core starts no
+workers of its own. The child first closes the TCP sockets it inherited, which it never uses:
+among them the server's HTTP port, which only the server may hold, or a port that a killed
+server freed would stay taken by its engine core. Dynamo's worker keeps spawn: a forked engine
+core trips over a module it imported (a stub of NIXL that raises when vLLM walks sys.modules).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.context
+import os
+import socket
+
+
+def _close_inherited_tcp_sockets() -> None:
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket (or the listing's own descriptor, closed since)
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.close()  # this copy only: the server's own stays open, unshut
+        else:
+            sock.detach()
+
+
+class _ForkedProcess(multiprocessing.context.ForkProcess):
+    def run(self) -> None:
+        _close_inherited_tcp_sockets()
+        super().run()
+
+
+class _ForkContext(multiprocessing.context.ForkContext):
+    Process = _ForkedProcess
+
+
+def fork_engine_cores() -> None:
+    """On a CPU, this process's vLLM engine cores start by fork (call before the engine starts)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import vllm.v1.engine.utils as engine_utils
+
+        engine_utils.get_mp_context = _ForkContext
