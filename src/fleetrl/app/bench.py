@@ -55,8 +55,8 @@ SUITES = {
     "cpu-lora": Suite("bench_cpu_lora.py", ("--reps", "2"),
                       "vLLM's CPU LoRA ops against fleetrl's per-adapter products, per call"),
     "engine-start": Suite("bench_engine_start.py", ("--reps", "1"),
-                          "a launched vLLM CPU server's start: its model runner in the engine core against in a "
-                          "worker process of its own"),
+                          "a launched vLLM CPU server's start: its engine core forked, against spawned, "
+                          "against vLLM's default (a worker process of its own)"),
     "trl": Suite("bench_trl.py", ("--steps", "3"),
                  "fleetrl against TRL's GRPOTrainer: time per step, time to a reward level, held-out "
                  "reward (the `bench` extra)", needs="trl"),

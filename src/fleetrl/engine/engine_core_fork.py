@@ -1,4 +1,4 @@
-"""A launched server's engine core started by fork on CPUs, not spawn: imports are paid once.
+"""A launched worker's engine core started by fork on CPUs, not spawn: imports are paid once.
 
 vLLM's CPU platform starts every child by spawn (vllm/platforms/cpu.py), so the engine core of a
 server is a new interpreter that imports torch, transformers and vLLM again: 9 s of a core, a
@@ -6,9 +6,9 @@ third of a launched server's start (benchmarks/bench_engine_start.py). Forked, i
 modules the server has already imported. Nothing that fork breaks is there: a CPU has no device
 context, and with VLLM_ENABLE_V1_MULTIPROCESSING=0 (config/vllm.py) the engine core starts no
 workers of its own. The child first closes the TCP sockets it inherited, which it never uses:
-among them the server's HTTP port, which only the server may hold, or a port that a killed
-server freed would stay taken by its engine core. Dynamo's worker keeps spawn: a forked engine
-core trips over a module it imported (a stub of NIXL that raises when vLLM walks sys.modules).
+among them the server's HTTP port (a Dynamo worker's system port), which only the server may
+hold, or a port that a killed server freed would stay taken by its engine core. Native servers
+(engine/serve.py) and Dynamo's workers (engine/dynamo_worker.py) both start this way.
 """
 
 from __future__ import annotations
