@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # `make test`: two pytest processes side by side. The integration tests leave a fifth or more of a
-# 2-core machine idle (a vLLM server starts its three processes one after another, on one core),
-# and the side fills it: the unit tests, then the integration modules light enough to share the
-# machine's memory with any other (SIDE_MODULES: a few GiB each, no shared deployment). The side
-# writes to a log that is shown when the integration tests end (and kept only if it failed); the
-# run fails when either part fails, and an interrupted run stops both. Arguments go to both
-# pytest commands.
+# 2-core machine idle (a vLLM server starts its processes one after another, on one core; leases
+# and timers run out), and the side fills it: first the integration modules light enough to
+# share the machine's memory with any other (SIDE_MODULES: a few GiB each, no shared deployment),
+# then the unit tests at a lower priority (nice), so that they take the integration tests' idle
+# CPU rather than slow them down. The side writes to a log that is shown when the integration
+# tests end (and kept only if it failed); the run fails when either part fails, and an
+# interrupted run stops both. Arguments go to every pytest command.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -15,7 +16,17 @@ SIDE_MODULES=(tests/integration/test_trainer_ranks.py tests/integration/test_sft
               tests/integration/test_cli_inference.py)
 
 # No cache plugin on this side: two sessions writing .pytest_cache at once would race.
-"$python" -m pytest tests/unit "${SIDE_MODULES[@]}" -p no:cacheprovider "$@" > "$side_log" 2>&1 &
+run_side() {
+    local child modules unit
+    trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM
+    "$python" -m pytest "${SIDE_MODULES[@]}" -p no:cacheprovider "$@" & child=$!
+    wait "$child"; modules=$?
+    nice -n 10 "$python" -m pytest tests/unit -p no:cacheprovider "$@" & child=$!
+    wait "$child"; unit=$?
+    echo "make test: exit status $modules for the light integration modules, $unit for the unit tests"
+    [ "$modules" -eq 0 ] && [ "$unit" -eq 0 ]
+}
+run_side "$@" > "$side_log" 2>&1 &
 side=$!
 trap 'kill -TERM "$side" 2>/dev/null' EXIT
 trap 'exit 130' INT
