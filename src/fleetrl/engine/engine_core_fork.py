@@ -1,8 +1,8 @@
 """A launched worker's engine core started by fork on CPUs, not spawn: imports are paid once.
 
 vLLM's CPU platform starts every child by spawn (vllm/platforms/cpu.py), so the engine core of a
-server is a new interpreter that imports torch, transformers and vLLM again: 9 s of a core, a
-third of a launched server's start (benchmarks/bench_engine_start.py). Forked, it inherits the
+server is a new interpreter that imports torch, transformers and vLLM again: 7.5 s of the 20.6
+a launched server takes to serve (benchmarks/bench_engine_start.py). Forked, it inherits the
 modules the server has already imported. Nothing that fork breaks is there: a CPU has no device
 context, and with VLLM_ENABLE_V1_MULTIPROCESSING=0 (config/vllm.py) the engine core starts no
 workers of its own. The child first closes the TCP sockets it inherited, which it never uses:
