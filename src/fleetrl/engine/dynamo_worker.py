@@ -84,6 +84,10 @@ def _apply_import_fixes() -> None:
 
     if not hasattr(engine_utils, "get_engine_zmq_addresses"):
         engine_utils.get_engine_zmq_addresses = engine_utils.get_engine_zmq_bind_addresses
+    _let_hasattr_probe_the_nixl_stand_in()
+
+
+def _let_hasattr_probe_the_nixl_stand_in() -> None:
     from dynamo.nixl_connect import _NixlImportProxy
 
     raise_import_error = _NixlImportProxy.__getattr__
