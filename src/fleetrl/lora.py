@@ -11,13 +11,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from fleetrl.errors import FleetrlError
 from fleetrl.files import atomic_write
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the config imports this module
+    import torch
 
 # The name requests use to be served through the adapter. It may not be the base model's
 # served name (`policy`): vLLM refuses an adapter named like a served model.
@@ -127,6 +129,8 @@ def write_adapter(folder: Path, peft_config: dict, tensors: Iterable[tuple[str, 
 
 def write_weights(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """The adapter's tensors into its folder, replacing the file they were in atomically."""
+    from safetensors.torch import save
+
     weights = {PEFT_FOLDER_PREFIX + name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}
     atomic_write(folder / ADAPTER_WEIGHTS_FILE, save(weights, metadata={"format": "pt"}))
 
@@ -137,6 +141,8 @@ def zero_adapter(model_dir: Path, spec: AdapterSpec) -> dict[str, torch.Tensor]:
     serves the base model's v0 through the adapter's name. Its shapes come from the model's
     config.json, with no model built: the launchers call this on the control loop's thread, and
     transformers' model init sets torch's default dtype for the whole process while it runs."""
+    import torch
+
     layers, linears = decoder_linears(model_dir / "config.json")
     return {f"model.layers.{layer}.{block}.{module}.lora_{half}.weight":
             torch.zeros((spec.rank, fan_in) if half == "A" else (fan_out, spec.rank), dtype=torch.float32)

@@ -309,3 +309,12 @@ def test_inference_on_a_live_runs_directory_is_refused_before_anything_starts(tm
     assert err == [f"fleetrl: error: run.dir {tmp_path / 'run'} is in use by fleetrl pid {os.getpid()}; "
                    "one run at a time per run.dir (stop that one, or choose another run.dir)"], err
     assert not started
+
+
+def test_the_command_line_and_the_config_import_no_torch():
+    """`fleetrl --help`, `--dry-run`, `fleetrl model` and the config's checks start without torch's
+    seconds of imports: fleetrl.lora, whose names the config's LoRA section reads, imports torch
+    only where it makes tensors."""
+    probe = subprocess.run([sys.executable, "-c", "import sys, fleetrl.cli; print('torch' in sys.modules)"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == "False", probe.stdout + probe.stderr
