@@ -29,7 +29,7 @@ import psutil
 from bench_report import record
 
 from fleetrl.config import InferenceConfig, ModelConfig
-from fleetrl.contract import ADMIN_AUTHORITIES_ENV, NATIVE_SERVER_MODULE
+from fleetrl.contract import NATIVE_SERVER_MODULE
 from fleetrl.inference.vllm.launcher import LaunchedServer, server_argv, server_env, wait_healthy
 from fleetrl.model import resolve_model
 from fleetrl.processes import free_port, start_process
@@ -51,8 +51,7 @@ async def start_once(model_dir: Path, config: InferenceConfig, log_dir: Path, ki
     port = free_port(config.host)
     argv = server_argv(model_dir, config, port)
     argv[argv.index(NATIVE_SERVER_MODULE)] = module
-    env = {**server_env(config, admin, data), ADMIN_AUTHORITIES_ENV: f"{config.host}:{port}",
-           **config.vllm.engine_env(0), "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
+    env = {**server_env(config, 0, port, admin, data), "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
     name = "bench-" + kind.replace(", ", "-").replace(" ", "-")
     started = time.monotonic()
     process = start_process(name, argv, log_dir / f"{name}.log", env=env, cpus=config.vllm.engine_cpus(0))

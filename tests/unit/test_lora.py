@@ -467,4 +467,4 @@ def test_a_lora_worker_is_started_to_serve_the_adapters_layers_alone(tmp_path):
     assert "--enable-lora" in argv and after("--max-lora-rank") == ["16"] and after("--max-loras") == ["1"]
     assert after("--lora-target-modules", 3) == ["q_proj", "v_proj", "--lora-modules"]
     assert json.loads(after("--lora-modules")[0]) == {"name": "policy-lora", "path": str(tmp_path)}
-    assert server_env(InferenceConfig(), "admin", "data", adapter)["FLEETRL_ADAPTER_DIR"] == str(tmp_path)
+    assert server_env(InferenceConfig(), 0, 8000, "admin", "data", adapter)["FLEETRL_ADAPTER_DIR"] == str(tmp_path)

@@ -67,8 +67,9 @@ class LaunchedAdapter:
                 "--lora-modules", json.dumps({"name": ADAPTER_NAME, "path": str(self.folder)})]
 
 
-def server_env(config: InferenceConfig, admin_token: str, data_token: str,
+def server_env(config: InferenceConfig, index: int, port: int, admin_token: str, data_token: str,
                adapter: LaunchedAdapter | None = None) -> dict[str, str]:
+    """The environment of the `index`-th server, at `port`."""
     return {
         **({ADAPTER_DIR_ENV: str(adapter.folder)} if adapter else {}),
         "VLLM_SERVER_DEV_MODE": "1",  # the admin routes: pause, resume, weight transfer, versions
@@ -77,6 +78,9 @@ def server_env(config: InferenceConfig, admin_token: str, data_token: str,
         # Read by fleetrl's middleware (ADMIN_MIDDLEWARE) in the server.
         ADMIN_TOKEN_ENV: admin_token,
         DATA_TOKEN_ENV: data_token,
+        # The name fleetrl calls it by (inference.host need not be the socket's address: 0.0.0.0, a host name).
+        ADMIN_AUTHORITIES_ENV: f"{config.host}:{port}",
+        **config.vllm.engine_env(index),
     }
 
 
@@ -89,9 +93,7 @@ def start_server(model_dir: Path, config: InferenceConfig, name: str, index: int
         write_zero_adapter(launched.folder, launched.spec, model_dir)
     return start_process(
         name, server_argv(model_dir, config, port, launched), log_dir / f"{name}.log",
-        # The name fleetrl calls it by (inference.host need not be the socket's address: 0.0.0.0, a host name).
-        env={**server_env(config, admin_token, data_token, launched), ADMIN_AUTHORITIES_ENV: f"{config.host}:{port}",
-             **config.vllm.engine_env(index)},
+        env=server_env(config, index, port, admin_token, data_token, launched),
         watches_parent=True, cpus=config.vllm.engine_cpus(index),
     )
 
