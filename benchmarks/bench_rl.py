@@ -6,6 +6,7 @@ and what each run costs before its first step and in memory.
     .venv/bin/python benchmarks/bench_rl.py --memory [--steps 2]
     .venv/bin/python benchmarks/bench_rl.py --lora [--steps 10]
     .venv/bin/python benchmarks/bench_rl.py --publish [--steps 8] [--max-tokens 256] [--window-s 5]
+    .venv/bin/python benchmarks/bench_rl.py --openmp-wait [--steps 3] [--repeats 3]
 
 Runs the same job twice, back to back, differing only in `orchestrator.max_off_policy_steps`,
 and compares the wall time per step measured from the runs' own timestamps (from the end of
@@ -25,6 +26,12 @@ and compares step time, publish time, peak memory and the reward after the same 
 mean training reward of the last three steps: the same prompts, as both runs draw them from the
 same seed).
 
+With --openmp-wait it runs k = 1 --repeats times in each of two ways, alternating: as `fleetrl rl`
+sets OpenMP by default (OMP_WAIT_POLICY=PASSIVE: a thread out of work sleeps), and with
+GOMP_SPINCOUNT=300000 (a thread spins about 3 ms first: GNU OpenMP's default, which torch's
+threads had before fleetrl set the policy). It compares the time from launch to the end of the
+last step, step 1's training (which overlaps the sampling of step 2) and step 2's sampling.
+
 With --publish it runs a sampling-bound job (2 workers, k = 1, long completions) twice,
 `inference.publish = "fenced"` against `"rolling"` (waves of one worker), and compares the step
 time, `mismatch_kl` on every step, and the fleet's sampling throughput: the tokens/s of all
@@ -37,6 +44,8 @@ the fences alone.
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,7 +85,8 @@ def _rss(proc: psutil.Process) -> int:
 
 
 def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int | None = None,
-        overlay: str | None = None, flags: tuple[str, ...] = (), label: str = "") -> dict:
+        overlay: str | None = None, flags: tuple[str, ...] = (), label: str = "",
+        env: dict[str, str] | None = None) -> dict:
     batch_prompts = args.batch_prompts if batch_prompts is None else batch_prompts
     workers = args.workers if workers is None else workers
     run_dir = root / f"k{k}-b{batch_prompts}-w{workers}{'-' + Path(overlay).stem if overlay else ''}{label}"
@@ -89,7 +99,7 @@ def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int
         cmd += ["--orchestrator.batch_prompts", str(batch_prompts)]
     cmd += flags
     launched = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     root = psutil.Process(proc.pid)
     peak: dict[str, int] = {}
     while proc.poll() is None:
@@ -114,6 +124,9 @@ def run(k: int, args, root: Path, batch_prompts: int | None = None, workers: int
             "reward_last3": sum(m.batch.reward_mean for m in metrics[-3:]) / len(metrics[-3:]),
             "first_rollout_s": metrics[0].batch.rollout_started - launched,
             "first_step_s": metrics[0].train_finished - launched,
+            "last_step_s": metrics[-1].train_finished - launched,
+            "first_train_s": metrics[0].train_finished - metrics[0].train_started,
+            "second_rollout_s": steady[0].batch.rollout_finished - steady[0].batch.rollout_started,
             "trainer_peak_gib": peak.get("trainer", 0) / 2**30, "worker_peak_gib": [w / 2**30 for w in workers]}
 
 
@@ -133,6 +146,9 @@ def main() -> None:
     parser.add_argument("--publish", action="store_true",
                         help="k = 1, 2 workers (--workers is not read), long completions: fenced publishes "
                              "against rolling ones")
+    parser.add_argument("--openmp-wait", action="store_true",
+                        help="k = 1 only: OpenMP threads that sleep when out of work against threads that spin")
+    parser.add_argument("--repeats", type=int, default=3, help="--openmp-wait: runs of each way")
     parser.add_argument("--max-tokens", type=int, default=256, help="--publish: orchestrator.max_tokens")
     parser.add_argument("--window-s", type=float, default=5.0, help="--publish: the throughput windows' length")
     args = parser.parse_args()
@@ -144,6 +160,9 @@ def main() -> None:
         return
     if args.lora:
         lora_against_full(args)
+        return
+    if args.openmp_wait:
+        sleeping_against_spinning(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         results = {k: run(k, args, Path(tmp)) for k in (0, 1)}
@@ -192,6 +211,33 @@ def lora_against_full(args) -> None:
     ]:
         print(f"{label}: {ratio:.2f} ({detail})")
         record(label, ratio, detail)
+
+
+# GNU OpenMP's spin before a thread out of work sleeps, when no OMP_WAIT_POLICY is set; it
+# overrides the policy fleetrl sets.
+SPINNING = {"GOMP_SPINCOUNT": "300000"}
+
+
+def sleeping_against_spinning(args) -> None:
+    """The same job, its OpenMP threads sleeping when out of work (fleetrl's default) and
+    spinning first (GNU OpenMP's), alternating run by run so that both see the same machine."""
+    ways = {"sleeping": {}, "spinning": SPINNING}
+    results: dict[str, list[dict]] = {way: [] for way in ways}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            for way, env in ways.items():
+                results[way].append(run(1, args, Path(tmp), label=f"-{way}-{i}", env=env))
+                r = results[way][-1]
+                print(f"{way} #{i + 1}: last step done {r['last_step_s']:.1f} s after launch, step 1's training "
+                      f"{r['first_train_s']:.1f} s, step 2's rollouts {r['second_rollout_s']:.1f} s", flush=True)
+    for key, label in [("last_step_s", f"launch to the end of step {args.steps}"),
+                       ("first_train_s", "step 1's training"), ("second_rollout_s", "step 2's rollouts")]:
+        means = {way: statistics.mean(r[key] for r in rs) for way, rs in results.items()}
+        spread = {way: f"{min(r[key] for r in rs):.1f}-{max(r[key] for r in rs):.1f}" for way, rs in results.items()}
+        detail = (f"mean {means['sleeping']:.1f} s (range {spread['sleeping']}) vs {means['spinning']:.1f} s "
+                  f"(range {spread['spinning']}), {args.repeats} runs each")
+        print(f"{label}, sleeping / spinning: {means['sleeping'] / means['spinning']:.2f} ({detail})")
+        record(f"{label}, OpenMP threads sleeping / spinning", means["sleeping"] / means["spinning"], detail)
 
 
 def fenced_against_rolling(args) -> None:

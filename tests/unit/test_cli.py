@@ -318,3 +318,27 @@ def test_the_command_line_and_the_config_import_no_torch():
     probe = subprocess.run([sys.executable, "-c", "import sys, fleetrl.cli; print('torch' in sys.modules)"],
                            capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "False", probe.stdout + probe.stderr
+
+
+@pytest.mark.parametrize("user_setting, seen", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_fleetrl_rl_makes_openmp_threads_wait_passively_unless_told(user_setting, seen, monkeypatch):
+    """`fleetrl rl` sets OMP_WAIT_POLICY before torch loads (the command line loads none, above),
+    for its trainer and the workers it starts; a user's own setting stands."""
+    import fleetrl.app.rl
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", user_setting or "")
+    if user_setting is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY")  # set, then removed: restored either way
+    policy = {}
+
+    class Run:
+        def __init__(self, config):
+            policy["trainer"] = os.environ.get("OMP_WAIT_POLICY")
+
+        def run(self):
+            return 0
+
+    monkeypatch.setattr(fleetrl.app.rl, "RLRun", Run)
+    monkeypatch.setattr("fleetrl.torchrun.launched_rank", lambda: None)
+    assert main(["rl", "--run.max_steps", "1"]) == 0
+    assert policy == {"trainer": seen}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -62,6 +63,10 @@ def run_command(args: argparse.Namespace, config: Config) -> int:
 
 def _dispatch(args: argparse.Namespace, config: Config) -> int:
     if args.command == "rl":
+        # Before torch loads (OpenMP reads it once), for the trainer and the workers it starts: an
+        # OpenMP thread out of work sleeps rather than spins. They share the CPUs, and a spinning
+        # thread holds one that a sampling engine needs (docs/benchmarks.md, "OpenMP threads").
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from fleetrl.app.rl import RLRun, run_peer_rank
         from fleetrl.torchrun import launched_rank
 
