@@ -426,3 +426,73 @@ async def test_a_fleet_closed_during_the_canary_starts_no_wave_after_it():
         await publish
     await closing
     assert fleet.fence._rest is None and transport.transfers == [(["a"], 1)]  # b never fenced
+
+
+async def test_a_worker_claiming_a_version_only_another_wave_was_given_is_flagged():
+    """b's wave has not begun, so b holds v0; mid-request its engine labels its tokens v1, which
+    only the canary was given. v1 is the fleet's version, yet not b's to claim."""
+    fleet, provider, transport, _ = await rolling("a", "b", max_lag=1, step_s=0.005)
+    release = hold_health(provider, fleet, "b")
+    await fleet.publish(1, transport, weights, PROBE)
+    fleet.routing._inflight["a"] = 100  # busy: the request goes to b
+    task = asyncio.create_task(fleet.generate(request(max_tokens=20)))
+    await asyncio.sleep(0.03)
+    provider.engines["b"].version = 1  # behind the fleet's back
+    (out,) = await task
+    assert out.worker_id == "b" and out.spans[-1].version == 1
+    assert "not those it was given while the request ran (v0)" in out.version_error
+    assert fleet.workers["b"].state == WorkerState.STALE
+    release.set()
+    await waves_end(fleet)
+    await fleet.close()
+
+
+async def test_a_worker_claiming_the_canarys_version_while_its_probe_is_scored_is_flagged():
+    """The canary has installed v1 and scores its probe (it then disagrees): no worker agreed on
+    v1 anywhere, and b, never given it, claims it."""
+    fleet, provider, transport, _ = await rolling("a", "b", max_lag=1, step_s=0.005)
+    scored = asyncio.Event()
+
+    async def disagrees_later(worker, token_ids, prefill=None):
+        await scored.wait()
+        return [-9.0]
+
+    provider.prompt_logprobs = disagrees_later
+    fleet.routing._inflight["a"] = 100  # busy: the request goes to b
+    task = asyncio.create_task(fleet.generate(request(max_tokens=20)))
+    await asyncio.sleep(0.02)
+    publish = asyncio.create_task(fleet.publish(1, transport, weights, PROBE))
+    await asyncio.sleep(0.02)
+    provider.engines["b"].version = 1
+    (out,) = await task
+    assert out.worker_id == "b" and "not those it was given while the request ran (v0)" in out.version_error
+    scored.set()
+    with pytest.raises(PublishError):
+        await publish
+    await fleet.close()
+
+
+def test_a_resumed_runs_first_publish_reaches_every_worker_as_do_its_last_and_evaluated_ones():
+    """`RLRun.publish`: the trainer has a rolling publish back once its canary agreed, except the
+    resume's (launched workers start at the base model), the run's last, and one evaluated."""
+    from concurrent.futures import Future
+
+    from fleetrl.app.rl import RLRun
+    from fleetrl.config import Config
+
+    asked: dict[int, bool] = {}
+
+    class Published:
+        async def publish(self, version, transport, named, probe, keep, everywhere):
+            asked[version] = everywhere
+            return PublishReport(version=version, seconds=0.0, checksum="c", ready=["a"])
+
+    run = RLRun.__new__(RLRun)
+    run.config = Config.model_validate({"run": {"max_steps": 6}})
+    run.fleet, run.transport, run.evaluator, run.view, run.resume = Published(), None, None, None, 3
+    run.fleet_started = Future()
+    run.fleet_started.set_result(None)
+    run.control = type("Control", (), {"run": staticmethod(asyncio.run)})()
+    for step in (3, 4, 5, 6):
+        run.publish(step, {"w": None}, [1, 2], [-1.0])
+    assert asked == {3: True, 4: False, 5: False, 6: True}

@@ -50,6 +50,7 @@ from fleetrl.model import resolve_model
 from fleetrl.monitoring import StepSink
 from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
+from fleetrl.orchestrator.rollouts import Orchestrator
 from fleetrl.processes import (KILL_WAIT_S, STOP_BOUND_S, STOP_GRACE_S, STOP_WAITS_S, ManagedProcess, at_forced_exit,
                                 cancel_at_forced_exit, free_port, install_signal_handlers, start_process, stop_all,
                                 stop_groups, stop_signal, stop_time_left)
@@ -317,17 +318,16 @@ class RLRun:
         """A CPU snapshot is published and kept (refits, the final model). A gather (CUDA) is
         valid only during this call, while the other ranks serve it: the fleet keeps nothing to
         refit from, and the last version's final model is written here, from one more gather.
-        A rolling publish returns once its canary agreed, except the run's last and one to be
-        evaluated, which reach every worker first."""
+        A rolling publish returns once its canary agreed, except the run's last, one to be
+        evaluated, and a resumed run's first, which reach every worker first: launched workers
+        start at the base model, and each must hold the checkpoint's version before it samples."""
         self.wait_fleet()
         self.phase(f"publishing v{step}")
         probe = AgreementProbe(probe_ids, reference)
         gathered = isinstance(weights, WeightGather)
         named = weights.tensors if gathered else lambda: iter(weights.items())
         evaluated = bool(self.evaluator and step > self.resume and self.evaluator.due(step))
-        # The resume's publish reaches every worker too when start_rollouts evaluates its version.
-        starts_evaluated = bool(self.evaluator and step == self.resume and self.evaluator.due(step, start=True))
-        everywhere = step == self.config.run.max_steps or evaluated or starts_evaluated
+        everywhere = step in (self.config.run.max_steps, self.resume) or evaluated
         report = self.control.run(self.fleet.publish(step, self.transport, named, probe, keep=not gathered,
                                                      everywhere=everywhere))
         if not report.ready:

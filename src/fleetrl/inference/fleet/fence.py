@@ -130,13 +130,12 @@ class Fence:
         self._unreported: list[WaveReport] = []  # waves ended since the last publish returned
         self.lock = asyncio.Lock()  # held by publish and by refits (a discovery round's included)
         self.source: WeightSource | None = None
-        # The newest version a worker verified, agreed or not yet: what its tokens may carry.
-        self.installed = 0
         # Workers sent weights before any version was the fleet's: they hold the launch's no more.
         self._sent_before_promote: set[str] = set()
-        # Each worker's refits that score the agreement probe (a publish's or a discovery
-        # round's), counted: a request's tokens can only come from those after its dispatch.
-        self._refits: dict[str, int] = {}
+        # Each worker's refits (a publish's or a discovery round's), in order, as the versions they
+        # installed: a request's tokens can only be of its worker's version at dispatch or of a
+        # refit after it (`versions_since`), never of a version only other workers were given.
+        self._installs: dict[str, list[int]] = {}
         # (worker id, refit) -> the version that refit installed, and the verdict of its agreement
         # probe: None, it agreed; else why not. Pending from the worker's resume until it is
         # scored; a failed one is kept, since a request held across that refit may still come
@@ -352,13 +351,11 @@ class Fence:
             if not verified:
                 raise PublishError(f"publish v{version} completed on no worker: {describe(failed)}")
             source = WeightSource(transport, named_tensors if keep else None, checksum, probe, version)
-            self.installed = max(self.installed, version)
             if wave is None:
                 # From here on only workers verified at `version` take traffic: stale ones stay
                 # paused, and a refit gives them these weights.
                 self._promote(source)
-            if probe is not None:
-                self._expect_verdicts(verified, version)
+            self._installing(verified, version, probe is not None)
             resumed = await roster.each(verified, roster.resume, failed, WorkerState.DEAD)
             deltas: dict[str, float] = {}
             if probe is not None:  # still UPDATING here: a worker that disagrees never takes a new request
@@ -485,8 +482,7 @@ class Fence:
                 checksum = await self.source.transport.transfer([sync], self.source.named_tensors, version)
                 await self._verify(worker, version, checksum)
             probe = self.source.probe if self.source is not None else None
-            if probe is not None:
-                self._expect_verdicts([worker], version)
+            self._installing([worker], version, probe is not None)
             await roster.resume(worker)
             if probe is not None:
                 # Through a prefill worker at its own version: mid-rolling-publish, some hold an older one.
@@ -529,13 +525,15 @@ class Fence:
 
     # -- verdicts --------------------------------------------------------------------------
 
-    def _expect_verdicts(self, workers: list[WorkerInfo], version: int) -> None:
-        """Before `workers` resume at `version`: their tokens at it are trusted only once they
-        have agreed (`check_probed`)."""
+    def _installing(self, workers: list[WorkerInfo], version: int, probed: bool) -> None:
+        """Before `workers` resume at `version`, a refit each: with a probe, their tokens at it are
+        trusted only once they have agreed (`check_probed`)."""
         loop = asyncio.get_running_loop()
         for worker in workers:
-            refit = self._refits[worker.id] = self._refits.get(worker.id, 0) + 1
-            self._verdicts[(worker.id, refit)] = version, loop.create_future()
+            installs = self._installs.setdefault(worker.id, [])
+            installs.append(version)
+            if probed:
+                self._verdicts[(worker.id, len(installs))] = version, loop.create_future()
 
     def _settle_verdicts(self, version: int, agreed: set[str], failed: dict[str, str]) -> None:
         """Every verdict pending at `version`: agreed, or failed (why; a worker that never got as
@@ -552,7 +550,11 @@ class Fence:
 
     def refits_of(self, workers: list[WorkerInfo]) -> dict[str, int]:
         """How many refits each of `workers` has had: taken at a request's dispatch."""
-        return {w.id: self._refits.get(w.id, 0) for w in workers}
+        return {w.id: len(self._installs.get(w.id, ())) for w in workers}
+
+    def versions_since(self, worker: WorkerInfo, refits: int) -> list[int]:
+        """The versions that the worker's refits after its first `refits` installed."""
+        return self._installs.get(worker.id, [])[refits:]
 
     async def check_probed(self, serving: list[WorkerInfo], response: GenerateResponse,
                            dispatched: dict[str, int]) -> None:

@@ -114,7 +114,7 @@ class Routing:
         else:
             self._bad_in_a_row.pop(worker.id, None)
         for response in responses:
-            self._check_versions(worker, response, held)
+            self._check_versions(worker, response, held, refits[worker.id])
             await self.fence.check_probed(serving, response, refits)
             roster.check_claimed(serving, response, lapses)
         return responses
@@ -139,18 +139,20 @@ class Routing:
                                                    f"(the last: {bad[0].answer_error})")
             await roster.notify()
 
-    def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, dispatched_at: int) -> None:
-        """Second line of defence: the engine's spans must lie within what the fleet published
-        while the request ran, from the version its worker held at dispatch (`dispatched_at`) to
-        the newest. A response outside is flagged (its sample must not be trained
-        on) and the worker goes stale until the next discovery round refits it."""
+    def _check_versions(self, worker: WorkerInfo, response: GenerateResponse, held: int, refits: int) -> None:
+        """Second line of defence: the engine's spans must be of versions its worker was given:
+        the one it held at dispatch (`held`), or one a refit of it installed since (`refits`: its
+        count then). A rolling wave serves its version from its resume on, before its probe has
+        made it the fleet's: those tokens wait for the probe's verdict (check_probed); a version
+        that only other workers were given is no worker's to claim. A response outside is
+        flagged (its sample must not be trained on) and the worker goes stale until the next
+        discovery round refits it."""
         versions = {span.version for span in response.spans}
-        # A rolling wave's workers serve its version from their resume on, before their probe
-        # has made it the fleet's: those tokens wait for the probe's verdict (check_probed).
-        version = max(self.roster.version, self.fence.installed)
-        if versions and (min(versions) < dispatched_at or max(versions) > version):
+        given = [held, *self.fence.versions_since(worker, refits)]
+        if not versions <= set(given):
             response.version_error = (f"worker {worker.id} produced tokens at versions {sorted(versions)}, "
-                                      f"outside the fleet's v{dispatched_at}..v{version}")
+                                      f"not those it was given while the request ran ("
+                                      + ", ".join(f"v{v}" for v in given) + ")")
             if worker.state == WorkerState.READY:
                 self.roster.mark(worker, WorkerState.STALE, response.version_error)
                 self.roster.log(f"fleetrl: request {response.request_id}: {response.version_error}; worker stale")
