@@ -595,4 +595,4 @@ class Fence:
         if not delta <= self.probe_tolerance:  # a NaN disagrees too
             raise FleetrlError(f"agreement probe: logprobs differ from the trainer's by up to {delta:.3g} "
                                f"> inference.probe_tolerance = {self.probe_tolerance:g} (weights received but "
-                               f"not installed as sent)")
+                               f"not installed as sent, or a tolerance below the engine's own noise)")
