@@ -136,11 +136,11 @@ class Fence:
         # installed: a request's tokens can only be of its worker's version at dispatch or of a
         # refit after it (`versions_since`), never of a version only other workers were given.
         self._installs: dict[str, list[int]] = {}
-        # (worker id, refit) -> the version that refit installed, and the verdict of its agreement
-        # probe: None, it agreed; else why not. Pending from the worker's resume until it is
+        # (worker id, refit) -> the verdict of that refit's agreement probe (its version is the
+        # refit's in `_installs`): None, it agreed; else why not. Pending from the worker's resume until it is
         # scored; a failed one is kept, since a request held across that refit may still come
         # back from it (even after a later refit at the same version agreed).
-        self._verdicts: dict[tuple[str, int], tuple[int, asyncio.Future[str | None]]] = {}
+        self._verdicts: dict[tuple[str, int], asyncio.Future[str | None]] = {}
 
     @property
     def checksum(self) -> str | None:
@@ -533,14 +533,14 @@ class Fence:
             installs = self._installs.setdefault(worker.id, [])
             installs.append(version)
             if probed:
-                self._verdicts[(worker.id, len(installs))] = version, loop.create_future()
+                self._verdicts[(worker.id, len(installs))] = loop.create_future()
 
     def _settle_verdicts(self, version: int, agreed: set[str], failed: dict[str, str]) -> None:
         """Every verdict pending at `version`: agreed, or failed (why; a worker that never got as
         far as its probe fails too). Agreed ones are dropped: no token of theirs waits on them."""
-        for key, (at, verdict) in list(self._verdicts.items()):
-            worker_id, _ = key
-            if at != version or verdict.done():
+        for key, verdict in list(self._verdicts.items()):
+            worker_id, refit = key
+            if self._installs[worker_id][refit - 1] != version or verdict.done():
                 continue
             if worker_id in agreed:
                 verdict.set_result(None)
@@ -566,11 +566,11 @@ class Fence:
         is scored waits for its verdict: in keep mode a request held across a publish runs on
         as soon as its worker resumes."""
         versions = {span.version for span in response.spans}
-        returned = self.refits_of(serving)
+        since = {w.id: self.versions_since(w, dispatched[w.id]) for w in serving}  # as it returned
         for worker in serving:
-            for refit in range(dispatched[worker.id] + 1, returned[worker.id] + 1):
-                version, verdict = self._verdicts.get((worker.id, refit), (None, None))
-                if version not in versions:
+            for refit, version in enumerate(since[worker.id], start=dispatched[worker.id] + 1):
+                verdict = self._verdicts.get((worker.id, refit))
+                if verdict is None or version not in versions:
                     continue  # agreed (dropped), or it installed a version none of these tokens is of
                 why = await asyncio.shield(verdict)
                 if why is not None and response.version_error is None:
