@@ -1,13 +1,15 @@
-"""How long a launched vLLM CPU server takes to serve, three ways, side by side in one run: vLLM's
+"""How long a launched vLLM CPU server takes to serve, four ways, side by side in one run: vLLM's
 default on CPUs (the model runner in a worker process of its own), the model runner in the
-engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) spawned as vLLM spawns it, and that engine core
-forked from the server (fleetrl's launcher, engine/engine_core_fork.py).
+engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) spawned as vLLM spawns it, that engine core
+forked from the server (fleetrl's launcher, engine/engine_core_fork.py), and the same with
+torch.compile left on (without the launcher's TORCHDYNAMO_DISABLE=1): vLLM then compiles its
+sampler's logprob helper with inductor at the first request.
 
     .venv/bin/python benchmarks/bench_engine_start.py [--reps 3]
 
 Each repetition starts one server of each kind in turn, with fleetrl's launcher's command line
 and environment (as `fleetrl rl` starts a worker), and times it from the start to its first
-/health answer. It counts the server's processes and their memory, and checks that a greedy
+/health answer, then its first completion with logprobs (as every rollout asks). It counts the server's processes and their memory, and checks that a greedy
 completion's logprobs are the same in all three. Why it matters: each of a server's interpreters
 imports vLLM, one after another, and the test suite starts about 28 engines (issue 38). Results
 go to docs/benchmarks.md with the command line that produced them.
@@ -34,24 +36,29 @@ from fleetrl.inference.vllm.launcher import LaunchedServer, server_argv, server_
 from fleetrl.model import resolve_model
 from fleetrl.processes import free_port, start_process
 
-# Each kind: the server's module and VLLM_ENABLE_V1_MULTIPROCESSING. vLLM's CPU platform runs the
-# model in a worker process of its own unless the engine is told it runs in one process; vLLM's
-# own module spawns the engine core, fleetrl's forks it.
+# Each kind: the server's module and what it changes in the launcher's environment (None: unset).
+# vLLM's CPU platform runs the model in a worker process of its own unless the engine is told it
+# runs in one process; vLLM's own module spawns the engine core, fleetrl's forks it.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-KINDS = {"worker process": (VLLM_SERVER_MODULE, "1"), "engine core, spawned": (VLLM_SERVER_MODULE, "0"),
-         "engine core, forked": (NATIVE_SERVER_MODULE, "0")}
+FORKED = "engine core, forked"
+COMPILING = "engine core, forked, compiling"
+KINDS = {"worker process": (VLLM_SERVER_MODULE, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+         "engine core, spawned": (VLLM_SERVER_MODULE, {}),
+         FORKED: (NATIVE_SERVER_MODULE, {}),
+         COMPILING: (NATIVE_SERVER_MODULE, {"TORCHDYNAMO_DISABLE": None})}
 PROMPT = "The capital of France is"
 
 
 async def start_once(model_dir: Path, config: InferenceConfig, log_dir: Path, kind: str):
-    """One server of one kind: seconds to /health, its process count, their memory (GiB), and a
-    greedy completion's logprobs; stopped before it returns."""
-    module, multiprocessing = KINDS[kind]
+    """One server of one kind: seconds to /health, its process count, their memory (GiB), a
+    greedy completion's logprobs and the seconds it took; stopped before it returns."""
+    module, changes = KINDS[kind]
     admin, data = secrets.token_hex(16), secrets.token_hex(16)
     port = free_port(config.host)
     argv = server_argv(model_dir, config, port)
     argv[argv.index(NATIVE_SERVER_MODULE)] = module
-    env = {**server_env(config, 0, port, admin, data), "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
+    env = {**server_env(config, 0, port, admin, data), **changes}
+    env = {name: value for name, value in env.items() if value is not None}
     name = "bench-" + kind.replace(", ", "-").replace(" ", "-")
     started = time.monotonic()
     process = start_process(name, argv, log_dir / f"{name}.log", env=env, cpus=config.vllm.engine_cpus(0))
@@ -61,13 +68,15 @@ async def start_once(model_dir: Path, config: InferenceConfig, log_dir: Path, ki
         seconds = time.monotonic() - started
         tree = [psutil.Process(process.popen.pid), *psutil.Process(process.popen.pid).children(recursive=True)]
         rss_gib = sum(p.memory_info().rss for p in tree) / 2**30
+        asked = time.monotonic()
         async with httpx.AsyncClient(timeout=60) as client:
             answer = await client.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {data}"},
                                        json={"model": "policy", "prompt": PROMPT, "max_tokens": 8,
                                              "temperature": 0, "logprobs": 0})
             answer.raise_for_status()
+        first_answer_s = time.monotonic() - asked
         logprobs = answer.json()["choices"][0]["logprobs"]["token_logprobs"]
-        return seconds, len(tree), rss_gib, logprobs
+        return seconds, len(tree), rss_gib, logprobs, first_answer_s
     finally:
         process.stop()
 
@@ -80,20 +89,25 @@ async def main(reps: int) -> None:
         for rep in range(reps):
             for kind in KINDS:  # interleaved: a drift of the machine hits each
                 results[kind].append(await start_once(model_dir, config, Path(tmp), kind))
-                seconds, processes, rss, _ = results[kind][-1]
+                seconds, processes, rss, _, first = results[kind][-1]
                 print(f"rep {rep + 1}/{reps}: {kind}: serving after {seconds:.1f} s, {processes} processes, "
-                      f"{rss:.2f} GiB", flush=True)
+                      f"{rss:.2f} GiB, first completion in {first:.2f} s", flush=True)
     logprobs = [rows[0][3] for rows in results.values()]
     gap = max(abs(a - b) for other in logprobs[1:] for a, b in zip(logprobs[0], other))
     print(f"\ngreedy logprobs of {len(logprobs[0])} tokens: largest difference between the kinds {gap:.2e}")
     medians = {kind: statistics.median(r[0] for r in rows) for kind, rows in results.items()}
     for kind, rows in results.items():
         print(f"{kind}: median {medians[kind]:.1f} s to serve (min {min(r[0] for r in rows):.1f}, max "
-              f"{max(r[0] for r in rows):.1f}), {rows[0][1]} processes, {statistics.median(r[2] for r in rows):.2f} GiB")
+              f"{max(r[0] for r in rows):.1f}), {rows[0][1]} processes, {statistics.median(r[2] for r in rows):.2f} GiB, "
+              f"first completion {statistics.median(r[4] for r in rows):.2f} s")
     for baseline in ("worker process", "engine core, spawned"):
-        ratio = medians["engine core, forked"] / medians[baseline]
-        print(f"engine core, forked / {baseline}: {ratio:.2f}x the time to serve")
+        ratio = medians[FORKED] / medians[baseline]
+        print(f"{FORKED} / {baseline}: {ratio:.2f}x the time to serve")
         record(f"engine start, engine core forked / {baseline}", ratio, f"{reps} reps, logprob gap {gap:.1e}")
+    first = {kind: statistics.median(r[4] for r in results[kind]) for kind in (FORKED, COMPILING)}
+    print(f"{FORKED} / {COMPILING}: {first[FORKED] / first[COMPILING]:.2f}x the time of the first completion")
+    record("engine first completion, torch.compile off / on", first[FORKED] / first[COMPILING],
+           f"{reps} reps, logprob gap {gap:.1e}")
 
 
 if __name__ == "__main__":

@@ -35,9 +35,11 @@ def test_a_cpu_list_that_is_none_is_refused_naming_the_field():
         load_config([], [("inference.vllm.omp_threads_bind", '["2-1"]')])
     config = load_config([], [("inference.vllm.omp_threads_bind", '["0", "1-3"]')])
     assert config.inference.vllm.engine_cpus(3) == [1, 2, 3]  # cycled
-    assert config.inference.vllm.engine_env(3) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "3"}
+    assert config.inference.vllm.engine_env(3) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1",
+                                                 "OMP_NUM_THREADS": "3"}
     unbound = load_config([], []).inference.vllm
-    assert unbound.engine_cpus(0) == [] and unbound.engine_env(0) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert unbound.engine_cpus(0) == [] and unbound.engine_env(0) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                                                      "TORCHDYNAMO_DISABLE": "1"}
 
 
 def test_the_run_fills_only_what_the_user_left_empty_and_says_so(monkeypatch):

@@ -126,6 +126,10 @@ class VllmConfig(Section):
         """The environment of the `index`-th launched engine. Its model runs in the engine-core
         process: on a CPU vLLM would start a worker process for it, a third interpreter importing
         vLLM (7.5 s more to serve, docs/benchmarks.md), and bind that one itself, where fleetrl binds
-        the whole server (`engine_cpus`). One OpenMP thread per CPU it is bound to."""
+        the whole server (`engine_cpus`). One OpenMP thread per CPU it is bound to. No torch.compile:
+        past --enforce-eager, vLLM still compiles a helper of its sampler's logprobs with inductor
+        at the first request and again at the next batch size, seconds of CPU per engine for a
+        count that costs nothing eager (docs/benchmarks.md, "A launched server's start")."""
         cpus = self.engine_cpus(index)
-        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **({"OMP_NUM_THREADS": str(len(cpus))} if cpus else {})}
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1",
+                **({"OMP_NUM_THREADS": str(len(cpus))} if cpus else {})}
