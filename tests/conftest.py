@@ -71,10 +71,12 @@ def _memory_and_descendants() -> str:
     alive = []
     for child in me.children(recursive=True):
         try:
-            alive.append((child.pid, child.name(), sum(child.cpu_times()[:2])))
+            # A zombie has ended (its CPU seconds stay as they were) but was not reaped: said so.
+            ended = " (ended, not reaped)" if child.status() == psutil.STATUS_ZOMBIE else ""
+            alive.append((child.pid, child.name(), f"{sum(child.cpu_times()[:2]):.0f} s CPU{ended}"))
         except psutil.NoSuchProcess:
             pass
-    named = ", ".join(f"{name}[{pid}] {cpu:.0f} s CPU" for pid, name, cpu in alive[:6])
+    named = ", ".join(f"{name}[{pid}] {cpu}" for pid, name, cpu in alive[:6])
     return f"rss {me.memory_info().rss / 2**30:.1f} GiB, {len(alive)} descendants{': ' + named if named else ''}"
 
 
