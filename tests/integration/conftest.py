@@ -34,6 +34,8 @@ from .deployments import ROOT, DeploymentPool, _term_with_parent, deployment_of
 from .probes import PROBE_TEXTS
 
 _POOL = pytest.StashKey[DeploymentPool]()
+# The title vLLM gives its engine-core process (where fleetrl's engines run the model).
+ENGINE_CORE = "VLLM::EngineCore"
 
 
 def pytest_collection_modifyitems(items):

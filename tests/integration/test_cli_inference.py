@@ -12,10 +12,7 @@ import pytest
 
 from tests.documented import documented, run_documented
 
-from .conftest import alive_in, child_groups, fleetrl_process
-
-
-ENGINE_CORE = "VLLM::EngineCore"
+from .conftest import ENGINE_CORE, alive_in, child_groups, fleetrl_process
 
 
 def fleetrl(*args):

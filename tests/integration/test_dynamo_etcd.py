@@ -32,7 +32,7 @@ from fleetrl.records import WorkerEvent
 from fleetrl.versions import VersionSpan, new_run_id
 from fleetrl.weights.factory import make_transport
 
-from .conftest import chat_ids, model_with, perturbed
+from .conftest import ENGINE_CORE, chat_ids, model_with, perturbed
 from .deployments import DYNAMO_ETCD, LEASE_TTL_S, DynamoDeployment, deploy
 from .probes import probe_fleet
 
@@ -135,7 +135,7 @@ async def test_the_operator_scripts_workers_run_on_cpus_of_their_own(deployment)
     cpus = [{tuple(p.cpu_affinity()) for p in (w, *w.children(recursive=True))} for w in workers]
     assert len(workers) == 2 and all(len(each) == 1 for each in cpus) and len(set.union(*cpus)) == 2, cpus
     names = [p.name() for w in workers for p in w.children(recursive=True)]
-    assert names.count("VLLM::EngineCore") == 2 and "VLLM::Worker" not in names, names
+    assert names.count(ENGINE_CORE) == 2 and "VLLM::Worker" not in names, names
     threads = [w.environ()["OMP_NUM_THREADS"] for w in workers]
     assert threads == [str(len(c)) for (c,) in cpus], threads
 

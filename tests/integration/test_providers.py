@@ -53,7 +53,7 @@ from fleetrl.trainer.model import prompt_logprobs
 from fleetrl.versions import VersionSpan, new_run_id, off_policy_distance
 from fleetrl.weights.factory import make_transport
 
-from .conftest import chat_ids, greedy, greedy_response, model_with, perturbed, running
+from .conftest import ENGINE_CORE, chat_ids, greedy, greedy_response, model_with, perturbed, running
 from .probes import probe_fleet
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -180,7 +180,7 @@ async def test_a_launched_servers_forked_engine_core_holds_none_of_its_tcp_socke
     for server in fleet.provider.launched:
         port = int(server.url.rsplit(":", 1)[1])
         root = psutil.Process(server.process.popen.pid)
-        (core,) = [p for p in root.children(recursive=True) if p.name() == "VLLM::EngineCore"]
+        (core,) = [p for p in root.children(recursive=True) if p.name() == ENGINE_CORE]
         assert any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in root.net_connections("tcp"))
         assert not [c for c in core.net_connections("tcp") if c.laddr.port == port], server.name
 
