@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make test`: two pytest processes side by side. The integration tests leave a fifth or more of a
 # 2-core machine idle (a vLLM server starts its processes one after another, on one core; leases
-# and timers run out), and the side fills it: first the integration modules light enough to
+# and timers run out; the modules that leave the most run first: IDLE_FIRST in
+# tests/integration/conftest.py), and the side fills it: first the integration modules light enough to
 # share the machine's memory with any other (SIDE_MODULES: a few GiB each, no shared deployment),
 # then the unit tests at a lower priority (nice), so that they take the integration tests' idle
 # CPU rather than slow them down. The side writes to a log that is shown when the integration
