@@ -1,5 +1,5 @@
-"""What every test run shares: no model hub, unit tests first, where the time and the memory
-went, and a bounded disk."""
+"""What every test run shares: no model hub, imports without the garbage collector, unit tests
+first, where the time and the memory went, and a bounded disk."""
 
 import os
 import shutil
@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fleetrl.heavy_imports import imports_without_gc
 from tests.tmp_folders import KEPT_FOLDERS
 
 # Nothing in the tests may reach a model hub.
@@ -21,6 +22,15 @@ _module_after: dict[str, str] = {}  # the runner's memory and its descendants wh
 _started = time.monotonic()
 
 _BASETEMP = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """The test modules' imports (torch, transformers, vLLM) with the garbage collector paused
+    and what they made frozen after, as fleetrl's own processes import them
+    (fleetrl/heavy_imports.py)."""
+    with imports_without_gc():
+        return (yield)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,7 +19,7 @@ PACKAGE = SRC / "fleetrl"
 LEAVES = {"fleetrl.versions", "fleetrl.contract", "fleetrl.admin_signature", "fleetrl.files", "fleetrl.errors",
           "fleetrl.failpoints", "fleetrl.progress", "fleetrl.cores", "fleetrl.torchrun", "fleetrl.lora",
           "fleetrl.tripwire", "fleetrl.transports", "fleetrl.provider_capabilities",
-          "fleetrl.strict"}
+          "fleetrl.strict", "fleetrl.heavy_imports"}
 # (importer prefix, imported prefix, why it is forbidden)
 FORBIDDEN = [
     ("fleetrl.engine", "fleetrl.orchestrator", "worker-process code knows nothing of the orchestrator"),

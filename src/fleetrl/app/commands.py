@@ -1,7 +1,8 @@
 """What each `fleetrl` command does, once the CLI has parsed it into a config.
 
 Each command's modules are imported when it runs, so `fleetrl --help` and `--dry-run` stay
-fast (torch, transformers and the providers are not loaded for them).
+fast (torch, transformers and the providers are not loaded for them); those that load torch,
+with the garbage collector paused (fleetrl/heavy_imports.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from fleetrl.config import Config
 from fleetrl.errors import FleetrlError
+from fleetrl.heavy_imports import imports_without_gc
 from fleetrl.processes import stop_all
 
 
@@ -67,13 +69,15 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
         # OpenMP thread out of work sleeps rather than spins. They share the CPUs, and a spinning
         # thread holds one that a sampling engine needs (docs/benchmarks.md, "OpenMP threads").
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        from fleetrl.app.rl import RLRun, run_peer_rank
+        with imports_without_gc():
+            from fleetrl.app.rl import RLRun, run_peer_rank
         from fleetrl.torchrun import launched_rank
 
         launched = launched_rank()
         return run_peer_rank(config) if launched and launched.rank > 0 else RLRun(config).run()
     if args.command == "sft":
-        from fleetrl.app.sft import SftRun, run_sft_peer_rank
+        with imports_without_gc():
+            from fleetrl.app.sft import SftRun, run_sft_peer_rank
         from fleetrl.torchrun import launched_rank
 
         launched = launched_rank()
@@ -107,14 +111,16 @@ def _dispatch(args: argparse.Namespace, config: Config) -> int:
 
         return asyncio.run(run_status(config, args.run_dir))
     if args.command == "export":
-        from fleetrl.app.export import run_export
+        with imports_without_gc():
+            from fleetrl.app.export import run_export
 
         if args.run_dir is None or args.out_dir is None:
             raise FleetrlError("fleetrl export needs a run directory and a folder to write: "
                                "fleetrl export RUN_DIR OUT_DIR [--step N] [--adapter]")
         return run_export(args.run_dir, args.out_dir, args.step, adapter_only=args.adapter)
     if args.command == "eval":
-        from fleetrl.app.eval import run_eval
+        with imports_without_gc():
+            from fleetrl.app.eval import run_eval
 
         return run_eval(config, args.model_or_run, args.step, args.out)
     if args.command == "bench":

@@ -51,6 +51,7 @@ from fleetrl.contract import (ADMIN_TOKEN_ENV, DIES_WITH_PARENT_ENV, DYNAMO_CLAI
 from fleetrl.engine.engine_core_fork import fork_engine_cores
 from fleetrl.engine.orphan import die_with_parent
 from fleetrl.engine.worker_claim import WorkerClaim, parse_claim
+from fleetrl.heavy_imports import imports_without_gc
 
 
 # What the changes below were written against: another version may have moved or renamed what
@@ -346,19 +347,20 @@ def _require_signed_calls() -> None:
 def main() -> None:
     if os.environ.get(DIES_WITH_PARENT_ENV) == "1":
         die_with_parent()  # its engine core is fleetrl's grandchild: see engine/orphan.py
-    check_patched_versions()
-    _apply_import_fixes()
-    fork_engine_cores()
-    _register_shared_storage_connector()
-    _report_weight_checksums()
-    token_versions = TOKEN_VERSIONS_FLAG in sys.argv
-    if token_versions:
-        sys.argv.remove(TOKEN_VERSIONS_FLAG)
-        _report_token_versions()
-    _hold_for_one_run()  # outside what changes the worker: another run's call reaches none of it
-    if token_versions:
-        _require_signed_calls()  # last: the outermost layer of each route
-    from dynamo.vllm.main import main as dynamo_vllm_main
+    with imports_without_gc():  # every change below imports what it changes
+        check_patched_versions()
+        _apply_import_fixes()
+        fork_engine_cores()
+        _register_shared_storage_connector()
+        _report_weight_checksums()
+        token_versions = TOKEN_VERSIONS_FLAG in sys.argv
+        if token_versions:
+            sys.argv.remove(TOKEN_VERSIONS_FLAG)
+            _report_token_versions()
+        _hold_for_one_run()  # outside what changes the worker: another run's call reaches none of it
+        if token_versions:
+            _require_signed_calls()  # last: the outermost layer of each route
+        from dynamo.vllm.main import main as dynamo_vllm_main
 
     dynamo_vllm_main()  # reads its arguments from sys.argv, like `python -m dynamo.vllm`
 

@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 from fleetrl import tripwire
-from fleetrl.rundir import KINDS, RunDir
-from fleetrl.trainer import distributed
-from fleetrl.trainer.loop import train_peer
-from fleetrl.trainer.sft import train_sft_peer
+from fleetrl.heavy_imports import imports_without_gc
+
+with imports_without_gc():
+    from fleetrl.rundir import KINDS, RunDir
+    from fleetrl.trainer import distributed
+    from fleetrl.trainer.loop import train_peer
+    from fleetrl.trainer.sft import train_sft_peer
 
 
 def main(argv: list[str]) -> int:
