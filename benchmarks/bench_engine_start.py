@@ -1,16 +1,17 @@
-"""How long a launched vLLM CPU server takes to serve, four ways, side by side in one run: vLLM's
+"""How long a launched vLLM CPU server takes to serve, five ways, side by side in one run: vLLM's
 default on CPUs (the model runner in a worker process of its own), the model runner in the
 engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) spawned as vLLM spawns it, that engine core
-forked from the server (fleetrl's launcher, engine/engine_core_fork.py), and the same with
+forked from the server (fleetrl's launcher, engine/engine_core_fork.py), the same with
 torch.compile left on (without the launcher's TORCHDYNAMO_DISABLE=1): vLLM then compiles its
-sampler's logprob helper with inductor at the first request.
+sampler's logprob helper with inductor at the first request, and the same with Python's garbage
+collector running while the server imports vLLM (fleetrl/heavy_imports.py pauses it).
 
     .venv/bin/python benchmarks/bench_engine_start.py [--reps 3]
 
 Each repetition starts one server of each kind in turn, with fleetrl's launcher's command line
 and environment (as `fleetrl rl` starts a worker), and times it from the start to its first
 /health answer, then its first completion with logprobs (as every rollout asks). It counts the server's processes and their memory, and checks that a greedy
-completion's logprobs are the same in all three. Why it matters: each of a server's interpreters
+completion's logprobs are the same in all five. Why it matters: each of a server's interpreters
 imports vLLM, one after another, and the test suite starts about 28 engines (issue 38). Results
 go to docs/benchmarks.md with the command line that produced them.
 """
@@ -36,27 +37,35 @@ from fleetrl.inference.vllm.launcher import LaunchedServer, server_argv, server_
 from fleetrl.model import resolve_model
 from fleetrl.processes import free_port, start_process
 
-# Each kind: the server's module and what it changes in the launcher's environment (None: unset).
-# vLLM's CPU platform runs the model in a worker process of its own unless the engine is told it
-# runs in one process; vLLM's own module spawns the engine core, fleetrl's forks it.
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Each kind: what runs the server (in place of the launcher's `-m` and module) and what it
+# changes in the launcher's environment (None: unset). vLLM's CPU platform runs the model in a
+# worker process of its own unless the engine is told it runs in one process; vLLM's own module
+# spawns the engine core, fleetrl's forks it.
+VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
+FLEETRL_SERVER = ("-m", NATIVE_SERVER_MODULE)
+# fleetrl's server with its imports' garbage-collector pause undone.
+COLLECTING_SERVER = ("-c", "import contextlib; from fleetrl.engine import serve; "
+                           "serve.imports_without_gc = contextlib.nullcontext; serve.main()")
 FORKED = "engine core, forked"
 COMPILING = "engine core, forked, compiling"
-KINDS = {"worker process": (VLLM_SERVER_MODULE, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
-         "engine core, spawned": (VLLM_SERVER_MODULE, {}),
-         FORKED: (NATIVE_SERVER_MODULE, {}),
-         COMPILING: (NATIVE_SERVER_MODULE, {"TORCHDYNAMO_DISABLE": None})}
+COLLECTING = "engine core, forked, collector on while importing"
+KINDS = {"worker process": (VLLM_SERVER, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+         "engine core, spawned": (VLLM_SERVER, {}),
+         FORKED: (FLEETRL_SERVER, {}),
+         COMPILING: (FLEETRL_SERVER, {"TORCHDYNAMO_DISABLE": None}),
+         COLLECTING: (COLLECTING_SERVER, {})}
 PROMPT = "The capital of France is"
 
 
 async def start_once(model_dir: Path, config: InferenceConfig, log_dir: Path, kind: str):
     """One server of one kind: seconds to /health, its process count, their memory (GiB), a
     greedy completion's logprobs and the seconds it took; stopped before it returns."""
-    module, changes = KINDS[kind]
+    server, changes = KINDS[kind]
     admin, data = secrets.token_hex(16), secrets.token_hex(16)
     port = free_port(config.host)
     argv = server_argv(model_dir, config, port)
-    argv[argv.index(NATIVE_SERVER_MODULE)] = module
+    at = argv.index(NATIVE_SERVER_MODULE) - 1  # its "-m"
+    argv[at:at + 2] = server
     env = {**server_env(config, 0, port, admin, data), **changes}
     env = {name: value for name, value in env.items() if value is not None}
     name = "bench-" + kind.replace(", ", "-").replace(" ", "-")
@@ -108,6 +117,9 @@ async def main(reps: int) -> None:
     print(f"{FORKED} / {COMPILING}: {first[FORKED] / first[COMPILING]:.2f}x the time of the first completion")
     record("engine first completion, torch.compile off / on", first[FORKED] / first[COMPILING],
            f"{reps} reps, logprob gap {gap:.1e}")
+    ratio = medians[FORKED] / medians[COLLECTING]
+    print(f"{FORKED} / {COLLECTING}: {ratio:.2f}x the time to serve")
+    record("engine start, imports without / with the garbage collector", ratio, f"{reps} reps, logprob gap {gap:.1e}")
 
 
 if __name__ == "__main__":
