@@ -357,8 +357,9 @@ def test_the_quickstarts_tensorboard_serves_the_runs_scalars(resumed):
 
 # The quickstart's export of the LoRA run's adapter, and the plain vLLM server of it on the base model.
 EXPORT_ADAPTER = ".venv/bin/fleetrl export runs/lora runs/lora-adapter --adapter"
-SERVE_ADAPTER = ("VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model "
-                 "\"$(.venv/bin/fleetrl model)\" --dtype float32 --max-model-len 512 --enforce-eager --enable-lora "
+SERVE_ADAPTER = ("VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m "
+                 "vllm.entrypoints.openai.api_server --model \"$(.venv/bin/fleetrl model)\" --dtype float32 "
+                 "--max-model-len 512 --enforce-eager --enable-lora "
                  "--max-lora-rank 16 --lora-target-modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj "
                  "--lora-modules lora=runs/lora-adapter --port 8000")
 

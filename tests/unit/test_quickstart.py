@@ -34,8 +34,8 @@ def test_a_documented_command_is_run_as_written_with_the_tests_additions():
         "exec make run ARGS='--run.max_steps 15 --run.max_steps 5'"
     serve = next(c for c in documented_commands() if "--model runs/default/final_model" in c)
     line = documented(serve, replace={"runs/default": "/tmp/run", "8000": "9001"})
-    assert line.startswith("VLLM_CPU_KVCACHE_SPACE=1 exec .venv/bin/python -m vllm.entrypoints.openai.api_server "
-                           "--model /tmp/run/final_model")
+    assert line.startswith("VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 exec .venv/bin/python -m "
+                           "vllm.entrypoints.openai.api_server --model /tmp/run/final_model")
     assert line.endswith("--port 9001")
 
 
