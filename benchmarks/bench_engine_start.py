@@ -43,7 +43,7 @@ from fleetrl.processes import free_port, start_process
 # spawns the engine core, fleetrl's forks it.
 VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
 FLEETRL_SERVER = ("-m", NATIVE_SERVER_MODULE)
-# fleetrl's server with its imports' garbage-collector pause undone.
+# fleetrl's server with `imports_without_gc` undone: no pause, no collection after, no freeze.
 COLLECTING_SERVER = ("-c", "import contextlib; from fleetrl.engine import serve; "
                            "serve.imports_without_gc = contextlib.nullcontext; serve.main()")
 FORKED = "engine core, forked"

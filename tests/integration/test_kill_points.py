@@ -106,8 +106,8 @@ max_steps = 5
 # the documented command.
 EXPORT = ".venv/bin/fleetrl export runs/default runs/default-step5 --step 5"
 SERVE_FINAL = ("VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m "
-               "vllm.entrypoints.openai.api_server --model runs/default/final_model --dtype float32 --max-model-len 512 "
-               "--enforce-eager --port 8000")
+               "vllm.entrypoints.openai.api_server --model runs/default/final_model --dtype float32 "
+               "--max-model-len 512 --enforce-eager --port 8000")
 EVAL = ".venv/bin/fleetrl eval runs/attached --inference.urls '[\"http://127.0.0.1:8001\"]' --eval.prompts 8"
 CHAT = ("curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{\"model\": "
         "\"runs/default/final_model\", \"messages\": [{\"role\": \"user\", \"content\": \"Reverse the text: fleet\"}], "

@@ -1,8 +1,8 @@
 """What each `fleetrl` command does, once the CLI has parsed it into a config.
 
 Each command's modules are imported when it runs, so `fleetrl --help` and `--dry-run` stay
-fast (torch, transformers and the providers are not loaded for them); those that load torch,
-with the garbage collector paused (fleetrl/heavy_imports.py).
+fast (torch, transformers and the providers are not loaded for them); `rl`, `sft`, `eval` and
+`export` import theirs with the garbage collector paused (fleetrl/heavy_imports.py).
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class VllmConfig(Section):
     def engine_env(self, index: int) -> dict[str, str]:
         """The environment of the `index`-th launched engine. Its model runs in the engine-core
         process: on a CPU vLLM would start a worker process for it, a third interpreter importing
-        vLLM (7.5 s more to serve, docs/benchmarks.md), and bind that one itself, where fleetrl binds
+        vLLM (seconds more to serve, docs/benchmarks.md), and bind that one itself, where fleetrl binds
         the whole server (`engine_cpus`). One OpenMP thread per CPU it is bound to. No torch.compile:
         past --enforce-eager, vLLM still compiles a helper of its sampler's logprobs with inductor
         at the first request and again at the next batch size, seconds of CPU per engine for a

@@ -11,7 +11,7 @@ from fleetrl.engine.orphan import die_with_parent
 from fleetrl.heavy_imports import imports_without_gc
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-# What that module, a shim, imports: every library the server needs.
+# What that module, a shim, imports: most of the libraries the server needs.
 SERVER_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 
 
