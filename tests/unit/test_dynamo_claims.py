@@ -4,8 +4,8 @@ Dynamo's route handlers see) and is kept by fleetrl's worker entry, in both work
 (engine/dynamo_worker.held_for_one_run, engine/worker_claim.py). A real HTTP round trip, with a
 stand-in for Dynamo's system server wrapped as the worker's entry wraps its routes."""
 
-import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -23,11 +23,12 @@ from .asgi_server import request_body, serving
 TOKEN = "the-admin-token"
 
 
-def system_server(calls: list, kind: str):
+def system_server(calls: list, kind: str, clock=time.monotonic):
     """Dynamo's system server in miniature: POST /engine/<route> hands the JSON body to the
     route's handler, wrapped as `python -m fleetrl.engine.dynamo_worker` wraps it (one claim for
-    the whole worker; fleetrl's kind also takes only signed calls, its outermost layer)."""
-    claim = WorkerClaim()
+    the whole worker, on the worker's `clock`; fleetrl's kind also takes only signed calls, its
+    outermost layer)."""
+    claim = WorkerClaim(clock)
 
     def handler(route: str):
         async def handle(self, body):
@@ -92,8 +93,10 @@ async def test_a_dynamo_worker_another_run_holds_refuses_it_naming_the_holder(tm
 
 
 async def test_a_killed_runs_claim_on_a_dynamo_worker_lapses_after_its_lease(tmp_path):
-    calls = []
-    with serving(system_server(calls, "dynamo")) as url:
+    """The lease runs on the worker's clock, moved here by hand: on a busy machine a real
+    0.3 s lease could lapse before run B's first call (CI, stop 54)."""
+    calls, now = [], [0.0]
+    with serving(system_server(calls, "dynamo", clock=lambda: now[0])) as url:
         worker = WorkerInfo(id="7", data_url="http://frontend", admin_url=url)
         a = provider("dynamo", tmp_path, "runA", claim_lease_s=0.3, discovery_interval_s=0.1,
                      health_timeout_s=0.05)
@@ -102,7 +105,10 @@ async def test_a_killed_runs_claim_on_a_dynamo_worker_lapses_after_its_lease(tmp
             assert await a.admin(worker).health()  # then run A is killed: it never lets go
             with pytest.raises(WorkerHeldByAnotherRun):
                 await b.admin(worker).health()
-            await asyncio.sleep(0.4)
+            now[0] += 0.29
+            with pytest.raises(WorkerHeldByAnotherRun):
+                await b.admin(worker).health()
+            now[0] += 0.02
             assert await b.admin(worker).health()
         finally:
             await b.close()
