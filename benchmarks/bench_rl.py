@@ -7,6 +7,7 @@ and what each run costs before its first step and in memory.
     .venv/bin/python benchmarks/bench_rl.py --lora [--steps 10]
     .venv/bin/python benchmarks/bench_rl.py --publish [--steps 8] [--max-tokens 256] [--window-s 5]
     .venv/bin/python benchmarks/bench_rl.py --openmp-wait [--steps 3] [--repeats 3]
+    .venv/bin/python benchmarks/bench_rl.py --eval-beside-sft [--repeats 2]
 
 Runs the same job twice, back to back, differing only in `orchestrator.max_off_policy_steps`,
 and compares the wall time per step measured from the runs' own timestamps (from the end of
@@ -32,6 +33,12 @@ GOMP_SPINCOUNT=300000 (a thread spins about 3 ms first: GNU OpenMP's default, wh
 threads had before fleetrl set the policy). It compares the time from launch to the end of the
 last step, step 1's training (which overlaps the sampling of step 2) and step 2's sampling.
 
+With --eval-beside-sft it runs docs/examples.md's first two commands side by side, the base
+model's `fleetrl eval` and one step of `fleetrl sft`, --repeats times each way, alternating:
+their OpenMP threads sleeping (every fleetrl command's default) and spinning; and once one after
+the other, for the time the pair takes without sharing the CPUs. It compares each command's
+wall time, the evaluation's and the training step's own times.
+
 With --publish it runs a sampling-bound job (2 workers, k = 1, long completions) twice,
 `inference.publish = "fenced"` against `"rolling"` (waves of one worker), and compares the step
 time, `mismatch_kl` on every step, and the fleet's sampling throughput: the tokens/s of all
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -148,7 +156,10 @@ def main() -> None:
                              "against rolling ones")
     parser.add_argument("--openmp-wait", action="store_true",
                         help="k = 1 only: OpenMP threads that sleep when out of work against threads that spin")
-    parser.add_argument("--repeats", type=int, default=3, help="--openmp-wait: runs of each way")
+    parser.add_argument("--eval-beside-sft", action="store_true",
+                        help="the worked example's base evaluation beside its warm start's first step, OpenMP "
+                             "threads sleeping against spinning")
+    parser.add_argument("--repeats", type=int, default=3, help="--openmp-wait, --eval-beside-sft: runs of each way")
     parser.add_argument("--max-tokens", type=int, default=256, help="--publish: orchestrator.max_tokens")
     parser.add_argument("--window-s", type=float, default=5.0, help="--publish: the throughput windows' length")
     args = parser.parse_args()
@@ -163,6 +174,9 @@ def main() -> None:
         return
     if args.openmp_wait:
         sleeping_against_spinning(args)
+        return
+    if args.eval_beside_sft:
+        eval_beside_sft(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         results = {k: run(k, args, Path(tmp)) for k in (0, 1)}
@@ -238,6 +252,57 @@ def sleeping_against_spinning(args) -> None:
                   f"(range {spread['spinning']}), {args.repeats} runs each")
         print(f"{label}, sleeping / spinning: {means['sleeping'] / means['spinning']:.2f} ({detail})")
         record(f"{label}, OpenMP threads sleeping / spinning", means["sleeping"] / means["spinning"], detail)
+
+
+def example_commands(root: Path) -> dict[str, list[str]]:
+    """docs/examples.md's base evaluation and warm start (1 step), writing under `root`."""
+    fleetrl = [sys.executable, "-m", "fleetrl"]
+    return {"eval": [*fleetrl, "eval", "@", "examples/math/rl.toml", "--out", str(root / "eval")],
+            "sft": [*fleetrl, "sft", "@", "examples/math/sft.toml", "--run.dir", str(root / "sft"),
+                    "--run.max_steps", "1"]}
+
+
+def timed(commands: dict[str, list[str]], env: dict[str, str], together: bool) -> dict[str, float]:
+    """Each command's wall time, run side by side (`together`) or one after the other, with the
+    evaluation's own time ("evaluated v0 in S s") and the training step's ("train S s")."""
+    started, procs, times, out = time.time(), {}, {}, {}
+    for name, cmd in commands.items():
+        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       env={**os.environ, **env})
+        if not together:
+            out[name] = procs[name].communicate()[0]
+            times[name] = time.time() - started
+    for name, proc in procs.items():
+        if name not in out:
+            out[name] = proc.communicate()[0]
+            times[name] = time.time() - started
+        if proc.returncode != 0:
+            raise SystemExit(f"bench_rl: {' '.join(commands[name])} failed ({proc.returncode}):\n{out[name][-2000:]}")
+    times["evaluation"] = float(re.search(r"evaluated v0 in ([\d.]+) s", out["eval"])[1])
+    times["training step"] = float(re.search(r"train ([\d.]+)s", out["sft"])[1])
+    return times
+
+
+def eval_beside_sft(args) -> None:
+    """The worked example's base evaluation beside its warm start, OpenMP threads sleeping and
+    spinning, alternating; then the two one after the other."""
+    ways = {"sleeping": {}, "spinning": SPINNING}
+    results: dict[str, list[dict]] = {way: [] for way in ways}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            for way, env in ways.items():
+                results[way].append(timed(example_commands(Path(tmp) / f"{way}-{i}"), env, together=True))
+                print(f"{way} #{i + 1}: " + ", ".join(f"{k} {v:.1f} s" for k, v in results[way][-1].items()), flush=True)
+        alone = timed(example_commands(Path(tmp) / "one-after-the-other"), {}, together=False)
+    print("one after the other (sleeping): " + ", ".join(f"{k} {v:.1f} s" for k, v in alone.items()))
+    for key in ("eval", "sft", "evaluation", "training step"):
+        means = {way: statistics.mean(r[key] for r in rs) for way, rs in results.items()}
+        detail = (f"mean {means['sleeping']:.1f} s vs {means['spinning']:.1f} s side by side, {args.repeats} runs "
+                  f"each; {alone[key]:.1f} s " + ("as the pair's end one after the other" if key == "sft" else
+                                                 "alone"))
+        print(f"{key} beside the other, sleeping / spinning: {means['sleeping'] / means['spinning']:.2f} ({detail})")
+        record(f"{key} of the worked example beside the other, OpenMP threads sleeping / spinning",
+               means["sleeping"] / means["spinning"], detail)
 
 
 def fenced_against_rolling(args) -> None:

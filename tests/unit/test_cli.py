@@ -320,25 +320,23 @@ def test_the_command_line_and_the_config_import_no_torch():
     assert probe.stdout.strip() == "False", probe.stdout + probe.stderr
 
 
+@pytest.mark.parametrize("command", ["rl", "sft", "export"])
 @pytest.mark.parametrize("user_setting, seen", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_fleetrl_rl_makes_openmp_threads_wait_passively_unless_told(user_setting, seen, monkeypatch):
-    """`fleetrl rl` sets OMP_WAIT_POLICY before torch loads (the command line loads none, above),
-    for its trainer and the workers it starts; a user's own setting stands."""
-    import fleetrl.app.rl
+def test_fleetrl_commands_make_openmp_threads_wait_passively_unless_told(command, user_setting, seen, monkeypatch):
+    """Every command sets OMP_WAIT_POLICY before torch loads (the command line loads none, above),
+    for its own process and those it starts (an evaluation beside a warm start took twice as long
+    with spinning threads); a user's own setting stands."""
+    import fleetrl.app.commands
 
     monkeypatch.setenv("OMP_WAIT_POLICY", user_setting or "")
     if user_setting is None:
         monkeypatch.delenv("OMP_WAIT_POLICY")  # set, then removed: restored either way
     policy = {}
 
-    class Run:
-        def __init__(self, config):
-            policy["trainer"] = os.environ.get("OMP_WAIT_POLICY")
+    def dispatch(args, config):
+        policy[args.command] = os.environ.get("OMP_WAIT_POLICY")
+        return 0
 
-        def run(self):
-            return 0
-
-    monkeypatch.setattr(fleetrl.app.rl, "RLRun", Run)
-    monkeypatch.setattr("fleetrl.torchrun.launched_rank", lambda: None)
-    assert main(["rl", "--run.max_steps", "1"]) == 0
-    assert policy == {"trainer": seen}
+    monkeypatch.setattr(fleetrl.app.commands, "_dispatch", dispatch)
+    assert main([command]) == 0
+    assert policy == {command: seen}

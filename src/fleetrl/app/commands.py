@@ -56,6 +56,12 @@ def check_command(args: argparse.Namespace, config: Config) -> None:
 
 def run_command(args: argparse.Namespace, config: Config) -> int:
     """Runs `args.command`; every process it started is stopped on the way out, however it ends."""
+    # Before torch loads (OpenMP reads it once), for this process and every one it starts (trainer
+    # ranks, engines): an OpenMP thread out of work sleeps rather than spins. fleetrl's processes
+    # share the CPUs with each other and with the user's other commands (an evaluation beside a
+    # warm start), and a spinning thread holds a CPU another one needs (docs/benchmarks.md,
+    # "OpenMP threads that sleep"). A user's own setting stands.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         check_run_dir(args)
         return _dispatch(args, config)
@@ -65,10 +71,6 @@ def run_command(args: argparse.Namespace, config: Config) -> int:
 
 def _dispatch(args: argparse.Namespace, config: Config) -> int:
     if args.command == "rl":
-        # Before torch loads (OpenMP reads it once), for the trainer and the workers it starts: an
-        # OpenMP thread out of work sleeps rather than spins. They share the CPUs, and a spinning
-        # thread holds one that a sampling engine needs (docs/benchmarks.md, "OpenMP threads").
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         with imports_without_gc():
             from fleetrl.app.rl import RLRun, run_peer_rank
         from fleetrl.torchrun import launched_rank
