@@ -114,15 +114,15 @@ async def test_a_killed_runs_claim_lapses_after_its_lease(monkeypatch):
     clock, app = Clock(), AdminTokenMiddleware(versioned("v3@runA"))
     app.claim = WorkerClaim(clock)
     with serving(app) as worker:
-        a, b = admin_of(worker, "runA", lease_s=0.3), admin_of(worker, "runB")
+        a, b = admin_of(worker, "runA"), admin_of(worker, "runB")  # leases of 30 s
         try:
             assert await a.health()  # then run A is killed: it never lets go
             with pytest.raises(WorkerHeldByAnotherRun):
                 await b.health()
-            clock.now += 0.29
+            clock.now += 29.9
             with pytest.raises(WorkerHeldByAnotherRun):
                 await b.health()
-            clock.now += 0.02
+            clock.now += 0.2
             assert await b.health()
         finally:
             await b.close()
