@@ -263,21 +263,29 @@ def example_commands(root: Path) -> dict[str, list[str]]:
 
 
 def timed(commands: dict[str, list[str]], env: dict[str, str], together: bool) -> dict[str, float]:
-    """Each command's wall time, run side by side (`together`) or one after the other, with the
-    evaluation's own time ("evaluated v0 in S s") and the training step's ("train S s")."""
+    """Each command's wall time from the first's launch, run side by side (`together`) or one after
+    the other; the pair's (the later end); the evaluation's own ("evaluated v0 in S s") and the
+    training step's ("train S s"). Output goes to files: a pipe read after the other command's
+    end could fill and stall its writer."""
     started, procs, times, out = time.time(), {}, {}, {}
     for name, cmd in commands.items():
-        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       env={**os.environ, **env})
+        log = tempfile.TemporaryFile("w+")
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}), log)
         if not together:
-            out[name] = procs[name].communicate()[0]
+            procs[name][0].wait()
             times[name] = time.time() - started
-    for name, proc in procs.items():
-        if name not in out:
-            out[name] = proc.communicate()[0]
-            times[name] = time.time() - started
+    while len(times) < len(procs):  # each command's end as it comes, whichever comes first
+        for name, (proc, _) in procs.items():
+            if name not in times and proc.poll() is not None:
+                times[name] = time.time() - started
+        time.sleep(0.1)
+    for name, (proc, log) in procs.items():
+        log.seek(0)
+        out[name] = log.read()
+        log.close()
         if proc.returncode != 0:
             raise SystemExit(f"bench_rl: {' '.join(commands[name])} failed ({proc.returncode}):\n{out[name][-2000:]}")
+    times["the pair"] = max(times["eval"], times["sft"])
     times["evaluation"] = float(re.search(r"evaluated v0 in ([\d.]+) s", out["eval"])[1])
     times["training step"] = float(re.search(r"train ([\d.]+)s", out["sft"])[1])
     return times
@@ -295,13 +303,12 @@ def eval_beside_sft(args) -> None:
                 print(f"{way} #{i + 1}: " + ", ".join(f"{k} {v:.1f} s" for k, v in results[way][-1].items()), flush=True)
         alone = timed(example_commands(Path(tmp) / "one-after-the-other"), {}, together=False)
     print("one after the other (sleeping): " + ", ".join(f"{k} {v:.1f} s" for k, v in alone.items()))
-    for key in ("eval", "sft", "evaluation", "training step"):
+    for key in ("the pair", "eval", "sft", "evaluation", "training step"):
         means = {way: statistics.mean(r[key] for r in rs) for way, rs in results.items()}
         detail = (f"mean {means['sleeping']:.1f} s vs {means['spinning']:.1f} s side by side, {args.repeats} runs "
-                  f"each; {alone[key]:.1f} s " + ("as the pair's end one after the other" if key == "sft" else
-                                                 "alone"))
-        print(f"{key} beside the other, sleeping / spinning: {means['sleeping'] / means['spinning']:.2f} ({detail})")
-        record(f"{key} of the worked example beside the other, OpenMP threads sleeping / spinning",
+                  f"each; {alone[key]:.1f} s one after the other")
+        print(f"{key}, sleeping / spinning: {means['sleeping'] / means['spinning']:.2f} ({detail})")
+        record(f"the worked example's eval beside its sft: {key}, OpenMP threads sleeping / spinning",
                means["sleeping"] / means["spinning"], detail)
 
 
