@@ -369,14 +369,27 @@ def _watch_for_stop_signals(wakeups: socket.socket, wakeup_fd: socket.socket) ->
     _stopping.set()
     stop_all()
     time.sleep(max(0.0, seen_at + WATCHDOG_EXIT_S - time.monotonic()))
+    exit_now(128 + signum, f"fleetrl: not ended {WATCHDOG_EXIT_S:.0f} s after {signal.Signals(signum).name}: its "
+                           f"processes are stopped; exiting. Its main thread is still in {main_thread_at()}: a call "
+                           "no signal interrupts (a collective on a hung rank, say), or a stop that overran its bound")
+
+
+def main_thread_at() -> str:
+    """Where the main thread is (file, line, function), for a line that says why it did not end."""
+    main = sys._current_frames().get(threading.main_thread().ident)
+    return f"{main.f_code.co_filename}:{main.f_lineno} ({main.f_code.co_name})" if main else "no Python code"
+
+
+def exit_now(status: int, line: str) -> None:
+    """End fleetrl from a thread other than the main one, which waits in a call that nothing
+    interrupts: every child stopped, the `at_forced_exit` cleanups run, `line` on stderr, and the
+    exit with `status`, at once."""
+    _stopping.set()
+    stop_all()
     for cleanup in list(_forced_exit_cleanups):
         try:
             cleanup()
         except Exception as e:  # the others still run, and the exit still comes
             os.write(2, f"fleetrl: a cleanup before exiting failed: {type(e).__name__}: {e}\n".encode())
-    main = sys._current_frames().get(threading.main_thread().ident)
-    where = f"{main.f_code.co_filename}:{main.f_lineno} ({main.f_code.co_name})" if main else "no Python code"
-    os.write(2, f"fleetrl: not ended {WATCHDOG_EXIT_S:.0f} s after {signal.Signals(signum).name}: its processes are "
-                f"stopped; exiting. Its main thread is still in {where}: a call no signal interrupts (a collective "
-                f"on a hung rank, say), or a stop that overran its bound\n".encode())
-    os._exit(128 + signum)
+    os.write(2, f"{line}\n".encode())
+    os._exit(status)

@@ -1,10 +1,12 @@
 """Child processes: finding the one behind a hung server (a real process, stopped); a stop
 that ends them and fleetrl while its main thread is stuck in C, within the bound a graceful
-stop keeps to; a forked child's SIGTERM, which is not fleetrl's."""
+stop keeps to; a forked child's SIGTERM, which is not fleetrl's; a dead trainer rank the main
+thread waits on in a collective that missed its death."""
 
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -284,3 +286,57 @@ def test_a_collective_failed_by_fleetrls_own_stop_ends_the_run_as_the_signal_doe
             run.train()
     finally:
         run.control.stop()
+
+
+# A fleetrl whose trainer rank 1 prints a line and then ends by `how` (sys.argv[2]: SIGKILL, or
+# an exit status), while its main thread waits (sys.argv[3] "hung": in a call that never returns,
+# as in a gloo collective that missed the rank's death) or goes on ("stops": its own stop begins
+# once it sees the death; "trains": it sees none) for three times the watch's grace, then exits 0.
+RANK_ENDS = """
+import sys, threading, time
+from pathlib import Path
+from fleetrl.app.rl import watch_ranks
+from fleetrl.processes import at_forced_exit, start_process
+how, main = sys.argv[2], sys.argv[3]
+end = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)" if how == "SIGKILL" else f"raise SystemExit({how})"
+rank = start_process("trainer-rank-1", [sys.executable, "-c", "print('rank 1 up', flush=True); " + end],
+                     Path(sys.argv[1]))
+stopped = threading.Event()
+watch_ranks([rank], stopped, grace_s=1.0)
+at_forced_exit(lambda: print("cleaned up", flush=True))
+rank.popen.wait()
+if main == "hung":
+    threading.Event().wait()
+if main == "stops":
+    stopped.set()
+time.sleep(3)
+"""
+
+
+def rank_ends(tmp_path, how: str, main: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", RANK_ENDS, str(tmp_path / "rank-1.log"), how, main],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_dead_rank_the_main_thread_waits_on_ends_fleetrl_with_its_line(tmp_path):
+    """gloo can miss a peer's death and wait out the collective's timeout (up to an hour), in a
+    call nothing interrupts: a kill-point run hung 15 minutes so. The ranks' watch ends fleetrl
+    after its grace with the line the main thread would have printed, last, its processes
+    stopped and the forced exit's cleanups run."""
+    fleetrl = rank_ends(tmp_path, "SIGKILL", "hung")
+    assert fleetrl.returncode == 1, fleetrl.stderr
+    assert fleetrl.stdout == "cleaned up\n"
+    *why, error = fleetrl.stderr.strip().splitlines()
+    assert error == f"fleetrl: error: trainer-rank-1 died (exit code -9); last lines of {tmp_path / 'rank-1.log'}: " \
+                    "rank 1 up", fleetrl.stderr
+    (line,) = why
+    assert re.fullmatch(r"fleetrl: 1 s after trainer-rank-1 died, the main thread still waits in .*threading\.py:\d+ "
+                        r"\(wait\) \(a collective that missed the death\): its processes are stopped", line), why
+
+
+@pytest.mark.parametrize(("how", "main"), [("3", "stops"), ("0", "trains")])
+def test_a_rank_the_main_thread_stops_for_or_that_finished_is_left_to_it(tmp_path, how, main):
+    """A death the main thread stops for itself within the grace (its stop sets the watch's
+    event), and a rank that exits 0 (its training done), are not the watch's to end."""
+    fleetrl = rank_ends(tmp_path, how, main)
+    assert fleetrl.returncode == 0 and fleetrl.stdout == "" and fleetrl.stderr == "", fleetrl.stderr

@@ -52,8 +52,8 @@ from fleetrl.orchestrator.chat import render_prompt
 from fleetrl.orchestrator.evaluation import Evaluator
 from fleetrl.orchestrator.rollouts import Orchestrator
 from fleetrl.processes import (KILL_WAIT_S, STOP_BOUND_S, STOP_GRACE_S, STOP_WAITS_S, ManagedProcess, at_forced_exit,
-                                cancel_at_forced_exit, free_port, install_signal_handlers, start_process, stop_all,
-                                stop_groups, stop_signal, stop_time_left)
+                                cancel_at_forced_exit, exit_now, free_port, install_signal_handlers, main_thread_at,
+                                start_process, stop_all, stop_groups, stop_signal, stopping, stop_time_left)
 from fleetrl.records import (EvalFigures, FinalProbe, FinalRecord, FinalWorker, PublishReport, StepLine, StepMetrics,
                              TrainEvent)
 from fleetrl.rundir import RunDir
@@ -67,6 +67,9 @@ from fleetrl.trainer.lora import adapter_config
 
 # A stop slower than SLOW_STOP_S says how long it took (its waits are bounded: `RLRun.stop`).
 SLOW_STOP_S = 3.0
+# How long the main thread has to stop for a trainer rank's death itself (`watch_ranks`): a
+# collective with a dead peer fails at once, as a rule, and the waits between collectives check.
+DEAD_RANK_GRACE_S = 10.0
 
 
 class ControlLoop:
@@ -140,6 +143,7 @@ class RLRun:
         self.fleet: Fleet | None = None  # once set, stop() closes it and the transport
         self.fleet_started: Future | None = None  # the fleet's start, on the control loop
         self.ranks: list[ManagedProcess] = []  # trainer ranks 1..N-1, as children
+        self.ranks_stopped = threading.Event()  # set as the stop begins: the ranks' watch ends (`watch_ranks`)
         self.world = None  # this process's place in the trainer group (trainer/distributed.py)
         self.rollouts: list[Future] = []  # the orchestrator's run, on the control loop
         self.watching: Future | None = None  # the view's copy of the fleet's state, on the control loop
@@ -212,7 +216,8 @@ class RLRun:
             self.watching = self.control.submit(self.view.watch(fleet, self.orchestrator))
 
     def start_ranks(self) -> None:
-        self.world = start_trainer_ranks(self.config, self.run_dir, self.model_dir, "rl", self.ranks)
+        self.world = start_trainer_ranks(self.config, self.run_dir, self.model_dir, "rl", self.ranks,
+                                         self.ranks_stopped)
 
     def train(self) -> None:
         hooks = Hooks(wait_batch=self.wait_batch, start_rollouts=self.start_rollouts, publish=self.publish,
@@ -249,6 +254,7 @@ class RLRun:
         before the watchdog's exit would cut the stop short of its last steps (the fleet's
         record and tokens removed, the metrics written, the directory let go)."""
         began = time.monotonic()
+        self.ranks_stopped.set()
         try:
             self.start_weights.put_nowait(None)  # a fleet start still waiting for its weights gives up
         except queue.Full:
@@ -380,18 +386,44 @@ def check_ranks(ranks: list[ManagedProcess]) -> None:
     """Raise the death of the first trainer rank (of `fleetrl rl`'s or `fleetrl sft`'s) that died, in one line."""
     for rank in ranks:
         if not rank.alive():
-            raise FleetrlError(f"{rank.name} died (exit code {rank.popen.returncode}); last lines of "
-                               f"{rank.log_path}: {rank.log_tail(3)}")
+            raise FleetrlError(death_of(rank))
 
 
-def start_trainer_ranks(config: Config, run_dir: RunDir, model_dir: Path, mode: str,
-                        ranks: list[ManagedProcess]) -> distributed.World:
+def death_of(rank: ManagedProcess) -> str:
+    return f"{rank.name} died (exit code {rank.popen.returncode}); last lines of {rank.log_path}: {rank.log_tail(3)}"
+
+
+def watch_ranks(ranks: list[ManagedProcess], stopped: threading.Event, grace_s: float = DEAD_RANK_GRACE_S) -> None:
+    """Watch trainer ranks 1..N-1 from a thread of their own until `stopped` is set (the
+    command's stop has begun). A collective fails when a peer rank dies, and the main thread then
+    names the rank (`check_ranks`); but gloo can miss the death of a peer that died between an
+    all-gather's send and its receive, and wait out the collective's timeout (up to an hour:
+    `collective_timeout_s`) in a call that nothing interrupts. A rank that ended with an error
+    and that the main thread has not stopped for within `grace_s` ends fleetrl from here
+    (`exit_now`), with the line the main thread would have printed. A rank that exits 0 has
+    finished its training; one ended by fleetrl's own stop (`stopping`) is no error."""
+    def watch() -> None:
+        while not stopped.wait(0.5) and not stopping():
+            dead = next((r for r in ranks if r.popen.poll() not in (None, 0)), None)
+            if dead is None:
+                continue
+            if stopped.wait(grace_s) or stopping():
+                return
+            exit_now(1, f"fleetrl: {grace_s:.0f} s after {dead.name} died, the main thread still waits in "
+                        f"{main_thread_at()} (a collective that missed the death): its processes are stopped\n"
+                        f"fleetrl: error: {death_of(dead)}")
+
+    threading.Thread(target=watch, name="fleetrl-rank-watch", daemon=True).start()
+
+
+def start_trainer_ranks(config: Config, run_dir: RunDir, model_dir: Path, mode: str, ranks: list[ManagedProcess],
+                        stopped: threading.Event) -> distributed.World:
     """This process's place in the trainer group, once ranks 1..N-1 are started as children
-    (`python -m fleetrl.trainer MODE ...`, added to `ranks`) unless a launcher started them. The
-    rendezvous is handed to each rank, never written into this process's environment:
-    os.environ is process-wide, and the control loop starts workers meanwhile (`start_process`
-    copies it), which must neither see it change under the copy nor inherit a trainer rank's
-    variables."""
+    (`python -m fleetrl.trainer MODE ...`, added to `ranks`, watched until `stopped`:
+    `watch_ranks`) unless a launcher started them. The rendezvous is handed to each rank, never
+    written into this process's environment: os.environ is process-wide, and the control loop
+    starts workers meanwhile (`start_process` copies it), which must neither see it change under
+    the copy nor inherit a trainer rank's variables."""
     world_size = config.trainer.world_size
     launched = launched_rank() is not None
     rendezvous = None
@@ -406,6 +438,7 @@ def start_trainer_ranks(config: Config, run_dir: RunDir, model_dir: Path, mode: 
                           env={**group, "RANK": str(rank), "LOCAL_RANK": str(rank)})
             for rank in range(1, world_size)
         ]
+        watch_ranks(ranks, stopped)  # from here: a rank that dies in the rendezvous too
     world = distributed.init(distributed.collective_timeout_s(config), rendezvous)
     if launched:  # what the peers must see as rank 0 does (check_sees_rank0)
         distributed.broadcast_from_rank0({"config_sha256": sha256_file(run_dir.config_path),

@@ -9,6 +9,7 @@ the training loop on its main thread.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class SftRun:
         self.view: LiveView | None = None
         self.sink: StepSink | None = None
         self.ranks: list[ManagedProcess] = []  # trainer ranks 1..N-1, as children
+        self.ranks_stopped = threading.Event()  # set as the stop begins: the ranks' watch ends (`watch_ranks`)
 
     def run(self) -> int:
         install_signal_handlers()  # a SIGTERM of fleetrl stops the ranks too
@@ -68,7 +70,8 @@ class SftRun:
                 self.view.start()
             self.run_dir.start(self.config, resume, inputs={"model.path": self.model_dir, "sft.path": data.path})
             self.sink = StepSink(self.config, self.run_dir, self.view, log=self.log)
-            world = start_trainer_ranks(self.config, self.run_dir, self.model_dir, "sft", self.ranks)
+            world = start_trainer_ranks(self.config, self.run_dir, self.model_dir, "sft", self.ranks,
+                                        self.ranks_stopped)
             self.log(f"fleetrl: sft run {self.run_dir.root}: {self.config.run.max_steps} steps of "
                      f"{self.config.sft.sequences_per_step} of the {len(data)} rows of {data.path}, "
                      f"{self.config.trainer.world_size} trainer rank(s)"
@@ -105,6 +108,7 @@ class SftRun:
         check_ranks(self.ranks)
 
     def stop(self) -> None:
+        self.ranks_stopped.set()
         if self.sink is not None:
             self.sink.close()
         distributed.destroy()
