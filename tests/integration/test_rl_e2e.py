@@ -1,7 +1,8 @@
 """`fleetrl rl` end to end, as users run it (tests/integration/runs.py lists every run): the
 README's and quickstart's `make run` as written, the quickstart's resume of it, and a cluster as
 this machine can simulate one (a trainer rank on each of two torchrun "nodes", Dynamo with etcd,
-NATS, a prefill and a decode worker). Each run is a module fixture; each check is a small test that
+NATS, a prefill and a decode worker). Each run is a module fixture (the first `make run` and the LoRA
+one side by side); each check is a small test that
 reads it, so one failed check does not hide the others."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,8 +125,20 @@ def make_run(run_dir: Path, command: str, steps: int) -> Finished:
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory) -> Finished:
-    return make_run(tmp_path_factory.mktemp("make-run") / "run", RUNS["make-run"].command, steps=2)
+def first_and_lora(tmp_path_factory) -> tuple[Finished, Finished]:
+    """The first `make run` and the LoRA one, side by side, as two users' runs on one machine:
+    they share nothing (each has its run directory and its launched worker), and either alone
+    leaves a quarter of the machine idle (a worker's start, the waits between rollouts and steps)."""
+    first_dir, lora_dir = tmp_path_factory.mktemp("make-run") / "run", tmp_path_factory.mktemp("lora") / "run"
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(make_run, first_dir, RUNS["make-run"].command, 2)
+        lora = pool.submit(make_run, lora_dir, RUNS["lora"].command, 2)
+        return first.result(), lora.result()
+
+
+@pytest.fixture(scope="module")
+def first_run(first_and_lora) -> Finished:
+    return first_and_lora[0]
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +147,8 @@ def resumed(first_run) -> Finished:
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory) -> Finished:
-    return make_run(tmp_path_factory.mktemp("lora") / "run", RUNS["lora"].command, steps=2)
+def lora(first_and_lora) -> Finished:
+    return first_and_lora[1]
 
 
 @pytest.fixture(scope="module")
