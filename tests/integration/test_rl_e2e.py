@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,8 +142,20 @@ def first_run(first_and_lora) -> Finished:
 
 
 @pytest.fixture(scope="module")
-def resumed(first_run) -> Finished:
-    return make_run(first_run.run_dir, RUNS["resume"].command, steps=3)
+def resumed_beside_the_adapter_export(first_run, lora, tmp_path_factory) -> tuple[Finished, Future]:
+    """The quickstart's resume of the first run and, beside it, the LoRA run's adapter exported
+    and served by a plain vLLM server (`serve_the_adapter_export`, whose Future its test reads:
+    what it raised fails that test alone). They share nothing, and a server's start leaves a
+    core idle."""
+    log_path = tmp_path_factory.mktemp("lora-export") / "plain-vllm.log"
+    with ThreadPoolExecutor(1) as pool:
+        served = pool.submit(serve_the_adapter_export, lora, log_path)
+        return make_run(first_run.run_dir, RUNS["resume"].command, steps=3), served
+
+
+@pytest.fixture(scope="module")
+def resumed(resumed_beside_the_adapter_export) -> Finished:
+    return resumed_beside_the_adapter_export[0]
 
 
 @pytest.fixture(scope="module")
@@ -399,30 +411,38 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_alone(lora):
     assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights if "weight" in k), weights[:5]
 
 
-def test_the_lora_adapter_export_serves_on_plain_vllm_as_the_workers_did(lora, tmp_path):
+def serve_the_adapter_export(lora: Finished, log_path: Path) -> tuple[dict[str, list[float]], list[list[float]]]:
+    """The quickstart's `fleetrl export --adapter` of the LoRA run, served by its plain vLLM
+    command: the agreement probe's logprobs through the adapter ("lora") and through the base
+    model ("base": by the name the server gives it), and through the adapter three times among
+    sampled requests."""
+    export = run_documented(EXPORT_ADAPTER, replace={"runs/lora": str(lora.run_dir)})  # into RUN_DIR-adapter
+    assert export.returncode == 0, export.stderr
+    adapter = Path(f"{lora.run_dir}-adapter")
+    assert {p.name for p in adapter.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    probe = lora.final["probe"]["token_ids"]
+    port = str(free_port("127.0.0.1"))
+    url = f"http://127.0.0.1:{port}"
+    command = documented(SERVE_ADAPTER, replace={"runs/lora-adapter": str(adapter), "8000": port})
+    with serving(command, url, log_path):
+        base_name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        scored = {key: prompt_logprobs_of(probe, httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": name, "prompt": probe, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+        }).json()["choices"][0]["prompt_logprobs"]) for key, name in (("lora", "lora"), ("base", base_name))}
+        return scored, asyncio.run(probe_among_sampled_requests(url, probe))
+
+
+def test_the_lora_adapter_export_serves_on_plain_vllm_as_the_workers_did(lora, resumed_beside_the_adapter_export):
     """The quickstart's `fleetrl export --adapter`, served by a plain vLLM server on the base model
     (vLLM's own LoRA, no fleetrl code): through the adapter it scores the agreement probe as the
     trainer did at the final version, also in a batch with sampled requests (which failed on a
     CPU until the adapter's layers were named: fleetrl's workers score the probe while kept
     requests go on); without it, as the base model does, which is another score (the probe
     through the adapter measured something)."""
-    export = run_documented(EXPORT_ADAPTER, replace={"runs/lora": str(lora.run_dir)})  # into RUN_DIR-adapter
-    assert export.returncode == 0, export.stderr
-    adapter = Path(f"{lora.run_dir}-adapter")
-    assert {p.name for p in adapter.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
-    probe = lora.final["probe"]
-    port = str(free_port("127.0.0.1"))
-    url = f"http://127.0.0.1:{port}"
-    command = documented(SERVE_ADAPTER, replace={"runs/lora-adapter": str(adapter), "8000": port})
-    with serving(command, url, tmp_path / "plain-vllm.log"):
-        base_name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        scored = {name: prompt_logprobs_of(probe["token_ids"], httpx.post(f"{url}/v1/completions", timeout=120, json={
-            "model": name, "prompt": probe["token_ids"], "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
-        }).json()["choices"][0]["prompt_logprobs"]) for name in ("lora", base_name)}
-        mixed = asyncio.run(probe_among_sampled_requests(url, probe["token_ids"]))
-    trainer = probe["trainer_logprobs"]
+    scored, mixed = resumed_beside_the_adapter_export[1].result()
+    trainer = lora.final["probe"]["trainer_logprobs"]
     assert max(abs(a - b) for a, b in zip(scored["lora"], trainer, strict=True)) < 2e-3
-    assert max(abs(a - b) for a, b in zip(scored[base_name], trainer, strict=True)) > 2e-3
+    assert max(abs(a - b) for a, b in zip(scored["base"], trainer, strict=True)) > 2e-3
     for among_others in mixed:
         assert max(abs(a - b) for a, b in zip(among_others, trainer, strict=True)) < 2e-3
 
