@@ -1,9 +1,9 @@
 """`fleetrl rl` end to end, as users run it (tests/integration/runs.py lists every run): the
 README's and quickstart's `make run` as written, the quickstart's resume of it, and a cluster as
 this machine can simulate one (a trainer rank on each of two torchrun "nodes", Dynamo with etcd,
-NATS, a prefill and a decode worker). Each run is a module fixture (the first `make run` and the
-LoRA run side by side); each check is a small test that reads it, so one failed check does not
-hide the others."""
+NATS, a prefill and a decode worker). Each run is a module fixture (the first `make run` beside
+the LoRA run, the resume beside the LoRA adapter's export served by plain vLLM); each check is a
+small test that reads it, so one failed check does not hide the others."""
 
 from __future__ import annotations
 
